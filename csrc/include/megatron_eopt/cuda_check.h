@@ -1,0 +1,24 @@
+// Error checks for torch-free CUDA code. They throw std::runtime_error, which the torch
+// dispatcher turns into a Python RuntimeError carrying the message.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+namespace megatron_eopt {
+
+inline void check_cuda(cudaError_t status, const char* what, const char* file, int line) {
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("megatron_eopt: ") + what + " failed at " + file + ":" +
+                             std::to_string(line) + ": " + cudaGetErrorString(status));
+  }
+}
+
+}  // namespace megatron_eopt
+
+#define MEGATRON_EOPT_CUDA_CHECK(expr) ::megatron_eopt::check_cuda((expr), #expr, __FILE__, __LINE__)
+// After every kernel launch: reports bad launch configurations at the launch site.
+#define MEGATRON_EOPT_KERNEL_LAUNCH_CHECK() \
+  ::megatron_eopt::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)

@@ -1,0 +1,50 @@
+// Host launcher of the batched Newton–Schulz iteration on CUDA. Raw pointers and a stream only:
+// the torch glue owns allocation, checks and device selection.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "megatron_eopt/ns_precision.h"
+#include "megatron_eopt/ns_schedule.h"
+
+namespace megatron_eopt {
+
+// Scratch of one call. The iterate ping-pongs between `iterate[0]` and `iterate[1]` (batch*m*n
+// elements of the compute type each); the launcher arranges the steps so the last one writes
+// `iterate[0]`, so with fp32 compute the caller passes `out` there and saves a copy.
+struct NsScratch {
+  void* iterate[2];
+  void* gram;          // batch * g * g elements of the compute type, g = Gram side
+  void* poly;          // same size as gram
+  float* sum_squares;  // batch floats
+  void* blas_workspace;
+  std::size_t blas_workspace_bytes;
+};
+
+// Byte offsets, 256-byte aligned, of the scratch buffers inside one allocation.
+struct NsScratchLayout {
+  std::size_t iterate0;  // SIZE_MAX when `out` serves as iterate[0] (fp32 compute)
+  std::size_t iterate1;
+  std::size_t gram;
+  std::size_t poly;
+  std::size_t sum_squares;
+  std::size_t blas_workspace;
+  std::size_t total;
+};
+
+NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose,
+                                  NsPrecision precision, std::size_t blas_workspace_bytes);
+
+// out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each.
+// No host synchronisation; everything is enqueued on `stream`.
+void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
+                        bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
+                        NsPrecision precision, const NsScratch& scratch, cublasLtHandle_t handle,
+                        cudaStream_t stream);
+
+}  // namespace megatron_eopt

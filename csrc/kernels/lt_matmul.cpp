@@ -1,0 +1,121 @@
+#include "lt_matmul.h"
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "megatron_eopt/cuda_check.h"
+
+namespace megatron_eopt {
+namespace {
+
+void check_lt(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    throw std::runtime_error(std::string("megatron_eopt: cuBLASLt ") + what + " failed with status " +
+                             std::to_string(static_cast<int>(status)));
+  }
+}
+
+// Everything that determines the descriptors and the heuristic's choice.
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t, int, std::size_t>;
+
+// Descriptors and algorithm of one problem, created once and reused by every later call.
+struct LtPlan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  ~LtPlan() {
+    if (a) cublasLtMatrixLayoutDestroy(a);
+    if (b) cublasLtMatrixLayoutDestroy(b);
+    if (c) cublasLtMatrixLayoutDestroy(c);
+    if (desc) cublasLtMatmulDescDestroy(desc);
+  }
+};
+
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
+                                   int64_t batch, int64_t stride) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  check_lt(cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows),
+                                      static_cast<uint64_t>(cols), ld),
+           "MatrixLayoutCreate");
+  const int32_t count = static_cast<int32_t>(batch);
+  check_lt(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
+                                            sizeof(count)),
+           "set batch count");
+  check_lt(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                            &stride, sizeof(stride)),
+           "set batch stride");
+  return layout;
+}
+
+std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handle,
+                                  std::size_t workspace_bytes) {
+  const GemmShape& s = *args.shape;
+  const cudaDataType_t type = args.precision == NsPrecision::kMedium ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasComputeType_t compute = args.precision == NsPrecision::kHigh
+                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                          : CUBLAS_COMPUTE_32F;
+  auto plan = std::make_unique<LtPlan>();
+  check_lt(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F), "MatmulDescCreate");
+  const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
+           "set transa");
+  check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
+           "set transb");
+  // Stored shapes: A is (rows x depth) or, transposed, (depth x rows); likewise B.
+  plan->a = s.trans_a ? make_layout(type, s.depth, s.rows, s.lda, args.batch, s.stride_a)
+                      : make_layout(type, s.rows, s.depth, s.lda, args.batch, s.stride_a);
+  plan->b = s.trans_b ? make_layout(type, s.cols, s.depth, s.ldb, args.batch, s.stride_b)
+                      : make_layout(type, s.depth, s.cols, s.ldb, args.batch, s.stride_b);
+  plan->c = make_layout(type, s.rows, s.cols, s.ldc, args.batch, s.stride_c);
+
+  cublasLtMatmulPreference_t pref = nullptr;
+  check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
+  const uint64_t ws = workspace_bytes;
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
+    throw std::runtime_error("megatron_eopt: cuBLASLt has no algorithm for a " + std::to_string(s.rows) +
+                             "x" + std::to_string(s.cols) + "x" + std::to_string(s.depth) +
+                             " batched GEMM (status " + std::to_string(static_cast<int>(status)) + ")");
+  }
+  plan->algo = result.algo;
+  return plan;
+}
+
+}  // namespace
+
+void lt_strided_batched_gemm(const LtGemmArgs& args, cublasLtHandle_t handle, void* workspace,
+                             std::size_t workspace_bytes, cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::map<PlanKey, std::unique_ptr<LtPlan>> cache;
+  const GemmShape& s = *args.shape;
+  int device = 0;
+  MEGATRON_EOPT_CUDA_CHECK(cudaGetDevice(&device));
+  const PlanKey key{device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
+                    s.stride_a, s.stride_b, s.stride_c, args.batch,
+                    static_cast<int>(args.precision), workspace_bytes};
+  LtPlan* plan = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(key);
+    if (it == cache.end()) it = cache.emplace(key, make_plan(args, handle, workspace_bytes)).first;
+    plan = it->second.get();
+  }
+  check_lt(cublasLtMatmul(handle, plan->desc, &args.alpha, args.a, plan->a, args.b, plan->b, &args.beta,
+                          args.c, plan->c, args.d, plan->c, &plan->algo, workspace, workspace_bytes,
+                          stream),
+           "Matmul");
+}
+
+}  // namespace megatron_eopt

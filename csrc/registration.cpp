@@ -1,0 +1,26 @@
+// The one schema block of the megatron_eopt operator library. Implementations register per
+// backend (CPU in csrc/cpu, CUDA in csrc/torch/cuda); fake kernels live in megatron_eopt/ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(megatron_eopt, m) {
+  // ---- Newton–Schulz orthogonalization (DESIGN §4.1) ----
+  // x: fp32 (m, n) or (batch, m, n). coefficients: the (a, b, c) table flattened row by row;
+  // `steps` rows are consumed, cycling through the table or, with repeat_last, repeating its last
+  // row. transpose: iterate on x^T (default: when m > n). precision: medium | high | highest.
+  m.def(
+      "newton_schulz(Tensor x, float[] coefficients, int steps, bool repeat_last, float eps, "
+      "bool? transpose, str precision) -> Tensor");
+  // Same for a list of 2-D matrices of any shapes: equal shapes run as one batch.
+  m.def(
+      "newton_schulz_list(Tensor[] xs, float[] coefficients, int steps, bool repeat_last, float eps, "
+      "bool? transpose, str precision) -> Tensor[]");
+}
+
+// Build facts for the Python front (read with ctypes, no op needed).
+extern "C" int megatron_eopt_cuda_kernels_built() {
+#ifdef MEGATRON_EOPT_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,37 @@
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "torch/newton_schulz_args.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+namespace megatron_eopt {
+
+NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
+                           bool repeat_last, double eps, std::optional<bool> transpose,
+                           c10::string_view precision) {
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat,
+                   "newton_schulz: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
+                    "newton_schulz: x must be 2-D (m, n) or 3-D (batch, m, n), got ", x.dim(), "-D");
+  TORCH_CHECK_VALUE(steps >= 1, "newton_schulz: steps must be at least 1, got ", steps);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, "newton_schulz: eps must be finite and positive, got ", eps);
+  NsOptions opts{};
+  try {
+    opts.schedule = expand_schedule(std::vector<double>(coefficients.begin(), coefficients.end()), steps,
+                                    repeat_last ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
+    opts.precision = parse_ns_precision(std::string(precision.data(), precision.size()));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, "newton_schulz: ", e.what());
+  }
+  opts.eps = static_cast<float>(eps);
+  opts.batch = x.dim() == 3 ? x.size(0) : 1;
+  opts.rows = x.size(-2);
+  opts.cols = x.size(-1);
+  opts.transpose = transpose.value_or(opts.rows > opts.cols);
+  return opts;
+}
+
+}  // namespace megatron_eopt

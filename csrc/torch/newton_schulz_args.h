@@ -1,0 +1,29 @@
+// Argument checks shared by the CPU and CUDA Newton–Schulz implementations.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/string_view.h>
+
+#include "megatron_eopt/ns_precision.h"
+#include "megatron_eopt/ns_schedule.h"
+
+namespace megatron_eopt {
+
+struct NsOptions {
+  std::vector<NsCoefficients> schedule;
+  float eps;
+  bool transpose;  // iterate on X^T
+  NsPrecision precision;
+  int64_t batch, rows, cols;  // of the input, 2-D inputs having batch 1
+};
+
+// Validates x (fp32, 2-D or 3-D) and the hyper-parameters; every failure names its argument.
+NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
+                           bool repeat_last, double eps, std::optional<bool> transpose,
+                           c10::string_view precision);
+
+}  // namespace megatron_eopt

@@ -1,0 +1,49 @@
+// List form of Newton–Schulz: matrices of equal shape are stacked and orthogonalized as one batch
+// through the single-tensor op, outputs come back in input order. Same code for every backend.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/stack.h>
+#include <torch/library.h>
+
+#include "megatron_eopt/shape_groups.h"
+
+namespace megatron_eopt {
+namespace {
+
+using NsFn = at::Tensor(const at::Tensor&, c10::ArrayRef<double>, int64_t, bool, double, std::optional<bool>,
+                        c10::string_view);
+
+std::vector<at::Tensor> newton_schulz_list(at::TensorList xs, c10::ArrayRef<double> coefficients, int64_t steps,
+                                           bool repeat_last, double eps, std::optional<bool> transpose,
+                                           c10::string_view precision) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("megatron_eopt::newton_schulz", "").typed<NsFn>();
+  std::vector<std::vector<int64_t>> shapes;
+  shapes.reserve(xs.size());
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK_VALUE(xs[i].dim() == 2, "newton_schulz_list: xs[", i, "] must be 2-D, got ", xs[i].dim(), "-D");
+    TORCH_CHECK_VALUE(xs[i].device() == xs[0].device(), "newton_schulz_list: xs[", i, "] is on ",
+                      xs[i].device(), " but xs[0] is on ", xs[0].device());
+    shapes.emplace_back(xs[i].sizes().begin(), xs[i].sizes().end());
+  }
+  std::vector<at::Tensor> out(xs.size());
+  for (const auto& group : group_by_shape(shapes)) {
+    std::vector<at::Tensor> members;
+    members.reserve(group.size());
+    for (std::size_t i : group) members.push_back(xs[i]);
+    const at::Tensor result =
+        op.call(at::stack(members), coefficients, steps, repeat_last, eps, transpose, precision);
+    for (std::size_t j = 0; j < group.size(); ++j) out[group[j]] = result.select(0, static_cast<int64_t>(j));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("newton_schulz_list", &newton_schulz_list); }
+#ifdef MEGATRON_EOPT_WITH_CUDA
+TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) { m.impl("newton_schulz_list", &newton_schulz_list); }
+#endif
+
+}  // namespace megatron_eopt

@@ -1,0 +1,122 @@
+"""Newton–Schulz coefficient sets, schedules and Muon scale factors.
+
+Pure Python (no compiled code needed): the tables and rules here are what the op consumes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Sequence
+
+CoefficientRow = tuple[float, float, float]
+NSCoeffT = Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "custom"]
+MuonScaleT = Literal["spectral", "shape_scaling", "unit_rms_norm"]
+PrecisionT = Literal["medium", "high", "highest"]
+
+# Each row (a, b, c) maps a singular value s to a*s + b*s^3 + c*s^5.
+COEFFICIENT_SETS: dict[str, tuple[CoefficientRow, ...]] = {
+    # Keller Jordan's original quintic.
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    # Per-step tuned quintic (modded-nanogpt).
+    "quintic": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+    # Polar Express (arXiv:2505.16932), including its 1.01^degree safety division.
+    "polar_express": (
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ),
+    # CANS (arXiv:2506.10935): Remez polynomials on an adaptive interval.
+    "cans": (
+        (8.4703, -25.1081, 18.6293),
+        (4.1828, -3.1087, 0.5806),
+        (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074),
+        (2.2737, -1.6447, 0.4162),
+    ),
+    # AOL rows, used without the paper's row rescaling: with Frobenius normalization that
+    # rescaling flips the sign of a near-rank-1 input.
+    "aol": (
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ),
+    # DeepSeek-V4: eight simple steps, then two steps converging to 1.
+    "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+}
+
+# Schedules tuned to finish near 1 keep their last row when run longer; the others cycle.
+REPEAT_LAST_TYPES = frozenset({"polar_express", "cans", "deepseekv4"})
+
+
+def get_supported_coefficient_types() -> list[str]:
+    """Names accepted as ``coefficient_type`` (``custom`` needs ``custom_coefficient_sets``)."""
+    return [*COEFFICIENT_SETS, "custom"]
+
+
+def validate_coefficient_type(coefficient_type: str) -> None:
+    """Raises ValueError naming the supported types when ``coefficient_type`` is unknown."""
+    if coefficient_type not in COEFFICIENT_SETS and coefficient_type != "custom":
+        raise ValueError(
+            f"coefficient_type must be one of {get_supported_coefficient_types()}, got {coefficient_type!r}"
+        )
+
+
+def coefficient_table(
+    coefficient_type: str, custom_coefficient_sets: Sequence[Sequence[float]] | None = None
+) -> tuple[tuple[CoefficientRow, ...], bool]:
+    """The (a, b, c) table of a coefficient type and whether it repeats its last row."""
+    validate_coefficient_type(coefficient_type)
+    if coefficient_type != "custom":
+        return COEFFICIENT_SETS[coefficient_type], coefficient_type in REPEAT_LAST_TYPES
+    if not custom_coefficient_sets:
+        raise ValueError("custom_coefficient_sets must be given (a non-empty list of (a, b, c)) for 'custom'")
+    rows = []
+    for i, row in enumerate(custom_coefficient_sets):
+        if len(row) != 3:
+            raise ValueError(f"custom_coefficient_sets[{i}] must be an (a, b, c) triple, got {row!r}")
+        rows.append((float(row[0]), float(row[1]), float(row[2])))
+    return tuple(rows), False
+
+
+def get_coefficients(
+    coefficient_type: str = "quintic",
+    steps: int = 5,
+    custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+) -> list[CoefficientRow]:
+    """The ``steps`` rows a schedule runs, after cycling or repeating its last row."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}")
+    table, repeat_last = coefficient_table(coefficient_type, custom_coefficient_sets)
+    n = len(table)
+    return [table[min(i, n - 1)] if repeat_last else table[i % n] for i in range(steps)]
+
+
+def get_muon_scale_factor(size_out: int, size_in: int, mode: MuonScaleT = "spectral") -> float:
+    """Scale of the orthogonalized update of a (size_out, size_in) matrix.
+
+    spectral: sqrt(max(m, n)); shape_scaling: sqrt(max(1, m/n)); unit_rms_norm: sqrt(m/n).
+    """
+    if mode == "spectral":
+        return math.sqrt(max(size_out, size_in))
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, size_out / size_in))
+    if mode == "unit_rms_norm":
+        return math.sqrt(size_out / size_in)
+    raise ValueError(f"scale_mode must be one of spectral, shape_scaling, unit_rms_norm; got {mode!r}")
+
+
+def validate_precision(precision: str) -> None:
+    if precision not in ("medium", "high", "highest"):
+        raise ValueError(f"precision must be one of 'medium', 'high', 'highest', got {precision!r}")

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs everything megatron-eopt needs on a fresh machine and builds the package against the
+# installed torch. torch is pinned to 2.14.1 (a local CUDA 13.0 build on these machines): a
+# looser requirement would make pip download a newer release.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+if ! dpkg -s libgtest-dev >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq libgtest-dev >/dev/null
+fi
+"$PY" -m pip install -q torch==2.14.1
+"$PY" -m pip install -q "scikit-build-core>=0.10" ninja "cmake>=3.26" pytest numpy expecttest matplotlib
+# Reference implementations the parity tests compare against (no torch from their requirements).
+"$PY" -m pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py typing_extensions
+# One CUDA architecture keeps the build short on small machines; override for other GPUs.
+MEGATRON_EOPT_CUDA_ARCHS=${MEGATRON_EOPT_CUDA_ARCHS:-90} "$PY" -m pip install -q --no-build-isolation .

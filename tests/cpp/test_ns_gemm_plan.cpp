@@ -1,0 +1,108 @@
+// Checks the column-major GEMM plan by running it through a naive reference GEMM on small
+// row-major matrices and comparing with a direct row-major evaluation of the NS step.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "megatron_eopt/ns_gemm_plan.h"
+
+using megatron_eopt::GemmShape;
+using megatron_eopt::make_ns_gemm_plan;
+
+namespace {
+
+// Column-major D = alpha op(A) op(B) + beta C over a batch, as a BLAS would compute it.
+void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector<double>& a,
+              const std::vector<double>& b, double beta, const std::vector<double>& c, std::vector<double>& d) {
+  for (int64_t t = 0; t < batch; ++t) {
+    for (int64_t i = 0; i < s.rows; ++i) {
+      for (int64_t j = 0; j < s.cols; ++j) {
+        double acc = 0;
+        for (int64_t k = 0; k < s.depth; ++k) {
+          const double av = s.trans_a ? a[t * s.stride_a + i * s.lda + k] : a[t * s.stride_a + k * s.lda + i];
+          const double bv = s.trans_b ? b[t * s.stride_b + k * s.ldb + j] : b[t * s.stride_b + j * s.ldb + k];
+          acc += av * bv;
+        }
+        const int64_t o = t * s.stride_c + j * s.ldc + i;
+        d[o] = alpha * acc + beta * c[o];
+      }
+    }
+  }
+}
+
+// One NS step directly on row-major X (m x n): W = X or X^T, X' accordingly.
+std::vector<double> direct_step(const std::vector<double>& x, int64_t batch, int64_t m, int64_t n, bool transpose,
+                                double a, double b, double c) {
+  std::vector<double> out(x.size());
+  const int64_t p = transpose ? n : m, q = transpose ? m : n;
+  for (int64_t t = 0; t < batch; ++t) {
+    auto W = [&](int64_t i, int64_t j) {  // W is p x q
+      return transpose ? x[t * m * n + j * n + i] : x[t * m * n + i * n + j];
+    };
+    std::vector<double> G(p * p, 0), B(p * p, 0);
+    for (int64_t i = 0; i < p; ++i)
+      for (int64_t j = 0; j < p; ++j)
+        for (int64_t k = 0; k < q; ++k) G[i * p + j] += W(i, k) * W(j, k);
+    for (int64_t i = 0; i < p; ++i)
+      for (int64_t j = 0; j < p; ++j) {
+        double gg = 0;
+        for (int64_t k = 0; k < p; ++k) gg += G[i * p + k] * G[k * p + j];
+        B[i * p + j] = c * gg + b * G[i * p + j];
+      }
+    for (int64_t i = 0; i < p; ++i)
+      for (int64_t j = 0; j < q; ++j) {
+        double acc = a * W(i, j);
+        for (int64_t k = 0; k < p; ++k) acc += B[i * p + k] * W(k, j);
+        if (transpose) out[t * m * n + j * n + i] = acc; else out[t * m * n + i * n + j] = acc;
+      }
+  }
+  return out;
+}
+
+void check_plan(int64_t batch, int64_t m, int64_t n, bool transpose) {
+  std::mt19937 rng(static_cast<unsigned>(m * 131 + n * 7 + transpose));
+  std::normal_distribution<double> normal;
+  std::vector<double> x(batch * m * n);
+  for (double& v : x) v = normal(rng) * 0.1;
+  const double a = 3.4445, b = -4.7750, c = 2.0315;
+
+  const auto plan = make_ns_gemm_plan(m, n, transpose);
+  const int64_t g = plan.gram;
+  EXPECT_EQ(g, transpose ? n : m);
+  std::vector<double> gram(batch * g * g), poly(batch * g * g), xout(x.size());
+  ref_gemm(plan.gram_gemm, batch, 1.0, x, x, 0.0, gram, gram);
+  ref_gemm(plan.poly_gemm, batch, c, gram, gram, b, gram, poly);
+  if (plan.work_transposed) ref_gemm(plan.update_gemm, batch, 1.0, poly, x, a, x, xout);
+  else ref_gemm(plan.update_gemm, batch, 1.0, x, poly, a, x, xout);
+
+  const auto expected = direct_step(x, batch, m, n, transpose, a, b, c);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    ASSERT_NEAR(xout[i], expected[i], 1e-12) << "m=" << m << " n=" << n << " transpose=" << transpose << " i=" << i;
+  }
+}
+
+}  // namespace
+
+TEST(NsGemmPlan, WideMatrices) {
+  check_plan(1, 3, 7, false);
+  check_plan(2, 1, 5, false);
+  check_plan(3, 4, 4, false);
+}
+
+TEST(NsGemmPlan, TallMatrices) {
+  check_plan(1, 7, 3, true);
+  check_plan(2, 5, 1, true);
+  check_plan(2, 13, 5, true);
+}
+
+TEST(NsGemmPlan, ForcedTransposeOfWideAndNoTransposeOfTall) {
+  check_plan(2, 3, 7, true);
+  check_plan(2, 7, 3, false);
+}
+
+TEST(NsGemmPlan, GramSideIsTheWorkingRows) {
+  EXPECT_EQ(make_ns_gemm_plan(4096, 11008, false).gram, 4096);
+  EXPECT_EQ(make_ns_gemm_plan(11008, 4096, true).gram, 4096);
+}

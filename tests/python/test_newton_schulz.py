@@ -1,0 +1,190 @@
+import pytest
+import torch
+
+import megatron_eopt as me
+from megatron_eopt.newton_schulz import COEFFICIENT_SETS, get_coefficients
+from reference import TOLERANCE, newton_schulz_ref, reference_dtype, rel_err
+
+SHAPES = [(1, 64), (64, 1), (97, 37), (37, 97), (48, 48), (3, 97, 37), (1, 20, 50), (4, 33, 33)]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _input(shape, gen, device):
+    return torch.randn(shape, generator=gen).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("coefficient_type", list(COEFFICIENT_SETS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_parity_fp32_every_coefficient_set(device, coefficient_type, shape, gen):
+    x = _input(shape, gen, device)
+    out = me.newton_schulz(x, steps=6, coefficient_type=coefficient_type, precision="highest")
+    assert out.dtype == torch.float32 and out.shape == x.shape and out.device == x.device
+    ref = newton_schulz_ref(x.cpu(), steps=6, coefficient_type=coefficient_type,
+                            dtype=reference_dtype(shape, coefficient_type, "highest"))
+    assert rel_err(out.cpu(), ref) <= TOLERANCE["highest"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["medium", "high"])
+@pytest.mark.parametrize("coefficient_type", ["simple", "quintic", "polar_express", "aol", "deepseekv4"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_parity_reduced_precision(device, precision, coefficient_type, shape, gen):
+    # cans diverges in bf16 on rank-1 inputs by construction (first row 8.47, -25.1, 18.6):
+    # tested in fp32 above.
+    x = _input(shape, gen, device)
+    out = me.newton_schulz(x, coefficient_type=coefficient_type, precision=precision)
+    ref = newton_schulz_ref(x.cpu(), coefficient_type=coefficient_type,
+                            dtype=reference_dtype(shape, coefficient_type, precision))
+    assert rel_err(out.cpu(), ref) <= TOLERANCE[precision]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_close_to_exact_for_quintic(device, shape, gen):
+    x = _input(shape, gen, device)
+    out = me.newton_schulz(x, precision="medium")
+    assert rel_err(out.cpu(), newton_schulz_ref(x.cpu())) <= TOLERANCE["medium"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,transpose", [((20, 50), True), ((50, 20), False), ((3, 40, 16), False)])
+def test_forced_transpose(device, shape, transpose, gen):
+    x = _input(shape, gen, device)
+    out = me.newton_schulz(x, transpose=transpose, precision="highest")
+    ref = newton_schulz_ref(x.cpu(), transpose=transpose)
+    assert rel_err(out.cpu(), ref) <= TOLERANCE["highest"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_custom_coefficients_cycle(device, gen):
+    rows = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
+    x = _input((30, 70), gen, device)
+    out = me.newton_schulz(x, steps=5, coefficient_type="custom", custom_coefficient_sets=rows, precision="highest")
+    ref = newton_schulz_ref(x.cpu(), steps=5, coefficient_type="custom", custom=rows)
+    assert rel_err(out.cpu(), ref) <= TOLERANCE["highest"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_result_is_nearly_orthogonal(device, gen):
+    x = _input((64, 256), gen, device)
+    out = me.newton_schulz(x, steps=10, coefficient_type="polar_express", precision="highest").cpu()
+    s = torch.linalg.svdvals(out.double())
+    assert float(s.min()) > 0.8 and float(s.max()) < 1.2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero_and_tiny_inputs_stay_finite(device):
+    x = torch.zeros(2, 8, 5, device=device)
+    x[1] = 1e-30
+    out = me.newton_schulz(x, precision="highest")
+    assert torch.isfinite(out).all()
+    assert out[0].abs().max() == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_noncontiguous_input(device, gen):
+    x = _input((40, 30), gen, device).t()  # (30, 40) view
+    out = me.newton_schulz(x, precision="highest")
+    ref = newton_schulz_ref(x.cpu().contiguous())
+    assert rel_err(out.cpu(), ref) <= TOLERANCE["highest"]
+
+
+def test_empty_inputs():
+    assert me.newton_schulz(torch.empty(0, 4, 5)).shape == (0, 4, 5)
+    assert me.newton_schulz(torch.empty(4, 0)).shape == (4, 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_list_form_equals_per_matrix_calls(device, gen):
+    shapes = [(16, 24), (7, 3), (16, 24), (1, 9), (24, 16), (7, 3), (16, 24)]
+    xs = [_input(s, gen, device) for s in shapes]
+    outs = me.newton_schulz_list(xs, precision="highest")
+    assert len(outs) == len(xs)
+    for x, out in zip(xs, outs):
+        single = me.newton_schulz(x, precision="highest")
+        assert out.shape == x.shape
+        assert rel_err(out.cpu(), single.cpu()) <= 1e-6
+    assert me.newton_schulz_list([]) == []
+
+
+def test_coefficient_schedules():
+    assert get_coefficients("quintic", 7)[5:] == [COEFFICIENT_SETS["quintic"][0], COEFFICIENT_SETS["quintic"][1]]
+    assert get_coefficients("cans", 7)[5:] == [COEFFICIENT_SETS["cans"][-1]] * 2
+    assert get_coefficients("polar_express", 10)[8:] == [COEFFICIENT_SETS["polar_express"][-1]] * 2
+    assert get_coefficients("deepseekv4", 12)[10:] == [(2.0, -1.5, 0.5)] * 2
+    assert get_coefficients("aol", 5)[4] == COEFFICIENT_SETS["aol"][0]
+    assert me.get_supported_coefficient_types() == [
+        "simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "custom"]
+    me.validate_coefficient_type("cans")
+
+
+def test_scale_factors():
+    assert me.get_muon_scale_factor(1024, 4096) == 64.0
+    assert me.get_muon_scale_factor(4096, 1024, "shape_scaling") == 2.0
+    assert me.get_muon_scale_factor(1024, 4096, "shape_scaling") == 1.0
+    assert me.get_muon_scale_factor(1024, 4096, "unit_rms_norm") == 0.5
+    with pytest.raises(ValueError, match="scale_mode"):
+        me.get_muon_scale_factor(4, 4, "rms")
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(coefficient_type="cubic"), ValueError, "coefficient_type must be one of"),
+        (dict(coefficient_type="custom"), ValueError, "custom_coefficient_sets"),
+        (dict(coefficient_type="custom", custom_coefficient_sets=[(1.0, 2.0)]), ValueError, r"custom_coefficient_sets\[0\]"),
+        (dict(steps=0), ValueError, "steps"),
+        (dict(precision="low"), ValueError, "precision"),
+        (dict(eps=0.0), ValueError, "eps"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        me.newton_schulz(torch.randn(4, 5), **kwargs)
+
+
+def test_bad_tensors():
+    with pytest.raises(TypeError, match="float32"):
+        me.newton_schulz(torch.randn(4, 5, dtype=torch.float64))
+    with pytest.raises(TypeError, match="2-D or 3-D"):
+        me.newton_schulz(torch.randn(5))
+    with pytest.raises(TypeError, match="2-D or 3-D"):
+        me.newton_schulz(torch.randn(2, 2, 4, 5))
+    with pytest.raises(TypeError, match=r"xs\[1\] must be 2-D"):
+        me.newton_schulz_list([torch.randn(4, 5), torch.randn(2, 4, 5)])
+
+
+def test_op_checks_arguments_in_cpp():
+    op = torch.ops.megatron_eopt.newton_schulz
+    with pytest.raises(ValueError, match="steps must be at least 1"):
+        op(torch.randn(3, 4), [1.0, 2.0, 3.0], 0, False, 1e-7, None, "medium")
+    with pytest.raises(ValueError, match="coefficients"):
+        op(torch.randn(3, 4), [1.0, 2.0], 1, False, 1e-7, None, "medium")
+    with pytest.raises(ValueError, match="precision"):
+        op(torch.randn(3, 4), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "bf16")
+    with pytest.raises(TypeError, match="float32"):
+        op(torch.randn(3, 4).half(), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "medium")
+
+
+def test_cuda_kernels_reported():
+    assert isinstance(me.cuda_kernels_built(), bool)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+def test_cuda_matches_cpu_highest(precision, gen):
+    x = torch.randn(5, 128, 320, generator=gen)
+    out = me.newton_schulz(x.cuda(), precision=precision).cpu()
+    ref = me.newton_schulz(x, precision="highest")
+    assert rel_err(out, ref) <= TOLERANCE[precision]
+
+
+@pytest.mark.gpu
+def test_cuda_runs_on_current_stream_and_second_device_guard(gen):
+    x = torch.randn(2, 64, 96, generator=gen).cuda()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = me.newton_schulz(x, precision="highest")
+    s.synchronize()
+    assert rel_err(out.cpu(), newton_schulz_ref(x.cpu())) <= TOLERANCE["highest"]

@@ -1,0 +1,46 @@
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import megatron_eopt as me
+from megatron_eopt.newton_schulz import COEFFICIENT_SETS
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(9, 5), (5, 9), (3, 8, 6)])
+@pytest.mark.parametrize("precision", ["medium", "highest"])
+def test_opcheck_newton_schulz(device, shape, precision, gen):
+    x = torch.randn(shape, generator=gen).to(device)
+    coeffs = [v for row in COEFFICIENT_SETS["quintic"] for v in row]
+    torch.library.opcheck(torch.ops.megatron_eopt.newton_schulz.default,
+                          (x, coeffs, 5, False, 1e-7, None, precision))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_newton_schulz_list(device, gen):
+    xs = [torch.randn(s, generator=gen).to(device) for s in [(4, 6), (6, 4), (4, 6)]]
+    coeffs = [v for row in COEFFICIENT_SETS["polar_express"] for v in row]
+    torch.library.opcheck(torch.ops.megatron_eopt.newton_schulz_list.default,
+                          (xs, coeffs, 9, True, 1e-7, True, "highest"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_equals_eager(device, gen):
+    def fn(x, y):
+        return me.newton_schulz(x, precision="highest") * 2.0 + me.newton_schulz_list([y], precision="highest")[0]
+
+    x = torch.randn(4, 24, 40, generator=gen).to(device)
+    y = torch.randn(24, 40, generator=gen).to(device)
+    compiled = torch.compile(fn, fullgraph=True)
+    torch.testing.assert_close(compiled(x, y), fn(x, y))
+
+
+def test_fake_tensor_mode_shapes():
+    with FakeTensorMode():
+        x = torch.empty(3, 17, 5)
+        out = me.newton_schulz(x)
+        assert out.shape == (3, 17, 5) and out.dtype == torch.float32
+        outs = me.newton_schulz_list([torch.empty(2, 9), torch.empty(9, 2)])
+        assert [o.shape for o in outs] == [(2, 9), (9, 2)]
