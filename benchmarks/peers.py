@@ -1,0 +1,140 @@
+"""The implementations megatron-eopt is measured against, with the same hyper-parameters.
+
+- Emerging-Optimizers 0.3.0: ``Muon`` (a per-parameter loop) and its ``newton_schulz``.
+- ``torch.optim.Muon`` (PyTorch >= 2.9, single-tensor loop) and its Newton–Schulz function.
+- A plain-PyTorch batched implementation written for this benchmark: torch._foreach_* momentum,
+  weight decay and update, equal shapes stacked, Newton–Schulz compiled with ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from typing import Sequence
+
+import torch
+
+# Emerging-Optimizers 0.3.0 imports typing.override, which Python 3.11 lacks.
+if not hasattr(typing, "override"):
+    try:
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    except ImportError:
+        pass
+
+EO_MUON = "Emerging-Optimizers Muon"
+EO_NS = "Emerging-Optimizers newton_schulz"
+TORCH_MUON = "torch.optim.Muon"
+TORCH_NS = "torch.optim.Muon NS"
+COMPILED = "torch.compile batched"
+FOREACH = "torch._foreach"
+LOOP = "per-tensor loop"
+
+
+def emerging_optimizers():
+    """The installed Emerging-Optimizers package, or the reason it cannot be used."""
+    try:
+        import emerging_optimizers.orthogonalized_optimizers as eo  # noqa: F401
+        from emerging_optimizers.orthogonalized_optimizers import muon_utils
+        from emerging_optimizers import utils as eo_utils
+
+        return eo, muon_utils, eo_utils, None
+    except Exception as exc:  # not installed, or needs a newer Python
+        return None, None, None, f"emerging_optimizers not importable ({type(exc).__name__}: {exc})"
+
+
+def torch_muon_available() -> str | None:
+    """None when torch.optim.Muon exists, else why not."""
+    if not hasattr(torch.optim, "Muon"):
+        return f"torch {torch.__version__} has no torch.optim.Muon (needs >= 2.9)"
+    return None
+
+
+def torch_ns_function():
+    from torch.optim import _muon
+
+    return _muon._zeropower_via_newtonschulz
+
+
+# ------------------------------------------------------------------ plain batched Newton–Schulz
+def plain_newton_schulz(x: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float = 1e-7):
+    """Batched NS in plain PyTorch: fp32 Frobenius normalization, bf16 products (precision "medium")."""
+    batched = x if x.dim() == 3 else x.unsqueeze(0)
+    transpose = batched.size(-2) > batched.size(-1)
+    if transpose:
+        batched = batched.mT
+    X = batched / torch.linalg.vector_norm(batched, dim=(-2, -1), keepdim=True).clamp_min(eps)
+    X = X.to(torch.bfloat16)
+    for a, b, c in coefficients:
+        A = torch.bmm(X, X.mT)
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
+    out = X.to(torch.float32)
+    if transpose:
+        out = out.mT
+    return out if x.dim() == 3 else out.squeeze(0)
+
+
+_COMPILED_NS = {}
+
+
+def compiled_newton_schulz(coefficients: Sequence[tuple[float, float, float]]):
+    """One compiled NS per schedule; dynamic shapes so every matrix shape shares the compilation."""
+    key = tuple(tuple(row) for row in coefficients)
+    if key not in _COMPILED_NS:
+        rows = [tuple(row) for row in coefficients]
+
+        def ns(x):
+            return plain_newton_schulz(x, rows)
+
+        _COMPILED_NS[key] = torch.compile(ns, dynamic=True)
+    return _COMPILED_NS[key]
+
+
+def group_by_shape(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((tuple(t.shape), t.dtype, t.device), []).append(i)
+    return list(groups.values())
+
+
+def shape_scale(m: int, n: int, mode: str) -> float:
+    if mode == "spectral":
+        return math.sqrt(max(m, n))
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, m / n))
+    if mode == "unit_rms_norm":
+        return math.sqrt(m / n)
+    raise ValueError(f"unknown scale mode {mode!r}")
+
+
+class PlainBatchedMuon:
+    """Muon (decoupled weight decay, EMA momentum, optional Nesterov) written as a user would batch it.
+
+    Elementwise work runs as torch._foreach_* kernels over all parameters; the momentum of equal
+    shapes is stacked and orthogonalized by one compiled batched Newton–Schulz.
+    """
+
+    def __init__(self, params, *, lr, momentum, weight_decay, nesterov, coefficients, scale_mode, extra_scale):
+        self.params = list(params)
+        self.lr, self.momentum, self.weight_decay, self.nesterov = lr, momentum, weight_decay, nesterov
+        self.ns = compiled_newton_schulz(coefficients)
+        self.buffers = [torch.zeros_like(p) for p in self.params]
+        self.groups = group_by_shape(self.params)
+        self.scales = [
+            shape_scale(self.params[g[0]].size(-2), self.params[g[0]].size(-1), scale_mode) * extra_scale
+            for g in self.groups
+        ]
+
+    @torch.no_grad()
+    def step(self):
+        params, grads, bufs = self.params, [p.grad for p in self.params], self.buffers
+        if self.weight_decay != 0:
+            torch._foreach_mul_(params, 1.0 - self.lr * self.weight_decay)
+        torch._foreach_lerp_(bufs, grads, 1.0 - self.momentum)
+        updates = torch._foreach_lerp(grads, bufs, self.momentum) if self.nesterov else bufs
+        for group, scale in zip(self.groups, self.scales):
+            stacked = torch.stack([updates[i] for i in group])
+            orthogonal = self.ns(stacked)
+            torch._foreach_add_([params[i] for i in group], list(orthogonal.unbind(0)), alpha=-self.lr * scale)

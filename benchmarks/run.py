@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Benchmarks megatron-eopt against its peers and prints one table.
+
+    python benchmarks/run.py [--device cpu|cuda] [--quick] [--workload NAME ...]
+                             [--out FILE.json] [--results-md FILE] [--list]
+
+Peers, measured in the same run with the same hyper-parameters: Emerging-Optimizers 0.3.0
+(`Muon`, `newton_schulz`), `torch.optim.Muon` (and its Newton–Schulz function), and a plain-PyTorch
+batched implementation compiled with torch.compile. Without --workload, a full CUDA run measures
+every workload, a full CPU run those a 2-core CPU finishes in minutes, and --quick a tiny version
+of one workload per code path (under a minute on a small CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(HERE)
+# A developer build puts _C.so into the checkout: measure that one rather than an installed copy.
+if glob.glob(os.path.join(REPO_ROOT, "megatron_eopt", "_C*.so")):
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+
+import env_info  # noqa: E402
+import hyper  # noqa: E402
+import report  # noqa: E402
+import workloads as catalogue_module  # noqa: E402
+from timing import measure, plan_for  # noqa: E402
+
+SCHEMA = "megatron-eopt-benchmarks/1"
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, few repeats: a smoke run")
+    parser.add_argument("--workload", nargs="+", metavar="NAME", help="run only these (see --list)")
+    parser.add_argument("--out", metavar="FILE.json", help="write every result and sample as JSON")
+    parser.add_argument("--results-md", metavar="FILE", help="update this device's section of a RESULTS.md")
+    parser.add_argument("--remarks", default="", help="a paragraph added under this run's table in --results-md")
+    parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    return parser.parse_args(argv)
+
+
+def select(args, device: torch.device):
+    """The workloads to run and, for those left out, why."""
+    catalogue = catalogue_module.catalogue()
+    names = {w.name: w for w in catalogue}
+    if args.workload:
+        unknown = [n for n in args.workload if n not in names]
+        if unknown:
+            raise SystemExit(f"unknown workload(s) {unknown}; known: {sorted(names)}")
+        return [names[n] for n in args.workload], {}
+    if args.quick:
+        chosen = [w for w in catalogue if w.in_quick]
+        return chosen, {}
+    if device.type == "cpu":
+        not_run = {w.name: w.cpu_skip for w in catalogue if w.cpu_skip}
+        return [w for w in catalogue if not w.cpu_skip], not_run
+    return catalogue, {}
+
+
+def registered_ops() -> list[str]:
+    prefix = "megatron_eopt::"
+    return sorted(n[len(prefix):] for n in torch._C._dispatch_get_all_op_names() if n.startswith(prefix))
+
+
+def run_workload(workload, device, quick, plan) -> dict:
+    started = time.perf_counter()
+    entry = {"name": workload.name, "kind": workload.kind, "results": {}, "skipped": {}, "parity_rel_diff": {}}
+    try:
+        case = workload.build(device, quick)
+    except Exception as exc:
+        entry["description"] = ""
+        entry["results"]["megatron-eopt"] = {"error": f"building the workload failed: {type(exc).__name__}: {exc}",
+                                             "traceback": traceback.format_exc(limit=6)}
+        return entry
+    entry.update(
+        description=case.description,
+        notes=case.notes,
+        flops=case.flops,
+        bytes_moved=case.bytes_moved,
+        skipped=dict(case.skipped),
+    )
+    entry["results"] = measure(case, plan, device)
+    if case.parity is not None:
+        try:
+            entry["parity_rel_diff"] = case.parity()
+        except Exception as exc:
+            entry["parity_error"] = f"{type(exc).__name__}: {exc}"
+    ours = entry["results"].get("megatron-eopt", {}).get("median_ms")
+    entry["ratios_peer_over_ours"] = {
+        name: r["median_ms"] / ours for name, r in entry["results"].items() if ours and "median_ms" in r
+        and name != "megatron-eopt"
+    }
+    entry["wall_s"] = round(time.perf_counter() - started, 2)
+    del case
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return entry
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for w in catalogue_module.catalogue():
+            flags = ("quick " if w.in_quick else "") + ("" if not w.cpu_skip else "(not in full CPU runs)")
+            print(f"{w.name:32s} {w.kind:7s} {flags}")
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available")
+
+    chosen, not_run = select(args, device)
+    plan = plan_for(device, args.quick)
+    environment = env_info.collect(device)
+    environment["device_key"] = env_info.device_key(device)
+    print(f"# {environment['device_name']} | torch {environment['torch']} | commit {environment['git_commit']} | "
+          f"{'quick' if args.quick else 'full'} run of {len(chosen)} workloads", file=sys.stderr)
+
+    results = []
+    for i, workload in enumerate(chosen, 1):
+        print(f"[{i}/{len(chosen)}] {workload.name} ...", file=sys.stderr, flush=True)
+        entry = run_workload(workload, device, args.quick, plan)
+        summary = ", ".join(
+            f"{n} {r['median_ms']:.3g} ms" if "median_ms" in r else f"{n} {r.get('error', '?')}"
+            for n, r in entry["results"].items()
+        )
+        print(f"    {summary} ({entry.get('wall_s', 0)} s)", file=sys.stderr, flush=True)
+        results.append(entry)
+
+    covered = {op for w in catalogue_module.catalogue() for op in w.ops}
+    uncovered = [op for op in registered_ops() if op not in covered]
+    if uncovered:
+        not_run["(ops)"] = f"megatron_eopt ops with no benchmark workload yet: {', '.join(uncovered)}"
+    doc = {
+        "schema": SCHEMA,
+        "mode": "quick" if args.quick else "full",
+        "environment": environment,
+        "hyper_parameters": hyper.describe(),
+        "workloads": results,
+        "not_run": not_run,
+        "registered_ops": registered_ops(),
+        "remarks": args.remarks,
+    }
+
+    print(report.markdown_table(results))
+    notes = report.footnotes(results, not_run)
+    if notes:
+        print("\n".join(["", "Not covered:"] + notes))
+
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    if args.results_md:
+        report.update_results_md(args.results_md, doc, hyper.describe())
+    failed = any("error" in r for w in results for r in w["results"].values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The catalogue of workloads: what each measures, where it is feasible, and its quick (tiny) form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import hyper
+import param_sets
+import workloads_ns
+import workloads_step
+from timing import Case
+
+QUICK_SHRINK = 32  # --quick divides every matrix dimension by this (keeps every code path, little work)
+
+
+@dataclass
+class Workload:
+    name: str
+    kind: str
+    build: Callable[[torch.device, bool], Case]
+    in_quick: bool = False  # part of the default --quick set
+    cpu_skip: str | None = None  # why a full CPU run leaves it out (None: it runs on the CPU)
+    ops: tuple[str, ...] = ()  # the megatron_eopt ops it times directly
+
+
+def _shrink(shapes: list[tuple[int, int]], quick: bool) -> list[tuple[int, int]]:
+    if not quick:
+        return shapes
+    return [(max(4, m // QUICK_SHRINK), max(4, n // QUICK_SHRINK)) for m, n in shapes]
+
+
+def _tflop(shapes) -> str:
+    return f"{sum(hyper.ns_flops(m, n) for m, n in shapes) / 1e12:.1f} TFLOP per call"
+
+
+def _ns_single(m: int, n: int, *, in_quick=False, cpu_skip=None) -> Workload:
+    name = f"ns_{m}x{n}"
+
+    def build(device, quick):
+        shapes = _shrink([(m, n)], quick)
+        return workloads_ns.build_ns_case(name, f"NS on one {shapes[0][0]}x{shapes[0][1]} matrix", shapes, "single", device)
+
+    return Workload(name, "ns", build, in_quick, cpu_skip, ("newton_schulz",))
+
+
+def _ns_batch(batch: int, m: int, n: int, *, in_quick=False, cpu_skip=None, what="") -> Workload:
+    name = f"ns_batch_{batch}x{m}x{n}"
+
+    def build(device, quick):
+        (sm, sn), = _shrink([(m, n)], quick)
+        desc = f"NS on a batch of {batch} {sm}x{sn} matrices{what}"
+        return workloads_ns.build_ns_case(name, desc, [(sm, sn)] * batch, "batch", device)
+
+    return Workload(name, "ns", build, in_quick, cpu_skip, ("newton_schulz",))
+
+
+def _ns_list(label: str, shapes_fn, *, in_quick=False, cpu_skip=None) -> Workload:
+    name = f"ns_list_{label}"
+
+    def build(device, quick):
+        shapes = _shrink(shapes_fn(), quick)
+        desc = f"NS over {label}'s {len(shapes)} hidden matrices (mixed shapes, list op)"
+        return workloads_ns.build_ns_case(name, desc, shapes, "list", device)
+
+    return Workload(name, "ns", build, in_quick, cpu_skip, ("newton_schulz_list",))
+
+
+def _step(label: str, shapes_fn, description: str, *, in_quick=False, cpu_skip=None) -> Workload:
+    name = f"step_{label}"
+
+    def build(device, quick):
+        shapes = _shrink(shapes_fn(), quick)
+        return workloads_step.build_step_case(name, description, shapes, device)
+
+    return Workload(name, "step", build, in_quick, cpu_skip)
+
+
+_TOO_SLOW = "too slow for a 2-core CPU"
+
+
+def catalogue() -> list[Workload]:
+    single = [
+        _ns_single(1024, 1024),
+        _ns_single(1024, 4096, in_quick=True),
+        _ns_single(4096, 1024, in_quick=True),
+        _ns_single(4096, 4096, cpu_skip=f"{_TOO_SLOW} ({_tflop([(4096, 4096)])})"),
+        _ns_single(8192, 8192, cpu_skip=f"{_TOO_SLOW} ({_tflop([(8192, 8192)])})"),
+        _ns_single(4096, 11008, cpu_skip=f"{_TOO_SLOW} ({_tflop([(4096, 11008)])})"),
+    ]
+    batches = [
+        _ns_batch(16, 1024, 1024, in_quick=True),
+        _ns_batch(8, 1024, 4096),
+        _ns_batch(4, 4096, 4096, cpu_skip=f"{_TOO_SLOW} ({_tflop([(4096, 4096)] * 4)})"),
+        _ns_batch(128, 768, 2048, what=" (Qwen3-30B-A3B expert gate/up)",
+                  cpu_skip=f"{_TOO_SLOW} ({_tflop([(768, 2048)] * 128)})"),
+    ]
+    lists = [
+        _ns_list("gpt2_124m", param_sets.gpt2_124m, in_quick=True,
+                 cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.gpt2_124m())}); its step_ workload covers it"),
+    ]
+    steps = [
+        _step("gpt2_124m", param_sets.gpt2_124m, "Muon step, GPT-2 124M hidden matrices (85 M params)", in_quick=True),
+        _step("llama_1b", param_sets.llama_1b, "Muon step, Llama-3.2-1B hidden matrices (0.97 B params)",
+              cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.llama_1b())})"),
+        _step("llama_8b_4layers", param_sets.llama_8b_layers,
+              "Muon step, 4 Llama-3-8B decoder layers (0.87 B params)",
+              cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.llama_8b_layers())})"),
+        _step("qwen3_moe_layer", param_sets.qwen3_moe_layer,
+              "Muon step, Qwen3-30B-A3B MoE layer, DESIGN shapes: 384 expert matrices 2048x2048 (1.6 B params)",
+              cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.qwen3_moe_layer())})"),
+        _step("qwen3_moe_layer_real", lambda: param_sets.qwen3_moe_layer(expert_rows=768, q_rows=4096),
+              "Muon step, Qwen3-30B-A3B MoE layer, real shapes: experts 768x2048 / 2048x768 (0.62 B params)",
+              cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.qwen3_moe_layer(768, 4096))})"),
+    ]
+    return single + batches + lists + steps
+
+
+def by_name() -> dict[str, Workload]:
+    return {w.name: w for w in catalogue()}

@@ -1,0 +1,139 @@
+"""Newton–Schulz alone: one matrix, a batch of equal shapes, or a model's list of mixed shapes."""
+
+from __future__ import annotations
+
+import torch
+
+import hyper
+import peers
+from timing import Case, Impl, rotation_count
+
+import megatron_eopt as me
+
+OURS = "megatron-eopt"
+
+
+def _rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    num = sum(float((x.double() - y.double()).square().sum()) for x, y in zip(a, b))
+    den = sum(float(y.double().square().sum()) for y in b)
+    return (num / max(den, 1e-300)) ** 0.5
+
+
+def _as_list(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return list(out)
+
+
+def _eo_ns_fn(muon_utils, eo_utils):
+    def run(x: torch.Tensor):
+        with eo_utils.fp32_matmul_precision(hyper.PRECISION):
+            return muon_utils.newton_schulz(x, hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE, eps=hyper.EPS)
+
+    return run
+
+
+def _implementations(layout: str) -> tuple[dict[str, callable], dict[str, str]]:
+    """name -> fn(input) for the given input layout ("single", "batch" or "list"), and skip reasons."""
+    fns: dict[str, callable] = {}
+    skipped: dict[str, str] = {}
+    a, b, c = hyper.COEFFICIENTS[0]
+
+    if layout == "list":
+        fns[OURS] = lambda xs: me.newton_schulz_list(
+            xs, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE, precision=hyper.PRECISION
+        )
+    else:
+        fns[OURS] = lambda x: me.newton_schulz(
+            x, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE, precision=hyper.PRECISION
+        )
+
+    _, muon_utils, eo_utils, why = peers.emerging_optimizers()
+    if why:
+        skipped[peers.EO_NS] = why
+    else:
+        eo = _eo_ns_fn(muon_utils, eo_utils)
+        # Emerging-Optimizers takes 2-D or 3-D input; a model's mixed shapes go one by one.
+        fns[peers.EO_NS] = (lambda xs: [eo(x) for x in xs]) if layout == "list" else eo
+
+    why = peers.torch_muon_available()
+    if why:
+        skipped[peers.TORCH_NS] = why
+    else:
+        tns = peers.torch_ns_function()
+
+        def torch_ns(x):
+            return tns(x, (a, b, c), hyper.NS_STEPS, hyper.EPS)
+
+        # 2-D only: batches and lists run matrix by matrix (it returns bf16, as its optimizer uses it).
+        if layout == "single":
+            fns[peers.TORCH_NS] = torch_ns
+        else:
+            fns[peers.TORCH_NS] = lambda xs: [torch_ns(x) for x in xs]
+
+    compiled = peers.compiled_newton_schulz(hyper.COEFFICIENTS)
+    if layout == "list":
+
+        def compiled_list(xs):
+            out = [None] * len(xs)
+            for group in peers.group_by_shape(xs):
+                stacked = compiled(torch.stack([xs[i] for i in group]))
+                for i, o in zip(group, stacked.unbind(0)):
+                    out[i] = o
+            return out
+
+        fns[peers.COMPILED] = compiled_list
+    else:
+        fns[peers.COMPILED] = compiled
+    return fns, skipped
+
+
+def build_ns_case(
+    name: str, description: str, shapes: list[tuple[int, int]], layout: str, device: torch.device
+) -> Case:
+    """layout "single": shapes = [(m, n)]; "batch": B equal shapes as one (B, m, n); "list": mixed 2-D."""
+    gen = torch.Generator(device=device).manual_seed(1234)
+    set_bytes = sum(m * n for m, n in shapes) * 4
+    budget = None
+    if device.type == "cuda":
+        budget = torch.cuda.mem_get_info(device)[0] // 4
+    copies = rotation_count(set_bytes, device, budget)
+
+    def make_input():
+        mats = [torch.randn(m, n, device=device, generator=gen) for m, n in shapes]
+        if layout == "single":
+            return mats[0]
+        if layout == "batch":
+            return torch.stack(mats)
+        return mats
+
+    inputs = [make_input() for _ in range(copies)]
+    fns, skipped = _implementations(layout)
+    impls = [Impl(n, (lambda f=f: f), is_ours=(n == OURS)) for n, f in fns.items()]
+
+    def parity() -> dict[str, float]:
+        ref = [o.float() for o in _as_list(fns[OURS](inputs[0]))]
+        if layout == "batch":
+            ref = list(ref[0].unbind(0))
+        diffs = {}
+        for impl_name, fn in fns.items():
+            if impl_name == OURS:
+                continue
+            out = [o.float() for o in _as_list(fn(inputs[0]))]
+            if layout == "batch" and len(out) == 1:
+                out = list(out[0].unbind(0))
+            diffs[impl_name] = _rel_diff(out, ref)
+        return diffs
+
+    flops = sum(hyper.ns_flops(m, n) for m, n in shapes)
+    return Case(
+        name=name,
+        kind="ns",
+        description=description,
+        inputs=inputs,
+        impls=impls,
+        flops=flops,
+        skipped=skipped,
+        parity=parity,
+        notes=[f"{copies} rotating input copies"],
+    )

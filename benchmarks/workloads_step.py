@@ -1,0 +1,158 @@
+"""Whole optimizer steps on a model's set of hidden matrices, every optimizer with the same settings."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch
+
+import hyper
+import peers
+from timing import Case, Impl, rotation_count
+
+OURS = "megatron-eopt"
+
+StepBuilder = Callable[[list[torch.Tensor]], Callable[[], None]]
+
+
+def ours_muon_class():
+    """megatron_eopt.optim.Muon when this build has it, else None."""
+    if importlib.util.find_spec("megatron_eopt.optim") is None:
+        return None
+    import megatron_eopt.optim as optim
+
+    return getattr(optim, "Muon", None)
+
+
+def _muon_kwargs_eo_style() -> dict:
+    """Emerging-Optimizers' Muon constructor (megatron-eopt's Muon takes the same)."""
+    return dict(
+        lr=hyper.LR,
+        momentum=hyper.MOMENTUM,
+        weight_decay=hyper.WEIGHT_DECAY,
+        nesterov=hyper.NESTEROV,
+        weight_decay_method="decoupled",
+        fp32_matmul_prec=hyper.PRECISION,
+        coefficient_type=hyper.COEFFICIENT_TYPE,
+        num_ns_steps=hyper.NS_STEPS,
+        scale_mode=hyper.SCALE_MODE,
+        extra_scale_factor=hyper.EXTRA_SCALE,
+    )
+
+
+def step_builders() -> tuple[dict[str, StepBuilder], dict[str, str]]:
+    """name -> (params -> step()) for every available implementation, and why others are missing."""
+    builders: dict[str, StepBuilder] = {}
+    skipped: dict[str, str] = {}
+
+    ours = ours_muon_class()
+    if ours is None:
+        skipped[OURS] = "megatron_eopt.optim.Muon is not in this build"
+    else:
+        builders[OURS] = lambda params: ours(params, **_muon_kwargs_eo_style()).step
+
+    eo, _, _, why = peers.emerging_optimizers()
+    if why:
+        skipped[peers.EO_MUON] = why
+    else:
+        builders[peers.EO_MUON] = lambda params: eo.Muon(params, **_muon_kwargs_eo_style()).step
+
+    why = peers.torch_muon_available()
+    if why:
+        skipped[peers.TORCH_MUON] = why
+    else:
+        assert hyper.SCALE_MODE == "shape_scaling"  # torch's "original" lr adjustment
+
+        def torch_muon(params):
+            return torch.optim.Muon(
+                params,
+                lr=hyper.LR,
+                weight_decay=hyper.WEIGHT_DECAY,
+                momentum=hyper.MOMENTUM,
+                nesterov=hyper.NESTEROV,
+                ns_coefficients=hyper.COEFFICIENTS[0],
+                eps=hyper.EPS,
+                ns_steps=hyper.NS_STEPS,
+                adjust_lr_fn="original",
+            ).step
+
+        builders[peers.TORCH_MUON] = torch_muon
+
+    def compiled(params):
+        return peers.PlainBatchedMuon(
+            params,
+            lr=hyper.LR,
+            momentum=hyper.MOMENTUM,
+            weight_decay=hyper.WEIGHT_DECAY,
+            nesterov=hyper.NESTEROV,
+            coefficients=hyper.COEFFICIENTS,
+            scale_mode=hyper.SCALE_MODE,
+            extra_scale=hyper.EXTRA_SCALE,
+        ).step
+
+    builders[peers.COMPILED] = compiled
+    return builders, skipped
+
+
+def _install_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def _step_parity(builders: dict[str, StepBuilder], shapes: list[tuple[int, int]], device) -> dict[str, float]:
+    """Two steps from the same start on a few matrices of the set: each peer's change vs ours."""
+    if OURS not in builders:
+        return {}
+    distinct = list(dict.fromkeys(shapes))
+    picked = sorted(distinct, key=lambda s: s[0] * s[1])[:3]  # the smallest shapes keep this cheap
+    gen = torch.Generator(device=device).manual_seed(99)
+    start = [torch.randn(m, n, device=device, generator=gen) * 0.02 for m, n in picked]
+    grads = [[torch.randn(m, n, device=device, generator=gen) for m, n in picked] for _ in range(2)]
+
+    deltas = {}
+    for name, build in builders.items():
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        step = build(params)
+        for g in grads:
+            _install_grads(params, [x.clone() for x in g])
+            step()
+        deltas[name] = [p.detach() - s for p, s in zip(params, start)]
+    ref = deltas[OURS]
+    out = {}
+    for name, delta in deltas.items():
+        if name == OURS:
+            continue
+        num = sum(float((d.double() - r.double()).square().sum()) for d, r in zip(delta, ref))
+        den = sum(float(r.double().square().sum()) for r in ref)
+        out[name] = (num / max(den, 1e-300)) ** 0.5
+    return out
+
+
+def build_step_case(name: str, description: str, shapes: list[tuple[int, int]], device: torch.device) -> Case:
+    """One Muon step over ``shapes`` (each a separate parameter, as in a model)."""
+    gen = torch.Generator(device=device).manual_seed(4321)
+    params = [torch.nn.Parameter(torch.randn(m, n, device=device, generator=gen) * 0.02) for m, n in shapes]
+    set_bytes = sum(m * n for m, n in shapes) * 4
+    budget = torch.cuda.mem_get_info(device)[0] // 8 if device.type == "cuda" else None
+    copies = rotation_count(set_bytes, device, budget)
+    inputs = [[torch.randn(m, n, device=device, generator=gen) for m, n in shapes] for _ in range(copies)]
+
+    builders, skipped = step_builders()
+    impls = []
+    for impl_name, build in builders.items():
+        # Each optimizer keeps its own state; all of them update the same parameters.
+        impls.append(Impl(impl_name, (lambda b=build: (lambda _grads, s=b(params): s())), is_ours=impl_name == OURS))
+
+    return Case(
+        name=name,
+        kind="step",
+        description=description,
+        inputs=inputs,
+        impls=impls,
+        prepare=lambda grads: _install_grads(params, grads),
+        flops=sum(hyper.ns_flops(m, n) for m, n in shapes),
+        skipped=skipped,
+        parity=lambda: _step_parity(builders, shapes, device),
+        notes=[f"{len(shapes)} matrices, {sum(m * n for m, n in shapes) / 1e6:.1f} M params, {copies} gradient sets"],
+    )

@@ -1,0 +1,76 @@
+"""Smoke test of benchmarks/run.py: a --quick run of two tiny workloads writes the documented JSON
+and a RESULTS.md section. No timing is asserted, only that every part of the report is there."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+RUN_PY = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "run.py")
+WORKLOADS = ["ns_1024x4096", "step_gpt2_124m"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    json_path, md_path = out / "bench.json", out / "RESULTS.md"
+    proc = subprocess.run(
+        [sys.executable, RUN_PY, "--device", "cpu", "--quick", "--workload", *WORKLOADS,
+         "--out", str(json_path), "--results-md", str(md_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(json_path) as f:
+        doc = json.load(f)
+    return doc, md_path.read_text(), proc.stdout
+
+
+def test_json_has_environment_and_every_requested_workload(quick_run):
+    doc, _, _ = quick_run
+    assert doc["schema"] == "megatron-eopt-benchmarks/1"
+    assert doc["mode"] == "quick"
+    env = doc["environment"]
+    for key in ("device", "device_name", "torch", "git_commit", "date_utc", "device_key"):
+        assert env[key], key
+    assert env["device"] == "cpu"
+    assert [w["name"] for w in doc["workloads"]] == WORKLOADS
+    assert "newton_schulz" in doc["registered_ops"]
+
+
+def test_every_implementation_is_measured_or_says_why_not(quick_run):
+    doc, _, _ = quick_run
+    for w in doc["workloads"]:
+        assert w["results"], w["name"]
+        for name, r in w["results"].items():
+            assert "error" not in r, (w["name"], name, r.get("error"))
+            assert r["repeats"] >= 2 and len(r["samples_ms"]) == r["repeats"]
+            assert r["p25_ms"] <= r["median_ms"] <= r["p75_ms"]
+            assert r["tflops"] > 0
+        for name, why in w["skipped"].items():
+            assert name not in w["results"] and why
+        assert "megatron-eopt" in w["results"] or "megatron-eopt" in w["skipped"]
+        # The peers every run compares against (all importable in the test environment).
+        assert "torch.compile batched" in w["results"]
+
+
+def test_ratios_and_parity_refer_to_ours(quick_run):
+    doc, _, _ = quick_run
+    ns = doc["workloads"][0]
+    ours = ns["results"]["megatron-eopt"]["median_ms"]
+    for name, ratio in ns["ratios_peer_over_ours"].items():
+        assert ratio == pytest.approx(ns["results"][name]["median_ms"] / ours)
+    assert set(ns["parity_rel_diff"]) == set(ns["results"]) - {"megatron-eopt"}
+    # Every implementation computes the same bf16 Newton–Schulz.
+    assert all(d < 5e-2 for d in ns["parity_rel_diff"].values()), ns["parity_rel_diff"]
+
+
+def test_table_and_results_section(quick_run):
+    _, md, stdout = quick_run
+    header = "| workload | implementation | median ms | peer / ours |"
+    assert stdout.count(header) == 1  # one table
+    assert "<!-- section: cpu: " in md and "<!-- /section -->" in md
+    assert header in md
+    for name in WORKLOADS:
+        assert f"| {name} |" in md
