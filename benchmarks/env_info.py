@@ -37,7 +37,12 @@ def device_key(device: torch.device) -> str:
 
 
 def git_commit() -> str:
-    """HEAD of the checkout the benchmark ran from, with "+dirty" when files were modified."""
+    """HEAD of the checkout the benchmark ran from, with "+dirty" when files were modified.
+
+    MEGATRON_EOPT_GIT_COMMIT overrides it (a copy of the tree without .git, e.g. on a GPU machine).
+    """
+    if os.environ.get("MEGATRON_EOPT_GIT_COMMIT"):
+        return os.environ["MEGATRON_EOPT_GIT_COMMIT"]
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True

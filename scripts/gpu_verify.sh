@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# Verifies megatron-eopt on a GPU machine without network access (Python 3.12, a preinstalled
+# CUDA torch, nvcc, pytest, cmake, ninja): builds the extension for sm_90 against that torch,
+# runs the whole test suite (GPU-marked tests included), the full CUDA benchmark and the training
+# example, and leaves everything in OUT_DIR.
+#
+#   scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]     (no step named: all four)
+#
+# OUT_DIR receives at most 8 files: summary.txt (environment and one line per step), build.log,
+# pytest.log, bench.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
+# section added), train_gpt.log, train_gpt_loss.png.
+#
+# Extra wheels (emerging-optimizers, absl-py, megatron-core, typing_extensions, expecttest; see
+# scripts/fetch_gpu_wheels.sh) are installed from .whl/ at the repository root when it exists,
+# into /tmp/site (put on PYTHONPATH), never into the machine's site-packages.
+#
+# The build is the developer build (build/gpu-verify, library copied into megatron_eopt/), so the
+# steps can be split over several commands on the same machine, e.g. "build tests", then
+# "bench example". Every step runs even when an earlier one failed.
+#
+# Environment: PYTHON (default python3), MEGATRON_EOPT_CUDA_ARCHS (default 90),
+# MEGATRON_EOPT_GIT_COMMIT (the commit to record when the checkout has no .git),
+# GPU_VERIFY_BENCH_ARGS (extra run.py arguments, e.g. "--workload ns_4096x4096").
+#
+# Exit status: 0 all passed; 1 the build or a test failed; 3 build and tests passed but the
+# benchmark or the example reported an error.
+set -uo pipefail
+
+OUT=${1:?usage: scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]}
+shift
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build tests bench example)
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+PY=$(command -v "${PYTHON:-python3}")
+ARCHS=${MEGATRON_EOPT_CUDA_ARCHS:-90}
+BUILD_DIR=build/gpu-verify
+SUMMARY=$OUT/summary.txt
+export PYTHONUNBUFFERED=1
+: >"$SUMMARY"
+
+say() { echo "$*" | tee -a "$SUMMARY"; }
+want() { local s; for s in "${STEPS[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
+
+failed_core=0   # build or tests
+failed_extra=0  # benchmark or example
+
+# ------------------------------------------------------------------ environment
+say "== megatron-eopt GPU verification, $(date -u '+%Y-%m-%d %H:%M UTC'), steps: ${STEPS[*]}"
+if [ -z "${MEGATRON_EOPT_GIT_COMMIT:-}" ] && git -C "$ROOT" rev-parse HEAD >/dev/null 2>&1; then
+  export MEGATRON_EOPT_GIT_COMMIT=$(git -C "$ROOT" rev-parse --short=12 HEAD)
+fi
+say "commit: ${MEGATRON_EOPT_GIT_COMMIT:-unknown (no .git; set MEGATRON_EOPT_GIT_COMMIT)}"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 || echo "nvidia-smi failed"
+  (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>&1) | tail -1
+  "$PY" -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| device', torch.cuda.get_device_name() if torch.cuda.is_available() else 'NONE')" 2>&1
+} | tee -a "$SUMMARY"
+
+SITE=/tmp/site
+if [ -d "$ROOT/.whl" ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$ROOT"/.whl/*.whl >>"$SUMMARY" 2>&1; then
+    say "wheels: installed $(ls "$ROOT"/.whl/*.whl | xargs -n1 basename | tr '\n' ' ')into $SITE"
+  else
+    say "wheels: FAILED to install .whl/*.whl (see above); tests needing them will fail or skip"
+  fi
+else
+  say "wheels: no .whl/ folder; emerging-optimizers / megatron-core must already be importable"
+fi
+export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+# ------------------------------------------------------------------ build
+build() {
+  export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+  local log=$OUT/build.log tests=ON
+  local common=(-S . -B "$BUILD_DIR" -G Ninja -DMEGATRON_EOPT_BUILD_EXTENSION=ON -DMEGATRON_EOPT_CUDA=ON
+                "-DMEGATRON_EOPT_CUDA_ARCHS=$ARCHS" "-DPython_EXECUTABLE=$PY")
+  {
+    echo "== configure (GoogleTest suite on)"
+    if ! cmake "${common[@]}" -DMEGATRON_EOPT_BUILD_TESTS=ON; then
+      echo "== configure again without the GoogleTest suite (GoogleTest not installed here?)"
+      rm -rf "$BUILD_DIR"
+      tests=OFF
+      cmake "${common[@]}" -DMEGATRON_EOPT_BUILD_TESTS=OFF || return 1
+    fi
+    echo "== build"
+    cmake --build "$BUILD_DIR" -j "$(nproc)" || return 1
+  } >>"$log" 2>&1 || { say "build: FAILED (see build.log)"; return 1; }
+  if ! "$PY" -c "import megatron_eopt as me, sys; sys.exit(0 if me.cuda_kernels_built() else 1)" >>"$log" 2>&1; then
+    say "build: FAILED: the library imports without its CUDA kernels (see build.log)"
+    return 1
+  fi
+  say "build: ok (sm_$ARCHS, $(ls megatron_eopt/_C*.so))"
+  if [ "$tests" = ON ]; then
+    if ctest --test-dir "$BUILD_DIR" --output-on-failure >>"$log" 2>&1; then
+      say "ctest: ok ($(grep -Eo '[0-9]+ tests? passed|tests passed, [0-9]+ tests failed out of [0-9]+' "$log" | tail -1))"
+    else
+      say "ctest: FAILED (see build.log)"
+      return 1
+    fi
+  else
+    say "ctest: not run (GoogleTest is not installed on this machine; CI runs it)"
+  fi
+}
+
+if want build; then
+  build || failed_core=1
+elif ! ls megatron_eopt/_C*.so >/dev/null 2>&1; then
+  say "build: no built library in megatron_eopt/, building first"
+  build || failed_core=1
+fi
+
+# ------------------------------------------------------------------ tests
+if want tests; then
+  "$PY" -m pytest tests/python -v -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+  rc=$?
+  result=$(tail -1 "$OUT/pytest.log")
+  gpu_run=$(grep -c -E '::.*(gpu|cuda).* PASSED' "$OUT/pytest.log")
+  if [ $rc -eq 0 ]; then
+    say "tests: ok: $result ($gpu_run passed tests with gpu/cuda in their name)"
+  else
+    say "tests: FAILED (pytest exit $rc): $result (see pytest.log)"
+    grep -E '^(FAILED|ERROR) ' "$OUT/pytest.log" | head -40 | tee -a "$SUMMARY"
+    failed_core=1
+  fi
+fi
+
+# ------------------------------------------------------------------ benchmark
+if want bench; then
+  [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+  # shellcheck disable=SC2086
+  "$PY" benchmarks/run.py --device cuda --out "$OUT/bench_cuda.json" --results-md "$OUT/RESULTS.md" \
+    ${GPU_VERIFY_BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    say "bench: ok (table in bench.log, section in RESULTS.md, samples in bench_cuda.json)"
+  else
+    say "bench: exit $rc: some measurements failed (see 'Not covered' in bench.log)"
+    failed_extra=1
+  fi
+fi
+
+# ------------------------------------------------------------------ training example
+if want example; then
+  if "$PY" examples/train_gpt.py --device cuda --out "$OUT/train_gpt_loss.png" >"$OUT/train_gpt.log" 2>&1; then
+    say "example: ok: $(grep -A2 '^final losses' "$OUT/train_gpt.log" | tail -2 | tr -s ' ' | tr '\n' ';')"
+  else
+    say "example: FAILED (see train_gpt.log)"
+    failed_extra=1
+  fi
+fi
+
+if [ $failed_core -ne 0 ]; then
+  say "== RESULT: FAILED (build or tests)"
+  exit 1
+elif [ $failed_extra -ne 0 ]; then
+  say "== RESULT: build and tests ok; benchmark or example reported errors"
+  exit 3
+fi
+say "== RESULT: ok"
+exit 0
