@@ -12,7 +12,7 @@ from .newton_schulz import (
     get_supported_coefficient_types,
     validate_coefficient_type,
 )
-from .ops import newton_schulz, newton_schulz_list
+from .ops import foreach_momentum_, foreach_update_, newton_schulz, newton_schulz_list
 
 __version__ = "0.1.0"
 
@@ -20,6 +20,8 @@ __all__ = [
     "COEFFICIENT_SETS",
     "LIBRARY_PATH",
     "cuda_kernels_built",
+    "foreach_momentum_",
+    "foreach_update_",
     "get_coefficients",
     "get_muon_scale_factor",
     "get_supported_coefficient_types",
