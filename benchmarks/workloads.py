@@ -9,6 +9,7 @@ import torch
 
 import hyper
 import param_sets
+import workloads_memory
 import workloads_ns
 import workloads_step
 from timing import Case
@@ -78,6 +79,39 @@ def _step(label: str, shapes_fn, description: str, *, in_quick=False, cpu_skip=N
     return Workload(name, "step", build, in_quick, cpu_skip)
 
 
+def _has_op(name: str) -> bool:
+    import megatron_eopt
+
+    return hasattr(megatron_eopt, name)
+
+
+def _memory(label: str, op: str, build_case, *, in_quick=False) -> Workload:
+    """A memory-bound op over a model's matrices: Llama-1B's on a GPU, GPT-2's on a CPU."""
+    name = f"mem_{label}"
+
+    def build(device, quick):
+        if device.type == "cuda" and not quick:
+            shapes = param_sets.llama_1b()
+        else:
+            shapes = _shrink(param_sets.gpt2_124m(), quick)
+        return build_case(name, shapes, device)
+
+    return Workload(name, "memory", build, in_quick, None, (op,))
+
+
+def memory_workloads() -> list[Workload]:
+    """One workload per memory-bound op this build has (ops still being written are absent)."""
+    out = []
+    if _has_op("foreach_momentum_"):
+        out.append(_memory("foreach_momentum", "foreach_momentum_",
+                           lambda n, s, d: workloads_memory.build_momentum_case(n, s, torch.float32, d), in_quick=True))
+        out.append(_memory("foreach_momentum_bf16_ns", "foreach_momentum_",
+                           lambda n, s, d: workloads_memory.build_momentum_case(n, s, torch.bfloat16, d)))
+    if _has_op("foreach_update_"):
+        out.append(_memory("foreach_update", "foreach_update_", workloads_memory.build_update_case, in_quick=True))
+    return out
+
+
 _TOO_SLOW = "too slow for a 2-core CPU"
 
 
@@ -115,7 +149,7 @@ def catalogue() -> list[Workload]:
               "Muon step, Qwen3-30B-A3B MoE layer, real shapes: experts 768x2048 / 2048x768 (0.62 B params)",
               cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.qwen3_moe_layer(768, 4096))})"),
     ]
-    return single + batches + lists + steps
+    return single + batches + lists + memory_workloads() + steps
 
 
 def by_name() -> dict[str, Workload]:
