@@ -141,6 +141,23 @@ def test_momentum_ns_inputs_as_slices_of_a_stacked_batch(gen):
     torch.testing.assert_close(stacked, torch.stack(ref_ns), rtol=_one_ulp(torch.bfloat16), atol=1e-30)
 
 
+def test_dense_non_contiguous_layouts_are_supported(gen):
+    # Transposed (dense, non-overlapping) tensors: fine as long as an index's tensors share strides.
+    grads, bufs, ns, params = _momentum_inputs(gen, "cpu", MOMENTUM_DTYPES[0], shapes=[(6, 9), (1, 5)])
+    grads, bufs, ns, params = ([t.t() for t in ts] for ts in (grads, bufs, ns, params))
+    assert not bufs[0].is_contiguous()
+    ref_bufs, ref_ns = _momentum_mirror(grads, bufs, params, 0.9, True, 0.2, "l2", torch.float32)
+    me.foreach_momentum_(grads, bufs, ns, params, momentum=0.9, nesterov=True, weight_decay=0.2,
+                         weight_decay_method="l2")
+    updates = [torch.randn(t.shape, generator=gen).t().contiguous().t() for t in ns]
+    expected = [_update_mirror(p, u, 1.5, 0.1, 0.1 * 0.2) for p, u in zip(params, updates)]
+    me.foreach_update_(params, updates, [1.5, 1.5], lr=0.1, weight_decay=0.2)
+    for i in range(2):
+        torch.testing.assert_close(bufs[i], ref_bufs[i], rtol=_one_ulp(torch.float32), atol=1e-30)
+        torch.testing.assert_close(ns[i], ref_ns[i], rtol=_one_ulp(torch.float32), atol=1e-30)
+        torch.testing.assert_close(params[i], expected[i], rtol=1e-6, atol=1e-7)
+
+
 def test_momentum_l2_zero_decay_and_params_given_for_other_methods(gen):
     grads, bufs, ns, params = _momentum_inputs(gen, "cpu", MOMENTUM_DTYPES[0], shapes=[(9, 4), (4,)])
     ref_bufs, ref_ns = _momentum_ref64(grads, bufs, params, 0.8, False, 0.0, "l2")
