@@ -107,18 +107,13 @@ def _check_weight_decay_method(method: str) -> None:
 def _step_scalar(name: str, value: ScalarArg, device: torch.device) -> torch.Tensor:
     """A per-step scalar as the ops take it: a 0-dim float32 tensor on the lists' device.
 
-    Tensors are passed through (converted only when their dtype or device differs), so a
-    scheduler can update them in place without recompiling a compiled step; Python numbers
-    become a fresh tensor (filled on the device, no host synchronisation).
+    Tensors pass through unchanged (the op checks them: converting here would hide a host copy
+    per step); Python numbers become a fresh tensor, filled on the device without a host sync.
     """
     if isinstance(value, torch.Tensor):
-        if value.dim() != 0:
-            raise ValueError(f"{name} must be a Python float or a 0-dim tensor, got shape {tuple(value.shape)}")
-        if not value.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
-        return value.to(device=device, dtype=torch.float32)
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python float or a 0-dim tensor, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a Python float or a 0-dim float32 tensor, got {type(value).__name__}")
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 

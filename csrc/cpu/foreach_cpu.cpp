@@ -26,9 +26,12 @@
 namespace megatron_eopt {
 namespace {
 
-template <typename GradT, typename BufT, typename NsT, bool kL2>
+// Nesterov is a template parameter here only so the compiler sees straight-line code to
+// vectorize (the shared math selects between the two results at run time).
+template <typename GradT, typename BufT, typename NsT, bool kL2, bool kNesterov>
 MEGATRON_EOPT_CPU_CLONES void momentum_range(const GradT* grad, const GradT* param, BufT* buffer, NsT* ns_input,
                                              float l2_decay, MomentumCoefficients c, int64_t begin, int64_t end) {
+  c.nesterov = kNesterov;
   for (int64_t i = begin; i < end; ++i) {
     const float p = kL2 ? to_float(param[i]) : 0.f;
     const MomentumResult r = momentum_element<GradT, BufT, kL2>(to_float(grad[i]), p, l2_decay, to_float(buffer[i]), c);
@@ -77,11 +80,12 @@ void foreach_momentum_cpu(at::TensorList grads, at::TensorList momentum_buffers,
     using B = typename decltype(buffer_tag)::type;
     using N = typename decltype(ns_tag)::type;
     constexpr bool kL2 = decltype(l2)::value;
+    const auto range = args.coefficients.nesterov ? &momentum_range<G, B, N, kL2, true>
+                                                  : &momentum_range<G, B, N, kL2, false>;
     for_each_chunk(args.numels, [&](std::size_t t, int64_t begin, int64_t end) {
-      momentum_range<G, B, N, kL2>(static_cast<const G*>(args.grads[t]),
-                                   kL2 ? static_cast<const G*>(args.params[t]) : nullptr,
-                                   static_cast<B*>(args.buffers[t]), static_cast<N*>(args.ns_inputs[t]), l2_decay,
-                                   args.coefficients, begin, end);
+      range(static_cast<const G*>(args.grads[t]), kL2 ? static_cast<const G*>(args.params[t]) : nullptr,
+            static_cast<B*>(args.buffers[t]), static_cast<N*>(args.ns_inputs[t]), l2_decay, args.coefficients, begin,
+            end);
     });
   });
 }

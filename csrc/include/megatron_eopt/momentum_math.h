@@ -27,9 +27,14 @@ inline WeightDecayMethod parse_weight_decay_method(std::string_view name) {
 
 // torch.lerp(start, end, weight) for a scalar weight: the two formulas torch switches between at
 // |weight| = 0.5, each as the single fma torch's CPU (vectorized) and CUDA kernels evaluate.
+// Every operand is computed unconditionally and only selected (no branch, nothing for the
+// compiler to speculate), so CPU loops over it vectorize.
 MEGATRON_EOPT_HD float torch_lerp(float start, float end, float weight) {
-  const float diff = end - start;
-  return fabsf(weight) < 0.5f ? fmaf(weight, diff, start) : fmaf(weight - 1.f, diff, end);
+  const bool small = fabsf(weight) < 0.5f;
+  const float weight_minus_one = weight - 1.f;
+  const float coefficient = small ? weight : weight_minus_one;
+  const float base = small ? start : end;
+  return fmaf(coefficient, end - start, base);
 }
 
 struct MomentumCoefficients {
@@ -53,9 +58,9 @@ MEGATRON_EOPT_HD MomentumResult momentum_element(float g, float p, float l2_deca
                                                  const MomentumCoefficients& c) {
   if constexpr (kL2) g = round_to<GradT>(fmaf(p, l2_decay, g));
   const float buffer = round_to<BufT>(torch_lerp(m, g, c.ema_weight));
-  if (!c.nesterov) return {buffer, buffer};
   using NesterovT = typename Wider<GradT, BufT>::type;
-  return {buffer, round_to<NesterovT>(torch_lerp(g, buffer, c.nesterov_weight))};
+  const float nesterov = round_to<NesterovT>(torch_lerp(g, buffer, c.nesterov_weight));
+  return {buffer, c.nesterov ? nesterov : buffer};  // a select, not a branch: keeps loops vectorizable
 }
 
 // The factor f of p <- p - f * p for a weight-decay method; l2 decays the gradient instead (0).

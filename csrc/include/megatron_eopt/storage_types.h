@@ -55,10 +55,13 @@ MEGATRON_EOPT_HD float from_float<float>(float v) {
 
 template <>
 MEGATRON_EOPT_HD Bf16 from_float<Bf16>(float v) {
-  if (v != v) return Bf16{0x7FC0};
+  // NaN is picked with a bit mask rather than a branch or a select, which compilers turn into
+  // control flow that stops CPU loops from vectorizing.
   const uint32_t u = float_bits(v);
   const uint32_t rounding_bias = ((u >> 16) & 1u) + 0x7FFFu;
-  return Bf16{static_cast<uint16_t>((u + rounding_bias) >> 16)};
+  const uint32_t rounded = (u + rounding_bias) >> 16;
+  const uint32_t nan_mask = 0u - static_cast<uint32_t>((u & 0x7FFFFFFFu) > 0x7F800000u);
+  return Bf16{static_cast<uint16_t>((rounded & ~nan_mask) | (0x7FC0u & nan_mask))};
 }
 
 // The fp32 value v takes once stored as T (the reference rounds there too).
