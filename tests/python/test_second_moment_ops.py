@@ -58,6 +58,71 @@ def test_parity_mixed_list_over_steps(device, method, gen):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", METHODS)
+def test_long_list_spans_several_launches(device, method, gen):
+    # 70 tensors: more than one launch's worth of descriptors (32) on CUDA.
+    shapes = [(3 + i % 5, 2 + i % 7) for i in range(70)]
+    os_ = [_randn(s, gen, device) for s in shapes]
+    gs = [_randn(s, gen, device) for s in shapes]
+    states = [me.new_moment2_buffer(method, o) + 0.25 for o in os_]
+    expected = [_ref(method, o.cpu(), v.cpu(), g.cpu(), g.cpu()) for o, v, g in zip(os_, states, gs)]
+    _run(method, os_, states, gs, gs)
+    for o, v, (o_ref, v_ref) in zip(os_, states, expected):
+        assert rel_err(o.cpu(), o_ref) <= TOL and rel_err(v.cpu(), v_ref) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_large_tensors_loop_over_capped_blocks(method, gen):
+    # Row slices with more rows than 512 blocks x 16 warps, column slices with more than 512
+    # tiles of 32 columns, and an elementwise pass over more than 1024 blocks x 2048 elements.
+    shapes = [(20000, 48), (40, 20000), (2500, 1000)]
+    os_ = [_randn(s, gen, "cuda", scale=0.05) for s in shapes]
+    gs = [_randn(s, gen, "cuda") for s in shapes]
+    states = [me.new_moment2_buffer(method, o) + 1e-3 for o in os_]
+    expected = [_ref(method, o.cpu(), v.cpu(), g.cpu(), g.cpu()) for o, v, g in zip(os_, states, gs)]
+    _run(method, os_, states, gs, gs)
+    for o, v, (o_ref, v_ref) in zip(os_, states, expected):
+        assert rel_err(o.cpu(), o_ref) <= TOL and rel_err(v.cpu(), v_ref) <= TOL
+
+
+def _rel_err_consuming(out, ref):
+    """||out - ref|| / ||ref||, overwriting ref (no extra full-size temporaries)."""
+    ref_norm = float(ref.norm())
+    return float(ref.sub_(out).norm()) / ref_norm
+
+
+@pytest.mark.gpu
+@pytest.mark.large_memory
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_more_than_2_31_elements(method):
+    # 64-bit index math: 2^31 + 64 elements (8.6 GB per fp32 tensor, at most four alive), checked
+    # against the same formulas in fp32 torch ops on the GPU (a float64 reference would not fit).
+    rows, cols = 2**31 // 64 + 1, 64
+    o = torch.randn(rows, cols, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+    v = me.new_moment2_buffer(method, o)
+    if method == "adamuon":
+        v_ref = o.square().mul_(0.05)
+        o_ref = v_ref.sqrt().add_(1e-8)
+        torch.div(o, o_ref, out=o_ref)
+        me.adamuon_normalize_([o], [v])
+    elif method == "normuon":
+        v_ref = o.square().mean(dim=1, keepdim=True).mul_(0.05)
+        o_ref = o * v_ref.clamp_min(1e-8).rsqrt()
+        o_ref.mul_(o.norm() / o_ref.norm())
+        me.normuon_normalize_([o], [v])
+    else:
+        v_ref = 0.05 * o.norm() ** 2
+        o_ref = o * (o.norm() / (v_ref.sqrt() + 1e-8))
+        g = o.clone()
+        me.namo_normalize_([o], [v], [g], [g])
+        del g
+    assert _rel_err_consuming(v, v_ref.reshape(v.shape)) <= 1e-5
+    del v_ref
+    assert _rel_err_consuming(o, o_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
 def test_namo_reduced_precision_inputs(device, input_dtype, gen):
     shapes = [(33, 17), (17, 33)]
