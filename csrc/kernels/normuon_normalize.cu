@@ -29,7 +29,8 @@ struct NormuonDesc {
   int64_t partials_count;  // slice blocks of the tensor
 };
 
-bool row_slices(int64_t rows, int64_t cols) { return rows >= cols; }
+// The reference's rule: the state is (rows, 1), one entry per row, when rows >= cols.
+__host__ __device__ __forceinline__ bool row_slices(int64_t rows, int64_t cols) { return rows >= cols; }
 
 // Row slices: a warp per row, lanes along the contiguous row; column slices: a block handles 32
 // adjacent columns at a time (coalesced rows of 128 bytes), its warps splitting the rows.
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(kSliceThreads)
   const int warp = threadIdx.x / 32;
   float sum_o = 0.f;  // meaningful in lane 0 of each warp (row slices) or warp 0 (column slices)
   float sum_u = 0.f;
-  if (d.rows >= d.cols) {
+  if (row_slices(d.rows, d.cols)) {
     for (int64_t r = slot.local * kWarps + warp; r < d.rows; r += slot.blocks * kWarps) {
       const float* row = d.update + r * d.cols;
       float acc = 0.f;
@@ -89,7 +90,7 @@ __global__ void __launch_bounds__(kApplyThreads)
   const NormuonDesc d = args.tensors[slot.tensor];
   const float2 sums = sum_partials(partials, d.partials_first, d.partials_count);
   const float ratio = normuon_norm_ratio(sums.x, sums.y, eps);
-  const bool by_row = d.rows >= d.cols;
+  const bool by_row = row_slices(d.rows, d.cols);
   const int64_t numel = d.rows * d.cols;
   const int64_t stride = slot.blocks * blockDim.x;
   int64_t i = slot.local * blockDim.x + threadIdx.x;
