@@ -198,8 +198,10 @@ def namo_normalize_(
 def new_moment2_buffer(method: Moment2MethodT, param: torch.Tensor) -> torch.Tensor:
     """Zero second-moment state (fp32, on ``param``'s device) of a 2-D parameter for ``method``."""
     validate_moment2_method(method)
-    if not isinstance(param, torch.Tensor) or param.dim() != 2:
-        raise ValueError(f"param must be a 2-D tensor, got {getattr(param, 'shape', type(param).__name__)}")
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
+    if param.dim() != 2:
+        raise ValueError(f"param must be 2-D, got shape {tuple(param.shape)}")
     return torch.zeros(moment2_shape(method, param.shape[0], param.shape[1]), dtype=torch.float32, device=param.device)
 
 

@@ -203,6 +203,8 @@ def test_moment2_shapes_follow_the_reference():
     assert buf.shape == (1, 8) and buf.dtype == torch.float32 and not buf.any()
     with pytest.raises(ValueError, match="moment2_method"):
         me.moment2_shape("adam", 2, 2)
+    with pytest.raises(ValueError, match="param must be 2-D"):
+        me.new_moment2_buffer("normuon", torch.zeros(4, 3, 2))
 
 
 def test_empty_list_is_a_no_op():
