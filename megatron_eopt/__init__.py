@@ -24,6 +24,9 @@ from .ops import (
     normuon_normalize_,
 )
 from .second_moment import MOMENT2_METHODS, moment2_shape
+from . import registry
+from .param_routing import RoutingTable, build_optimizers
+from .schedulers import build_schedulers
 
 __version__ = "0.1.0"
 
@@ -31,7 +34,10 @@ __all__ = [
     "COEFFICIENT_SETS",
     "LIBRARY_PATH",
     "MOMENT2_METHODS",
+    "RoutingTable",
     "adamuon_normalize_",
+    "build_optimizers",
+    "build_schedulers",
     "cuda_kernels_built",
     "foreach_momentum_",
     "foreach_update_",
@@ -45,5 +51,6 @@ __all__ = [
     "newton_schulz_list",
     "newton_schulz_split",
     "normuon_normalize_",
+    "registry",
     "validate_coefficient_type",
 ]

@@ -1,0 +1,286 @@
+"""megatron-eopt inside Megatron-LM's own optimizer factory, on a real (small) GPTModel.
+
+What runs: megatron-core's GPTModel (local layer spec, GQA, TP = PP = 1, one-rank gloo group)
+does a forward/backward on CPU; ``megatron.core.optimizer.get_megatron_optimizer`` builds the
+optimizer (param tagging, default param overrides, param groups, FP32Optimizer and
+ChainedOptimizer wrappers) and ``ChainedOptimizer.step()`` runs. See megatron_cpu.py for the
+three CUDA-only scalars redirected to the CPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import megatron_eopt
+from megatron_eopt.integrations import megatron as integration
+from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon
+
+from reference import rel_err
+
+try:
+    import megatron.core.optimizer as mcore_optimizer
+except ModuleNotFoundError:  # only a missing megatron-core skips; a broken one fails
+    mcore_optimizer = None
+
+needs_megatron = pytest.mark.skipif(mcore_optimizer is None, reason="megatron-core is not installed")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def megatron_env():
+    if mcore_optimizer is None:
+        pytest.skip("megatron-core is not installed")
+    import megatron_cpu
+
+    megatron_cpu.init_megatron_single_rank()
+    try:
+        yield megatron_cpu
+    finally:
+        integration.uninstall()
+        megatron_cpu.shutdown_megatron()
+
+
+@pytest.fixture
+def stock_registry(megatron_env):
+    """Each test starts from Megatron's own registry and leaves it that way."""
+    integration.uninstall()
+    yield mcore_optimizer.emerging_optimizers._EMERGING_OPTIMIZERS
+    integration.uninstall()
+
+
+def _config(optimizer, **fields):
+    base = dict(optimizer=optimizer, lr=0.02, min_lr=0.0, weight_decay=0.1, clip_grad=0.0, bf16=False, fp16=False)
+    base.update(fields)
+    return mcore_optimizer.OptimizerConfig(**base)
+
+
+def _inner_by_param_name(model, chained):
+    """{parameter name: the torch optimizer that owns it} for a Megatron ChainedOptimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    owner = {}
+    for wrapper in chained.chained_optimizers:
+        for group in wrapper.optimizer.param_groups:
+            for p in group["params"]:
+                owner[names[id(p)]] = wrapper.optimizer
+    return owner
+
+
+@needs_megatron
+def test_install_replaces_registry_entries_idempotently(stock_registry):
+    table = stock_registry
+    stock = dict(table)
+    replaced = integration.install()
+    assert {"muon", "adaptive_muon"} <= set(replaced)
+    assert replaced["muon"] is stock["muon"] and replaced["adaptive_muon"] is stock["adaptive_muon"]
+    assert table["muon"].optimizer_cls is TensorParallelMuon
+    assert table["adaptive_muon"].optimizer_cls is TensorParallelAdaptiveMuon
+    assert isinstance(table["muon"], mcore_optimizer.emerging_optimizers.EmergingOptimizerEntry)
+    (key,) = table["muon"].default_param_overrides
+    assert isinstance(key, mcore_optimizer.ParamKey)
+    assert integration.install() == {}  # idempotent
+    assert integration.installed() == sorted(megatron_eopt.registry.names())
+    integration.uninstall()
+    assert table["muon"] is stock["muon"] and integration.installed() == []
+    assert set(table) == set(stock)
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_factory_builds_ours_and_routes_like_megatron(stock_registry, megatron_env, name, cls):
+    model = megatron_env.build_gpt(seed=1)
+    integration.install()
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(_config(name), [model])
+    owner = _inner_by_param_name(model, chained)
+    assert set(owner) == {n for n, _ in model.named_parameters()}
+    ours = {n for n, opt in owner.items() if isinstance(opt, cls)}
+    adam = {n for n, opt in owner.items() if isinstance(opt, torch.optim.AdamW)}
+    # Megatron's rule: 2-D and not tagged embedding/output -> Muon; the rest -> Adam
+    expected = {
+        n for n, p in model.named_parameters()
+        if p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+    }
+    assert ours == expected
+    assert {f"decoder.layers.{i}.self_attention.linear_qkv.weight" for i in range(2)} <= ours
+    assert {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"} <= adam
+    assert ours | adam == set(owner)
+    muon_opt = next(opt for opt in owner.values() if isinstance(opt, cls))
+    assert muon_opt.qkv_split_shapes == [32, 16, 16]  # 4 heads / 2 groups x kv 16, then k, v
+    qkv = dict(model.named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.is_qkv and muon_opt.is_qkv_fn(qkv)
+
+
+def _train(megatron_env, model, config, steps=2):
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(config, [model])
+        for step in range(steps):
+            megatron_env.forward_backward(model, seed=100 + step)
+            ok, grad_norm, _ = chained.step()
+            assert ok and grad_norm > 0
+    return chained
+
+
+@needs_megatron
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("muon", dict(muon_coefficient_type="polar_express", muon_num_ns_steps=6, muon_nesterov=True,
+                      muon_momentum=0.9, muon_scale_mode="shape_scaling", muon_extra_scale_factor=0.5)),
+        ("muon", dict(muon_split_qkv=False, muon_scale_mode="spectral", muon_extra_scale_factor=0.2)),
+        ("adaptive_muon", dict(adaptive_muon_moment2_method="normuon", adaptive_muon_beta2=0.9,
+                               adaptive_muon_eps=1e-7, muon_nesterov=True)),
+        ("adaptive_muon", dict(adaptive_muon_moment2_method="adamuon")),
+    ],
+)
+def test_training_steps_match_megatrons_own_optimizer(stock_registry, megatron_env, name, fields):
+    """Two ChainedOptimizer steps with ours equal the stock Megatron-LM (Emerging-Optimizers) ones."""
+    if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("Megatron's own Muon needs emerging-optimizers to compare against")
+    config = _config(name, muon_fp32_matmul_prec="highest", **fields)
+    reference_model = megatron_env.build_gpt(seed=7)
+    start = {n: p.detach().clone() for n, p in reference_model.named_parameters()}
+    reference_chained = _train(megatron_env, reference_model, config)
+    stock_cls = mcore_optimizer.emerging_optimizers.TensorParallelMuon
+    assert any(type(w.optimizer).__module__ == stock_cls.__module__ for w in reference_chained.chained_optimizers)
+
+    integration.install()
+    model = megatron_env.build_gpt(seed=7)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, start[n])
+    chained = _train(megatron_env, model, config)
+    owner = _inner_by_param_name(model, chained)
+    reference = dict(reference_model.named_parameters())
+    for n, p in model.named_parameters():
+        delta, ref_delta = p.detach() - start[n], reference[n].detach() - start[n]
+        assert ref_delta.norm() > 0, n
+        # fp32 ("highest") Newton–Schulz on both sides; Adam sees the second step's grads,
+        # which inherit the first step's rounding differences
+        assert rel_err(delta, ref_delta) <= 1e-4, (n, type(owner[n]).__name__)
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, method", [("muon", None), ("adaptive_muon", "normuon")])
+def test_init_state_fn_through_megatron_wrapper(stock_registry, megatron_env, name, method):
+    model = megatron_env.build_gpt(seed=3)
+    integration.install()
+    config = _config(name, adaptive_muon_moment2_method=method or "adamuon")
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(config, [model])
+    ours = [w for w in chained.chained_optimizers if isinstance(w.optimizer, TensorParallelMuon)]
+    assert len(ours) == 1
+    wrapper = ours[0]
+    wrapper.init_state_fn(wrapper.optimizer, config)  # what Megatron calls before loading a checkpoint
+    for group in wrapper.optimizer.param_groups:
+        for p in group["params"]:
+            state = wrapper.optimizer.state[p]
+            assert state["momentum_buffer"].shape == p.shape
+            assert ("moment2_buffer" in state) == (method is not None)
+
+
+@needs_megatron
+def test_legacy_get_megatron_muon_optimizer(stock_registry, megatron_env):
+    from megatron_eopt import muon as legacy
+
+    model = megatron_env.build_gpt(seed=5)
+    legacy._warned.discard("get_megatron_muon_optimizer")
+    with megatron_env.megatron_optimizer_on_cpu():
+        with pytest.warns(DeprecationWarning, match="get_megatron_optimizer"):
+            chained = legacy.get_megatron_muon_optimizer(_config("muon"), [model])
+        megatron_env.forward_backward(model, seed=0)
+        assert chained.step()[0]
+    assert any(isinstance(w.optimizer, TensorParallelMuon) for w in chained.chained_optimizers)
+    assert "muon" in integration.installed()
+
+
+def test_install_error_when_megatron_is_missing(monkeypatch):
+    monkeypatch.setattr(integration, "megatron_core_version", lambda: None)
+    monkeypatch.setitem(sys.modules, "megatron.core.optimizer", None)
+    with pytest.raises(ImportError, match=r"needs megatron-core >= 0\.18.*pip install megatron-core"):
+        integration.install()
+
+
+def test_install_error_when_megatron_is_too_old(monkeypatch):
+    monkeypatch.setattr(integration, "megatron_core_version", lambda: (0, 17, 1))
+    with pytest.raises(ImportError, match=r">= 0\.18.*found 0\.17\.1"):
+        integration.install()
+
+
+def test_version_parsing():
+    assert integration._parse_version("0.19.2") == (0, 19, 2)
+    assert integration._parse_version("0.18.0rc1+abc123") == (0, 18, 0)
+    assert integration._parse_version("1.0") == (1, 0)
+
+
+_WITHOUT_EO = textwrap.dedent(
+    """
+    import importlib.abc, importlib.metadata, json, sys
+    # A machine without Emerging-Optimizers: neither importable nor in the metadata.
+    class _Hide(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "emerging_optimizers":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+    sys.meta_path.insert(0, _Hide())
+    _version = importlib.metadata.version
+    def version(name):
+        if name.replace("_", "-") == "emerging-optimizers":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return _version(name)
+    importlib.metadata.version = version
+
+    import torch
+    import megatron.core.optimizer as mo
+    import megatron_cpu
+    from megatron_eopt.integrations import megatron as integration
+    from megatron_eopt.optim import TensorParallelMuon
+
+    megatron_cpu.init_megatron_single_rank()
+    result = {"have_eo": mo.HAVE_EMERGING_OPTIMIZERS}
+    model = megatron_cpu.build_gpt(seed=2)
+    config = mo.OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, clip_grad=0.0)
+    with megatron_cpu.megatron_optimizer_on_cpu():
+        try:
+            mo.get_megatron_optimizer(config, [model])
+        except ImportError as exc:
+            result["stock_error"] = str(exc)
+        result["replaced"] = sorted(integration.install())
+        chained = mo.get_megatron_optimizer(config, [model])
+        result["types"] = sorted(type(w.optimizer).__name__ for w in chained.chained_optimizers)
+        before = [p.detach().clone() for p in model.parameters()]
+        megatron_cpu.forward_backward(model, seed=0)
+        result["step"] = bool(chained.step()[0])
+        result["changed"] = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        result["n_params"] = len(before)
+        lion = mo.OptimizerConfig(optimizer="muon", lr=0.02, clip_grad=0.0, muon_scalar_optimizer="lion")
+        try:
+            mo.get_megatron_optimizer(lion, [model])
+        except ImportError as exc:
+            result["lion_error"] = str(exc)
+    integration.uninstall()
+    result["restored"] = mo.HAVE_EMERGING_OPTIMIZERS
+    megatron_cpu.shutdown_megatron()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+@needs_megatron
+def test_works_without_emerging_optimizers_installed():
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_eopt.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, HERE, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_EO], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["have_eo"] is False
+    assert "emerging-optimizers" in result["stock_error"]  # Megatron alone refuses optimizer="muon"
+    assert {"muon", "adaptive_muon"} <= set(result["replaced"])
+    assert result["types"] == ["AdamW", "TensorParallelMuon"]
+    assert result["step"] and result["changed"] == result["n_params"]
+    assert "emerging-optimizers" in result["lion_error"]
+    assert result["restored"] is False
