@@ -69,6 +69,19 @@ def _ns_list(label: str, shapes_fn, *, in_quick=False, cpu_skip=None) -> Workloa
     return Workload(name, "ns", build, in_quick, cpu_skip, ("newton_schulz_list",))
 
 
+def _ns_split(label: str, sizes: list[int], groups: int, n: int, what: str, *, in_quick=False, cpu_skip=None):
+    name = f"ns_split_{label}"
+
+    def build(device, quick):
+        part_sizes = [max(1, s // QUICK_SHRINK) for s in sizes] if quick else sizes
+        cols = max(4, n // QUICK_SHRINK) if quick else n
+        rows = groups * sum(part_sizes)
+        desc = f"split NS of a fused {rows}x{cols} {what}: {groups} groups of {part_sizes}"
+        return workloads_ns.build_ns_case(name, desc, [(rows, cols)], "split", device, split=(part_sizes, groups))
+
+    return Workload(name, "ns", build, in_quick, cpu_skip, ("newton_schulz_split",))
+
+
 def _step(label: str, shapes_fn, description: str, *, in_quick=False, cpu_skip=None) -> Workload:
     name = f"step_{label}"
 
@@ -109,6 +122,11 @@ def memory_workloads() -> list[Workload]:
                            lambda n, s, d: workloads_memory.build_momentum_case(n, s, torch.bfloat16, d)))
     if _has_op("foreach_update_"):
         out.append(_memory("foreach_update", "foreach_update_", workloads_memory.build_update_case, in_quick=True))
+    for method in ("adamuon", "normuon", "namo"):
+        op = f"{method}_normalize_"
+        if _has_op(op):
+            out.append(_memory(f"{method}_normalize", op,
+                               lambda n, s, d, m=method: workloads_memory.build_moment2_case(n, m, s, d), in_quick=True))
     return out
 
 
@@ -135,6 +153,13 @@ def catalogue() -> list[Workload]:
         _ns_list("gpt2_124m", param_sets.gpt2_124m, in_quick=True,
                  cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.gpt2_124m())}); its step_ workload covers it"),
     ]
+    splits = []
+    if _has_op("newton_schulz_split"):
+        splits = [
+            _ns_split("qkv_gpt2", [64, 64, 64], 12, 768, "GPT-2 QKV (12 heads)", in_quick=True),
+            _ns_split("qkv_llama8b", [512, 128, 128], 8, 4096, "Llama-3-8B QKV (8 query groups)",
+                      cpu_skip=f"{_TOO_SLOW} ({_tflop([(4096, 4096), (1024, 4096), (1024, 4096)])})"),
+        ]
     steps = [
         _step("gpt2_124m", param_sets.gpt2_124m, "Muon step, GPT-2 124M hidden matrices (85 M params)", in_quick=True),
         _step("llama_1b", param_sets.llama_1b, "Muon step, Llama-3.2-1B hidden matrices (0.97 B params)",
@@ -149,7 +174,7 @@ def catalogue() -> list[Workload]:
               "Muon step, Qwen3-30B-A3B MoE layer, real shapes: experts 768x2048 / 2048x768 (0.62 B params)",
               cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.qwen3_moe_layer(768, 4096))})"),
     ]
-    return single + batches + lists + memory_workloads() + steps
+    return single + batches + lists + splits + memory_workloads() + steps
 
 
 def by_name() -> dict[str, Workload]:

@@ -150,3 +150,111 @@ def build_update_case(name: str, shapes, device: torch.device) -> Case:
         parity=lambda: _parity(small_fns, make_small, lambda s: list(s[0])),
         notes=["bytes: param read and written, update read"],
     )
+
+
+# ------------------------------------------------------------------ second-moment normalizations
+def _shorter_side_mean_square(o: torch.Tensor) -> torch.Tensor:
+    m, n = o.shape
+    return o.square().mean(dim=1, keepdim=True) if m >= n else o.square().mean(dim=0, keepdim=True)
+
+
+def moment2_impls(method: str):
+    """name -> run(state), state = (updates O, moment2 v, grads, ns_inputs); DESIGN §4.4 math.
+
+    torch._foreach has no row/column reductions: the NorMuon peer takes those per tensor and
+    everything else as foreach ops; NAMO's norms are torch._foreach_norm.
+    """
+    beta2, eps = hyper.BETA2, hyper.MOMENT2_EPS
+
+    if method == "adamuon":
+
+        def ours(state):
+            me.adamuon_normalize_(state[0], state[1], beta2=beta2, eps=eps)
+
+        def foreach(state):
+            o, v = state[0], state[1]
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, o, o, 1.0 - beta2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_div_(o, denom)
+
+        def loop(state):
+            for o, v in zip(state[0], state[1]):
+                v.lerp_(o.square(), 1.0 - beta2)
+                o.div_(v.sqrt().add_(eps))
+
+    elif method == "normuon":
+
+        def ours(state):
+            me.normuon_normalize_(state[0], state[1], beta2=beta2, eps=eps)
+
+        def foreach(state):
+            o, v = state[0], state[1]
+            norms = torch._foreach_norm(o)
+            torch._foreach_lerp_(v, [_shorter_side_mean_square(x) for x in o], 1.0 - beta2)
+            inv = torch._foreach_maximum(v, eps)
+            torch._foreach_rsqrt_(inv)
+            torch._foreach_mul_(o, inv)
+            torch._foreach_mul_(o, torch._foreach_div(norms, torch._foreach_clamp_min(torch._foreach_norm(o), eps)))
+
+        def loop(state):
+            for o, v in zip(state[0], state[1]):
+                norm = o.norm()
+                v.lerp_(_shorter_side_mean_square(o), 1.0 - beta2)
+                o.mul_(v.clamp_min(eps).rsqrt())
+                o.mul_(norm / o.norm().clamp_min(eps))
+
+    elif method == "namo":
+
+        def ours(state):
+            me.namo_normalize_(state[0], state[1], state[2], state[3], beta2=beta2, eps=eps)
+
+        def foreach(state):
+            o, v, grads, ns = state
+            gnorm = torch._foreach_norm(grads)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, gnorm, gnorm, 1.0 - beta2)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_mul_(o, torch._foreach_div(torch._foreach_norm(ns), denom))
+
+        def loop(state):
+            for o, v, g, x in zip(*state):
+                v.mul_(beta2).add_(g.norm().square(), alpha=1.0 - beta2)
+                o.mul_(x.norm() / (v.sqrt() + eps))
+
+    else:
+        raise ValueError(method)
+    return {OURS: ours, peers.FOREACH: foreach, peers.LOOP: loop}
+
+
+def build_moment2_case(name: str, method: str, shapes, device: torch.device) -> Case:
+    from megatron_eopt import moment2_shape
+
+    def make_state(shape_list, seed):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        o = _randn_list(shape_list, gen, device)
+        v = [torch.rand(moment2_shape(method, m, n), device=device, generator=gen) for m, n in shape_list]
+        extra = (_randn_list(shape_list, gen, device), _randn_list(shape_list, gen, device)) if method == "namo" else ((), ())
+        return (o, v) + extra
+
+    state = make_state(shapes, 11)
+    fns = moment2_impls(method)
+    impls = [Impl(n, (lambda f=f: (lambda _inp: f(state))), is_ours=n == OURS) for n, f in fns.items()]
+    numel = sum(m * n for m, n in shapes)
+    moment2_numel = sum(torch.Size(moment2_shape(method, m, n)).numel() for m, n in shapes)
+    if method == "namo":
+        per_elem, what = 16, "O read and written, gradient and NS input read"
+    else:
+        per_elem, what = 8, "O read and written"
+    return Case(
+        name=name,
+        kind="memory",
+        description=f"{method}_normalize_, {len(shapes)} tensors, {numel / 1e6:.0f} M fp32 elements",
+        inputs=[None],
+        impls=impls,
+        bytes_moved=numel * per_elem + moment2_numel * 8,  # + the state read and written
+        parity=lambda: _parity(fns, lambda: make_state(shapes[:3], 12), lambda s: list(s[0]) + list(s[1])),
+        notes=[f"bytes: {what}, second moment read and written"],
+    )

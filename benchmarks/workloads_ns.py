@@ -33,13 +33,32 @@ def _eo_ns_fn(muon_utils, eo_utils):
     return run
 
 
-def _implementations(layout: str) -> tuple[dict[str, callable], dict[str, str]]:
-    """name -> fn(input) for the given input layout ("single", "batch" or "list"), and skip reasons."""
+def split_apply(x: torch.Tensor, sizes: list[int], groups: int, ns_fn) -> torch.Tensor:
+    """Megatron's QKV split done by hand: view (groups, sum(sizes), n), cut, orthogonalize and scale
+    each part as a (groups * size, n) matrix, put the parts back in place."""
+    n = x.shape[1]
+    parts = torch.split(x.view(groups, sum(sizes), n), sizes, dim=1)
+    outs = []
+    for part, size in zip(parts, sizes):
+        o = ns_fn(part.reshape(groups * size, n)).float()
+        outs.append((o * peers.shape_scale(groups * size, n, hyper.SCALE_MODE)).view(groups, size, n))
+    return torch.cat(outs, dim=1).view(-1, n)
+
+
+def _implementations(layout: str, split: tuple[list[int], int] | None = None):
+    """name -> fn(input) for the given input layout ("single", "batch", "list" or "split"), and
+    the reasons for implementations left out."""
     fns: dict[str, callable] = {}
     skipped: dict[str, str] = {}
     a, b, c = hyper.COEFFICIENTS[0]
 
-    if layout == "list":
+    if layout == "split":
+        sizes, groups = split
+        fns[OURS] = lambda x: me.newton_schulz_split(
+            x, sizes, groups, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE,
+            precision=hyper.PRECISION, scale_mode=hyper.SCALE_MODE,
+        )
+    elif layout == "list":
         fns[OURS] = lambda xs: me.newton_schulz_list(
             xs, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE, precision=hyper.PRECISION
         )
@@ -54,7 +73,10 @@ def _implementations(layout: str) -> tuple[dict[str, callable], dict[str, str]]:
     else:
         eo = _eo_ns_fn(muon_utils, eo_utils)
         # Emerging-Optimizers takes 2-D or 3-D input; a model's mixed shapes go one by one.
-        fns[peers.EO_NS] = (lambda xs: [eo(x) for x in xs]) if layout == "list" else eo
+        if layout == "split":
+            fns[peers.EO_NS] = lambda x: split_apply(x, *split, eo)
+        else:
+            fns[peers.EO_NS] = (lambda xs: [eo(x) for x in xs]) if layout == "list" else eo
 
     why = peers.torch_muon_available()
     if why:
@@ -68,6 +90,8 @@ def _implementations(layout: str) -> tuple[dict[str, callable], dict[str, str]]:
         # 2-D only: batches and lists run matrix by matrix (it returns bf16, as its optimizer uses it).
         if layout == "single":
             fns[peers.TORCH_NS] = torch_ns
+        elif layout == "split":
+            fns[peers.TORCH_NS] = lambda x: split_apply(x, *split, torch_ns)
         else:
             fns[peers.TORCH_NS] = lambda xs: [torch_ns(x) for x in xs]
 
@@ -83,15 +107,23 @@ def _implementations(layout: str) -> tuple[dict[str, callable], dict[str, str]]:
             return out
 
         fns[peers.COMPILED] = compiled_list
+    elif layout == "split":
+        fns[peers.COMPILED] = lambda x: split_apply(x, *split, compiled)
     else:
         fns[peers.COMPILED] = compiled
     return fns, skipped
 
 
 def build_ns_case(
-    name: str, description: str, shapes: list[tuple[int, int]], layout: str, device: torch.device
+    name: str,
+    description: str,
+    shapes: list[tuple[int, int]],
+    layout: str,
+    device: torch.device,
+    split: tuple[list[int], int] | None = None,
 ) -> Case:
-    """layout "single": shapes = [(m, n)]; "batch": B equal shapes as one (B, m, n); "list": mixed 2-D."""
+    """layout "single": shapes = [(m, n)]; "batch": B equal shapes as one (B, m, n); "list": mixed
+    2-D; "split": one fused (rows, n) matrix cut as ``split = (sizes, groups)`` (shapes = [(rows, n)])."""
     gen = torch.Generator(device=device).manual_seed(1234)
     set_bytes = sum(m * n for m, n in shapes) * 4
     budget = None
@@ -101,14 +133,14 @@ def build_ns_case(
 
     def make_input():
         mats = [torch.randn(m, n, device=device, generator=gen) for m, n in shapes]
-        if layout == "single":
+        if layout in ("single", "split"):
             return mats[0]
         if layout == "batch":
             return torch.stack(mats)
         return mats
 
     inputs = [make_input() for _ in range(copies)]
-    fns, skipped = _implementations(layout)
+    fns, skipped = _implementations(layout, split)
     impls = [Impl(n, (lambda f=f: f), is_ours=(n == OURS)) for n, f in fns.items()]
 
     def parity() -> dict[str, float]:
@@ -125,7 +157,11 @@ def build_ns_case(
             diffs[impl_name] = _rel_diff(out, ref)
         return diffs
 
-    flops = sum(hyper.ns_flops(m, n) for m, n in shapes)
+    if layout == "split":
+        sizes, groups = split
+        flops = sum(hyper.ns_flops(groups * size, shapes[0][1]) for size in sizes)
+    else:
+        flops = sum(hyper.ns_flops(m, n) for m, n in shapes)
     return Case(
         name=name,
         kind="ns",

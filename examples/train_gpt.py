@@ -41,6 +41,7 @@ if not hasattr(typing, "override"):
 import megatron_eopt
 from megatron_eopt.optim import Muon
 
+
 # ------------------------------------------------------------------ data
 def load_stdlib_text(max_bytes: int) -> bytes:
     """The .py files of this Python's standard library, in a fixed order, up to max_bytes."""
@@ -100,8 +101,8 @@ class Block(nn.Module):
 class CharGPT(nn.Module):
     def __init__(self, d: int, layers: int, heads: int, block: int, vocab: int = 256):
         super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(block, d)
+        self.tok_embed = nn.Embedding(vocab, d)
+        self.pos_embed = nn.Embedding(block, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
@@ -111,29 +112,22 @@ class CharGPT(nn.Module):
 
     def forward(self, idx, targets):
         pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
+        x = self.tok_embed(idx) + self.pos_embed(pos)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
-def hidden_matrices(model: CharGPT) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """(Muon params, AdamW params): the blocks' 2-D weights go to Muon, everything else to AdamW."""
-    muon, adamw = [], []
-    for name, p in model.named_parameters():
-        (muon if p.ndim == 2 and name.startswith("blocks.") else adamw).append(p)
-    return muon, adamw
-
-
 # ------------------------------------------------------------------ optimizers
 def muon_kwargs(args) -> dict:
-    """Emerging-Optimizers' Muon constructor arguments; megatron-eopt's Muon takes the same."""
+    """One Muon configuration (Emerging-Optimizers' constructor arguments, which megatron-eopt's
+    Muon shares): Keller Jordan's recipe with decoupled weight decay and bf16 Newton–Schulz."""
     return dict(
         lr=args.muon_lr,
         momentum=0.95,
-        weight_decay=args.weight_decay,
         nesterov=True,
+        weight_decay=args.weight_decay,
         weight_decay_method="decoupled",
         fp32_matmul_prec="medium",
         coefficient_type="quintic",
@@ -143,25 +137,28 @@ def muon_kwargs(args) -> dict:
     )
 
 
-def adamw(params, args, weight_decay):
-    return torch.optim.AdamW(params, lr=args.adam_lr, betas=(0.9, 0.95), weight_decay=weight_decay)
-
-
-def build_optimizers(model: CharGPT, args, use_muon: bool) -> list[torch.optim.Optimizer]:
-    if not use_muon:
-        decay = [p for p in model.parameters() if p.ndim == 2]
-        no_decay = [p for p in model.parameters() if p.ndim != 2]
-        return [torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.adam_lr, betas=(0.9, 0.95))]
-    muon_params, adamw_params = hidden_matrices(model)
-    return [Muon(muon_params, **muon_kwargs(args)), adamw(adamw_params, args, weight_decay=0.0)]
-
-
-def schedule(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up, then linear decay to 10 % (a multiplier of each optimizer's base lr)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 1.0 - 0.9 * (step - warmup) / max(1, total - warmup)
+def build_run_optimizers(model: CharGPT, args, use_muon: bool) -> list[torch.optim.Optimizer]:
+    if use_muon:
+        # megatron-eopt's routing: 2-D hidden matrices -> Muon; embeddings, head, norms -> AdamW.
+        kw = muon_kwargs(args)
+        optimizers, table = megatron_eopt.build_optimizers(
+            model,
+            muon_lr=kw.pop("lr"),
+            momentum=kw.pop("momentum"),
+            nesterov=kw.pop("nesterov"),
+            weight_decay=kw.pop("weight_decay"),
+            adamw_lr=args.adam_lr,
+            adamw_weight_decay=0.0,
+            adamw_betas=(0.9, 0.95),
+            muon_kwargs=kw,
+        )
+        routed = ", ".join(f"{opt}: {n} tensors / {numel / 1e6:.2f} M" for opt, (n, numel) in table.summary().items())
+        print(f"parameter routing: {routed}")
+        return optimizers
+    decay = [p for p in model.parameters() if p.ndim == 2]
+    no_decay = [p for p in model.parameters() if p.ndim != 2]
+    return [torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=args.adam_lr, betas=(0.9, 0.95))]
 
 
 def sync(device):
@@ -181,22 +178,19 @@ def evaluate(model, batches: Batches, n: int) -> float:
 def train(label: str, use_muon: bool, args, train_data, val_data, device) -> dict:
     torch.manual_seed(args.seed)  # same initialization for every run
     model = CharGPT(args.d_model, args.layers, args.heads, args.block_size).to(device)
-    optimizers = build_optimizers(model, args, use_muon)
-    base_lrs = [[g["lr"] for g in opt.param_groups] for opt in optimizers]
+    optimizers = build_run_optimizers(model, args, use_muon)
+    # Linear warm-up, then linear decay to 10 %; every optimizer reads its groups' lr at each step.
+    schedulers = megatron_eopt.build_schedulers(optimizers, args.warmup, args.steps, decay="linear", min_lr_ratio=0.1)
     batches = Batches(train_data, args.batch_size, args.block_size, args.seed + 1, device)
     val_batches_seed = args.seed + 2
     curve = {"step": [], "train": [], "val_step": [], "val": []}
     muon_step_ms = []
     start = time.perf_counter()
     for step in range(args.steps):
-        factor = schedule(step, args.steps, args.warmup)
-        for opt, lrs in zip(optimizers, base_lrs):
-            for group, lr in zip(opt.param_groups, lrs):
-                group["lr"] = lr * factor  # every optimizer reads lr from its groups at each step
         loss = model(*batches.next())
         loss.backward()
-        for i, opt in enumerate(optimizers):
-            if use_muon and i == 0:
+        for opt in optimizers:
+            if isinstance(opt, Muon):
                 sync(device)
                 t0 = time.perf_counter()
                 opt.step()
@@ -205,6 +199,8 @@ def train(label: str, use_muon: bool, args, train_data, val_data, device) -> dic
             else:
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        for scheduler in schedulers:
+            scheduler.step()
         curve["step"].append(step)
         curve["train"].append(loss.item())
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
@@ -235,7 +231,7 @@ def time_muon_steps(model: CharGPT, batches: Batches, args, device) -> dict[str,
 
     model.zero_grad(set_to_none=True)
     model(*batches.next()).backward()
-    source, _ = hidden_matrices(model)
+    source = [p for name, p in model.named_parameters() if p.ndim == 2 and name.startswith("blocks.")]  # Muon's
     for name, cls in candidates.items():
         params = [nn.Parameter(p.detach().clone()) for p in source]
         for p, s in zip(params, source):
