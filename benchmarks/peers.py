@@ -24,6 +24,7 @@ if not hasattr(typing, "override"):
         pass
 
 EO_MUON = "Emerging-Optimizers Muon"
+EO_ADAPTIVE = "Emerging-Optimizers AdaptiveMuon"
 EO_NS = "Emerging-Optimizers newton_schulz"
 TORCH_MUON = "torch.optim.Muon"
 TORCH_NS = "torch.optim.Muon NS"
@@ -138,3 +139,68 @@ class PlainBatchedMuon:
             stacked = torch.stack([updates[i] for i in group])
             orthogonal = self.ns(stacked)
             torch._foreach_add_([params[i] for i in group], list(orthogonal.unbind(0)), alpha=-self.lr * scale)
+
+
+# ------------------------------------------------------------------ plain batched AdaptiveMuon
+def plain_moment2_normalize(O, V, grads, ns_inputs, method: str, beta2: float, eps: float):
+    """DESIGN §4.4 on a stacked batch O (B, m, n) of raw NS outputs; V is the stacked state."""
+    if method == "adamuon":
+        V.lerp_(O.square(), 1.0 - beta2)
+        return O / (V.sqrt() + eps)
+    if method == "normuon":
+        dim = -1 if O.size(-2) >= O.size(-1) else -2
+        V.lerp_(O.square().mean(dim=dim, keepdim=True), 1.0 - beta2)
+        U = O * V.clamp_min(eps).rsqrt()
+        norm_o = torch.linalg.vector_norm(O, dim=(-2, -1), keepdim=True)
+        norm_u = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)
+        return U * (norm_o / norm_u.clamp_min(eps))
+    if method == "namo":
+        V.lerp_(torch.linalg.vector_norm(grads, dim=(-2, -1), keepdim=True).square(), 1.0 - beta2)
+        return O * (torch.linalg.vector_norm(ns_inputs, dim=(-2, -1), keepdim=True) / (V.sqrt() + eps))
+    raise ValueError(f"unknown moment2 method {method!r}")
+
+
+_COMPILED_NORMALIZE = {}
+
+
+def compiled_moment2_normalize(method: str):
+    if method not in _COMPILED_NORMALIZE:
+
+        def normalize(O, V, grads, ns_inputs, beta2, eps):
+            return plain_moment2_normalize(O, V, grads, ns_inputs, method, beta2, eps)
+
+        _COMPILED_NORMALIZE[method] = torch.compile(normalize, dynamic=True)
+    return _COMPILED_NORMALIZE[method]
+
+
+class PlainBatchedAdaptiveMuon(PlainBatchedMuon):
+    """PlainBatchedMuon with AdaptiveMuon's second moment (kept stacked per shape group), applied
+    to the raw NS output before the Muon scale; NS and the normalization are compiled."""
+
+    def __init__(self, params, *, moment2_method, beta2, eps, **kwargs):
+        super().__init__(params, **kwargs)
+        self.method, self.beta2, self.eps = moment2_method, beta2, eps
+        self.normalize = compiled_moment2_normalize(moment2_method)
+        self.moment2 = []
+        for group in self.groups:
+            m, n = self.params[group[0]].shape
+            if moment2_method == "adamuon":
+                shape = (len(group), m, n)
+            elif moment2_method == "normuon":
+                shape = (len(group), m, 1) if m >= n else (len(group), 1, n)
+            else:
+                shape = (len(group), 1, 1)
+            self.moment2.append(torch.zeros(shape, device=self.params[group[0]].device))
+
+    @torch.no_grad()
+    def step(self):
+        params, grads, bufs = self.params, [p.grad for p in self.params], self.buffers
+        if self.weight_decay != 0:
+            torch._foreach_mul_(params, 1.0 - self.lr * self.weight_decay)
+        torch._foreach_lerp_(bufs, grads, 1.0 - self.momentum)
+        updates = torch._foreach_lerp(grads, bufs, self.momentum) if self.nesterov else bufs
+        for group, scale, V in zip(self.groups, self.scales, self.moment2):
+            ns_in = torch.stack([updates[i] for i in group])
+            g = torch.stack([grads[i] for i in group]) if self.method == "namo" else ns_in
+            normalized = self.normalize(self.ns(ns_in), V, g, ns_in, self.beta2, self.eps)
+            torch._foreach_add_([params[i] for i in group], list(normalized.unbind(0)), alpha=-self.lr * scale)

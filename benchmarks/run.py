@@ -46,6 +46,9 @@ def parse_args(argv=None):
     parser.add_argument("--out", metavar="FILE.json", help="write every result and sample as JSON")
     parser.add_argument("--results-md", metavar="FILE", help="update this device's section of a RESULTS.md")
     parser.add_argument("--remarks", default="", help="a paragraph added under this run's table in --results-md")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's own; --quick: 1, since its tiny ops only "
+                             "lose from threading, badly so on a loaded machine)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     return parser.parse_args(argv)
 
@@ -119,6 +122,9 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
 
+    threads = args.threads if args.threads is not None else (1 if args.quick else None)
+    if threads is not None:
+        torch.set_num_threads(threads)
     chosen, not_run = select(args, device)
     plan = plan_for(device, args.quick)
     environment = env_info.collect(device)

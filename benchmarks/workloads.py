@@ -82,12 +82,12 @@ def _ns_split(label: str, sizes: list[int], groups: int, n: int, what: str, *, i
     return Workload(name, "ns", build, in_quick, cpu_skip, ("newton_schulz_split",))
 
 
-def _step(label: str, shapes_fn, description: str, *, in_quick=False, cpu_skip=None) -> Workload:
+def _step(label: str, shapes_fn, description: str, *, in_quick=False, cpu_skip=None, adaptive=None) -> Workload:
     name = f"step_{label}"
 
     def build(device, quick):
         shapes = _shrink(shapes_fn(), quick)
-        return workloads_step.build_step_case(name, description, shapes, device)
+        return workloads_step.build_step_case(name, description, shapes, device, adaptive)
 
     return Workload(name, "step", build, in_quick, cpu_skip)
 
@@ -136,7 +136,7 @@ _TOO_SLOW = "too slow for a 2-core CPU"
 def catalogue() -> list[Workload]:
     single = [
         _ns_single(1024, 1024),
-        _ns_single(1024, 4096, in_quick=True),
+        _ns_single(1024, 4096),
         _ns_single(4096, 1024, in_quick=True),
         _ns_single(4096, 4096, cpu_skip=f"{_TOO_SLOW} ({_tflop([(4096, 4096)])})"),
         _ns_single(8192, 8192, cpu_skip=f"{_TOO_SLOW} ({_tflop([(8192, 8192)])})"),
@@ -174,6 +174,12 @@ def catalogue() -> list[Workload]:
               "Muon step, Qwen3-30B-A3B MoE layer, real shapes: experts 768x2048 / 2048x768 (0.62 B params)",
               cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.qwen3_moe_layer(768, 4096))})"),
     ]
+    for method in ("adamuon", "normuon", "namo"):
+        steps.append(_step(f"{method}_gpt2_124m", param_sets.gpt2_124m,
+                           f"AdaptiveMuon ({method}) step, GPT-2 124M hidden matrices", adaptive=method,
+                           in_quick=method == "normuon",
+                           cpu_skip=f"{_TOO_SLOW} in addition to step_gpt2_124m (the same NS work; "
+                                    f"the {method} normalization alone is mem_{method}_normalize)"))
     return single + batches + lists + splits + memory_workloads() + steps
 
 

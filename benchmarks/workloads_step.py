@@ -16,13 +16,13 @@ OURS = "megatron-eopt"
 StepBuilder = Callable[[list[torch.Tensor]], Callable[[], None]]
 
 
-def ours_muon_class():
-    """megatron_eopt.optim.Muon when this build has it, else None."""
+def ours_class(name: str):
+    """megatron_eopt.optim.<name> when this build has it, else None."""
     if importlib.util.find_spec("megatron_eopt.optim") is None:
         return None
     import megatron_eopt.optim as optim
 
-    return getattr(optim, "Muon", None)
+    return getattr(optim, name, None)
 
 
 def _muon_kwargs_eo_style() -> dict:
@@ -41,22 +41,40 @@ def _muon_kwargs_eo_style() -> dict:
     )
 
 
-def step_builders() -> tuple[dict[str, StepBuilder], dict[str, str]]:
-    """name -> (params -> step()) for every available implementation, and why others are missing."""
+def _adaptive_kwargs(method: str) -> dict:
+    return dict(_muon_kwargs_eo_style(), moment2_method=method, beta2=hyper.BETA2, eps=hyper.MOMENT2_EPS)
+
+
+def step_builders(adaptive: str | None = None) -> tuple[dict[str, StepBuilder], dict[str, str]]:
+    """name -> (params -> step()) for every available implementation, and why others are missing.
+
+    ``adaptive``: None for Muon, else the AdaptiveMuon second-moment method (adamuon, normuon, namo).
+    """
     builders: dict[str, StepBuilder] = {}
     skipped: dict[str, str] = {}
+    cls_name = "Muon" if adaptive is None else "AdaptiveMuon"
+    kwargs = _muon_kwargs_eo_style() if adaptive is None else _adaptive_kwargs(adaptive)
 
-    ours = ours_muon_class()
+    ours = ours_class(cls_name)
     if ours is None:
-        skipped[OURS] = "megatron_eopt.optim.Muon is not in this build"
+        skipped[OURS] = f"megatron_eopt.optim.{cls_name} is not in this build"
     else:
-        builders[OURS] = lambda params: ours(params, **_muon_kwargs_eo_style()).step
+        builders[OURS] = lambda params: ours(params, **kwargs).step
 
     eo, _, _, why = peers.emerging_optimizers()
+    eo_name = peers.EO_MUON if adaptive is None else peers.EO_ADAPTIVE
     if why:
-        skipped[peers.EO_MUON] = why
+        skipped[eo_name] = why
     else:
-        builders[peers.EO_MUON] = lambda params: eo.Muon(params, **_muon_kwargs_eo_style()).step
+        eo_cls = getattr(eo, cls_name)
+        builders[eo_name] = lambda params: eo_cls(params, **kwargs).step
+
+    if adaptive is not None:
+        builders[peers.COMPILED] = lambda params: peers.PlainBatchedAdaptiveMuon(
+            params, moment2_method=adaptive, beta2=hyper.BETA2, eps=hyper.MOMENT2_EPS, **_plain_kwargs()
+        ).step
+        skipped[peers.TORCH_MUON] = "has no second-moment (AdaptiveMuon) variant"
+        return builders, skipped
 
     why = peers.torch_muon_available()
     if why:
@@ -79,20 +97,20 @@ def step_builders() -> tuple[dict[str, StepBuilder], dict[str, str]]:
 
         builders[peers.TORCH_MUON] = torch_muon
 
-    def compiled(params):
-        return peers.PlainBatchedMuon(
-            params,
-            lr=hyper.LR,
-            momentum=hyper.MOMENTUM,
-            weight_decay=hyper.WEIGHT_DECAY,
-            nesterov=hyper.NESTEROV,
-            coefficients=hyper.COEFFICIENTS,
-            scale_mode=hyper.SCALE_MODE,
-            extra_scale=hyper.EXTRA_SCALE,
-        ).step
-
-    builders[peers.COMPILED] = compiled
+    builders[peers.COMPILED] = lambda params: peers.PlainBatchedMuon(params, **_plain_kwargs()).step
     return builders, skipped
+
+
+def _plain_kwargs() -> dict:
+    return dict(
+        lr=hyper.LR,
+        momentum=hyper.MOMENTUM,
+        weight_decay=hyper.WEIGHT_DECAY,
+        nesterov=hyper.NESTEROV,
+        coefficients=hyper.COEFFICIENTS,
+        scale_mode=hyper.SCALE_MODE,
+        extra_scale=hyper.EXTRA_SCALE,
+    )
 
 
 def _install_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -129,8 +147,11 @@ def _step_parity(builders: dict[str, StepBuilder], shapes: list[tuple[int, int]]
     return out
 
 
-def build_step_case(name: str, description: str, shapes: list[tuple[int, int]], device: torch.device) -> Case:
-    """One Muon step over ``shapes`` (each a separate parameter, as in a model)."""
+def build_step_case(
+    name: str, description: str, shapes: list[tuple[int, int]], device: torch.device, adaptive: str | None = None
+) -> Case:
+    """One Muon (or AdaptiveMuon with ``adaptive`` = its moment2 method) step over ``shapes``
+    (each a separate parameter, as in a model)."""
     gen = torch.Generator(device=device).manual_seed(4321)
     params = [torch.nn.Parameter(torch.randn(m, n, device=device, generator=gen) * 0.02) for m, n in shapes]
     set_bytes = sum(m * n for m, n in shapes) * 4
@@ -138,7 +159,7 @@ def build_step_case(name: str, description: str, shapes: list[tuple[int, int]], 
     copies = rotation_count(set_bytes, device, budget)
     inputs = [[torch.randn(m, n, device=device, generator=gen) for m, n in shapes] for _ in range(copies)]
 
-    builders, skipped = step_builders()
+    builders, skipped = step_builders(adaptive)
     impls = []
     for impl_name, build in builders.items():
         # Each optimizer keeps its own state; all of them update the same parameters.
