@@ -24,6 +24,7 @@ from .ops import (
     normuon_normalize_,
 )
 from .second_moment import MOMENT2_METHODS, moment2_shape
+from . import optim  # noqa: E402  (after the ops it is built on)
 from . import registry
 from .param_routing import RoutingTable, build_optimizers
 from .schedulers import build_schedulers
@@ -51,6 +52,7 @@ __all__ = [
     "newton_schulz_list",
     "newton_schulz_split",
     "normuon_normalize_",
+    "optim",
     "registry",
     "validate_coefficient_type",
 ]

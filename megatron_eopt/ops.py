@@ -100,19 +100,6 @@ def _tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(xs)
 
 
-# ------------------------------------------------------------------ second-moment normalization
-_MOMENT2_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(xs).__name__}")
-    for i, x in enumerate(xs):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
-    return list(xs)
-
-
 def _check_weight_decay_method(method: str) -> None:
     if method not in WEIGHT_DECAY_METHODS:
         raise ValueError(f"unknown weight_decay_method {method!r}, expected one of: {', '.join(WEIGHT_DECAY_METHODS)}")
@@ -218,6 +205,19 @@ def foreach_update_(
     lr_t = _step_scalar("lr", lr, device)
     wd = _step_scalar("weight_decay", weight_decay, device)
     _ops.foreach_update_(params, updates, scale_values, lr_t, wd, weight_decay_method)
+
+
+# ------------------------------------------------------------------ second-moment normalization
+_MOMENT2_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(xs).__name__}")
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+    return list(xs)
 
 
 def _check_moment2_hyper(beta2: float, eps: float) -> tuple[float, float]:
