@@ -94,19 +94,4 @@ def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, pre
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_list")
 def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision):
-    # Like the real kernel: one stacked result per shape group, outputs are its slices.
-    # (shapes may be symbolic, hence a scan rather than a dict)
-    groups: list[tuple[list, list[int]]] = []
-    for i, x in enumerate(xs):
-        for shape, members in groups:
-            if shape == list(x.shape):
-                members.append(i)
-                break
-        else:
-            groups.append((list(x.shape), [i]))
-    out: list[torch.Tensor | None] = [None] * len(xs)
-    for shape, members in groups:
-        stacked = xs[members[0]].new_empty((len(members), *shape))
-        for j, i in enumerate(members):
-            out[i] = stacked[j]
-    return out
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
