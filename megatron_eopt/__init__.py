@@ -12,18 +12,34 @@ from .newton_schulz import (
     get_supported_coefficient_types,
     validate_coefficient_type,
 )
-from .ops import newton_schulz, newton_schulz_list
+from .ops import (
+    adamuon_normalize_,
+    namo_normalize_,
+    new_moment2_buffer,
+    newton_schulz,
+    newton_schulz_list,
+    newton_schulz_split,
+    normuon_normalize_,
+)
+from .second_moment import MOMENT2_METHODS, moment2_shape
 
 __version__ = "0.1.0"
 
 __all__ = [
     "COEFFICIENT_SETS",
     "LIBRARY_PATH",
+    "MOMENT2_METHODS",
+    "adamuon_normalize_",
     "cuda_kernels_built",
     "get_coefficients",
     "get_muon_scale_factor",
     "get_supported_coefficient_types",
+    "moment2_shape",
+    "namo_normalize_",
+    "new_moment2_buffer",
     "newton_schulz",
     "newton_schulz_list",
+    "newton_schulz_split",
+    "normuon_normalize_",
     "validate_coefficient_type",
 ]
