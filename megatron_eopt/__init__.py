@@ -14,6 +14,8 @@ from .newton_schulz import (
 )
 from .ops import (
     adamuon_normalize_,
+    foreach_momentum_,
+    foreach_update_,
     namo_normalize_,
     new_moment2_buffer,
     newton_schulz,
@@ -31,6 +33,8 @@ __all__ = [
     "MOMENT2_METHODS",
     "adamuon_normalize_",
     "cuda_kernels_built",
+    "foreach_momentum_",
+    "foreach_update_",
     "get_coefficients",
     "get_muon_scale_factor",
     "get_supported_coefficient_types",
