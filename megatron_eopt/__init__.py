@@ -24,6 +24,7 @@ from .ops import (
     normuon_normalize_,
 )
 from .second_moment import MOMENT2_METHODS, moment2_shape
+from . import optim  # noqa: E402  (after the ops it is built on)
 
 __version__ = "0.1.0"
 
@@ -45,5 +46,6 @@ __all__ = [
     "newton_schulz_list",
     "newton_schulz_split",
     "normuon_normalize_",
+    "optim",
     "validate_coefficient_type",
 ]
