@@ -14,6 +14,39 @@ TORCH_LIBRARY(megatron_eopt, m) {
   m.def(
       "newton_schulz_list(Tensor[] xs, float[] coefficients, int steps, bool repeat_last, float eps, "
       "bool? transpose, str precision) -> Tensor[]");
+
+  // ---- Foreach momentum + weight decay and update (DESIGN §4.3), multi-tensor style ----
+  // Per index i: l2 decay of the gradient (params read only then), the EMA of the momentum buffer
+  // and the Newton–Schulz input (nesterov or not) written in ns_inputs' dtype. The parameter-side
+  // decays (decoupled, independent, palm) are applied by foreach_update_. weight_decay and lr are
+  // 0-dim fp32 tensors on the lists' device (read by the kernels: no host sync, graph-capturable).
+  m.def(
+      "foreach_momentum_(Tensor[] grads, Tensor(a!)[] momentum_buffers, Tensor(b!)[] ns_inputs, "
+      "Tensor[] params, float momentum, bool nesterov, Tensor weight_decay, str weight_decay_method) -> ()");
+  // params[i] <- params[i] - f * params[i] - lr * scales[i] * updates[i], f from the method.
+  m.def(
+      "foreach_update_(Tensor(a!)[] params, Tensor[] updates, float[] scales, Tensor lr, Tensor weight_decay, "
+      "str weight_decay_method) -> ()");
+
+  // ---- Second-moment normalization of the raw NS output O (DESIGN §4.4, AdaptiveMuon) ----
+  // Per list entry i: updates[i] is O (fp32, 2-D), normalized in place; moment2[i] its fp32 state:
+  // adamuon (m, n); normuon (m, 1) if m >= n else (1, n); namo (1,) (or 0-D). No bias correction.
+  // namo also reads grads[i] (the gradient) and ns_inputs[i] (the NS input G~), shaped like O.
+  m.def("adamuon_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, float beta2, float eps) -> ()");
+  m.def("normuon_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, float beta2, float eps) -> ()");
+  m.def(
+      "namo_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, Tensor[] grads, Tensor[] ns_inputs, "
+      "float beta2, float eps) -> ()");
+
+  // ---- Split orthogonalization of fused projections (DESIGN §4.5, Megatron's QKV split) ----
+  // x (rows, n) fp32 = (num_groups, sum(split_sizes), n); part k = its rows of size
+  // split_sizes[k] across the groups, orthogonalized as one (num_groups * split_sizes[k], n)
+  // matrix (the NS arguments as in newton_schulz), times its Muon scale for (rows_k, n) and
+  // extra_scale_factor when scale_mode is given (spectral | shape_scaling | unit_rms_norm).
+  m.def(
+      "newton_schulz_split(Tensor x, int[] split_sizes, int num_groups, float[] coefficients, int steps, "
+      "bool repeat_last, float eps, bool? transpose, str precision, str? scale_mode, float extra_scale_factor) "
+      "-> Tensor");
 }
 
 // Build facts for the Python front (read with ctypes, no op needed).

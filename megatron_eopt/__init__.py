@@ -12,7 +12,19 @@ from .newton_schulz import (
     get_supported_coefficient_types,
     validate_coefficient_type,
 )
-from .ops import newton_schulz, newton_schulz_list
+from .ops import (
+    adamuon_normalize_,
+    foreach_momentum_,
+    foreach_update_,
+    namo_normalize_,
+    new_moment2_buffer,
+    newton_schulz,
+    newton_schulz_list,
+    newton_schulz_split,
+    normuon_normalize_,
+)
+from .second_moment import MOMENT2_METHODS, moment2_shape
+from . import optim  # noqa: E402  (after the ops it is built on)
 from . import registry
 from .param_routing import RoutingTable, build_optimizers
 from .schedulers import build_schedulers
@@ -22,15 +34,25 @@ __version__ = "0.1.0"
 __all__ = [
     "COEFFICIENT_SETS",
     "LIBRARY_PATH",
+    "MOMENT2_METHODS",
     "RoutingTable",
+    "adamuon_normalize_",
     "build_optimizers",
     "build_schedulers",
     "cuda_kernels_built",
+    "foreach_momentum_",
+    "foreach_update_",
     "get_coefficients",
     "get_muon_scale_factor",
     "get_supported_coefficient_types",
+    "moment2_shape",
+    "namo_normalize_",
+    "new_moment2_buffer",
     "newton_schulz",
     "newton_schulz_list",
+    "newton_schulz_split",
+    "normuon_normalize_",
+    "optim",
     "registry",
     "validate_coefficient_type",
 ]

@@ -6,12 +6,14 @@ argument) before anything runs; the ops check again in C++ for direct callers.
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Sequence, Union
 
 import torch
 
 from . import _library  # noqa: F401  (loads the op library)
-from .newton_schulz import NSCoeffT, PrecisionT, coefficient_table, validate_precision
+from .newton_schulz import MuonScaleT, NSCoeffT, PrecisionT, coefficient_table, validate_precision
+from .second_moment import Moment2MethodT, moment2_shape, validate_moment2_method
 
 _ops = torch.ops.megatron_eopt
 
@@ -84,6 +86,313 @@ def newton_schulz_list(
     return list(_ops.newton_schulz_list(list(xs), coefficients, steps, repeat_last, eps, transpose, precision))
 
 
+WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
+
+ScalarArg = Union[float, torch.Tensor]
+
+
+def _tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(xs).__name__}")
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+    return list(xs)
+
+
+def _check_weight_decay_method(method: str) -> None:
+    if method not in WEIGHT_DECAY_METHODS:
+        raise ValueError(f"unknown weight_decay_method {method!r}, expected one of: {', '.join(WEIGHT_DECAY_METHODS)}")
+
+
+def _step_scalar(name: str, value: ScalarArg, device: torch.device) -> torch.Tensor:
+    """A per-step scalar as the ops take it: a 0-dim float32 tensor on the lists' device.
+
+    Tensors pass through unchanged (the op checks them: converting here would hide a host copy
+    per step); Python numbers become a fresh tensor, filled on the device without a host sync.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float or a 0-dim float32 tensor, got {type(value).__name__}")
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
+def _lists_device(*lists: Sequence[torch.Tensor]) -> torch.device | None:
+    for xs in lists:
+        if len(xs) > 0:
+            return xs[0].device
+    return None
+
+
+def foreach_momentum_(
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    ns_inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] = (),
+    *,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: ScalarArg = 0.0,
+    weight_decay_method: str = "decoupled",
+) -> None:
+    """Momentum step of the Muon family over lists of tensors, in one fused pass per call.
+
+    For each index i (math in fp32, results stored in each tensor's dtype):
+    with ``weight_decay_method == "l2"``, ``g = grads[i] + weight_decay * params[i]`` (``grads``
+    itself is not modified), else ``g = grads[i]``; then
+    ``momentum_buffers[i].lerp_(g, 1 - momentum)`` and ``ns_inputs[i]`` receives the Newton–Schulz
+    input: ``g.lerp(momentum_buffers[i], momentum)`` with ``nesterov``, else the new buffer.
+
+    ``params`` is read only for l2 and may be empty otherwise; the other weight-decay methods act
+    on the parameters and are applied by :func:`foreach_update_`. Gradients and parameters are
+    float32 or bfloat16; buffers have their dtype or float32; ``ns_inputs`` are float32 or
+    bfloat16 (e.g. slices of a stacked batch for :func:`newton_schulz`). ``weight_decay`` is a
+    float or a 0-dim tensor (optimizers pass a tensor on the lists' device).
+    """
+    grads = _tensor_list("grads", grads)
+    momentum_buffers = _tensor_list("momentum_buffers", momentum_buffers)
+    ns_inputs = _tensor_list("ns_inputs", ns_inputs)
+    params = _tensor_list("params", params)
+    if not (isinstance(momentum, (int, float)) and not isinstance(momentum, bool)):
+        raise TypeError(f"momentum must be a float, got {type(momentum).__name__}")
+    if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
+        raise ValueError(f"momentum must be finite and in [0, 1), got {momentum}")
+    _check_weight_decay_method(weight_decay_method)
+    device = _lists_device(grads, momentum_buffers, ns_inputs, params)
+    if device is None:
+        return
+    wd = _step_scalar("weight_decay", weight_decay, device)
+    _ops.foreach_momentum_(grads, momentum_buffers, ns_inputs, params, float(momentum), bool(nesterov), wd,
+                           weight_decay_method)
+
+
+def foreach_update_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    *,
+    lr: ScalarArg,
+    weight_decay: ScalarArg = 0.0,
+    weight_decay_method: str = "decoupled",
+) -> None:
+    """Weight decay and update of the parameters over lists of tensors, in one fused pass per call.
+
+    For each index i: ``params[i] <- params[i] - f * params[i] - lr * scales[i] * updates[i]`` with
+    ``f = lr * weight_decay`` (decoupled), ``weight_decay`` (independent), ``lr**2 * weight_decay``
+    (palm) or 0 (l2: the decay went into the gradient in :func:`foreach_momentum_`); evaluated as
+    the reference does, decay first (stored in the parameter's dtype), then the update, in fp32.
+    ``updates`` are float32 or the parameters' dtype; ``lr`` and ``weight_decay`` are floats or
+    0-dim tensors (optimizers pass tensors, so a changing lr neither syncs nor recompiles).
+    """
+    params = _tensor_list("params", params)
+    updates = _tensor_list("updates", updates)
+    if isinstance(scales, torch.Tensor) or not isinstance(scales, (list, tuple)):
+        raise TypeError(f"scales must be a list or tuple of floats, got {type(scales).__name__}")
+    scale_values = []
+    for i, s in enumerate(scales):
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise TypeError(f"scales[{i}] must be a float, got {type(s).__name__}")
+        if not math.isfinite(s):
+            raise ValueError(f"scales[{i}] must be finite, got {s}")
+        scale_values.append(float(s))
+    _check_weight_decay_method(weight_decay_method)
+    device = _lists_device(params, updates)
+    if device is None:
+        if len(scale_values) != 0:
+            raise ValueError(f"scales has {len(scale_values)} values but no params were given")
+        return
+    lr_t = _step_scalar("lr", lr, device)
+    wd = _step_scalar("weight_decay", weight_decay, device)
+    _ops.foreach_update_(params, updates, scale_values, lr_t, wd, weight_decay_method)
+
+
+# ------------------------------------------------------------------ second-moment normalization
+_MOMENT2_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
+        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(xs).__name__}")
+    for i, x in enumerate(xs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
+    return list(xs)
+
+
+def _check_moment2_hyper(beta2: float, eps: float) -> tuple[float, float]:
+    beta2 = float(beta2)
+    eps = float(eps)
+    if not (math.isfinite(beta2) and 0.0 <= beta2 <= 1.0):
+        raise ValueError(f"beta2 must be finite and in [0, 1], got {beta2}")
+    if not (math.isfinite(eps) and eps > 0.0):
+        raise ValueError(f"eps must be finite and positive, got {eps}")
+    return beta2, eps
+
+
+def _check_moment2_lists(method: str, updates, moment2, grads=None, ns_inputs=None):
+    updates = _check_tensor_list("updates", updates)
+    moment2 = _check_tensor_list("moment2", moment2)
+    if len(moment2) != len(updates):
+        raise ValueError(f"moment2 has {len(moment2)} tensors but updates has {len(updates)}")
+    extra = {}
+    if method == "namo":
+        extra = {"grads": _check_tensor_list("grads", grads), "ns_inputs": _check_tensor_list("ns_inputs", ns_inputs)}
+        for name, xs in extra.items():
+            if len(xs) != len(updates):
+                raise ValueError(f"{name} has {len(xs)} tensors but updates has {len(updates)}")
+    for i, (u, v) in enumerate(zip(updates, moment2)):
+        _check_matrix(f"updates[{i}]", u, (2,))
+        if u.device != updates[0].device:
+            raise ValueError(f"updates[{i}] is on {u.device} but updates[0] is on {updates[0].device}")
+        if v.dtype != torch.float32:
+            raise TypeError(f"moment2[{i}] must be float32, got {v.dtype}")
+        if v.device != u.device:
+            raise ValueError(f"moment2[{i}] is on {v.device} but updates[{i}] is on {u.device}")
+        expected = moment2_shape(method, u.shape[0], u.shape[1])
+        if tuple(v.shape) != expected and not (method == "namo" and v.dim() == 0):
+            raise ValueError(
+                f"moment2[{i}] has shape {tuple(v.shape)} but an update of shape {tuple(u.shape)} needs {expected}"
+            )
+        for name, xs in extra.items():
+            x = xs[i]
+            if x.dtype not in _MOMENT2_INPUT_DTYPES:
+                raise TypeError(f"{name}[{i}] must be float32, bfloat16 or float16, got {x.dtype}")
+            if x.shape != u.shape:
+                raise ValueError(f"{name}[{i}] has shape {tuple(x.shape)} but updates[{i}] has shape {tuple(u.shape)}")
+            if x.device != u.device:
+                raise ValueError(f"{name}[{i}] is on {x.device} but updates[{i}] is on {u.device}")
+    return updates, moment2, extra
+
+
+def adamuon_normalize_(
+    updates: Sequence[torch.Tensor], moment2: Sequence[torch.Tensor], *, beta2: float = 0.95, eps: float = 1e-8
+) -> None:
+    """AdaMuon, in place on each raw Newton–Schulz output ``O = updates[i]`` (fp32, 2-D).
+
+    ``v <- beta2 v + (1 - beta2) O**2`` elementwise (``v = moment2[i]``, fp32, shaped like ``O``), then
+    ``O <- O / (sqrt(v) + eps)``. No bias correction. Apply the Muon scale afterwards.
+    """
+    beta2, eps = _check_moment2_hyper(beta2, eps)
+    updates, moment2, _ = _check_moment2_lists("adamuon", updates, moment2)
+    if updates:
+        _ops.adamuon_normalize_(updates, moment2, beta2, eps)
+
+
+def normuon_normalize_(
+    updates: Sequence[torch.Tensor], moment2: Sequence[torch.Tensor], *, beta2: float = 0.95, eps: float = 1e-8
+) -> None:
+    """NorMuon, in place on each raw Newton–Schulz output ``O = updates[i]`` (fp32, ``(m, n)``).
+
+    ``v = moment2[i]`` is ``(m, 1)`` when ``m >= n`` else ``(1, n)``: ``v <- beta2 v + (1 - beta2) r``
+    with ``r`` the mean of ``O**2`` over the shorter side; ``U' = O * rsqrt(max(v, eps))``;
+    ``O <- U' * ||O||_F / max(||U'||_F, eps)``.
+    """
+    beta2, eps = _check_moment2_hyper(beta2, eps)
+    updates, moment2, _ = _check_moment2_lists("normuon", updates, moment2)
+    if updates:
+        _ops.normuon_normalize_(updates, moment2, beta2, eps)
+
+
+def namo_normalize_(
+    updates: Sequence[torch.Tensor],
+    moment2: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    ns_inputs: Sequence[torch.Tensor],
+    *,
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+) -> None:
+    """NAMO, in place on each raw Newton–Schulz output ``O = updates[i]`` (fp32, 2-D).
+
+    ``v = moment2[i]`` is a ``(1,)`` fp32 tensor: ``v <- beta2 v + (1 - beta2) ||grads[i]||_F**2``, then
+    ``O <- O * ||ns_inputs[i]||_F / (sqrt(v) + eps)``. ``grads[i]`` is the gradient (after weight decay),
+    ``ns_inputs[i]`` the Newton–Schulz input (momentum / Nesterov output); both shaped like ``O``,
+    float32, bfloat16 or float16.
+    """
+    beta2, eps = _check_moment2_hyper(beta2, eps)
+    updates, moment2, extra = _check_moment2_lists("namo", updates, moment2, grads, ns_inputs)
+    if updates:
+        _ops.namo_normalize_(updates, moment2, extra["grads"], extra["ns_inputs"], beta2, eps)
+
+
+def new_moment2_buffer(method: Moment2MethodT, param: torch.Tensor) -> torch.Tensor:
+    """Zero second-moment state (fp32, on ``param``'s device) of a 2-D parameter for ``method``."""
+    validate_moment2_method(method)
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"param must be a torch.Tensor, got {type(param).__name__}")
+    if param.dim() != 2:
+        raise ValueError(f"param must be 2-D, got shape {tuple(param.shape)}")
+    return torch.zeros(moment2_shape(method, param.shape[0], param.shape[1]), dtype=torch.float32, device=param.device)
+
+
+# ------------------------------------------------------------------ split orthogonalization
+def newton_schulz_split(
+    x: torch.Tensor,
+    split_sizes: Sequence[int],
+    num_groups: int | None = 1,
+    *,
+    steps: int = 5,
+    coefficient_type: NSCoeffT = "quintic",
+    custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+    eps: float = 1e-7,
+    transpose: bool | None = None,
+    precision: PrecisionT = "medium",
+    scale_mode: MuonScaleT | None = "spectral",
+    extra_scale_factor: float = 1.0,
+) -> torch.Tensor:
+    """Orthogonalizes the parts of a fused projection ``x`` (fp32, ``(rows, n)``) separately.
+
+    ``x`` is viewed as ``(num_groups, sum(split_sizes), n)`` and cut along the middle dimension;
+    part ``k`` is the ``(num_groups * split_sizes[k], n)`` matrix of its rows across the groups
+    (Megatron's QKV layout: ``num_groups`` query groups, ``split_sizes = [q, kv, kv]`` or
+    ``[q, q, kv, kv]`` with an output gate; ``num_groups=1`` gives plain row splits, e.g. fused
+    gate/up, or per-head splits with ``[head_dim] * heads``). ``num_groups=None`` infers it from
+    ``rows`` as Megatron does. Each part goes through :func:`newton_schulz` (equal sizes as one
+    batch) and, when ``scale_mode`` is given, is multiplied by
+    ``get_muon_scale_factor(part_rows, n, scale_mode) * extra_scale_factor``; ``scale_mode=None``
+    returns the raw parts (AdaptiveMuon normalizes those first). Returns a new fp32 tensor like ``x``.
+    """
+    _check_matrix("x", x, (2,))
+    if isinstance(split_sizes, (int, torch.Tensor)) or not isinstance(split_sizes, Sequence):
+        raise TypeError(f"split_sizes must be a sequence of ints, got {type(split_sizes).__name__}")
+    sizes = [int(s) for s in split_sizes]
+    if not sizes:
+        raise ValueError("split_sizes must not be empty")
+    for k, s in enumerate(sizes):
+        if s < 1:
+            raise ValueError(f"split_sizes[{k}] must be positive, got {s}")
+    group_rows = sum(sizes)
+    rows = x.shape[0]
+    if num_groups is None:
+        if rows % group_rows != 0:
+            raise ValueError(f"x has {rows} rows, which is not a multiple of sum(split_sizes) = {group_rows}")
+        num_groups = rows // group_rows
+    num_groups = int(num_groups)
+    if num_groups < 1:
+        raise ValueError(f"num_groups must be positive, got {num_groups}")
+    if rows != num_groups * group_rows:
+        raise ValueError(
+            f"x has {rows} rows, which is not num_groups * sum(split_sizes) = {num_groups} * {group_rows}"
+        )
+    if scale_mode is not None and scale_mode not in ("spectral", "shape_scaling", "unit_rms_norm"):
+        raise ValueError(
+            f"scale_mode must be one of spectral, shape_scaling, unit_rms_norm or None; got {scale_mode!r}"
+        )
+    extra_scale_factor = float(extra_scale_factor)
+    if not math.isfinite(extra_scale_factor):
+        raise ValueError(f"extra_scale_factor must be finite, got {extra_scale_factor}")
+    if scale_mode is None and extra_scale_factor != 1.0:
+        raise ValueError(
+            "extra_scale_factor applies only with a scale_mode; without one the parts are returned unscaled"
+        )
+    coefficients, repeat_last = _ns_arguments(steps, coefficient_type, custom_coefficient_sets, eps, precision)
+    return _ops.newton_schulz_split(
+        x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision, scale_mode,
+        extra_scale_factor,
+    )
+
+
 # ------------------------------------------------------------------ fake kernels
 @torch.library.register_fake("megatron_eopt::newton_schulz")
 def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, precision):
@@ -110,3 +419,104 @@ def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpos
         for j, i in enumerate(members):
             out[i] = stacked[j]
     return out
+
+
+def _fake_list_dtype(op: str, name: str, xs, allowed) -> torch.dtype | None:
+    dtype = None
+    for i, x in enumerate(xs):
+        torch._check_type(x.dtype in allowed, lambda: f"{op}: {name}[{i}] is {x.dtype}; expected one of {allowed}")
+        dtype = dtype or x.dtype
+        torch._check_type(x.dtype == dtype, lambda: f"{op}: all {name} must share one dtype")
+    return dtype
+
+
+def _fake_check_index(op: str, i: int, ref_name: str, ref: torch.Tensor, others) -> None:
+    for name, xs in others:
+        if len(xs) > 0:
+            torch._check_value(xs[i].shape == ref.shape,
+                               lambda: f"{op}: {name}[{i}] has shape {tuple(xs[i].shape)} but {ref_name}[{i}] "
+                                       f"has shape {tuple(ref.shape)}")
+
+
+def _fake_check_scalar(op: str, name: str, t: torch.Tensor) -> None:
+    torch._check_value(t.dim() == 0, lambda: f"{op}: {name} must be a 0-dim float32 tensor")
+    torch._check_type(t.dtype == torch.float32, lambda: f"{op}: {name} must be a 0-dim float32 tensor")
+
+
+_FLOATS = (torch.float32, torch.bfloat16)
+
+
+@torch.library.register_fake("megatron_eopt::foreach_momentum_")
+def _foreach_momentum_fake(grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay,
+                           weight_decay_method):
+    op = "foreach_momentum_"
+    torch._check_value(weight_decay_method in WEIGHT_DECAY_METHODS,
+                       lambda: f"{op}: unknown weight_decay_method {weight_decay_method!r}")
+    torch._check_value(math.isfinite(momentum) and 0.0 <= momentum < 1.0,
+                       lambda: f"{op}: momentum must be finite and in [0, 1), got {momentum}")
+    n = len(grads)
+    torch._check_value(len(momentum_buffers) == n and len(ns_inputs) == n, lambda: f"{op}: list lengths differ")
+    torch._check_value(len(params) == n or (len(params) == 0 and weight_decay_method != "l2"),
+                       lambda: f"{op}: params must be empty or have one tensor per gradient (l2: required)")
+    grad_dtype = _fake_list_dtype(op, "grads", grads, _FLOATS)
+    if grad_dtype is not None:
+        _fake_list_dtype(op, "params", params, (grad_dtype,))
+        _fake_list_dtype(op, "momentum_buffers", momentum_buffers, tuple({grad_dtype, torch.float32}))
+    _fake_list_dtype(op, "ns_inputs", ns_inputs, _FLOATS)
+    _fake_check_scalar(op, "weight_decay", weight_decay)
+    for i in range(n):
+        _fake_check_index(op, i, "grads", grads[i],
+                          (("momentum_buffers", momentum_buffers), ("ns_inputs", ns_inputs), ("params", params)))
+    return None
+
+
+@torch.library.register_fake("megatron_eopt::foreach_update_")
+def _foreach_update_fake(params, updates, scales, lr, weight_decay, weight_decay_method):
+    op = "foreach_update_"
+    torch._check_value(weight_decay_method in WEIGHT_DECAY_METHODS,
+                       lambda: f"{op}: unknown weight_decay_method {weight_decay_method!r}")
+    n = len(params)
+    torch._check_value(len(updates) == n and len(scales) == n, lambda: f"{op}: list lengths differ")
+    torch._check_value(all(math.isfinite(s) for s in scales), lambda: f"{op}: scales must be finite")
+    param_dtype = _fake_list_dtype(op, "params", params, _FLOATS)
+    if param_dtype is not None:
+        _fake_list_dtype(op, "updates", updates, tuple({param_dtype, torch.float32}))
+    _fake_check_scalar(op, "lr", lr)
+    _fake_check_scalar(op, "weight_decay", weight_decay)
+    for i in range(n):
+        _fake_check_index(op, i, "params", params[i], (("updates", updates),))
+    return None
+
+
+def _moment2_fake_checks(updates, moment2):
+    torch._check(len(moment2) == len(updates), lambda: "moment2 and updates differ in length")
+    for u, v in zip(updates, moment2):
+        torch._check(u.dtype == torch.float32 and u.dim() == 2, lambda: "updates must be 2-D float32")
+        torch._check(v.dtype == torch.float32, lambda: "moment2 must be float32")
+
+
+@torch.library.register_fake("megatron_eopt::adamuon_normalize_")
+def _adamuon_normalize_fake(updates, moment2, beta2, eps):
+    _moment2_fake_checks(updates, moment2)
+
+
+@torch.library.register_fake("megatron_eopt::normuon_normalize_")
+def _normuon_normalize_fake(updates, moment2, beta2, eps):
+    _moment2_fake_checks(updates, moment2)
+
+
+@torch.library.register_fake("megatron_eopt::namo_normalize_")
+def _namo_normalize_fake(updates, moment2, grads, ns_inputs, beta2, eps):
+    _moment2_fake_checks(updates, moment2)
+    torch._check(len(grads) == len(updates) and len(ns_inputs) == len(updates),
+                 lambda: "grads, ns_inputs and updates differ in length")
+
+
+@torch.library.register_fake("megatron_eopt::newton_schulz_split")
+def _newton_schulz_split_fake(x, split_sizes, num_groups, coefficients, steps, repeat_last, eps, transpose,
+                              precision, scale_mode, extra_scale_factor):
+    torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
+    torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {x.dim()}-D")
+    torch._check(x.shape[0] == num_groups * sum(split_sizes),
+                 lambda: "x rows must equal num_groups * sum(split_sizes)")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

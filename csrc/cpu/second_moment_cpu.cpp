@@ -1,0 +1,157 @@
+// Second-moment normalizations on the CPU: the same per-element / per-slice / per-matrix math as
+// the CUDA kernels (megatron_eopt/second_moment_math.h), reductions accumulated in double,
+// parallelized with at::parallel_for.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "megatron_eopt/second_moment_math.h"
+#include "torch/second_moment_args.h"
+
+namespace megatron_eopt {
+namespace {
+
+// Elements per parallel task: small matrices stay on one thread.
+constexpr int64_t kGrainElements = 32768;
+
+int64_t grain_for(int64_t elements_per_item) {
+  return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, elements_per_item));
+}
+
+// Sum of squares of p[begin, end) in double. Independent lane accumulators let the compiler
+// vectorize without reassociating (a single accumulator is a serial dependency chain).
+template <typename T>
+double sum_squares_range(const T* p, int64_t begin, int64_t end) {
+  constexpr int kLanes = 8;
+  double lanes[kLanes] = {};
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const double x = static_cast<float>(p[i + l]);
+      lanes[l] += x * x;
+    }
+  }
+  double total = 0.0;
+  for (; i < end; ++i) {
+    const double x = static_cast<float>(p[i]);
+    total += x * x;
+  }
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+void check_cpu(Moment2Method method, at::TensorList updates) {
+  TORCH_CHECK(updates.empty() || updates[0].device().is_cpu(), moment2_op_name(method),
+              ": updates must be CPU tensors here, got ", updates[0].device());
+}
+
+void adamuon_one(float* o, float* v, int64_t numel, float weight, float eps) {
+  at::parallel_for(0, numel, kGrainElements, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = adamuon_normalize(o[i], v[i], weight, eps);
+  });
+}
+
+void normuon_one(float* o, float* v, int64_t rows, int64_t cols, float weight, float eps) {
+  if (rows * cols == 0) return;  // nothing to normalize; the state is left as is
+  const bool by_row = rows >= cols;
+  const int64_t slices = by_row ? rows : cols;
+  const int64_t slice_len = by_row ? cols : rows;
+  std::vector<double> sums(static_cast<std::size_t>(slices), 0.0);
+  if (by_row) {
+    at::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) sums[r] = sum_squares_range(o + r * cols, 0, cols);
+    });
+  } else {  // column sums, row by row over a block of columns (cache friendly)
+    at::parallel_for(0, cols, grain_for(rows), [&](int64_t begin, int64_t end) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = o + r * cols;
+        for (int64_t c = begin; c < end; ++c) sums[c] += static_cast<double>(row[c]) * row[c];
+      }
+    });
+  }
+  std::vector<float> steps(static_cast<std::size_t>(slices));
+  double sum_o = 0.0;
+  double sum_u = 0.0;
+  for (int64_t j = 0; j < slices; ++j) {
+    const float step = normuon_slice_step(v[j], static_cast<float>(sums[j]), slice_len, weight, eps);
+    steps[j] = step;
+    sum_o += sums[j];
+    sum_u += static_cast<double>(step) * step * sums[j];
+  }
+  const float ratio = normuon_norm_ratio(static_cast<float>(sum_o), static_cast<float>(sum_u), eps);
+  at::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t c = 0; c < cols; ++c) o[r * cols + c] = o[r * cols + c] * steps[by_row ? r : c] * ratio;
+    }
+  });
+}
+
+double sum_squares(const at::Tensor& t) {
+  const at::Tensor x = t.contiguous();
+  double total = 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "namo_normalize_", [&] {
+    const scalar_t* p = x.const_data_ptr<scalar_t>();
+    total = at::parallel_reduce(
+        0, x.numel(), kGrainElements, 0.0,
+        [&](int64_t begin, int64_t end, double acc) { return acc + sum_squares_range(p, begin, end); },
+        [](double a, double b) { return a + b; });
+  });
+  return total;
+}
+
+void adamuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
+  check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps);
+  check_cpu(Moment2Method::kAdamuon, updates);
+  const InPlaceList o(updates), v(moment2);
+  for (std::size_t i = 0; i < updates.size(); ++i) {
+    adamuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].numel(), static_cast<float>(1.0 - beta2),
+                static_cast<float>(eps));
+  }
+  o.write_back();
+  v.write_back();
+}
+
+void normuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
+  check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps);
+  check_cpu(Moment2Method::kNormuon, updates);
+  const InPlaceList o(updates), v(moment2);
+  for (std::size_t i = 0; i < updates.size(); ++i) {
+    normuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].size(0), o[i].size(1),
+                static_cast<float>(1.0 - beta2), static_cast<float>(eps));
+  }
+  o.write_back();
+  v.write_back();
+}
+
+void namo_normalize_cpu(at::TensorList updates, at::TensorList moment2, at::TensorList grads,
+                        at::TensorList ns_inputs, double beta2, double eps) {
+  check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2, eps);
+  check_cpu(Moment2Method::kNamo, updates);
+  const InPlaceList o(updates), v(moment2);
+  for (std::size_t i = 0; i < updates.size(); ++i) {
+    const float factor = namo_scale(*v[i].data_ptr<float>(), static_cast<float>(sum_squares(grads[i])),
+                                    static_cast<float>(sum_squares(ns_inputs[i])), static_cast<float>(1.0 - beta2),
+                                    static_cast<float>(eps));
+    float* out = o[i].data_ptr<float>();
+    at::parallel_for(0, o[i].numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) out[j] *= factor;
+    });
+  }
+  o.write_back();
+  v.write_back();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
+  m.impl("adamuon_normalize_", &adamuon_normalize_cpu);
+  m.impl("normuon_normalize_", &normuon_normalize_cpu);
+  m.impl("namo_normalize_", &namo_normalize_cpu);
+}
+
+}  // namespace megatron_eopt

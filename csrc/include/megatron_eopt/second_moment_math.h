@@ -1,0 +1,70 @@
+// Second-moment normalization of the raw Newton–Schulz output O (DESIGN §4.4): the per-element /
+// per-slice / per-matrix math of AdaMuon, NorMuon and NAMO, shared by the CUDA kernels, the CPU
+// kernels and the GoogleTest suite. The reductions (slice sums, Frobenius norms) are done by the
+// callers; these functions get their results. Operation order follows Emerging-Optimizers 0.3.0
+// (AdaptiveMuon._apply_moment2_normalization) so fp32 results match it to rounding.
+#pragma once
+
+#include <math.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define MEGATRON_EOPT_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define MEGATRON_EOPT_HOST_DEVICE inline
+#endif
+
+namespace megatron_eopt {
+
+enum class Moment2Method { kAdamuon, kNormuon, kNamo };
+
+// torch.lerp(v, target, weight): the two-sided form torch uses for accuracy near weight = 1.
+// The EMA v <- beta2 v + (1 - beta2) target is v.lerp_(target, 1 - beta2) in the reference.
+MEGATRON_EOPT_HOST_DEVICE float ema_lerp(float v, float target, float weight) {
+  return fabsf(weight) < 0.5f ? v + weight * (target - v) : target - (target - v) * (1.0f - weight);
+}
+
+MEGATRON_EOPT_HOST_DEVICE float reciprocal_sqrt(float x) {
+#if defined(__CUDA_ARCH__)
+  return rsqrtf(x);
+#else
+  return 1.0f / std::sqrt(x);
+#endif
+}
+
+// AdaMuon, one element: v <- lerp(v, o^2, 1 - beta2); returns o / (sqrt(v) + eps).
+// No bias correction. o = 0 with v = 0 gives 0 (eps > 0).
+MEGATRON_EOPT_HOST_DEVICE float adamuon_normalize(float o, float& v, float weight, float eps) {
+  v = ema_lerp(v, o * o, weight);
+  return o / (sqrtf(v) + eps);
+}
+
+// rsqrt(max(v, eps)) of an already updated v (the apply pass recomputes it from the state).
+MEGATRON_EOPT_HOST_DEVICE float normuon_step_size(float v, float eps) { return reciprocal_sqrt(fmaxf(v, eps)); }
+
+// NorMuon, one slice (a row when rows >= cols, else a column) of `slice_len` elements whose
+// squares sum to `slice_sum_sq`: v <- lerp(v, mean(o^2), 1 - beta2); returns the slice's step size
+// rsqrt(max(v, eps)). The update is then o * step * normuon_norm_ratio(...).
+MEGATRON_EOPT_HOST_DEVICE float normuon_slice_step(float& v, float slice_sum_sq, int64_t slice_len,
+                                                   float weight, float eps) {
+  v = ema_lerp(v, slice_sum_sq / static_cast<float>(slice_len), weight);
+  return normuon_step_size(v, eps);
+}
+
+// NorMuon's Frobenius-norm match: ||O||_F / max(||U'||_F, eps) with U' = O * step, from
+// sum(O^2) and sum(U'^2) = sum over slices of step^2 * slice_sum_sq. Zero O gives 0.
+MEGATRON_EOPT_HOST_DEVICE float normuon_norm_ratio(float sum_sq_o, float sum_sq_scaled, float eps) {
+  return sqrtf(sum_sq_o) / fmaxf(sqrtf(sum_sq_scaled), eps);
+}
+
+// NAMO, one matrix: v <- lerp(v, ||g||_F^2, 1 - beta2) (scalar state); returns the factor
+// ||G~||_F / (sqrt(v) + eps) that multiplies O, where G~ is the Newton–Schulz input.
+MEGATRON_EOPT_HOST_DEVICE float namo_scale(float& v, float grad_sum_sq, float ns_input_sum_sq, float weight,
+                                           float eps) {
+  v = ema_lerp(v, grad_sum_sq, weight);
+  return sqrtf(ns_input_sum_sq) / (sqrtf(v) + eps);
+}
+
+}  // namespace megatron_eopt

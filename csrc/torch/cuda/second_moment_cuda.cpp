@@ -1,0 +1,106 @@
+// CUDA glue of the second-moment normalizations: checks, device guard, contiguous working tensors,
+// scratch from the caching allocator, current stream; the work is in kernels/*_normalize.cu.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "megatron_eopt/second_moment_cuda.h"
+#include "torch/second_moment_args.h"
+
+namespace megatron_eopt {
+namespace {
+
+ElementType element_type(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return ElementType::kBFloat16;
+    case at::kHalf: return ElementType::kFloat16;
+    default: return ElementType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
+  }
+}
+
+void check_cuda(Moment2Method method, at::TensorList updates) {
+  TORCH_CHECK(updates[0].is_cuda(), moment2_op_name(method), ": updates must be CUDA tensors here, got ",
+              updates[0].device());
+}
+
+std::vector<Moment2Tensor> describe(const InPlaceList& o, const InPlaceList& v, std::size_t count) {
+  std::vector<Moment2Tensor> list(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    list[i].update = o[i].data_ptr<float>();
+    list[i].moment2 = v[i].data_ptr<float>();
+    list[i].rows = o[i].size(0);
+    list[i].cols = o[i].size(1);
+  }
+  return list;
+}
+
+at::Tensor scratch_floats(std::size_t count, const at::Tensor& like) {
+  return at::empty({static_cast<int64_t>(std::max<std::size_t>(count, 1))}, like.options().dtype(at::kFloat));
+}
+
+void adamuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
+  check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps);
+  if (updates.empty()) return;
+  check_cuda(Moment2Method::kAdamuon, updates);
+  const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
+  const InPlaceList o(updates), v(moment2);
+  adamuon_normalize_cuda(describe(o, v, updates.size()), beta2, static_cast<float>(eps),
+                         c10::cuda::getCurrentCUDAStream());
+  o.write_back();
+  v.write_back();
+}
+
+void normuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
+  check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps);
+  if (updates.empty()) return;
+  check_cuda(Moment2Method::kNormuon, updates);
+  const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
+  const InPlaceList o(updates), v(moment2);
+  const std::vector<Moment2Tensor> list = describe(o, v, updates.size());
+  const at::Tensor scratch = scratch_floats(normuon_scratch_floats(list), o[0]);
+  normuon_normalize_cuda(list, beta2, static_cast<float>(eps), scratch.data_ptr<float>(),
+                         c10::cuda::getCurrentCUDAStream());
+  o.write_back();
+  v.write_back();
+}
+
+void namo_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, at::TensorList grads,
+                            at::TensorList ns_inputs, double beta2, double eps) {
+  check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2, eps);
+  if (updates.empty()) return;
+  check_cuda(Moment2Method::kNamo, updates);
+  const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
+  const InPlaceList o(updates), v(moment2);
+  std::vector<at::Tensor> inputs;  // keeps contiguous copies of the read-only inputs alive
+  inputs.reserve(2 * updates.size());
+  std::vector<Moment2Tensor> list = describe(o, v, updates.size());
+  for (std::size_t i = 0; i < updates.size(); ++i) {
+    inputs.push_back(grads[i].contiguous());
+    list[i].grad = inputs.back().const_data_ptr();
+    list[i].grad_type = element_type(grads[i].scalar_type());
+    inputs.push_back(ns_inputs[i].contiguous());
+    list[i].ns_input = inputs.back().const_data_ptr();
+    list[i].ns_input_type = element_type(ns_inputs[i].scalar_type());
+  }
+  const at::Tensor scratch = scratch_floats(namo_scratch_floats(list), o[0]);
+  namo_normalize_cuda(list, beta2, static_cast<float>(eps), scratch.data_ptr<float>(),
+                      c10::cuda::getCurrentCUDAStream());
+  o.write_back();
+  v.write_back();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) {
+  m.impl("adamuon_normalize_", &adamuon_normalize_cuda_op);
+  m.impl("normuon_normalize_", &normuon_normalize_cuda_op);
+  m.impl("namo_normalize_", &namo_normalize_cuda_op);
+}
+
+}  // namespace megatron_eopt

@@ -1,0 +1,41 @@
+// Argument checks and in-place plumbing shared by the CPU and CUDA second-moment normalizations
+// (adamuon_normalize_, normuon_normalize_, namo_normalize_).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include "megatron_eopt/second_moment_math.h"
+
+namespace megatron_eopt {
+
+const char* moment2_op_name(Moment2Method method);
+
+// Shape of the fp32 moment2 state of a (rows, cols) update, as Emerging-Optimizers' AdaptiveMuon
+// creates it: (rows, cols) adamuon; (rows, 1) normuon when rows >= cols, else (1, cols); (1,) namo.
+std::vector<int64_t> moment2_shape(Moment2Method method, int64_t rows, int64_t cols);
+
+// Every check, before anything is written: list lengths, dtypes (updates and moment2 fp32; grads and
+// ns_inputs fp32, bf16 or fp16), ranks, shapes, one device for all, finite beta2 in [0, 1],
+// finite eps > 0. `grads` / `ns_inputs` are only checked for NAMO. Failures name the argument.
+void check_moment2_args(Moment2Method method, at::TensorList updates, at::TensorList moment2, at::TensorList grads,
+                        at::TensorList ns_inputs, double beta2, double eps);
+
+// Contiguous working tensors of an in-place list argument: the originals where they are contiguous,
+// copies otherwise; write_back() copies the results into the non-contiguous originals.
+class InPlaceList {
+ public:
+  explicit InPlaceList(at::TensorList targets);
+  const at::Tensor& operator[](std::size_t i) const { return work_[i]; }
+  void write_back() const;
+
+ private:
+  std::vector<at::Tensor> targets_;
+  std::vector<at::Tensor> work_;
+};
+
+}  // namespace megatron_eopt

@@ -1,0 +1,137 @@
+"""Validated optimizer-wide settings of the Muon family (what Emerging-Optimizers keeps on the instance).
+
+Checked once at construction, so a bad value raises before any parameter or state is touched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+from typing import Literal, Sequence
+
+import torch
+
+from ..newton_schulz import coefficient_table, get_coefficients, get_muon_scale_factor, validate_precision
+
+WeightDecayT = Literal["decoupled", "independent", "l2", "palm"]
+Moment2MethodT = Literal["adamuon", "normuon", "namo"]
+
+WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
+MOMENT2_METHODS = ("adamuon", "normuon", "namo")
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+NS_EPS = 1e-7  # Frobenius-normalization floor of Newton–Schulz, as in the reference packages
+
+
+@dataclass(frozen=True)
+class OrthogonalizationConfig:
+    """How updates are orthogonalized and scaled; shared by every parameter of one optimizer."""
+
+    nesterov: bool
+    weight_decay_method: str
+    precision: str
+    coefficient_type: str
+    custom_coefficient_sets: tuple[tuple[float, float, float], ...] | None
+    num_ns_steps: int
+    scale_mode: str
+    extra_scale_factor: float
+    moment2_method: str | None  # None: plain Muon (no second moment)
+
+    @property
+    def coefficients(self) -> list[tuple[float, float, float]]:
+        """The (a, b, c) rows one Newton–Schulz run consumes."""
+        return get_coefficients(self.coefficient_type, self.num_ns_steps, self.custom_coefficient_sets)
+
+    def ns_kwargs(self) -> dict:
+        """Keyword arguments of ``megatron_eopt.ops.newton_schulz`` / ``newton_schulz_split``."""
+        return dict(
+            steps=self.num_ns_steps,
+            coefficient_type=self.coefficient_type,
+            custom_coefficient_sets=self.custom_coefficient_sets,
+            eps=NS_EPS,
+            transpose=None,
+            precision=self.precision,
+        )
+
+    def scale(self, rows: int, cols: int) -> float:
+        """Muon's update scale of a (rows, cols) matrix, times ``extra_scale_factor``."""
+        return get_muon_scale_factor(rows, cols, self.scale_mode) * self.extra_scale_factor
+
+
+def make_config(
+    *,
+    nesterov: bool,
+    weight_decay_method: str,
+    fp32_matmul_prec: str,
+    coefficient_type: str,
+    custom_coefficient_sets: Sequence[Sequence[float]] | None,
+    num_ns_steps: int,
+    scale_mode: str,
+    extra_scale_factor: float,
+    moment2_method: str | None = None,
+) -> OrthogonalizationConfig:
+    """Validates the optimizer-wide arguments (ValueError naming the argument) and freezes them."""
+    if weight_decay_method not in WEIGHT_DECAY_METHODS:
+        raise ValueError(
+            f"weight_decay_method must be one of {list(WEIGHT_DECAY_METHODS)}, got {weight_decay_method!r}"
+        )
+    try:
+        validate_precision(fp32_matmul_prec)
+    except ValueError:
+        raise ValueError(
+            f"fp32_matmul_prec must be one of 'medium', 'high', 'highest', got {fp32_matmul_prec!r}"
+        ) from None
+    if isinstance(num_ns_steps, bool) or not isinstance(num_ns_steps, int) or num_ns_steps < 1:
+        raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
+    table, _ = coefficient_table(coefficient_type, custom_coefficient_sets)  # ValueError on unknown / empty custom
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {list(SCALE_MODES)}, got {scale_mode!r}")
+    if not isinstance(extra_scale_factor, Real) or not math.isfinite(extra_scale_factor):
+        raise ValueError(f"extra_scale_factor must be a finite number, got {extra_scale_factor!r}")
+    if moment2_method is not None:
+        if moment2_method not in MOMENT2_METHODS:
+            raise ValueError(f"moment2_method must be one of {list(MOMENT2_METHODS)}, got {moment2_method!r}")
+        if moment2_method == "namo" and weight_decay_method == "l2":
+            raise ValueError('moment2_method="namo" is incompatible with weight_decay_method="l2"')
+    return OrthogonalizationConfig(
+        nesterov=bool(nesterov),
+        weight_decay_method=weight_decay_method,
+        precision=fp32_matmul_prec,
+        coefficient_type=coefficient_type,
+        custom_coefficient_sets=table if coefficient_type == "custom" else None,
+        num_ns_steps=num_ns_steps,
+        scale_mode=scale_mode,
+        extra_scale_factor=float(extra_scale_factor),
+        moment2_method=moment2_method,
+    )
+
+
+def _number(name: str, value) -> float | None:
+    """The value of a hyper-parameter for a range check; None for a tensor living on an accelerator."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} given as a tensor must have one element, got shape {tuple(value.shape)}")
+        if value.device.type != "cpu":
+            return None  # reading it would synchronize; the scheduler owns it
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a number or a one-element tensor, got {type(value).__name__}")
+    return float(value)
+
+
+def check_group_hyperparameters(group: dict, where: str) -> None:
+    """Range checks of the per-group values (lr, momentum, weight_decay, beta2, eps)."""
+    checks = {
+        "lr": lambda v: v >= 0,
+        "weight_decay": lambda v: v >= 0,
+        "momentum": lambda v: 0 <= v < 1,
+        "beta2": lambda v: 0 <= v < 1,
+        "eps": lambda v: v > 0,
+    }
+    rules = {"lr": ">= 0", "weight_decay": ">= 0", "momentum": "in [0, 1)", "beta2": "in [0, 1)", "eps": "> 0"}
+    for key, ok in checks.items():
+        if key not in group:
+            continue
+        v = _number(f"{where}['{key}']", group[key])
+        if v is not None and not (math.isfinite(v) and ok(v)):
+            raise ValueError(f"{where}['{key}'] must be finite and {rules[key]}, got {group[key]!r}")

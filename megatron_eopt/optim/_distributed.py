@@ -1,0 +1,157 @@
+"""Tensor-parallel pieces of the step (Megatron's tp_mode "duplicated" and "distributed").
+
+What runs where:
+- duplicated: the local (k, m, n) batch of NS inputs is all-gathered along partition_dim (one
+  all_gather per stack), the fused batched Newton–Schulz op runs on the global matrices on every
+  rank, and each rank keeps its chunk.
+- distributed: Newton–Schulz cannot call a collective from inside the fused op, so it runs here in
+  plain PyTorch on the local shards, batched per stack: one all-reduce of the k squared Frobenius
+  norms, then per iteration one all-reduce of the k Gram matrices (of the unsharded side, as in
+  Megatron: partition_dim 0 iterates on the transpose). The Gram partials are summed in fp32
+  (bf16 products accumulate in fp32, like the fused op's GEMMs) and rounded to the compute dtype
+  once, after the sum.
+- AdaptiveMuon's NorMuon / NAMO statistics (row means, Frobenius norms) reduce over the whole
+  matrix, so for sharded parameters they are computed here with all-reduces of the partial sums
+  (one or two per bucket); AdaMuon is elementwise and uses the fused op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._config import OrthogonalizationConfig
+from ._plan import QKVSplit, TPLayout
+
+
+def gather_shards(x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
+    """(k, m_local, n_local) on each rank -> (k, m, n), shards concatenated along partition_dim."""
+    shards = [torch.empty_like(x) for _ in range(tp.size)]
+    dist.all_gather(shards, x.contiguous(), group=tp.group)
+    return torch.cat(shards, dim=1 + tp.partition_dim)
+
+
+def local_chunk(x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
+    """This rank's chunk of a global (m, n) matrix or (k, m, n) batch (contiguous)."""
+    return x.chunk(tp.size, dim=x.ndim - 2 + tp.partition_dim)[tp.rank].contiguous()
+
+
+@contextlib.contextmanager
+def _matmul_precision(precision: str):
+    # Only the plain-PyTorch distributed iteration needs this: "high" means TF32 GEMMs.
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "high" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def distributed_newton_schulz(
+    x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float
+) -> torch.Tensor:
+    """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (DESIGN §4.1, §4.6)."""
+    transpose = tp.partition_dim == 0  # iterate so that the sharded side is the contracted one
+    w = x.mT if transpose else x
+    sq = w.square().sum(dim=(-2, -1))
+    dist.all_reduce(sq, group=tp.group)
+    norm = sq.sqrt().clamp_min(eps)
+    compute = torch.bfloat16 if config.precision == "medium" else torch.float32
+    X = (w / norm[:, None, None]).to(compute)
+    with _matmul_precision(config.precision):
+        for a, b, c in config.coefficients:
+            Xf = X.float()
+            gram = torch.bmm(Xf, Xf.mT)
+            dist.all_reduce(gram, group=tp.group)
+            gram = gram.to(compute)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            X = torch.baddbmm(X, poly, X, beta=a, alpha=1.0)
+    out = X.float()
+    return (out.mT if transpose else out).contiguous()
+
+
+def distributed_orthogonalize(
+    x: torch.Tensor,
+    tp: TPLayout,
+    qkv: QKVSplit | None,
+    global_shape: tuple[int, int],
+    config: OrthogonalizationConfig,
+    eps: float,
+    scaled: bool,
+) -> torch.Tensor:
+    """tp_mode "distributed" for one stack; QKV parts are orthogonalized (and scaled) one by one."""
+    if qkv is None:
+        return distributed_newton_schulz(x, tp, config, eps)
+    k, rows, cols = x.shape
+    view = x.view(k, qkv.local_groups, qkv.total, cols)
+    out = torch.empty_like(view)
+    offset = 0
+    for size in qkv.sizes:
+        part = view[:, :, offset : offset + size, :].reshape(k, qkv.local_groups * size, cols)
+        o = distributed_newton_schulz(part, tp, config, eps)
+        if scaled:
+            o = o * config.scale(qkv.global_groups * size, global_shape[1])
+        out[:, :, offset : offset + size, :] = o.view(k, qkv.local_groups, size, cols)
+        offset += size
+    return out.view(k, rows, cols)
+
+
+def _all_reduce_many(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
+    """Sums a list of fp32 tensors over the group with one collective."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+def tp_normuon_normalize_(updates, moment2, entries, *, beta2: float, eps: float) -> None:
+    """NorMuon (DESIGN §4.4) on shards of one TP group, statistics of the global matrices."""
+    group = entries[0].tp.group
+    partial, reduced = [], []
+    for u, e in zip(updates, entries):
+        s = u.square().sum(dim=e.normuon_dim, keepdim=True)
+        (reduced if _reduces_over_shards(e) else partial).append(s)
+    sums = iter(_all_reduce_many(reduced, group))
+    locals_ = iter(partial)
+    norms = []
+    scaled = []
+    for u, v, e in zip(updates, moment2, entries):
+        s = next(sums) if _reduces_over_shards(e) else next(locals_)
+        mean = s / e.global_shape[e.normuon_dim]
+        v.copy_(torch.lerp(v.float(), mean, 1 - beta2))
+        step = u * v.float().clamp_min(eps).rsqrt()
+        norms.append(torch.stack([u.square().sum(), step.square().sum()]))
+        scaled.append(step)
+    norms = _all_reduce_many(norms, group)
+    for u, step, n in zip(updates, scaled, norms):
+        u.copy_(step * (n[0].sqrt() / n[1].sqrt().clamp_min(eps)))
+
+
+def _reduces_over_shards(e) -> bool:
+    # dim -1 averages over columns (sharded when partition_dim is 1), dim -2 over rows.
+    return (e.normuon_dim == -1) == (e.tp.partition_dim == 1)
+
+
+def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2: float, eps: float) -> None:
+    """NAMO (DESIGN §4.4) on shards of one TP group: the two Frobenius norms are global."""
+    group = entries[0].tp.group
+    sums = _all_reduce_many(
+        [torch.stack([g.float().square().sum(), x.square().sum()]) for g, x in zip(grads, ns_inputs)], group
+    )
+    for u, v, s in zip(updates, moment2, sums):
+        v.copy_(torch.lerp(v.float(), s[0].reshape(1), 1 - beta2))
+        u.mul_(s[1].sqrt() / (v.float().sqrt() + eps))
+
+
+__all__ = [
+    "distributed_newton_schulz",
+    "distributed_orthogonalize",
+    "gather_shards",
+    "local_chunk",
+    "tp_namo_normalize_",
+    "tp_normuon_normalize_",
+]

@@ -1,0 +1,177 @@
+"""The static grouping of an optimizer's parameters, built once per parameter set.
+
+A step launches one fused op per *bucket* (param group, dtype, device) for momentum, second
+moment and update, and one Newton–Schulz call per *stack* (matrices orthogonalized together:
+same local shape and device, same QKV split, same tensor-parallel layout). Building this needs
+parameter attributes and process-group sizes, so it runs eagerly (construction, add_param_group,
+load_state_dict), never inside a compiled step; a step only filters it by which grads exist.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ._config import OrthogonalizationConfig
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How one parameter is sharded over a tensor-parallel group (Megatron's partition_dim)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    partition_dim: int  # 0: rows are sharded, 1: columns are sharded
+    mode: str  # "duplicated" | "distributed"
+
+    @property
+    def key(self) -> tuple:
+        return (id(self.group), self.partition_dim, self.mode)
+
+
+@dataclass
+class QKVSplit:
+    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (DESIGN §4.5)."""
+
+    sizes: tuple[int, ...]
+    local_groups: int  # query groups in the local rows
+    global_groups: int  # query groups in the global (unsharded) rows
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+@dataclass
+class ParamEntry:
+    param: torch.Tensor
+    group_index: int
+    local_shape: tuple[int, int]
+    global_shape: tuple[int, int]
+    tp: TPLayout | None
+    qkv: QKVSplit | None
+    # Scale handed to foreach_update_. Plain matrices: Muon scale of the global shape. QKV:
+    # Muon scales each part itself (inside newton_schulz_split), AdaptiveMuon after the
+    # second-moment normalization (part_scales), so the update scale is 1 there.
+    update_scale: float
+    part_scales: tuple[tuple[int, int, float], ...] = ()  # (row offset, rows, scale) per part
+    normuon_dim: int = -1  # dim NorMuon averages over, from the global shape
+    stack_index: int = -1
+    bucket_index: int = -1
+
+
+@dataclass
+class Stack:
+    """Matrices orthogonalized by one Newton–Schulz call (a (k, m, n) fp32 batch)."""
+
+    local_shape: tuple[int, int]
+    global_shape: tuple[int, int]
+    device: torch.device
+    tp: TPLayout | None
+    qkv: QKVSplit | None
+    members: list[int] = field(default_factory=list)  # entry indices
+
+
+@dataclass
+class Bucket:
+    """Parameters updated by one launch of each foreach op (one param group, dtype and device)."""
+
+    group_index: int
+    dtype: torch.dtype
+    device: torch.device
+    members: list[int] = field(default_factory=list)  # entry indices
+
+
+@dataclass
+class Plan:
+    entries: list[ParamEntry]
+    stacks: list[Stack]
+    buckets: list[Bucket]
+    group_sizes: tuple[int, ...]  # len(group["params"]) per group when built: detects edits
+    index: dict[int, int]  # id(param) -> entry index
+
+
+def _qkv_split(sizes, local_shape, global_shape, where: str) -> QKVSplit:
+    sizes = tuple(int(s) for s in sizes)
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"{where}: qkv_split_shapes must be positive sizes, got {list(sizes)}")
+    total = sum(sizes)
+    if local_shape[0] % total != 0:
+        raise ValueError(
+            f"{where}: QKV split shape mismatch: rows {local_shape[0]} of shape {tuple(local_shape)} are not a "
+            f"multiple of sum(qkv_split_shapes) = {total} (split shapes {list(sizes)})"
+        )
+    return QKVSplit(sizes, local_shape[0] // total, global_shape[0] // total)
+
+
+def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn) -> Plan:
+    """Groups every parameter (with or without a grad) into stacks and buckets.
+
+    layout_fn(p) -> TPLayout | None gives the tensor-parallel layout; qkv_fn(p) -> split sizes or
+    None says whether p is a fused QKV projection.
+    """
+    entries: list[ParamEntry] = []
+    stacks: list[Stack] = []
+    buckets: list[Bucket] = []
+    stack_of: dict[tuple, int] = {}
+    bucket_of: dict[tuple, int] = {}
+    adaptive = config.moment2_method is not None
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            where = f"param_groups[{gi}]['params'][{pi}]"
+            local_shape = (int(p.shape[0]), int(p.shape[1]))
+            tp = layout_fn(p)
+            global_shape = list(local_shape)
+            if tp is not None:
+                global_shape[tp.partition_dim] *= tp.size
+            global_shape = tuple(global_shape)
+            sizes = qkv_fn(p)
+            qkv = None if sizes is None else _qkv_split(sizes, local_shape, global_shape, where)
+            part_scales: tuple = ()
+            if qkv is None:
+                update_scale = config.scale(*global_shape)
+            else:
+                update_scale = 1.0
+                if adaptive:
+                    offsets = [sum(qkv.sizes[:i]) for i in range(len(qkv.sizes))]
+                    part_scales = tuple(
+                        (off, s, config.scale(qkv.global_groups * s, global_shape[1]))
+                        for off, s in zip(offsets, qkv.sizes)
+                    )
+            entry = ParamEntry(
+                param=p,
+                group_index=gi,
+                local_shape=local_shape,
+                global_shape=global_shape,
+                tp=tp,
+                qkv=qkv,
+                update_scale=update_scale,
+                part_scales=part_scales,
+                normuon_dim=-1 if global_shape[0] >= global_shape[1] else -2,
+            )
+            ei = len(entries)
+            entries.append(entry)
+
+            skey = (local_shape, p.device, None if tp is None else tp.key, None if qkv is None else qkv.sizes)
+            if skey not in stack_of:
+                stack_of[skey] = len(stacks)
+                stacks.append(Stack(local_shape, global_shape, p.device, tp, qkv))
+            entry.stack_index = stack_of[skey]
+            stacks[entry.stack_index].members.append(ei)
+
+            bkey = (gi, p.dtype, p.device)
+            if bkey not in bucket_of:
+                bucket_of[bkey] = len(buckets)
+                buckets.append(Bucket(gi, p.dtype, p.device))
+            entry.bucket_index = bucket_of[bkey]
+            buckets[entry.bucket_index].members.append(ei)
+    return Plan(
+        entries=entries,
+        stacks=stacks,
+        buckets=buckets,
+        group_sizes=tuple(len(g["params"]) for g in param_groups),
+        index={id(e.param): i for i, e in enumerate(entries)},
+    )

@@ -1,0 +1,61 @@
+"""Muon: momentum orthogonalized by Newton–Schulz (Emerging-Optimizers 0.3.0 ``Muon`` interface)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from torch.optim.optimizer import ParamsT
+
+from ._config import make_config
+from .orthogonalized import OrthogonalizedOptimizer
+
+
+class Muon(OrthogonalizedOptimizer):
+    """Muon with the constructor, defaults, step order and state of Emerging-Optimizers' ``Muon``.
+
+    Per 2-D parameter: weight decay (``weight_decay_method``: decoupled ``p -= lr·wd·p``,
+    independent ``p -= wd·p``, l2 ``g += wd·p``, palm ``p -= lr²·wd·p``); momentum EMA
+    ``M ← lerp(M, g, 1-momentum)``; Nesterov ``lerp(g, M, momentum)`` or ``M``; Newton–Schulz
+    (``coefficient_type``, ``num_ns_steps``, matmuls in ``fp32_matmul_prec``); scale by
+    ``scale_mode`` × ``extra_scale_factor``; ``p -= lr·update``. State: ``momentum_buffer``.
+
+    ``use_syrk`` is accepted for signature compatibility and ignored (the fused op chooses its
+    own kernels). ``custom_coefficient_sets`` (an extension) gives the rows of
+    ``coefficient_type="custom"``. The legacy Keller Jordan / nanochat Muon is
+    ``Muon(params, lr=0.02, weight_decay=0, nesterov=True, coefficient_type="simple",
+    scale_mode="shape_scaling")``; ``torch.optim.Muon`` with ``adjust_lr_fn="original"`` is the
+    same with its weight decay, and ``"match_rms_adamw"`` is ``scale_mode="spectral",
+    extra_scale_factor=0.2``.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        weight_decay: float = 0.01,
+        *,
+        nesterov: bool = False,
+        weight_decay_method: str = "decoupled",
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        use_syrk: bool = False,
+        custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+    ) -> None:
+        config = make_config(
+            nesterov=nesterov,
+            weight_decay_method=weight_decay_method,
+            fp32_matmul_prec=fp32_matmul_prec,
+            coefficient_type=coefficient_type,
+            custom_coefficient_sets=custom_coefficient_sets,
+            num_ns_steps=num_ns_steps,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+        )
+        self.nesterov = config.nesterov
+        self.weight_decay_method = weight_decay_method
+        self.fp32_matmul_prec = fp32_matmul_prec
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config)

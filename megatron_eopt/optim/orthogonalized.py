@@ -1,0 +1,337 @@
+"""The fused step shared by Muon, AdaptiveMuon and their tensor-parallel variants.
+
+Per step, with the parameters grouped once (see ``_plan``):
+
+1. per bucket (param group, dtype, device): one ``foreach_momentum_`` — momentum EMA, L2 decay,
+   Nesterov — writing the Newton–Schulz inputs straight into a stacked fp32 (k, m, n) buffer per
+   stack;
+2. per stack: one batched ``newton_schulz`` (QKV projections: ``newton_schulz_split``; tensor
+   parallel: see ``_distributed``);
+3. AdaptiveMuon: per bucket one second-moment normalization launch on the raw NS output;
+4. per bucket: one ``foreach_update_`` applying decoupled / independent / PaLM decay and
+   ``p -= lr * scale * update`` with per-tensor scales.
+
+lr and weight_decay are read from the param groups at every step (schedulers write floats or
+tensors) and copied into one cached 0-dim fp32 tensor per group and device, so the ops never see a
+Python float that changes: no recompilation under ``torch.compile`` and, with tensor values on the
+device, the step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import ops
+from ._config import NS_EPS, OrthogonalizationConfig, check_group_hyperparameters
+from ._distributed import (
+    distributed_orthogonalize,
+    gather_shards,
+    local_chunk,
+    tp_namo_normalize_,
+    tp_normuon_normalize_,
+)
+from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan
+
+
+class OrthogonalizedOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses build the config and may route parameters to TP layouts / QKV splits."""
+
+    def __init__(self, params, defaults: dict, config: OrthogonalizationConfig) -> None:
+        self._config = config
+        self._plan: Plan | None = None
+        self._hyper: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._constructed = False
+        check_group_hyperparameters(defaults, "defaults")
+        super().__init__(params, defaults)
+        self._constructed = True
+        self._rebuild_plan()
+
+    # ------------------------------------------------------------------ routing hooks
+    def _tp_layout(self, p: torch.Tensor) -> TPLayout | None:
+        """The tensor-parallel layout of p (None: orthogonalize the local tensor as it is)."""
+        return None
+
+    def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
+        """Split sizes when p is a fused QKV projection to orthogonalize per part."""
+        return None
+
+    # ------------------------------------------------------------------ param groups and plan
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        try:
+            for pi, p in enumerate(group["params"]):
+                where = f"param_groups[{gi}]['params'][{pi}]"
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"{type(self).__name__} only supports 2-D parameters; {where} has shape {tuple(p.shape)} "
+                        "(optimize 1-D, embedding and output parameters with AdamW)"
+                    )
+                if not p.is_floating_point():
+                    raise ValueError(f"{where} must be a floating-point tensor, got {p.dtype}")
+            check_group_hyperparameters(group, f"param_groups[{gi}]")
+            if self._constructed:
+                self._rebuild_plan()
+        except Exception:
+            self.param_groups.pop()
+            if self._constructed:
+                self._rebuild_plan()
+            raise
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        defaults = getattr(self, "defaults", {})
+        for group in self.param_groups:
+            for key, value in defaults.items():
+                group.setdefault(key, value)  # a reference class's groups may lack e.g. beta2 / eps
+        for param_state in self.state.values():
+            # load_state_dict casts state to the param's dtype; the second moment stays fp32
+            m2 = param_state.get("moment2_buffer") if isinstance(param_state, dict) else None
+            if m2 is not None and m2.dtype != torch.float32:
+                param_state["moment2_buffer"] = m2.float()
+        if getattr(self, "_constructed", False):
+            self._rebuild_plan()
+
+    def _rebuild_plan(self) -> None:
+        plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes)
+        hyper = {}
+        for bucket in plan.buckets:
+            key = (bucket.group_index, bucket.device)
+            if key not in hyper:
+                hyper[key] = (
+                    torch.zeros((), dtype=torch.float32, device=bucket.device),
+                    torch.zeros((), dtype=torch.float32, device=bucket.device),
+                )
+        self._plan, self._hyper = plan, hyper
+
+    def _current_plan(self) -> Plan:
+        plan = self._plan
+        if plan is None or plan.group_sizes != tuple(len(g["params"]) for g in self.param_groups):
+            self._rebuild_plan()  # params were edited in place in a group: regroup once
+            plan = self._plan
+        return plan
+
+    # ------------------------------------------------------------------ state
+    def _init_entry_state(self, index: int) -> None:
+        entry = self._plan.entries[index]
+        p = entry.param
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        method = self._config.moment2_method
+        if method is not None and "moment2_buffer" not in state:
+            # fp32 whatever p's dtype (the normalization ops keep their statistics in fp32; for
+            # fp32 params this is Emerging-Optimizers' layout, which stores p's dtype).
+            shape = list(entry.local_shape)
+            if method == "normuon":
+                shape[entry.normuon_dim] = 1
+            elif method == "namo":  # EMA of the squared Frobenius norm of the gradient
+                shape = [1]
+            state["moment2_buffer"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Creates the state of every parameter, with or without a grad (before loading a checkpoint)."""
+        plan = self._current_plan()
+        for i in range(len(plan.entries)):
+            self._init_entry_state(i)
+
+    @torch.no_grad()
+    def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
+        """Emerging-Optimizers' state initializer (Megatron's init_state_fn calls it)."""
+        plan = self._current_plan()
+        for p in group["params"]:
+            if skip_non_grad_params and p.grad is None:
+                continue
+            self._init_entry_state(plan.index[id(p)])
+
+    # ------------------------------------------------------------------ step
+    def _check_grads(self, plan: Plan, active: list[bool]) -> None:
+        for i, entry in enumerate(plan.entries):
+            if not active[i]:
+                continue
+            p, g = entry.param, entry.param.grad
+            if g.is_sparse:
+                raise ValueError(
+                    f"{type(self).__name__} does not support sparse gradients (param of shape {tuple(p.shape)})"
+                )
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise ValueError(
+                    f"grad of a param of shape {tuple(p.shape)}, {p.dtype} on {p.device} must match it, got "
+                    f"shape {tuple(g.shape)}, {g.dtype} on {g.device}"
+                )
+
+    def _write_hyperparameters(self, plan: Plan, active: list[bool]) -> None:
+        groups_used = {plan.entries[i].group_index for i in range(len(plan.entries)) if active[i]}
+        for gi in sorted(groups_used):
+            group = self.param_groups[gi]
+            for key in ("lr", "weight_decay"):
+                value = group[key]
+                if not isinstance(value, torch.Tensor) and value < 0:
+                    raise ValueError(f"param_groups[{gi}]['{key}'] must be >= 0, got {value}")
+        for (gi, _device), (lr_t, wd_t) in self._hyper.items():
+            if gi in groups_used:
+                group = self.param_groups[gi]
+                _write_scalar(lr_t, group["lr"])
+                _write_scalar(wd_t, group["weight_decay"])
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Performs one optimization step. ``closure`` is not supported (as in Emerging-Optimizers)."""
+        if closure is not None:
+            raise ValueError("closure is not supported")
+        plan = self._current_plan()
+        entries = plan.entries
+        active = [e.param.grad is not None for e in entries]
+        # Everything that can reject the input runs before anything is written.
+        self._check_grads(plan, active)
+        self._write_hyperparameters(plan, active)
+        cfg = self._config
+
+        # NS inputs: one stacked fp32 buffer per stack, each active entry writes its slice.
+        ns_inputs: list[torch.Tensor | None] = [None] * len(entries)
+        runs = []
+        for stack in plan.stacks:
+            members = [i for i in stack.members if active[i]]
+            if not members:
+                continue
+            buf = torch.empty((len(members), *stack.local_shape), dtype=torch.float32, device=stack.device)
+            for j, i in enumerate(members):
+                ns_inputs[i] = buf[j]
+            runs.append((stack, members, buf))
+
+        # 1. momentum (and L2 decay, Nesterov) per bucket
+        launches = []
+        for bucket in plan.buckets:
+            members = [i for i in bucket.members if active[i]]
+            if not members:
+                continue
+            for i in members:
+                self._init_entry_state(i)
+            group = self.param_groups[bucket.group_index]
+            params = [entries[i].param for i in members]
+            # The ops take dense grads; a strided view set by hand is copied (autograd's are dense).
+            grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+            states = [self.state[p] for p in params]
+            lr_t, wd_t = self._hyper[(bucket.group_index, bucket.device)]
+            ops.foreach_momentum_(
+                grads,
+                [s["momentum_buffer"] for s in states],
+                [ns_inputs[i] for i in members],
+                params if cfg.weight_decay_method == "l2" else (),
+                momentum=_as_float(group["momentum"]),
+                nesterov=cfg.nesterov,
+                weight_decay=wd_t,
+                weight_decay_method=cfg.weight_decay_method,
+            )
+            launches.append((bucket, group, members, params, grads, states, lr_t, wd_t))
+
+        # 2. orthogonalize per stack
+        updates: list[torch.Tensor | None] = [None] * len(entries)
+        for stack, members, buf in runs:
+            for i, update in zip(members, self._orthogonalize(stack, buf)):
+                updates[i] = update
+
+        # 3. second moment (AdaptiveMuon), 4. decay + update per bucket
+        for bucket, group, members, params, grads, states, lr_t, wd_t in launches:
+            bucket_updates = [updates[i] for i in members]
+            if cfg.moment2_method is not None:
+                self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members])
+            ops.foreach_update_(
+                params,
+                bucket_updates,
+                [entries[i].update_scale for i in members],
+                lr=lr_t,
+                weight_decay=wd_t,
+                weight_decay_method=cfg.weight_decay_method,
+            )
+        return None
+
+    def _orthogonalize(self, stack: Stack, x: torch.Tensor) -> list[torch.Tensor]:
+        """Newton–Schulz of one stack: (k, m, n) fp32 NS inputs -> k fp32 (m, n) updates.
+
+        Plain matrices come back raw (scaled later, in foreach_update_). QKV parts come back scaled
+        for Muon (the split op fuses it) and raw for AdaptiveMuon (scaled after normalization).
+        """
+        cfg = self._config
+        scale_parts = cfg.moment2_method is None
+        tp = stack.tp
+        if tp is not None and tp.mode == "distributed":
+            out = distributed_orthogonalize(x, tp, stack.qkv, stack.global_shape, cfg, NS_EPS, scaled=scale_parts)
+            return list(out.unbind(0))
+        if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
+            x = gather_shards(x, tp)
+        if stack.qkv is None:
+            outs = list(ops.newton_schulz(x, **cfg.ns_kwargs()).unbind(0))
+        else:  # the split op takes one matrix: one call per fused projection, its parts batched inside
+            outs = [
+                ops.newton_schulz_split(
+                    m,
+                    list(stack.qkv.sizes),
+                    m.shape[0] // stack.qkv.total,
+                    scale_mode=cfg.scale_mode if scale_parts else None,
+                    extra_scale_factor=cfg.extra_scale_factor if scale_parts else 1.0,
+                    **cfg.ns_kwargs(),
+                )
+                for m in x.unbind(0)
+            ]
+        return outs if tp is None else [local_chunk(o, tp) for o in outs]
+
+    def _normalize(self, group, members, updates, grads, states, ns_inputs) -> None:
+        """Second-moment normalization of the raw NS output of one bucket, then per-part QKV scales."""
+        cfg = self._config
+        entries = self._plan.entries
+        beta2, eps = _as_float(group["beta2"]), _as_float(group["eps"])
+        method = cfg.moment2_method
+        moment2 = [s["moment2_buffer"] for s in states]
+        # Sharded parameters (tp set) need global statistics; everything else uses the fused op.
+        subsets: dict[Any, list[int]] = {}
+        for j, i in enumerate(members):
+            tp = entries[i].tp
+            key = None if (tp is None or method == "adamuon") else tp.key
+            subsets.setdefault(key, []).append(j)
+        for key, js in subsets.items():
+            u = [updates[j] for j in js]
+            v = [moment2[j] for j in js]
+            if key is None:
+                if method == "adamuon":
+                    ops.adamuon_normalize_(u, v, beta2=beta2, eps=eps)
+                elif method == "normuon":
+                    ops.normuon_normalize_(u, v, beta2=beta2, eps=eps)
+                else:
+                    ops.namo_normalize_(u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], beta2=beta2, eps=eps)
+            else:
+                sub_entries = [entries[members[j]] for j in js]
+                if method == "normuon":
+                    tp_normuon_normalize_(u, v, sub_entries, beta2=beta2, eps=eps)
+                else:
+                    tp_namo_normalize_(
+                        u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], sub_entries, beta2=beta2, eps=eps
+                    )
+        for j, i in enumerate(members):
+            entry = entries[i]
+            if entry.qkv is not None:
+                _scale_parts_(updates[j], entry.qkv, entry.part_scales)
+
+
+def _write_scalar(buf: torch.Tensor, value) -> None:
+    if isinstance(value, torch.Tensor):
+        buf.copy_(value)  # a device tensor keeps the step capturable in a CUDA graph
+    elif torch.compiler.is_compiling():
+        buf.zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
+    else:
+        buf.fill_(value)
+
+
+def _as_float(value) -> float:
+    return float(value) if isinstance(value, torch.Tensor) else value
+
+
+def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:
+    """Multiplies each QKV part of a (rows, cols) update by its own Muon scale, in place."""
+    view = update.view(update.shape[0] // qkv.total, qkv.total, update.shape[1])
+    for offset, size, scale in part_scales:
+        view[:, offset : offset + size, :].mul_(scale)

@@ -1,0 +1,248 @@
+"""Megatron-LM's TensorParallelMuon / TensorParallelAdaptiveMuon on the fused step.
+
+Parameters are routed as in megatron/core/optimizer/emerging_optimizers.py: the TP group is
+``pg_collection.expt_tp`` for ``p.expert_tp`` parameters and ``pg_collection.tp`` otherwise; the
+sharded dimension is ``p.partition_dim`` (-1 or missing: not sharded). tp_mode:
+
+- blockwise: every rank orthogonalizes its local shard; scale from the local shape.
+- duplicated: all-gather along partition_dim, full Newton–Schulz, keep the local chunk; scale from
+  the global shape.
+- distributed: Newton–Schulz on the shards with all-reduced norm and Gram matrices; scale from the
+  global shape.
+
+Fused QKV projections (``split_qkv`` and ``is_qkv_fn(p)``) are orthogonalized per part, with
+``p.qkv_split_shapes`` or ``qkv_split_shapes``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import ParamsT
+
+from ._config import make_config
+from ._plan import TPLayout
+from .adaptive_muon import AdaptiveMuon
+from .orthogonalized import OrthogonalizedOptimizer
+
+TP_MODES = ("blockwise", "duplicated", "distributed")
+
+
+class _TensorParallelRouting:
+    """TP layout and QKV split of each parameter, as Megatron's TensorParallelMuon decides them."""
+
+    pg_collection: Any
+    tp_mode: str
+    split_qkv: bool
+    is_qkv_fn: Callable[[torch.Tensor], bool] | None
+    qkv_split_shapes: list[int] | None
+
+    def _set_routing(self, split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode) -> None:
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode must be one of {list(TP_MODES)}, got {tp_mode!r}")
+        if split_qkv and is_qkv_fn is None:
+            raise ValueError("split_qkv=True needs is_qkv_fn (a callable telling which params are fused QKV)")
+        self.pg_collection = pg_collection
+        self.tp_mode = tp_mode
+        self.split_qkv = bool(split_qkv)
+        self.is_qkv_fn = is_qkv_fn
+        self.qkv_split_shapes = None if qkv_split_shapes is None else list(qkv_split_shapes)
+
+    def _tp_group(self, p: torch.Tensor):
+        pg = self.pg_collection
+        if not pg:
+            return None
+        return getattr(pg, "expt_tp", None) if getattr(p, "expert_tp", False) else getattr(pg, "tp", None)
+
+    def _tp_layout(self, p: torch.Tensor) -> TPLayout | None:
+        self._reject_gtp_remat(p)
+        if self.tp_mode == "blockwise":
+            return None
+        partition_dim = getattr(p, "partition_dim", None)
+        if partition_dim is None or partition_dim == -1:
+            return None
+        group = self._tp_group(p)
+        if group is None:
+            return None
+        size = dist.get_world_size(group)
+        if size <= 1:
+            return None
+        if partition_dim not in (0, 1):
+            raise ValueError(f"partition_dim of a 2-D parameter must be 0, 1 or -1, got {partition_dim}")
+        return TPLayout(group, size, dist.get_rank(group), int(partition_dim), self.tp_mode)
+
+    def _reject_gtp_remat(self, p: torch.Tensor) -> None:
+        # Megatron's GTP weight rematerialization shards along dim 0 on a second group; not supported.
+        pg = self.pg_collection
+        if not pg or not getattr(p, "is_gtp_weight_remat", False):
+            return
+        group = getattr(pg, "expt_gtp_remat" if getattr(p, "expert_tp", False) else "gtp_remat", None)
+        if group is not None and dist.get_world_size(group) > 1:
+            raise ValueError(
+                "parameters sharded by GTP weight rematerialization (is_gtp_weight_remat) are not supported"
+            )
+
+    def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
+        if not self.split_qkv or not self.is_qkv_fn(p):
+            return None
+        sizes = getattr(p, "qkv_split_shapes", None)
+        if sizes is None:
+            sizes = self.qkv_split_shapes
+        if sizes is None:
+            raise ValueError("Muon QKV split requested but qkv_split_shapes is not set")
+        return list(sizes)
+
+
+class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
+    """Megatron-LM's ``TensorParallelMuon`` (same constructor and defaults: nesterov on, decoupled decay).
+
+    ``use_decoupled_weight_decay=False`` selects L2 decay. ``custom_coefficient_sets`` (an
+    extension) gives the rows of ``coefficient_type="custom"``. Without ``pg_collection`` every
+    parameter is orthogonalized locally. State: ``momentum_buffer``.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.01,
+        use_decoupled_weight_decay: bool = True,
+        split_qkv: bool = False,
+        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
+        qkv_split_shapes: list[int] | None = None,
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        pg_collection: Any | None = None,
+        tp_mode: str = "duplicated",
+        *,
+        custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+    ) -> None:
+        self._init_tensor_parallel(
+            params,
+            lr,
+            momentum,
+            nesterov,
+            weight_decay,
+            use_decoupled_weight_decay,
+            split_qkv,
+            is_qkv_fn,
+            qkv_split_shapes,
+            fp32_matmul_prec,
+            coefficient_type,
+            num_ns_steps,
+            scale_mode,
+            extra_scale_factor,
+            pg_collection,
+            tp_mode,
+            custom_coefficient_sets,
+            moment2=None,
+        )
+
+    def _init_tensor_parallel(
+        self,
+        params,
+        lr,
+        momentum,
+        nesterov,
+        weight_decay,
+        use_decoupled_weight_decay,
+        split_qkv,
+        is_qkv_fn,
+        qkv_split_shapes,
+        fp32_matmul_prec,
+        coefficient_type,
+        num_ns_steps,
+        scale_mode,
+        extra_scale_factor,
+        pg_collection,
+        tp_mode,
+        custom_coefficient_sets,
+        moment2: tuple[str, float, float] | None,
+    ) -> None:
+        weight_decay_method = "decoupled" if use_decoupled_weight_decay else "l2"
+        config = make_config(
+            nesterov=nesterov,
+            weight_decay_method=weight_decay_method,
+            fp32_matmul_prec=fp32_matmul_prec,
+            coefficient_type=coefficient_type,
+            custom_coefficient_sets=custom_coefficient_sets,
+            num_ns_steps=num_ns_steps,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            moment2_method=None if moment2 is None else moment2[0],
+        )
+        self._set_routing(split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode)
+        self.nesterov = config.nesterov
+        self.weight_decay_method = weight_decay_method
+        self.fp32_matmul_prec = fp32_matmul_prec
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        if moment2 is not None:
+            self.moment2_method = moment2[0]
+            self.scale_mode = scale_mode
+            self.extra_scale_factor = config.extra_scale_factor
+            defaults.update(beta2=moment2[1], eps=moment2[2])
+        OrthogonalizedOptimizer.__init__(self, params, defaults, config)
+
+
+class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
+    """Megatron-LM's ``TensorParallelAdaptiveMuon``: TensorParallelMuon with AdaptiveMuon's second moment.
+
+    Numerics follow Emerging-Optimizers' AdaptiveMuon (normalize the raw NS output, then scale);
+    sharded parameters in duplicated / distributed mode use global statistics, so the result
+    equals the unsharded one. NorMuon's ``moment2_buffer`` is the local slice of the global
+    reduced buffer (its averaged dimension is chosen from the global shape). ``moment2_method``
+    also accepts "namo" (not with ``use_decoupled_weight_decay=False``). State:
+    ``momentum_buffer``, ``moment2_buffer``.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.01,
+        use_decoupled_weight_decay: bool = True,
+        split_qkv: bool = False,
+        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
+        qkv_split_shapes: list[int] | None = None,
+        fp32_matmul_prec: str = "medium",
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        pg_collection: Any | None = None,
+        tp_mode: str = "duplicated",
+        moment2_method: str = "adamuon",
+        beta2: float = 0.95,
+        eps: float = 1e-8,
+        *,
+        custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+    ) -> None:
+        self._init_tensor_parallel(
+            params,
+            lr,
+            momentum,
+            nesterov,
+            weight_decay,
+            use_decoupled_weight_decay,
+            split_qkv,
+            is_qkv_fn,
+            qkv_split_shapes,
+            fp32_matmul_prec,
+            coefficient_type,
+            num_ns_steps,
+            scale_mode,
+            extra_scale_factor,
+            pg_collection,
+            tp_mode,
+            custom_coefficient_sets,
+            moment2=(moment2_method, beta2, eps),
+        )

@@ -1,0 +1,183 @@
+"""Shared pieces of the optimizer tests: parameter sets, step drivers, a float64 reference step."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_eopt.newton_schulz import get_muon_scale_factor
+from reference import newton_schulz_ref, rel_err
+
+# Awkward shapes (DESIGN §6): row / column vectors, primes both ways, square, repeats (batched).
+SHAPES = [(1, 9), (9, 1), (97, 37), (37, 97), (16, 16), (24, 40), (24, 40), (40, 24)]
+
+
+def make_params(shapes, gen, dtype=torch.float32, scale=1.0):
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * scale).to(dtype)) for s in shapes]
+
+
+def clone_params(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def make_grads(params, gen, steps, skip=()):
+    """Per step, one gradient per param (None for the indices in `skip`)."""
+    return [
+        [None if i in skip else torch.randn(p.shape, generator=gen).to(p.dtype) for i, p in enumerate(params)]
+        for _ in range(steps)
+    ]
+
+
+def run_steps(opt, params, grads_per_step, lrs=None):
+    for t, grads in enumerate(grads_per_step):
+        for p, g in zip(params, grads):
+            p.grad = None if g is None else g.clone()
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[t]
+        opt.step()
+
+
+def max_delta_err(params, ref_params, start):
+    """Largest ||Δ - Δ_ref|| / ||Δ_ref|| over the params (Δ: change since `start`)."""
+    worst = 0.0
+    for p, r, s in zip(params, ref_params, start):
+        d, dr = p.detach().double() - s.double(), r.detach().double() - s.double()
+        if dr.norm() == 0:
+            assert d.norm() == 0
+            continue
+        worst = max(worst, rel_err(d, dr))
+    return worst
+
+
+def continued_delta_err(opt, params, ref_opt, ref_params, grads_per_step):
+    """Runs both optimizers on the same grads; the worst relative error of their param changes."""
+    start = [p.detach().clone() for p in params]
+    ref_start = [p.detach().clone() for p in ref_params]
+    run_steps(opt, params, grads_per_step)
+    run_steps(ref_opt, ref_params, grads_per_step)
+    return max(
+        rel_err(p.detach().double() - s.double(), r.detach().double() - rs.double())
+        for p, s, r, rs in zip(params, start, ref_params, ref_start)
+    )
+
+
+def max_state_err(opt, params, ref_opt, ref_params, keys=("momentum_buffer",)):
+    worst = 0.0
+    for p, r in zip(params, ref_params):
+        for k in keys:
+            a, b = opt.state[p][k], ref_opt.state[r][k]
+            assert a.shape == b.shape and a.dtype == b.dtype, (k, a.shape, b.shape, a.dtype, b.dtype)
+            if b.norm() > 0:
+                worst = max(worst, rel_err(a, b))
+    return worst
+
+
+class ReferenceMuon:
+    """DESIGN §4.3 / §4.4 in float64 (Newton–Schulz in float64 too), one state dict per param.
+
+    qkv: {param index: split sizes} orthogonalizes those per part (DESIGN §4.5).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr,
+        momentum,
+        weight_decay,
+        nesterov,
+        weight_decay_method="decoupled",
+        coefficient_type="quintic",
+        num_ns_steps=5,
+        scale_mode="spectral",
+        extra_scale_factor=1.0,
+        moment2_method=None,
+        beta2=0.95,
+        eps=1e-8,
+        qkv=None,
+        custom=None,
+    ):
+        self.params = [p.detach().double().clone() for p in params]
+        self.lr, self.mu, self.wd, self.nesterov = lr, momentum, weight_decay, nesterov
+        self.wdm, self.coef, self.steps = weight_decay_method, coefficient_type, num_ns_steps
+        self.scale_mode, self.extra = scale_mode, extra_scale_factor
+        self.m2, self.beta2, self.eps = moment2_method, beta2, eps
+        self.qkv = qkv or {}
+        self.custom = custom
+        self.M = [torch.zeros_like(p) for p in self.params]
+        self.V = [None] * len(self.params)
+
+    def _scale(self, m, n):
+        return get_muon_scale_factor(m, n, self.scale_mode) * self.extra
+
+    def _ns(self, x):
+        return newton_schulz_ref(x, self.steps, self.coef, self.custom)
+
+    def _orth_parts(self, i, x):
+        """Raw NS of x (whole or per QKV part) and the per-row scale tensor."""
+        if i not in self.qkv:
+            return self._ns(x), torch.full((x.shape[0], 1), self._scale(*x.shape), dtype=x.dtype)
+        sizes = self.qkv[i]
+        total, n = sum(sizes), x.shape[1]
+        groups = x.shape[0] // total
+        view = x.view(groups, total, n)
+        out, scale = torch.empty_like(view), torch.empty(groups, total, 1, dtype=x.dtype)
+        off = 0
+        for s in sizes:
+            part = view[:, off : off + s].reshape(groups * s, n)
+            out[:, off : off + s] = self._ns(part).view(groups, s, n)
+            scale[:, off : off + s] = self._scale(groups * s, n)
+            off += s
+        return out.view_as(x), scale.view(-1, 1)
+
+    def step(self, grads):
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            if g is None:
+                continue
+            g = g.double()
+            lr, wd = self.lr, self.wd
+            if self.wdm == "decoupled":
+                p -= lr * wd * p
+            elif self.wdm == "independent":
+                p -= wd * p
+            elif self.wdm == "palm":
+                p -= lr * lr * wd * p
+            else:
+                g = g + wd * p
+            self.M[i] = self.M[i] + (1 - self.mu) * (g - self.M[i])
+            x = g + self.mu * (self.M[i] - g) if self.nesterov else self.M[i]
+            o, scale = self._orth_parts(i, x)
+            if self.m2 == "adamuon":
+                v = self.V[i] if self.V[i] is not None else torch.zeros_like(o)
+                self.V[i] = v = self.beta2 * v + (1 - self.beta2) * o.square()
+                o = o / (v.sqrt() + self.eps)
+            elif self.m2 == "normuon":
+                dim = -1 if o.shape[0] >= o.shape[1] else -2
+                r = o.square().mean(dim=dim, keepdim=True)
+                v = self.V[i] if self.V[i] is not None else torch.zeros_like(r)
+                self.V[i] = v = self.beta2 * v + (1 - self.beta2) * r
+                u = o * v.clamp_min(self.eps).rsqrt()
+                o = u * (o.norm() / u.norm().clamp_min(self.eps))
+            elif self.m2 == "namo":
+                v = self.V[i] if self.V[i] is not None else torch.zeros(1, dtype=o.dtype)
+                self.V[i] = v = self.beta2 * v + (1 - self.beta2) * g.norm().square()
+                o = o * (x.norm() / (v.sqrt() + self.eps))
+            p -= lr * scale * o
+
+
+def assert_finite(*tensors):
+    for t in tensors:
+        assert torch.isfinite(t).all(), "non-finite values"
+
+
+__all__ = [
+    "SHAPES",
+    "ReferenceMuon",
+    "assert_finite",
+    "clone_params",
+    "continued_delta_err",
+    "make_grads",
+    "make_params",
+    "max_delta_err",
+    "max_state_err",
+    "run_steps",
+]

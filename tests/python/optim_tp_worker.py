@@ -1,0 +1,186 @@
+"""One rank of the tensor-parallel optimizer tests (spawned by test_optim_tensor_parallel.py, gloo on CPU).
+
+Every rank builds the same full parameters and gradients, keeps its shards (Megatron layout:
+``partition_dim`` 0 shards rows, 1 shards columns, -1 replicates), steps the TP optimizer on them
+and compares with the single-device optimizer stepping the full tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import typing
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+if not hasattr(typing, "override"):  # Megatron / Emerging-Optimizers import it (Python >= 3.12)
+    import typing_extensions
+
+    typing.override = typing_extensions.override
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
+from reference import TOLERANCE, rel_err  # noqa: E402
+
+# (global shape, partition_dim, is_qkv, expert). Shapes divide by 4; they cover row and column
+# sharding of tall and wide matrices (NorMuon statistics reduced across shards or not), a shard
+# whose orientation differs from the global matrix, a replicated matrix and a QKV projection
+# with 4 query groups of [q, k, v] = [4, 2, 2] rows.
+LAYOUT = [
+    ((32, 16), 0, False, False),
+    ((16, 32), 1, False, False),
+    ((32, 16), 1, False, False),
+    ((16, 32), 0, False, True),
+    ((24, 16), 0, False, False),
+    ((12, 12), -1, False, False),
+    ((4 * 8, 16), 0, True, False),
+]
+QKV_SPLIT = [4, 2, 2]
+STEPS = 2
+
+
+def _shard(t: torch.Tensor, partition_dim: int, rank: int, size: int) -> torch.Tensor:
+    return t if partition_dim == -1 else t.chunk(size, dim=partition_dim)[rank]
+
+
+def _make(layout, gen):
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, *_ in layout]
+    grads = [[torch.randn(shape, generator=gen) for shape, *_ in layout] for _ in range(STEPS)]
+    return full, grads
+
+
+def _tag(p, partition_dim, is_qkv, expert):
+    p.partition_dim = partition_dim
+    p.is_qkv = is_qkv
+    p.expert_tp = expert
+    return p
+
+
+def _run(cls, params, grads, kwargs, rank=None, size=None):
+    opt = cls(params, **kwargs)
+    for step_grads in grads:
+        for p, g, (_, pd, _, _) in zip(params, step_grads, LAYOUT):
+            p.grad = g if rank is None else _shard(g, pd, rank, size).clone()
+        opt.step()
+    return opt
+
+
+def check_mode(group, tp_mode, cls, extra, seed, precision="highest"):
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(seed)
+    full, grads = _make(LAYOUT, gen)
+    kwargs = dict(
+        lr=0.02,
+        momentum=0.9,
+        weight_decay=0.1,
+        split_qkv=True,
+        is_qkv_fn=lambda p: p.is_qkv,
+        qkv_split_shapes=QKV_SPLIT,
+        fp32_matmul_prec=precision,
+        **extra,
+    )
+    pg = SimpleNamespace(tp=group, expt_tp=group)
+    local = [
+        _tag(torch.nn.Parameter(_shard(t, pd, rank, size).clone()), pd, q, e) for t, (_, pd, q, e) in zip(full, LAYOUT)
+    ]
+    start = [p.detach().clone() for p in local]
+    opt = _run(cls, local, grads, dict(kwargs, pg_collection=pg, tp_mode=tp_mode), rank, size)
+
+    if tp_mode == "blockwise":  # the reference is the single-device optimizer on this rank's shards
+        ref = [_tag(torch.nn.Parameter(s.clone()), pd, q, e) for s, (_, pd, q, e) in zip(start, LAYOUT)]
+        ref_grads = [[_shard(g, pd, rank, size) for g, (_, pd, _, _) in zip(gs, LAYOUT)] for gs in grads]
+        ref_opt = _run(cls, ref, ref_grads, kwargs)
+        expected = [p.detach() for p in ref]
+        expected_state = [ref_opt.state[p] for p in ref]
+    else:
+        ref = [_tag(torch.nn.Parameter(t.clone()), -1, q, e) for t, (_, _, q, e) in zip(full, LAYOUT)]
+        ref_opt = _run(cls, ref, grads, kwargs)
+        expected = [_shard(p.detach(), pd, rank, size) for p, (_, pd, _, _) in zip(ref, LAYOUT)]
+        expected_state = [
+            {k: _shard_state(v, pd, rank, size) for k, v in ref_opt.state[p].items()}
+            for p, (_, pd, _, _) in zip(ref, LAYOUT)
+        ]
+    tol = TOLERANCE[precision]
+    if extra.get("moment2_method") == "adamuon" and precision == "highest":
+        tol = TOLERANCE["high"]  # AdaMuon's elementwise division, see test_optim_muon_parity
+    for i, (p, s, e) in enumerate(zip(local, start, expected)):
+        err = rel_err(p.detach() - s, e - s)
+        assert err <= tol, f"{tp_mode} {cls.__name__} {extra} param {i} {LAYOUT[i]}: rel err {err:.2e}"
+        for key, value in expected_state[i].items():
+            got = opt.state[p][key]
+            assert got.shape == value.shape, (
+                f"{tp_mode} param {i} state {key}: {tuple(got.shape)} vs {tuple(value.shape)}"
+            )
+            if value.norm() > 0:
+                assert rel_err(got, value) <= tol, f"{tp_mode} param {i} state {key}"
+
+
+def _shard_state(v, partition_dim, rank, size):
+    """This rank's part of a state tensor of the global matrix: sharded like the param, except
+    along a dimension the buffer reduced to 1 (NorMuon) and for scalars (NAMO)."""
+    if partition_dim == -1 or v.ndim < 2 or v.shape[partition_dim] == 1:
+        return v
+    return v.chunk(size, dim=partition_dim)[rank]
+
+
+def check_megatron(group, tp_mode, seed):
+    """Megatron's own TensorParallelMuon on the same shards gives the same result."""
+    megatron = __import__("megatron.core.optimizer.emerging_optimizers", fromlist=["TensorParallelMuon"])
+    gen = torch.Generator().manual_seed(seed)
+    full, grads = _make(LAYOUT, gen)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    pg = SimpleNamespace(tp=group, expt_tp=group, gtp_remat=None, expt_gtp_remat=None)
+    kwargs = dict(
+        lr=0.02,
+        split_qkv=True,
+        is_qkv_fn=lambda p: p.is_qkv,
+        qkv_split_shapes=QKV_SPLIT,
+        fp32_matmul_prec="highest",
+        pg_collection=pg,
+        tp_mode=tp_mode,
+    )
+    ours = [
+        _tag(torch.nn.Parameter(_shard(t, pd, rank, size).clone()), pd, q, e) for t, (_, pd, q, e) in zip(full, LAYOUT)
+    ]
+    theirs = [_tag(torch.nn.Parameter(p.detach().clone()), pd, q, e) for p, (_, pd, q, e) in zip(ours, LAYOUT)]
+    start = [p.detach().clone() for p in ours]
+    _run(TensorParallelMuon, ours, grads, kwargs, rank, size)
+    _run(megatron.TensorParallelMuon, theirs, grads, kwargs, rank, size)
+    for i, (a, b, s) in enumerate(zip(ours, theirs, start)):
+        err = rel_err(a.detach() - s, b.detach() - s)
+        assert err <= TOLERANCE["highest"], f"megatron {tp_mode} param {i}: {err:.2e}"
+
+
+def worker(rank, world_size, init_file, seed):
+    """4 ranks: TP 4 over all of them, then TP 2 in two groups of 2 (one spawn for both sizes)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        for group in (dist.group.WORLD, pairs[rank // 2]):
+            for tp_mode in ("duplicated", "distributed", "blockwise"):
+                check_mode(group, tp_mode, TensorParallelMuon, {}, seed)
+                for method in ("adamuon", "normuon", "namo"):
+                    check_mode(group, tp_mode, TensorParallelAdaptiveMuon, dict(moment2_method=method, beta2=0.9), seed)
+            check_mode(group, "distributed", TensorParallelMuon, dict(nesterov=False), seed, precision="medium")
+            check_mode(
+                group,
+                "duplicated",
+                TensorParallelAdaptiveMuon,
+                dict(moment2_method="normuon"),
+                seed,
+                precision="medium",
+            )
+        if rank >= 2:
+            return  # Megatron's import is slow: its comparison runs in the first TP-2 group only
+        try:
+            import megatron.core.optimizer.emerging_optimizers  # noqa: F401
+        except ImportError:
+            return
+        for tp_mode in ("duplicated", "distributed"):
+            check_megatron(pairs[0], tp_mode, seed)
+    finally:
+        dist.destroy_process_group()

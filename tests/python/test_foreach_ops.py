@@ -1,0 +1,473 @@
+"""foreach_momentum_ and foreach_update_: parity, op contract, torch.compile, bad input."""
+
+import math
+
+import pytest
+import torch
+
+import megatron_eopt as me
+from reference import rel_err
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+METHODS = ["decoupled", "independent", "l2", "palm"]
+# Awkward shapes, empty tensors and a tensor spanning three 64K-element chunks, in one list.
+SHAPES = [(1, 64), (64, 1), (97, 37), (0, 5), (37, 97), (7,), (3, 5, 4), (0,), (150_001,)]
+# (grads/params, momentum buffers, NS inputs)
+MOMENTUM_DTYPES = [
+    (torch.float32, torch.float32, torch.float32),
+    (torch.float32, torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32, torch.bfloat16),
+]
+# (params, updates)
+UPDATE_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
+ops = torch.ops.megatron_eopt
+
+
+def _randn(shape, gen, dtype, device):
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def _tolerance(*dtypes):
+    return 2e-2 if torch.bfloat16 in dtypes else 1e-5
+
+
+def _one_ulp(dtype):
+    return torch.finfo(dtype).eps  # relative spacing: a 1-ulp difference stays within it
+
+
+def _momentum_inputs(gen, device, dtypes, shapes=SHAPES):
+    grad_dtype, buf_dtype, ns_dtype = dtypes
+    grads = [_randn(s, gen, grad_dtype, device) for s in shapes]
+    bufs = [_randn(s, gen, buf_dtype, device) for s in shapes]
+    params = [_randn(s, gen, grad_dtype, device) for s in shapes]
+    ns = [torch.full(s, float("nan"), dtype=ns_dtype, device=device) for s in shapes]
+    return grads, bufs, ns, params
+
+
+def _momentum_ref64(grads, bufs, params, momentum, nesterov, wd, method):
+    """DESIGN §4.3 steps 1-3 in float64."""
+    out_bufs, out_ns = [], []
+    for g, m, p in zip(grads, bufs, params):
+        g = g.double()
+        if method == "l2":
+            g = g + wd * p.double()
+        m = m.double() + (1 - momentum) * (g - m.double())
+        out_bufs.append(m)
+        out_ns.append(g + momentum * (m - g) if nesterov else m)
+    return out_bufs, out_ns
+
+
+def _f32(t):
+    """An fp32 copy (never `t` itself), to run an in-place reference op on."""
+    return t.to(torch.float32, copy=True)
+
+
+def _momentum_mirror(grads, bufs, params, momentum, nesterov, wd, method, ns_dtype):
+    """The reference optimizer's own torch ops (Emerging-Optimizers' step), each evaluated in fp32
+    and stored in its tensor's dtype, as torch's CUDA kernels do for bf16. (torch's CPU add rounds
+    `alpha` to bf16 for bf16 tensors; the fused ops keep it in fp32 on both backends.)"""
+    out_bufs, out_ns = [], []
+    for g, m, p in zip(grads, bufs, params):
+        if method == "l2" and wd != 0.0:
+            g = _f32(g).add_(p.float(), alpha=wd).to(g.dtype)
+        ema_dtype = torch.promote_types(g.dtype, m.dtype)
+        m = _f32(m).lerp_(g.float(), 1 - momentum).to(m.dtype)
+        ns = g.float().lerp(m.float(), momentum).to(ema_dtype) if nesterov else m
+        out_bufs.append(m)
+        out_ns.append(ns.to(ns_dtype))
+    return out_bufs, out_ns
+
+
+def _update_mirror(p0, u, scale, lr, f):
+    """p.add_(p, alpha=-f); p.add_(U * scale, alpha=-lr), each in fp32 and stored in p's dtype."""
+    p = p0
+    if f != 0.0:
+        p = _f32(p).add_(p.float(), alpha=-f).to(p0.dtype)
+    return _f32(p).add_(u.float() * scale, alpha=-lr).to(p0.dtype)
+
+
+def _decay_factor(method, lr, wd):
+    return {"decoupled": wd * lr, "independent": wd, "palm": wd * lr * lr, "l2": 0.0}[method]
+
+
+# ------------------------------------------------------------------ momentum parity
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtypes", MOMENTUM_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+def test_momentum_parity(device, dtypes, nesterov, method, gen):
+    momentum, wd = 0.95, 0.1
+    grads, bufs, ns, params = _momentum_inputs(gen, device, dtypes)
+    grads_before, params_before, bufs_before = [g.clone() for g in grads], [p.clone() for p in params], [
+        m.clone() for m in bufs]
+    ref_bufs, ref_ns = _momentum_ref64(grads, bufs, params, momentum, nesterov, wd, method)
+    mirror_bufs, mirror_ns = _momentum_mirror(grads, bufs, params, momentum, nesterov, wd, method, dtypes[2])
+    me.foreach_momentum_(grads, bufs, ns, params if method == "l2" else [], momentum=momentum, nesterov=nesterov,
+                         weight_decay=wd, weight_decay_method=method)
+    for i in range(len(SHAPES)):
+        assert torch.equal(grads[i], grads_before[i]) and torch.equal(params[i], params_before[i])
+        assert bufs[i].dtype == dtypes[1] and ns[i].dtype == dtypes[2]
+        if grads[i].numel() == 0:
+            continue
+        assert rel_err(bufs[i].cpu(), ref_bufs[i].cpu()) <= _tolerance(dtypes[0], dtypes[1])
+        assert rel_err(ns[i].cpu(), ref_ns[i].cpu()) <= _tolerance(*dtypes)
+        # Within one unit in the last place of the reference's own ops (in practice: equal).
+        torch.testing.assert_close(bufs[i], mirror_bufs[i], rtol=_one_ulp(dtypes[1]), atol=1e-30)
+        torch.testing.assert_close(ns[i], mirror_ns[i], rtol=_one_ulp(dtypes[2]), atol=1e-30)
+        assert not torch.equal(bufs[i], bufs_before[i])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("momentum", [0.0, 0.3, 0.5, 0.9, 0.99])
+def test_momentum_matches_torch_lerp_on_both_sides_of_half(device, momentum, gen):
+    # torch.lerp switches formula at weight 0.5: 1 - momentum and momentum land on either side.
+    grads, bufs, ns, _ = _momentum_inputs(gen, device, MOMENTUM_DTYPES[0], shapes=[(513, 129)])
+    expected_buf = bufs[0].lerp(grads[0], 1 - momentum)
+    expected_ns = grads[0].lerp(expected_buf, momentum)
+    me.foreach_momentum_(grads, bufs, ns, momentum=momentum, nesterov=True)
+    torch.testing.assert_close(bufs[0], expected_buf, rtol=_one_ulp(torch.float32), atol=1e-30)
+    torch.testing.assert_close(ns[0], expected_ns, rtol=_one_ulp(torch.float32), atol=1e-30)
+
+
+def test_momentum_ns_inputs_as_slices_of_a_stacked_batch(gen):
+    # The optimizer writes NS inputs straight into a (k, m, n) batch; odd m*n misaligns slices >= 1.
+    grads, bufs, _, _ = _momentum_inputs(gen, "cpu", MOMENTUM_DTYPES[0], shapes=[(5, 7)] * 3)
+    stacked = torch.zeros(3, 5, 7, dtype=torch.bfloat16)
+    ref_bufs, ref_ns = _momentum_mirror(grads, bufs, grads, 0.9, True, 0.0, "decoupled", torch.bfloat16)
+    me.foreach_momentum_(grads, bufs, list(stacked.unbind(0)), momentum=0.9, nesterov=True)
+    torch.testing.assert_close(stacked, torch.stack(ref_ns), rtol=_one_ulp(torch.bfloat16), atol=1e-30)
+
+
+def test_dense_non_contiguous_layouts_are_supported(gen):
+    # Transposed (dense, non-overlapping) tensors: fine as long as an index's tensors share strides.
+    grads, bufs, ns, params = _momentum_inputs(gen, "cpu", MOMENTUM_DTYPES[0], shapes=[(6, 9), (1, 5)])
+    grads, bufs, ns, params = ([t.t() for t in ts] for ts in (grads, bufs, ns, params))
+    assert not bufs[0].is_contiguous()
+    ref_bufs, ref_ns = _momentum_mirror(grads, bufs, params, 0.9, True, 0.2, "l2", torch.float32)
+    me.foreach_momentum_(grads, bufs, ns, params, momentum=0.9, nesterov=True, weight_decay=0.2,
+                         weight_decay_method="l2")
+    updates = [torch.randn(t.shape, generator=gen).t().contiguous().t() for t in ns]
+    expected = [_update_mirror(p, u, 1.5, 0.1, 0.1 * 0.2) for p, u in zip(params, updates)]
+    me.foreach_update_(params, updates, [1.5, 1.5], lr=0.1, weight_decay=0.2)
+    for i in range(2):
+        torch.testing.assert_close(bufs[i], ref_bufs[i], rtol=_one_ulp(torch.float32), atol=1e-30)
+        torch.testing.assert_close(ns[i], ref_ns[i], rtol=_one_ulp(torch.float32), atol=1e-30)
+        torch.testing.assert_close(params[i], expected[i], rtol=1e-6, atol=1e-7)
+
+
+def test_momentum_l2_zero_decay_and_params_given_for_other_methods(gen):
+    grads, bufs, ns, params = _momentum_inputs(gen, "cpu", MOMENTUM_DTYPES[0], shapes=[(9, 4), (4,)])
+    ref_bufs, ref_ns = _momentum_ref64(grads, bufs, params, 0.8, False, 0.0, "l2")
+    me.foreach_momentum_(grads, bufs, ns, params, momentum=0.8, nesterov=False, weight_decay=0.0,
+                         weight_decay_method="l2")
+    grads2, bufs2, ns2, params2 = _momentum_inputs(gen, "cpu", MOMENTUM_DTYPES[0], shapes=[(9, 4), (4,)])
+    ref_bufs2, _ = _momentum_ref64(grads2, bufs2, params2, 0.8, False, 0.5, "palm")
+    me.foreach_momentum_(grads2, bufs2, ns2, params2, momentum=0.8, nesterov=False, weight_decay=0.5,
+                         weight_decay_method="palm")  # params given but not read: palm decays in the update
+    for i in range(2):
+        assert rel_err(bufs[i], ref_bufs[i]) <= 1e-6 and torch.equal(ns[i], bufs[i])
+        assert rel_err(bufs2[i], ref_bufs2[i]) <= 1e-6
+
+
+# ------------------------------------------------------------------ update parity
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtypes", UPDATE_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("method", METHODS)
+def test_update_parity(device, dtypes, method, gen):
+    # fp32 values, as an optimizer's 0-dim fp32 lr / weight-decay tensors hold them
+    lr, wd = float(torch.tensor(0.05)), float(torch.tensor(0.3))
+    param_dtype, update_dtype = dtypes
+    params = [_randn(s, gen, param_dtype, device) for s in SHAPES]
+    updates = [_randn(s, gen, update_dtype, device) for s in SHAPES]
+    scales = [0.5 + i for i in range(len(SHAPES))]
+    before = [p.clone() for p in params]
+    updates_before = [u.clone() for u in updates]
+    me.foreach_update_(params, updates, scales, lr=lr, weight_decay=wd, weight_decay_method=method)
+    f = _decay_factor(method, lr, wd)
+    for i, (p0, u, s) in enumerate(zip(before, updates, scales)):
+        assert torch.equal(updates[i], updates_before[i]) and params[i].dtype == param_dtype
+        if p0.numel() == 0:
+            continue
+        # The reference's ops: p.add_(p, alpha=-f); p.add_(U * scale, alpha=-lr).
+        mirror = _update_mirror(p0, u, s, lr, f)
+        torch.testing.assert_close(params[i], mirror, rtol=_one_ulp(param_dtype), atol=1e-30)
+        if param_dtype == torch.float32:
+            # The step itself (not just p, which dominates) against float64.
+            step64 = -f * p0.double() - lr * s * u.double()
+            assert rel_err((params[i] - p0).cpu(), step64.cpu()) <= 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_with_tensor_hyperparameters(device, gen):
+    params = [_randn((33, 65), gen, torch.float32, device)]
+    updates = [_randn((33, 65), gen, torch.float32, device)]
+    expected = params[0] * (1 - 0.02 * 0.1) - 0.02 * 3.0 * updates[0]
+    lr = torch.tensor(0.02, device=device)
+    wd = torch.tensor(0.1, device=device)
+    me.foreach_update_(params, updates, [3.0], lr=lr, weight_decay=wd)
+    assert rel_err(params[0].cpu(), expected.cpu()) <= 1e-6
+
+
+def test_empty_lists_are_a_no_op():
+    me.foreach_momentum_([], [], [], momentum=0.9, nesterov=True)
+    me.foreach_update_([], [], [], lr=0.1)
+    ops.foreach_momentum_([], [], [], [], 0.9, False, torch.tensor(0.0), "decoupled")
+    ops.foreach_update_([], [], [], torch.tensor(0.1), torch.tensor(0.0), "palm")
+
+
+# ------------------------------------------------------------------ op contract
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", ["decoupled", "l2"])
+def test_opcheck_foreach_momentum(device, method, gen):
+    grads, bufs, ns, params = _momentum_inputs(gen, device, MOMENTUM_DTYPES[1], shapes=[(4, 6), (0, 3), (5,)])
+    wd = torch.tensor(0.1, device=device)
+    torch.library.opcheck(ops.foreach_momentum_.default,
+                          (grads, bufs, ns, params if method == "l2" else [], 0.9, True, wd, method))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_foreach_update(device, gen):
+    params = [_randn(s, gen, torch.bfloat16, device) for s in [(4, 6), (0, 3), (5,)]]
+    updates = [_randn(s, gen, torch.float32, device) for s in [(4, 6), (0, 3), (5,)]]
+    lr = torch.tensor(0.1, device=device)
+    wd = torch.tensor(0.01, device=device)
+    torch.library.opcheck(ops.foreach_update_.default, (params, updates, [1.0, 2.0, 3.0], lr, wd, "palm"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_tensor_lr_no_recompile(device, gen):
+    def step(params, grads, bufs, ns, lr, wd):
+        me.foreach_momentum_(grads, bufs, ns, momentum=0.9, nesterov=True, weight_decay=wd)
+        me.foreach_update_(params, ns, [2.0] * len(params), lr=lr, weight_decay=wd)
+
+    shapes = [(16, 8), (8, 3)]
+    grads, bufs, ns, params = _momentum_inputs(gen, device, MOMENTUM_DTYPES[0], shapes=shapes)
+    eager = [[t.clone() for t in ts] for ts in (params, grads, bufs, ns)]
+    lr = torch.tensor(0.1, device=device)
+    wd = torch.tensor(0.01, device=device)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    compiled(params, grads, bufs, ns, lr, wd)
+    step(*eager, lr, wd)
+    lr.fill_(0.05)
+    wd.fill_(0.02)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        compiled(params, grads, bufs, ns, lr, wd)
+    step(*eager, lr, wd)
+    for got, want in zip(params + bufs, eager[0] + eager[2]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ bad input
+def _bad_momentum_cases():
+    f32, bf16 = torch.float32, torch.bfloat16
+    ok = dict(dtypes=(f32, f32, f32), shapes=[(3, 4), (5,), (2, 2)], momentum=0.9, method="decoupled",
+              wd=torch.tensor(0.1))
+
+    def case(exc, match, **changes):
+        return pytest.param({**ok, **changes}, exc, match, id=match)
+
+    return [
+        case(ValueError, "momentum_buffers has 2 tensors", drop="bufs"),
+        case(ValueError, "ns_inputs has 2 tensors", drop="ns"),
+        case(ValueError, "params must have one tensor per", method="l2", no_params=True),
+        case(TypeError, "grads\\[0\\] is Half", dtypes=(torch.float16, f32, f32)),
+        case(TypeError, "momentum_buffers\\[0\\] is BFloat16", dtypes=(f32, bf16, f32)),
+        case(TypeError, "ns_inputs\\[0\\] is Half", dtypes=(f32, f32, torch.float16)),
+        case(TypeError, "grads\\[2\\] is BFloat16 but grads\\[0\\] is Float", mix_grad=2),
+        case(ValueError, "ns_inputs\\[2\\] has shape", bad_shape=2),
+        case(ValueError, "momentum_buffers\\[1\\] has strides|must be contiguous", transposed=True),
+        case(ValueError, "momentum must be finite and in \\[0, 1\\)", momentum=1.0),
+        case(ValueError, "momentum must be finite and in \\[0, 1\\)", momentum=float("nan")),
+        case(ValueError, "unknown weight_decay_method 'adamw'", method="adamw"),
+        case(ValueError, "weight_decay must be a 0-dim float32 tensor", wd=torch.tensor([0.1])),
+        case(TypeError, "weight_decay must be a 0-dim float32 tensor", wd=torch.tensor(0.1, dtype=torch.float64)),
+    ]
+
+
+@pytest.mark.parametrize("spec,exc,match", _bad_momentum_cases())
+def test_momentum_bad_input_mutates_nothing(spec, exc, match, gen):
+    shapes = spec["shapes"]
+    grads, bufs, ns, params = _momentum_inputs(gen, "cpu", spec["dtypes"], shapes=shapes)
+    if spec.get("drop") == "bufs":
+        bufs = bufs[:2]
+    if spec.get("drop") == "ns":
+        ns = ns[:2]
+    if "mix_grad" in spec:
+        grads[spec["mix_grad"]] = grads[spec["mix_grad"]].bfloat16()
+    if "bad_shape" in spec:
+        ns[spec["bad_shape"]] = torch.zeros(3, 3)
+    if spec.get("transposed"):
+        bufs[1] = torch.randn(4, 3, generator=gen).t()
+        grads[1] = torch.randn(3, 4, generator=gen)
+        ns[1] = torch.zeros(3, 4)
+        shapes[1] = (3, 4)
+    if spec.get("no_params"):
+        params = []
+    snapshot = [t.clone() for t in grads + bufs + ns + params]
+    with pytest.raises(exc, match=match):
+        ops.foreach_momentum_(grads, bufs, ns, params, spec["momentum"], True, spec["wd"], spec["method"])
+    if not spec.get("transposed"):
+        # The Python wrapper rejects the same input (itself or through the op).
+        with pytest.raises(exc, match=match):
+            me.foreach_momentum_(grads, bufs, ns, params, momentum=spec["momentum"], nesterov=True,
+                                 weight_decay=spec["wd"], weight_decay_method=spec["method"])
+    for before, after in zip(snapshot, grads + bufs + ns + params):
+        assert torch.equal(before, after) or (before.isnan().all() and after.isnan().all())
+
+
+def _bad_update_cases():
+    ok = dict(param_dtype=torch.float32, update_dtype=torch.float32, scales=[1.0, 2.0, 3.0], method="decoupled",
+              lr=torch.tensor(0.1), wd=torch.tensor(0.0))
+
+    def case(exc, match, **changes):
+        return pytest.param({**ok, **changes}, exc, match, id=match)
+
+    return [
+        case(ValueError, "scales has 2 values", scales=[1.0, 2.0]),
+        case(ValueError, "scales\\[1\\] must be finite", scales=[1.0, float("inf"), 1.0]),
+        case(ValueError, "updates has 2 tensors", drop_update=True),
+        case(TypeError, "params\\[0\\] is Half", param_dtype=torch.float16),
+        case(TypeError, "updates\\[0\\] is BFloat16", update_dtype=torch.bfloat16),
+        case(ValueError, "updates\\[2\\] has shape", bad_shape=2),
+        case(ValueError, "unknown weight_decay_method 'l1'", method="l1"),
+        case(ValueError, "lr must be a 0-dim float32 tensor", lr=torch.tensor([0.1, 0.2])),
+        case(TypeError, "weight_decay must be a 0-dim float32 tensor", wd=torch.tensor(0, dtype=torch.int32)),
+    ]
+
+
+@pytest.mark.parametrize("spec,exc,match", _bad_update_cases())
+def test_update_bad_input_mutates_nothing(spec, exc, match, gen):
+    shapes = [(3, 4), (5,), (2, 2)]
+    params = [_randn(s, gen, spec["param_dtype"], "cpu") for s in shapes]
+    updates = [_randn(s, gen, spec["update_dtype"], "cpu") for s in shapes]
+    if spec.get("drop_update"):
+        updates = updates[:2]
+    if "bad_shape" in spec:
+        updates[spec["bad_shape"]] = torch.zeros(2, 3)
+    snapshot = [p.clone() for p in params]
+    with pytest.raises(exc, match=match):
+        ops.foreach_update_(params, updates, spec["scales"], spec["lr"], spec["wd"], spec["method"])
+    with pytest.raises(exc, match=match):
+        me.foreach_update_(params, updates, spec["scales"], lr=spec["lr"], weight_decay=spec["wd"],
+                           weight_decay_method=spec["method"])
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, params))
+
+
+def test_wrapper_argument_types():
+    g = [torch.zeros(2)]
+    with pytest.raises(TypeError, match="grads must be a list"):
+        me.foreach_momentum_(torch.zeros(2), g, g, momentum=0.9, nesterov=False)
+    with pytest.raises(TypeError, match="momentum_buffers\\[0\\] must be a torch.Tensor"):
+        me.foreach_momentum_(g, [1.0], g, momentum=0.9, nesterov=False)
+    with pytest.raises(TypeError, match="lr must be a Python float or a 0-dim float32 tensor"):
+        me.foreach_update_(g, g, [1.0], lr="0.1")
+    with pytest.raises(TypeError, match="scales\\[0\\] must be a float"):
+        me.foreach_update_(g, g, [None], lr=0.1)
+    with pytest.raises(ValueError, match="lr must be a 0-dim float32 tensor"):
+        me.foreach_update_(g, g, [1.0], lr=torch.ones(1))
+    with pytest.raises(ValueError, match="momentum must be finite"):
+        me.foreach_momentum_(g, g, g, momentum=-0.1, nesterov=False)
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_host_scalars_and_device_mix(gen):
+    p = [torch.randn(4, 4, device="cuda")]
+    u = [torch.randn(4, 4)]
+    with pytest.raises(ValueError, match="lr is on cpu but the tensor lists are on cuda"):
+        ops.foreach_update_(p, [x.cuda() for x in u], [1.0], torch.tensor(0.1), torch.tensor(0.0, device="cuda"),
+                            "decoupled")
+    with pytest.raises(ValueError, match="one device"):
+        ops.foreach_update_(p, u, [1.0], torch.tensor(0.1, device="cuda"), torch.tensor(0.0, device="cuda"),
+                            "decoupled")
+
+
+# ------------------------------------------------------------------ CUDA specifics
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", MOMENTUM_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+@pytest.mark.parametrize("method", ["decoupled", "l2"])
+def test_cuda_equals_cpu_bitwise(dtypes, method, gen):
+    # Both backends evaluate the same shared math with the same explicit fmas and roundings.
+    shapes = SHAPES + [(1, 3), (2, 65_537)]
+    grads, bufs, ns, params = _momentum_inputs(gen, "cpu", dtypes, shapes=shapes)
+    on_gpu = [[t.cuda() for t in ts] for ts in (grads, bufs, ns, params)]
+    me.foreach_momentum_(grads, bufs, ns, params, momentum=0.95, nesterov=True, weight_decay=0.1,
+                         weight_decay_method=method)
+    me.foreach_momentum_(*on_gpu, momentum=0.95, nesterov=True, weight_decay=0.1, weight_decay_method=method)
+    for a, b in zip(bufs + ns, on_gpu[1] + on_gpu[2]):
+        assert torch.equal(a, b.cpu())
+    updates = [n.float() for n in ns]
+    scales = [1.0 + 0.25 * i for i in range(len(shapes))]
+    me.foreach_update_(params, updates, scales, lr=0.01, weight_decay=0.1, weight_decay_method="palm")
+    me.foreach_update_(on_gpu[3], [u.cuda() for u in updates], scales, lr=0.01, weight_decay=0.1,
+                       weight_decay_method="palm")
+    for a, b in zip(params, on_gpu[3]):
+        assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_many_tensors_span_several_launches(gen):
+    # More tensors than one kernel-argument table holds, misaligned views among them.
+    base = torch.randn(400 * 37 + 1, device="cuda")
+    grads = [base[1 + 37 * i: 1 + 37 * (i + 1)] if i % 3 == 0 else torch.randn(37, device="cuda")
+             for i in range(400)]
+    bufs = [torch.randn(37, device="cuda") for _ in range(400)]
+    ns = [torch.empty(37, device="cuda") for _ in range(400)]
+    ref_bufs, ref_ns = _momentum_mirror(grads, bufs, grads, 0.9, True, 0.0, "decoupled", torch.float32)
+    me.foreach_momentum_(grads, bufs, ns, momentum=0.9, nesterov=True)
+    for i in range(400):
+        torch.testing.assert_close(bufs[i], ref_bufs[i], rtol=_one_ulp(torch.float32), atol=1e-30)
+        torch.testing.assert_close(ns[i], ref_ns[i], rtol=_one_ulp(torch.float32), atol=1e-30)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_replays_with_new_lr(gen):
+    params = [torch.randn(64, 32, device="cuda")]
+    updates = [torch.randn(64, 32, device="cuda")]
+    lr = torch.tensor(0.1, device="cuda")
+    wd = torch.tensor(0.01, device="cuda")
+    start = params[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        me.foreach_update_(params, updates, [1.0], lr=lr, weight_decay=wd)  # warm-up
+        torch.cuda.synchronize()
+        params[0].copy_(start)
+        with torch.cuda.graph(graph, stream=stream):
+            me.foreach_update_(params, updates, [1.0], lr=lr, weight_decay=wd)
+    torch.cuda.current_stream().wait_stream(stream)
+    params[0].copy_(start)
+    lr.fill_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = start * (1 - 0.5 * 0.01) - 0.5 * updates[0]
+    assert rel_err(params[0].cpu(), expected.cpu()) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.large_memory
+def test_cuda_tensor_over_2_pow_31_elements(gen):
+    n = 2**31 + 1000
+    windows = [slice(0, 4096), slice(2**31 - 2048, 2**31 + 1000), slice(n - 777, n)]
+    grads = [torch.randn(n, device="cuda", dtype=torch.bfloat16)]
+    bufs = [torch.randn(n, device="cuda", dtype=torch.bfloat16)]
+    params = [torch.randn(n, device="cuda", dtype=torch.bfloat16)]
+    ns = [torch.empty(n, device="cuda", dtype=torch.bfloat16)]
+    expected = [_momentum_mirror([grads[0][w]], [bufs[0][w]], [params[0][w]], 0.9, True, 0.1, "l2",
+                                 torch.bfloat16) for w in windows]
+    me.foreach_momentum_(grads, bufs, ns, params, momentum=0.9, nesterov=True, weight_decay=0.1,
+                         weight_decay_method="l2")
+    for w, (ref_buf, ref_ns) in zip(windows, expected):
+        torch.testing.assert_close(bufs[0][w], ref_buf[0], rtol=_one_ulp(torch.bfloat16), atol=1e-30)
+        torch.testing.assert_close(ns[0][w], ref_ns[0], rtol=_one_ulp(torch.bfloat16), atol=1e-30)
+    del grads, bufs
+    torch.cuda.empty_cache()
+    p_windows = [params[0][w].clone() for w in windows]
+    me.foreach_update_(params, ns, [2.0], lr=0.01, weight_decay=0.1, weight_decay_method="decoupled")
+    for w, p0 in zip(windows, p_windows):
+        mirror = _update_mirror(p0, ns[0][w], 2.0, 0.01, 0.1 * 0.01)
+        torch.testing.assert_close(params[0][w], mirror, rtol=_one_ulp(torch.bfloat16), atol=1e-30)
