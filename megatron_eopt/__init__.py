@@ -25,6 +25,9 @@ from .ops import (
 )
 from .second_moment import MOMENT2_METHODS, moment2_shape
 from . import optim  # noqa: E402  (after the ops it is built on)
+from . import registry
+from .param_routing import RoutingTable, build_optimizers
+from .schedulers import build_schedulers
 
 __version__ = "0.1.0"
 
@@ -32,7 +35,10 @@ __all__ = [
     "COEFFICIENT_SETS",
     "LIBRARY_PATH",
     "MOMENT2_METHODS",
+    "RoutingTable",
     "adamuon_normalize_",
+    "build_optimizers",
+    "build_schedulers",
     "cuda_kernels_built",
     "foreach_momentum_",
     "foreach_update_",
@@ -47,5 +53,6 @@ __all__ = [
     "newton_schulz_split",
     "normuon_normalize_",
     "optim",
+    "registry",
     "validate_coefficient_type",
 ]

@@ -13,5 +13,9 @@ fi
 "$PY" -m pip install -q "scikit-build-core>=0.10" ninja "cmake>=3.26" pytest numpy expecttest matplotlib
 # Reference implementations the parity tests compare against (no torch from their requirements).
 "$PY" -m pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py typing_extensions
+# Megatron-LM's optimizer factory, for the integration tests. megatron-core 0.19.2 declares
+# Python >= 3.12, but its optimizer factory and GPTModel import on 3.11 and need nothing beyond
+# torch, numpy and packaging (its extras pull Transformer Engine, Apex etc.: not wanted here).
+"$PY" -m pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2 "packaging>=24.2"
 # One CUDA architecture keeps the build short on small machines; override for other GPUs.
 MEGATRON_EOPT_CUDA_ARCHS=${MEGATRON_EOPT_CUDA_ARCHS:-90} "$PY" -m pip install -q --no-build-isolation .

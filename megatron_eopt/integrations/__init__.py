@@ -1,0 +1,1 @@
+"""Integrations with training frameworks (imported on demand: each needs its framework)."""

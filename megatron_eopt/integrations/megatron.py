@@ -1,0 +1,207 @@
+"""Plug megatron-eopt's optimizers into Megatron-LM's optimizer factory.
+
+After :func:`install`, ``megatron.core.optimizer.get_megatron_optimizer`` with
+``OptimizerConfig(optimizer="muon")`` (or ``"adaptive_muon"``, or any name registered in
+:mod:`megatron_eopt.registry`) builds megatron-eopt's classes from the usual ``muon_*`` /
+``adaptive_muon_*`` config fields. Megatron's own parameter routing stays in charge: its factory
+tags fused QKV weights, applies each entry's ``default_param_overrides`` (non-matrix and
+embedding/output parameters → Adam, or Lion via ``muon_scalar_optimizer``) and wraps the result
+in its mixed-precision / chained / layer-wise optimizers.
+
+Works with megatron-core >= 0.18 (the release that introduced the emerging-optimizer registry)
+whether or not the ``emerging-optimizers`` package is installed: Megatron-LM refuses its
+emerging-optimizer path without that package; our entries do not need it, so :func:`install`
+lifts that check (and :func:`uninstall` puts it back).
+
+Usage::
+
+    from megatron_eopt.integrations import megatron as eopt_megatron
+    eopt_megatron.install()
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="muon", lr=..., ...), model)
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import threading
+from typing import Any
+
+from .. import registry
+
+__all__ = ["MIN_MEGATRON_CORE", "install", "installed", "megatron_core_version", "uninstall"]
+
+MIN_MEGATRON_CORE = (0, 18)
+
+_LOCK = threading.Lock()
+# name -> the Megatron entry ours replaced (None where the name was new); filled by install().
+_REPLACED: dict[str, Any] = {}
+# Megatron module globals changed by install(), with their previous values, for uninstall().
+_PATCHED_GLOBALS: list[tuple[Any, str, Any, bool]] = []
+
+
+class _LionNeedsEmergingOptimizers:
+    """Stands in for ``emerging_optimizers.Lion`` in Megatron when that package is missing.
+
+    install() lets Megatron's emerging-optimizer path run without Emerging-Optimizers; this
+    keeps ``muon_scalar_optimizer="lion"`` failing with the clear message Megatron would give.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ImportError(
+            "the Lion optimizer (muon_scalar_optimizer='lion' or optimizer='lion') needs the "
+            "emerging-optimizers package: pip install emerging-optimizers"
+        )
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    """'0.19.2' -> (0, 19, 2); '0.18.0rc1+abc' -> (0, 18, 0)."""
+    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text.strip())
+    if match is None:
+        return ()
+    return tuple(int(g) for g in match.groups() if g is not None)
+
+
+def megatron_core_version() -> tuple[int, ...] | None:
+    """The installed megatron-core version as a tuple, or None when it is not installed."""
+    from importlib import metadata
+
+    try:
+        return _parse_version(metadata.version("megatron-core"))
+    except metadata.PackageNotFoundError:
+        pass
+    info = sys.modules.get("megatron.core.package_info")
+    if info is not None and hasattr(info, "__version__"):
+        return _parse_version(info.__version__)
+    return None
+
+
+def _megatron_modules() -> tuple[Any, Any]:
+    """(megatron.core.optimizer, megatron.core.optimizer.emerging_optimizers), checked."""
+    version = megatron_core_version()
+    need = ".".join(map(str, MIN_MEGATRON_CORE))
+    if version is not None and version < MIN_MEGATRON_CORE:
+        raise ImportError(
+            f"megatron-eopt needs megatron-core >= {need} (its emerging-optimizer registry); "
+            f"found {'.'.join(map(str, version))}. Upgrade with: pip install -U megatron-core"
+        )
+    try:
+        factory = importlib.import_module("megatron.core.optimizer")
+        emerging = importlib.import_module("megatron.core.optimizer.emerging_optimizers")
+    except ImportError as exc:
+        hint = ""
+        if "override" in str(exc) and sys.version_info < (3, 12):
+            hint = (
+                " (emerging-optimizers needs Python >= 3.12 for typing.override; on older Python "
+                "set typing.override = typing_extensions.override before importing megatron, or "
+                "uninstall emerging-optimizers: megatron-eopt does not need it)"
+            )
+        raise ImportError(
+            f"megatron-eopt's Megatron-LM integration needs megatron-core >= {need} "
+            f"(pip install megatron-core); importing it failed: {exc}{hint}"
+        ) from exc
+    missing = [n for n in ("_EMERGING_OPTIMIZERS", "EmergingOptimizerEntry") if not hasattr(emerging, n)]
+    missing += [n for n in ("get_megatron_optimizer",) if not hasattr(factory, n)]
+    if missing:
+        raise ImportError(
+            f"this megatron-core has no emerging-optimizer registry (missing {', '.join(missing)}); "
+            f"megatron-eopt needs megatron-core >= {need}"
+        )
+    return factory, emerging
+
+
+def _to_megatron_overrides(overrides: dict[Any, dict[str, Any]], optimizer_config: Any) -> dict[Any, dict[str, Any]]:
+    """Our ParamRule keys → Megatron ParamKey(predicate=ParamPredicate); other keys pass through."""
+    ParamKey = optimizer_config.ParamKey
+    ParamPredicate = optimizer_config.ParamPredicate
+    converted = {}
+    for key, value in overrides.items():
+        if isinstance(key, registry.ParamRule):
+            key = ParamKey(predicate=ParamPredicate(name=key.name, fn=key.fn))
+        converted[key] = dict(value)
+    return converted
+
+
+def _to_megatron_entry(entry: registry.EmergingOptimizerEntry, emerging: Any, optimizer_config: Any) -> Any:
+    return emerging.EmergingOptimizerEntry(
+        optimizer_cls=entry.optimizer_cls,
+        init_state_fn=entry.init_state_fn,
+        config_to_kwargs=entry.config_to_kwargs,
+        default_param_overrides=_to_megatron_overrides(entry.default_param_overrides, optimizer_config),
+    )
+
+
+def _is_ours(megatron_entry: Any) -> bool:
+    return getattr(megatron_entry, "_megatron_eopt", False)
+
+
+def _set_global(module: Any, name: str, value: Any) -> None:
+    had = hasattr(module, name)
+    _PATCHED_GLOBALS.append((module, name, getattr(module, name, None), had))
+    setattr(module, name, value)
+
+
+def install(names: list[str] | None = None) -> dict[str, Any]:
+    """Puts megatron-eopt's registry entries into Megatron-LM's emerging-optimizer registry.
+
+    ``names`` selects entries of :mod:`megatron_eopt.registry` (default: all of them, i.e.
+    ``"muon"`` and ``"adaptive_muon"`` plus anything registered there). Idempotent: entries
+    already installed are left alone. Returns ``{name: Megatron's previous entry or None}`` for
+    the names this call replaced (empty when everything was already installed).
+
+    Raises ImportError with the reason when megatron-core is missing, older than 0.18, or fails
+    to import.
+    """
+    factory, emerging = _megatron_modules()
+    optimizer_config = importlib.import_module("megatron.core.optimizer.optimizer_config")
+    selected = registry.names() if names is None else list(names)
+    entries = {name: registry.get(name) for name in selected}  # KeyError for unknown names first
+    replaced: dict[str, Any] = {}
+    with _LOCK:
+        table = emerging._EMERGING_OPTIMIZERS
+        for name, entry in entries.items():
+            current = table.get(name)
+            if current is not None and _is_ours(current) and current.optimizer_cls is entry.optimizer_cls:
+                continue
+            megatron_entry = _to_megatron_entry(entry, emerging, optimizer_config)
+            megatron_entry._megatron_eopt = True
+            if name not in _REPLACED:
+                _REPLACED[name] = current
+            replaced[name] = current
+            table[name] = megatron_entry
+        # Megatron refuses its emerging-optimizer path without Emerging-Optimizers installed;
+        # ours do not need it. Keep Lion (which does) failing with a clear ImportError.
+        if not getattr(factory, "HAVE_EMERGING_OPTIMIZERS", True):
+            _set_global(factory, "HAVE_EMERGING_OPTIMIZERS", True)
+            if not hasattr(factory, "Lion"):
+                _set_global(factory, "Lion", _LionNeedsEmergingOptimizers)
+    return replaced
+
+
+def installed() -> list[str]:
+    """Names whose Megatron-LM registry entry is currently megatron-eopt's."""
+    if "megatron.core.optimizer.emerging_optimizers" not in sys.modules:
+        return []
+    table = sys.modules["megatron.core.optimizer.emerging_optimizers"]._EMERGING_OPTIMIZERS
+    return sorted(name for name, entry in table.items() if _is_ours(entry))
+
+
+def uninstall() -> None:
+    """Restores the Megatron-LM registry and module flags as they were before :func:`install`."""
+    if "megatron.core.optimizer.emerging_optimizers" not in sys.modules:
+        return
+    table = sys.modules["megatron.core.optimizer.emerging_optimizers"]._EMERGING_OPTIMIZERS
+    with _LOCK:
+        for name, previous in _REPLACED.items():
+            if previous is None:
+                table.pop(name, None)
+            else:
+                table[name] = previous
+        _REPLACED.clear()
+        while _PATCHED_GLOBALS:
+            module, name, value, had = _PATCHED_GLOBALS.pop()
+            if had:
+                setattr(module, name, value)
+            else:
+                delattr(module, name)

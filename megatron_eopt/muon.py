@@ -1,0 +1,412 @@
+"""Backward-compatible names of the popular Muon snippets and of Megatron-LM's older ``muon.py``.
+
+Code written against Keller Jordan's / nanochat's ``muon.py`` or modded-nanogpt keeps working
+after changing its import to ``from megatron_eopt.muon import ...``, and runs on the fused ops:
+
+- :func:`zeropower_via_newtonschulz5` — Newton–Schulz with the original quintic
+  (3.4445, −4.7750, 2.0315), bf16 compute, tall inputs iterated transposed; returns bf16;
+- :class:`Muon` — ``Muon(params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5)``, also
+  spelled ``weight_decay=`` / ``backend="newtonschulz5", backend_steps=``;
+- :class:`DistMuon` — nanochat's data-parallel Muon (reduce-scatter, owner updates, all-gather);
+- :func:`get_megatron_muon_optimizer` — Megatron-LM's older factory, now
+  ``get_megatron_optimizer`` after :func:`megatron_eopt.integrations.megatron.install`;
+- ``TensorParallelMuon`` — Megatron-LM's class, now :class:`megatron_eopt.optim.TensorParallelMuon`.
+
+Each name warns once per process with a ``DeprecationWarning`` naming its replacement.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+import warnings
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+# TensorParallelMuon is served by __getattr__ (it warns when used, not on `import *`).
+__all__ = ["DistMuon", "Muon", "get_megatron_muon_optimizer", "zeropower_via_newtonschulz5"]
+
+_REPLACEMENTS = {
+    "zeropower_via_newtonschulz5": 'megatron_eopt.newton_schulz(G.float(), steps, coefficient_type="simple")',
+    "Muon": (
+        'megatron_eopt.optim.Muon(params, lr=0.02, weight_decay=0.0, nesterov=True, coefficient_type="simple", '
+        'scale_mode="shape_scaling")'
+    ),
+    "DistMuon": (
+        "megatron_eopt.optim.Muon under DistributedDataParallel / FSDP2, or Megatron-LM's "
+        "use_layer_wise_distributed_optimizer"
+    ),
+    "get_megatron_muon_optimizer": (
+        "megatron_eopt.integrations.megatron.install() then megatron.core.optimizer.get_megatron_optimizer "
+        '(OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=...))'
+    ),
+    "TensorParallelMuon": "megatron_eopt.optim.TensorParallelMuon",
+}
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(name: str, stacklevel: int = 3) -> None:
+    with _warned_lock:
+        if name in _warned:
+            return
+        _warned.add(name)
+    warnings.warn(
+        f"megatron_eopt.muon.{name} is deprecated; use {_REPLACEMENTS[name]}",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+# Keller Jordan's quintic: fast to reach singular values in about [0.7, 1.2], not exactly 1.
+_SIMPLE = "simple"
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """Approximately orthogonalizes G (``..., m, n``; batched over leading dims) in bf16.
+
+    The popular snippet's semantics: ``steps`` iterations of the simple quintic, Frobenius
+    normalization (eps 1e-7), bf16 products accumulated in fp32, matrices with more rows than
+    columns iterated transposed; the result is bf16 with G's shape.
+    """
+    _warn_once("zeropower_via_newtonschulz5")
+    return _zeropower_bf16(G, steps)
+
+
+def _zeropower_bf16(G: torch.Tensor, steps: int) -> torch.Tensor:
+    from .ops import newton_schulz
+
+    if not isinstance(G, torch.Tensor):
+        raise TypeError(f"G must be a torch.Tensor, got {type(G).__name__}")
+    if G.ndim < 2:
+        raise ValueError(f"G must have at least 2 dimensions (..., m, n), got shape {tuple(G.shape)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    x = G.detach().float()
+    if x.ndim > 3:
+        x = x.reshape(-1, *x.shape[-2:])
+    out = newton_schulz(x.contiguous(), steps=steps, coefficient_type=_SIMPLE, eps=1e-7, precision="medium")
+    return out.reshape(G.shape).to(torch.bfloat16)
+
+
+def _resolve_steps(ns_steps: int, backend: str, backend_steps: int | None) -> int:
+    if backend != "newtonschulz5":
+        raise ValueError(f"backend must be 'newtonschulz5' (the only one the snippets define), got {backend!r}")
+    if backend_steps is not None:
+        if ns_steps != 5 and ns_steps != backend_steps:
+            raise ValueError(f"ns_steps={ns_steps} and backend_steps={backend_steps} disagree; give one of them")
+        ns_steps = backend_steps
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+        raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
+    return ns_steps
+
+
+def _legacy_scale(shape: torch.Size) -> float:
+    # The snippets scale by the parameter's own last two dims (a conv kernel's kh/kw).
+    return math.sqrt(max(1.0, shape[-2] / shape[-1]))
+
+
+class Muon(torch.optim.Optimizer):
+    """Keller Jordan's / nanochat's Muon on megatron-eopt's fused :class:`megatron_eopt.optim.Muon`.
+
+    Per parameter (2-D, or N-D flattened to ``(size(0), -1)`` like conv filters in the popular
+    snippet): decoupled weight decay ``p *= 1 - lr·wd``; momentum ``M ← lerp(M, g, 1-momentum)``;
+    Nesterov ``lerp(g, M, momentum)``; ``ns_steps`` simple-quintic Newton–Schulz iterations in
+    bf16; ``p -= lr·√max(1, p.size(-2)/p.size(-1))·update``.
+
+    Groups keep ``lr``, ``momentum``, ``nesterov``, ``ns_steps`` and ``weight_decay`` (read at
+    every step, so schedulers and momentum warmups work); ``nesterov`` and ``ns_steps`` must be
+    the same in every group. The state is ``momentum_buffer`` shaped like each parameter, so
+    checkpoints load into and from the snippets' ``Muon``.
+    """
+
+    _legacy_name = "Muon"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        *,
+        backend: str = "newtonschulz5",
+        backend_steps: int | None = None,
+    ) -> None:
+        if self._legacy_name == "Muon":  # DistMuon warns under its own name
+            _warn_once("Muon")
+        ns_steps = _resolve_steps(ns_steps, backend, backend_steps)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps, weight_decay=weight_decay)
+        self._inner = None
+        super().__init__(params, defaults)
+        self._build_inner()
+
+    # ------------------------------------------------------------------ the fused optimizer
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        for pi, p in enumerate(self.param_groups[gi]["params"]):
+            problem = None
+            if p.ndim < 2:
+                problem = f"has shape {tuple(p.shape)}; Muon takes matrices (optimize 0-D/1-D tensors with AdamW)"
+            elif p.ndim > 2 and not p.is_contiguous():
+                problem = "is an N-D tensor that is not contiguous (it is flattened to (size(0), -1) by a view)"
+            if problem is not None:
+                self.param_groups.pop()
+                raise ValueError(f"param_groups[{gi}]['params'][{pi}] {problem}")
+        if self._inner is not None:
+            self._build_inner()
+
+    def _settings(self) -> tuple[bool, int]:
+        settings = {(bool(g["nesterov"]), int(g["ns_steps"])) for g in self.param_groups}
+        if len(settings) != 1:
+            raise ValueError(f"nesterov and ns_steps must be the same in every param group, got {sorted(settings)}")
+        return settings.pop()
+
+    def _build_inner(self) -> None:
+        """One fused Muon over 2-D handles of the parameters (views: updates land in place).
+
+        An N-D parameter is optimized through its (size(0), -1) view, in an inner group whose lr
+        carries the ratio of the snippet's scale to the flattened matrix's (and whose weight
+        decay the inverse ratio, so lr·wd is unchanged).
+        """
+        from .optim import Muon as FusedMuon
+
+        nesterov, ns_steps = self._settings()
+        self._handles: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        inner_groups: list[dict[str, Any]] = []
+        self._inner_sources: list[tuple[int, float]] = []  # (outer group, lr ratio) per inner group
+        slot: dict[tuple[int, float], int] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                handle = p.detach() if p.ndim == 2 else p.detach().view(p.shape[0], -1)
+                ratio = 1.0
+                if p.ndim > 2:
+                    ratio = _legacy_scale(p.shape) / math.sqrt(max(1.0, handle.shape[0] / handle.shape[1]))
+                key = (gi, ratio)
+                if key not in slot:
+                    slot[key] = len(inner_groups)
+                    inner_groups.append({"params": []})
+                    self._inner_sources.append(key)
+                inner_groups[slot[key]]["params"].append(handle)
+                self._handles.append((p, handle, slot[key]))
+        self._inner = FusedMuon(
+            inner_groups,
+            lr=0.0,
+            momentum=0.0,
+            weight_decay=0.0,
+            nesterov=nesterov,
+            weight_decay_method="decoupled",
+            fp32_matmul_prec="medium",
+            coefficient_type=_SIMPLE,
+            num_ns_steps=ns_steps,
+            scale_mode="shape_scaling",
+        )
+        self._inner_settings = (nesterov, ns_steps)
+        self._link_state()
+
+    def _link_state(self) -> None:
+        # Both optimizers see the same momentum memory: ours shaped like p (checkpoint format
+        # of the snippets), the fused one's shaped like its 2-D handle.
+        for p, handle, _ in self._handles:
+            outer = self.state.get(p)
+            inner = self._inner.state.get(handle)
+            if outer and "momentum_buffer" in outer:
+                self._inner.state[handle]["momentum_buffer"] = outer["momentum_buffer"].view(handle.shape)
+            elif inner and "momentum_buffer" in inner:
+                self.state[p]["momentum_buffer"] = inner["momentum_buffer"].view(p.shape)
+
+    def _sync_hyperparameters(self) -> None:
+        if self._settings() != self._inner_settings:
+            self._build_inner()  # ns_steps or nesterov changed in the groups
+        for inner_group, (gi, ratio) in zip(self._inner.param_groups, self._inner_sources):
+            group = self.param_groups[gi]
+            inner_group["lr"] = group["lr"] * ratio
+            inner_group["weight_decay"] = group["weight_decay"] / ratio
+            inner_group["momentum"] = group["momentum"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._build_inner()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        for p, handle, _ in self._handles:
+            handle.grad = None if p.grad is None else p.grad.view(handle.shape)
+        try:
+            self._inner.step()
+        finally:
+            for _, handle, _ in self._handles:
+                handle.grad = None
+        self._link_state()
+        return loss
+
+
+class DistMuon(Muon):
+    """nanochat's data-parallel Muon: every rank holds all parameters and its own grads.
+
+    Per step, for each run of ``world_size`` same-shape parameters: one reduce-scatter averages
+    their grads so that rank r receives the average for the r-th; each rank updates the
+    parameters it owns (one fused Muon step over all of them); one all-gather per run sends the
+    new values to every rank. Every parameter needs a grad on every rank. Parameters are
+    regrouped by shape (within the given groups); the update equals :class:`Muon` on the
+    averaged grads. ``process_group`` defaults to the world.
+    """
+
+    _legacy_name = "DistMuon"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        *,
+        backend: str = "newtonschulz5",
+        backend_steps: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        _warn_once("DistMuon")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistMuon needs torch.distributed to be initialized (init_process_group)")
+        self._pg = process_group
+        self._zero_buffers: dict[int, torch.Tensor] = {}
+        super().__init__(
+            _groups_by_shape(params),
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            weight_decay=weight_decay,
+            backend=backend,
+            backend_steps=backend_steps,
+        )
+
+    def _zero_buffer(self, gi: int) -> torch.Tensor:
+        if gi not in self._zero_buffers:
+            self._zero_buffers[gi] = torch.zeros_like(self.param_groups[gi]["params"][0])
+        return self._zero_buffers[gi]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        world = dist.get_world_size(self._pg)
+        rank = dist.get_rank(self._pg)
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    raise RuntimeError(
+                        f"DistMuon needs a grad for every parameter on every rank (all ranks join the same "
+                        f"reduce-scatters); param_groups[{gi}]['params'][{pi}] has none"
+                    )
+        # 1. average grads: the owner of params[base + r] is rank r
+        owned: set[int] = set()
+        pending = []
+        for gi, group in enumerate(self.param_groups):
+            params, zero = group["params"], self._zero_buffer(gi)
+            for base in range(0, len(params), world):
+                chunk = params[base:base + world]
+                inputs = [p.grad for p in chunk] + [zero] * (world - len(chunk))
+                mine = base + rank
+                output = params[mine].grad if mine < len(params) else torch.empty_like(zero)
+                if mine < len(params):
+                    owned.add(id(params[mine]))
+                pending.append(dist.reduce_scatter(output, inputs, op=dist.ReduceOp.AVG, group=self._pg, async_op=True))
+        for work in pending:
+            work.wait()
+        # 2. update the owned parameters in one fused step (the others' grads are set aside)
+        set_aside = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in owned:
+                    set_aside[p] = p.grad
+                    p.grad = None
+        try:
+            super().step()
+        finally:
+            for p, g in set_aside.items():
+                p.grad = g
+        # 3. share the new values
+        pending = []
+        for gi, group in enumerate(self.param_groups):
+            params, zero = group["params"], self._zero_buffer(gi)
+            for base in range(0, len(params), world):
+                chunk = list(params[base:base + world])
+                outputs = [p.data for p in chunk] + [torch.empty_like(zero) for _ in range(world - len(chunk))]
+                mine = base + rank
+                source = params[mine].data if mine < len(params) else zero
+                pending.append(dist.all_gather(outputs, source, group=self._pg, async_op=True))
+        for work in pending:
+            work.wait()
+        return loss
+
+
+def _groups_by_shape(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Splits the given params (or groups) into groups of one shape, shapes sorted (as nanochat)."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    out = []
+    for group in groups:
+        tensors = list(group["params"])
+        options = {k: v for k, v in group.items() if k != "params"}
+        for shape in sorted({tuple(p.shape) for p in tensors}):
+            out.append({"params": [p for p in tensors if tuple(p.shape) == shape], **options})
+    return out
+
+
+def get_megatron_muon_optimizer(
+    config: Any,
+    model_chunks: list,
+    config_overrides: dict | None = None,
+    use_gloo_process_groups: bool = True,
+    layer_wise_distributed_optimizer: bool = False,
+    pg_collection: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """Megatron-LM's older Muon factory: installs megatron-eopt's entries, then builds with
+    ``megatron.core.optimizer.get_megatron_optimizer``.
+
+    ``layer_wise_distributed_optimizer=True`` (the old argument) becomes the config's
+    ``use_layer_wise_distributed_optimizer``; a ``dist_muon`` optimizer name keeps working.
+    """
+    _warn_once("get_megatron_muon_optimizer")
+    from .integrations import megatron as megatron_integration
+
+    megatron_integration.install()
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    if layer_wise_distributed_optimizer and not getattr(config, "use_layer_wise_distributed_optimizer", False):
+        config = copy.copy(config)
+        config.use_layer_wise_distributed_optimizer = True
+    return get_megatron_optimizer(
+        config,
+        model_chunks,
+        config_overrides=config_overrides,
+        use_gloo_process_groups=use_gloo_process_groups,
+        pg_collection=pg_collection,
+        **kwargs,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    # Megatron-LM's older muon.py exported TensorParallelMuon.
+    if name == "TensorParallelMuon":
+        _warn_once("TensorParallelMuon")
+        from .optim import TensorParallelMuon
+
+        return TensorParallelMuon
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

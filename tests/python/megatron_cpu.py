@@ -1,0 +1,141 @@
+"""Builds and trains a small Megatron-LM GPTModel on a CPU-only machine, for the factory tests.
+
+The model is megatron-core's own GPTModel with the local (non-Transformer-Engine) layer spec,
+tensor/pipeline parallel size 1 over a one-rank gloo group. Megatron-LM allocates a few
+scratch tensors with device="cuda" (attention scratch buffer, default causal mask, the
+loss-scale / grad-norm scalars of its optimizer wrappers); the helpers below redirect exactly
+those to the CPU and change nothing else. Dropout is off and gradient clipping must stay off
+(clip_grad=0): Megatron's clipping asserts CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import types
+
+import torch
+
+VOCAB = 128
+SEQ = 16
+BATCH = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _CpuScratchBuffer:
+    """Megatron's GlobalMemoryBuffer, allocating on the CPU."""
+
+    def get_tensor(self, shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tuple(shape), dtype=dtype)
+
+
+def init_megatron_single_rank() -> None:
+    """One-rank gloo process group and Megatron's model-parallel state with TP = PP = 1."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(_free_port())
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    parallel_state._GLOBAL_MEMORY_BUFFER = _CpuScratchBuffer()
+    # The no-op ("inference") RNG tracker: the CUDA one cannot seed without a GPU; dropout is 0.
+    tensor_parallel.get_cuda_rng_tracker(inference_rng_tracker=True)
+
+
+def shutdown_megatron() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def build_gpt(seed: int):
+    """A 2-layer GPT: hidden 64, 4 heads in 2 query groups (GQA), untied output layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        use_cpu_initialization=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        pipeline_dtype=torch.float32,
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        share_embeddings_and_output_weights=False,
+    )
+
+
+def forward_backward(model, seed: int) -> float:
+    """One language-model loss on random tokens; leaves .grad (and Megatron's .main_grad)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    causal_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, position_ids, causal_mask, labels=labels).float().mean()
+    loss.backward()
+    for p in model.parameters():
+        p.main_grad = p.grad  # what Megatron's DDP wrapper provides
+    return float(loss.detach())
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as seen by a Megatron module, with device="cuda" scalars made on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def _cpu(kwargs):
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return kwargs
+
+    def tensor(self, *args, **kwargs):
+        return torch.tensor(*args, **self._cpu(kwargs))
+
+    def zeros(self, *args, **kwargs):
+        return torch.zeros(*args, **self._cpu(kwargs))
+
+
+@contextlib.contextmanager
+def megatron_optimizer_on_cpu():
+    """Lets Megatron's optimizer wrappers (FP32Optimizer, ChainedOptimizer) run on the CPU."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.utils as utils
+
+    modules = (optimizer, clip_grads, utils)
+    saved = [m.torch for m in modules]
+    for m in modules:
+        m.torch = _TorchOnCpu()
+    try:
+        yield
+    finally:
+        for m, t in zip(modules, saved):
+            m.torch = t

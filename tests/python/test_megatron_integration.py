@@ -1,0 +1,349 @@
+"""megatron-eopt inside Megatron-LM's own optimizer factory, on a real (small) GPTModel.
+
+What runs: megatron-core's GPTModel (local layer spec, GQA, TP = PP = 1, one-rank gloo group)
+does a forward/backward on CPU; ``megatron.core.optimizer.get_megatron_optimizer`` builds the
+optimizer (param tagging, default param overrides, param groups, FP32Optimizer and
+ChainedOptimizer wrappers) and ``ChainedOptimizer.step()`` runs. See megatron_cpu.py for the
+three CUDA-only scalars redirected to the CPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import megatron_eopt
+from megatron_eopt.integrations import megatron as integration
+from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon
+
+from reference import rel_err
+
+try:
+    import megatron.core.optimizer as mcore_optimizer
+except ModuleNotFoundError as exc:  # only a missing megatron-core skips; a broken one fails
+    if exc.name not in ("megatron", "megatron.core"):
+        raise
+    mcore_optimizer = None
+
+needs_megatron = pytest.mark.skipif(mcore_optimizer is None, reason="megatron-core is not installed")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def megatron_env():
+    if mcore_optimizer is None:
+        pytest.skip("megatron-core is not installed")
+    import megatron_cpu
+
+    megatron_cpu.init_megatron_single_rank()
+    try:
+        yield megatron_cpu
+    finally:
+        integration.uninstall()
+        megatron_cpu.shutdown_megatron()
+
+
+@pytest.fixture
+def stock_registry(megatron_env):
+    """Each test starts from Megatron's own registry and leaves it that way."""
+    integration.uninstall()
+    yield mcore_optimizer.emerging_optimizers._EMERGING_OPTIMIZERS
+    integration.uninstall()
+
+
+def _config(optimizer, **fields):
+    base = dict(optimizer=optimizer, lr=0.02, min_lr=0.0, weight_decay=0.1, clip_grad=0.0, bf16=False, fp16=False)
+    base.update(fields)
+    return mcore_optimizer.OptimizerConfig(**base)
+
+
+def _inner_by_param_name(model, chained):
+    """{parameter name: the torch optimizer that owns it} for a Megatron ChainedOptimizer."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    owner = {}
+    for wrapper in chained.chained_optimizers:
+        for group in wrapper.optimizer.param_groups:
+            for p in group["params"]:
+                owner[names[id(p)]] = wrapper.optimizer
+    return owner
+
+
+@needs_megatron
+def test_install_replaces_registry_entries_idempotently(stock_registry):
+    table = stock_registry
+    stock = dict(table)
+    replaced = integration.install()
+    assert {"muon", "adaptive_muon"} <= set(replaced)
+    assert replaced["muon"] is stock["muon"] and replaced["adaptive_muon"] is stock["adaptive_muon"]
+    assert table["muon"].optimizer_cls is TensorParallelMuon
+    assert table["adaptive_muon"].optimizer_cls is TensorParallelAdaptiveMuon
+    assert isinstance(table["muon"], mcore_optimizer.emerging_optimizers.EmergingOptimizerEntry)
+    (key,) = table["muon"].default_param_overrides
+    assert isinstance(key, mcore_optimizer.ParamKey)
+    assert integration.install() == {}  # idempotent
+    assert integration.installed() == sorted(megatron_eopt.registry.names())
+    integration.uninstall()
+    assert table["muon"] is stock["muon"] and integration.installed() == []
+    assert set(table) == set(stock)
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_factory_builds_ours_and_routes_like_megatron(stock_registry, megatron_env, name, cls):
+    model = megatron_env.build_gpt(seed=1)
+    integration.install()
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(_config(name), [model])
+    owner = _inner_by_param_name(model, chained)
+    assert set(owner) == {n for n, _ in model.named_parameters()}
+    ours = {n for n, opt in owner.items() if isinstance(opt, cls)}
+    adam = {n for n, opt in owner.items() if isinstance(opt, torch.optim.AdamW)}
+    # Megatron's rule: 2-D and not tagged embedding/output -> Muon; the rest -> Adam
+    expected = {
+        n for n, p in model.named_parameters()
+        if p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+    }
+    assert ours == expected
+    assert {f"decoder.layers.{i}.self_attention.linear_qkv.weight" for i in range(2)} <= ours
+    assert {"embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"} <= adam
+    assert ours | adam == set(owner)
+    muon_opt = next(opt for opt in owner.values() if isinstance(opt, cls))
+    assert muon_opt.qkv_split_shapes == [32, 16, 16]  # 4 heads / 2 groups x kv 16, then k, v
+    qkv = dict(model.named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert qkv.is_qkv and muon_opt.is_qkv_fn(qkv)
+
+
+def _emerging_optimizers_adaptive_muon_entry():
+    """Emerging-Optimizers' AdaptiveMuon as a Megatron registry entry (no QKV split, TP = 1).
+
+    The reference for "adaptive_muon": Megatron-LM 0.19.2's own TensorParallelAdaptiveMuon
+    cannot step with Emerging-Optimizers 0.3.0 (AdaptiveMuon.step reads self.scale_mode, which
+    the Megatron subclass never sets).
+    """
+    from emerging_optimizers.orthogonalized_optimizers import AdaptiveMuon
+
+    def to_kwargs(c, model_chunks, pg_collection):
+        return dict(
+            lr=c.lr, momentum=c.muon_momentum, weight_decay=c.weight_decay, nesterov=c.muon_nesterov,
+            fp32_matmul_prec=c.muon_fp32_matmul_prec, coefficient_type=c.muon_coefficient_type,
+            num_ns_steps=c.muon_num_ns_steps, scale_mode=c.muon_scale_mode, extra_scale_factor=c.muon_extra_scale_factor,
+            moment2_method=c.adaptive_muon_moment2_method, beta2=c.adaptive_muon_beta2, eps=c.adaptive_muon_eps,
+        )
+
+    stock = mcore_optimizer.emerging_optimizers._EMERGING_OPTIMIZERS["adaptive_muon"]
+    return mcore_optimizer.emerging_optimizers.EmergingOptimizerEntry(
+        AdaptiveMuon, init_state_fn=stock.init_state_fn, config_to_kwargs=to_kwargs,
+        default_param_overrides=stock.default_param_overrides,
+    )
+
+
+@needs_megatron
+@pytest.mark.parametrize(
+    "name, fields",
+    [
+        ("muon", dict(muon_coefficient_type="polar_express", muon_num_ns_steps=6, muon_nesterov=True,
+                      muon_momentum=0.9, muon_scale_mode="shape_scaling", muon_extra_scale_factor=0.5)),
+        ("muon", dict(muon_split_qkv=False, muon_scale_mode="spectral", muon_extra_scale_factor=0.2)),
+        ("adaptive_muon", dict(adaptive_muon_moment2_method="normuon", adaptive_muon_beta2=0.9,
+                               adaptive_muon_eps=1e-7, muon_nesterov=True, muon_split_qkv=False)),
+        ("adaptive_muon", dict(adaptive_muon_moment2_method="adamuon", muon_split_qkv=False,
+                               muon_scale_mode="unit_rms_norm")),
+    ],
+)
+def test_training_steps_match_the_reference_optimizers(stock_registry, megatron_env, name, fields):
+    """Megatron's ChainedOptimizer with ours steps like it does with the reference in our place.
+
+    Reference: Megatron-LM's own TensorParallelMuon for "muon"; Emerging-Optimizers' AdaptiveMuon
+    for "adaptive_muon" (both need emerging-optimizers, which CI installs). The two models train
+    in lockstep on the same grads (the reference model's), so differences cannot compound.
+    """
+    if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("the reference optimizers need emerging-optimizers")
+    config = _config(name, muon_fp32_matmul_prec="highest", **fields)
+    table = stock_registry
+    stock_entry = table[name]
+    reference_model, model = megatron_env.build_gpt(seed=7), megatron_env.build_gpt(seed=7)
+    start = {n: p.detach().clone() for n, p in reference_model.named_parameters()}
+    for n, p in model.named_parameters():
+        assert torch.equal(p, start[n])
+    with megatron_env.megatron_optimizer_on_cpu():
+        if name == "adaptive_muon":
+            table[name] = _emerging_optimizers_adaptive_muon_entry()
+        try:
+            reference_chained = mcore_optimizer.get_megatron_optimizer(config, [reference_model])
+        finally:
+            table[name] = stock_entry
+        integration.install()
+        chained = mcore_optimizer.get_megatron_optimizer(config, [model])
+        ours = dict(model.named_parameters())
+        for step in range(3):
+            megatron_env.forward_backward(reference_model, seed=100 + step)
+            for n, p in reference_model.named_parameters():
+                ours[n].grad = p.grad.clone()
+                ours[n].main_grad = ours[n].grad
+            assert reference_chained.step()[0] and chained.step()[0]
+
+    assert not any(type(w.optimizer).__module__.startswith("megatron_eopt") for w in reference_chained.chained_optimizers)
+    owner = _inner_by_param_name(model, chained)
+    assert any(isinstance(opt, TensorParallelMuon) for opt in owner.values())
+    for n, p in reference_model.named_parameters():
+        delta, ref_delta = ours[n].detach() - start[n], p.detach() - start[n]
+        assert ref_delta.norm() > 0, n
+        # fp32 ("highest") Newton–Schulz on both sides
+        assert rel_err(delta, ref_delta) <= 1e-5, (n, type(owner[n]).__name__)
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, method", [("muon", None), ("adaptive_muon", "normuon")])
+def test_init_state_fn_through_megatron_wrapper(stock_registry, megatron_env, name, method):
+    model = megatron_env.build_gpt(seed=3)
+    integration.install()
+    config = _config(name, adaptive_muon_moment2_method=method or "adamuon")
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(config, [model])
+    ours = [w for w in chained.chained_optimizers if isinstance(w.optimizer, TensorParallelMuon)]
+    assert len(ours) == 1
+    wrapper = ours[0]
+    wrapper.init_state_fn(wrapper.optimizer, config)  # what Megatron calls before loading a checkpoint
+    for group in wrapper.optimizer.param_groups:
+        for p in group["params"]:
+            state = wrapper.optimizer.state[p]
+            assert state["momentum_buffer"].shape == p.shape
+            assert ("moment2_buffer" in state) == (method is not None)
+
+
+@needs_megatron
+def test_own_names_registered_here_reach_megatron(stock_registry, megatron_env, monkeypatch):
+    registry = megatron_eopt.registry
+    registry.names()
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+
+    def normuon_kwargs(config, model_chunks, pg_collection):
+        kwargs = registry.adaptive_muon_config_to_kwargs(config, model_chunks, pg_collection)
+        kwargs["moment2_method"] = "normuon"
+        return kwargs
+
+    registry.register("normuon", registry.EmergingOptimizerEntry(TensorParallelAdaptiveMuon, config_to_kwargs=normuon_kwargs))
+    with pytest.raises(KeyError, match="no_such_name"):
+        integration.install(["no_such_name"])
+    assert integration.install(["normuon"]) == {"normuon": None}  # a new name in Megatron's registry
+    assert integration.installed() == ["normuon"]  # "muon" was not selected
+    model = megatron_env.build_gpt(seed=4)
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(_config("normuon"), [model])
+        megatron_env.forward_backward(model, seed=1)
+        assert chained.step()[0]
+    ours = [w.optimizer for w in chained.chained_optimizers if isinstance(w.optimizer, TensorParallelAdaptiveMuon)]
+    assert len(ours) == 1 and ours[0].moment2_method == "normuon"
+    owner = _inner_by_param_name(model, chained)
+    assert isinstance(owner["output_layer.weight"], torch.optim.AdamW)  # the default overrides apply
+    integration.uninstall()
+    assert "normuon" not in stock_registry
+
+
+@needs_megatron
+def test_legacy_get_megatron_muon_optimizer(stock_registry, megatron_env):
+    from megatron_eopt import muon as legacy
+
+    model = megatron_env.build_gpt(seed=5)
+    legacy._warned.discard("get_megatron_muon_optimizer")
+    with megatron_env.megatron_optimizer_on_cpu():
+        with pytest.warns(DeprecationWarning, match="get_megatron_optimizer"):
+            chained = legacy.get_megatron_muon_optimizer(_config("muon"), [model])
+        megatron_env.forward_backward(model, seed=0)
+        assert chained.step()[0]
+    assert any(isinstance(w.optimizer, TensorParallelMuon) for w in chained.chained_optimizers)
+    assert "muon" in integration.installed()
+
+
+def test_install_error_when_megatron_is_missing(monkeypatch):
+    monkeypatch.setattr(integration, "megatron_core_version", lambda: None)
+    monkeypatch.setitem(sys.modules, "megatron.core.optimizer", None)
+    with pytest.raises(ImportError, match=r"needs megatron-core >= 0\.18.*pip install megatron-core"):
+        integration.install()
+
+
+def test_install_error_when_megatron_is_too_old(monkeypatch):
+    monkeypatch.setattr(integration, "megatron_core_version", lambda: (0, 17, 1))
+    with pytest.raises(ImportError, match=r">= 0\.18.*found 0\.17\.1"):
+        integration.install()
+
+
+def test_version_parsing():
+    assert integration._parse_version("0.19.2") == (0, 19, 2)
+    assert integration._parse_version("0.18.0rc1+abc123") == (0, 18, 0)
+    assert integration._parse_version("1.0") == (1, 0)
+
+
+_WITHOUT_EO = textwrap.dedent(
+    """
+    import importlib.abc, importlib.metadata, json, sys
+    # A machine without Emerging-Optimizers: neither importable nor in the metadata.
+    class _Hide(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "emerging_optimizers":
+                raise ModuleNotFoundError(f"No module named {name!r}")
+    sys.meta_path.insert(0, _Hide())
+    _version = importlib.metadata.version
+    def version(name):
+        if name.replace("_", "-") == "emerging-optimizers":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return _version(name)
+    importlib.metadata.version = version
+
+    import torch
+    import megatron.core.optimizer as mo
+    import megatron_cpu
+    from megatron_eopt.integrations import megatron as integration
+    from megatron_eopt.optim import TensorParallelMuon
+
+    megatron_cpu.init_megatron_single_rank()
+    result = {"have_eo": mo.HAVE_EMERGING_OPTIMIZERS}
+    model = megatron_cpu.build_gpt(seed=2)
+    config = mo.OptimizerConfig(optimizer="muon", lr=0.02, weight_decay=0.1, clip_grad=0.0)
+    with megatron_cpu.megatron_optimizer_on_cpu():
+        try:
+            mo.get_megatron_optimizer(config, [model])
+        except ImportError as exc:
+            result["stock_error"] = str(exc)
+        result["replaced"] = sorted(integration.install())
+        chained = mo.get_megatron_optimizer(config, [model])
+        result["types"] = sorted(type(w.optimizer).__name__ for w in chained.chained_optimizers)
+        before = [p.detach().clone() for p in model.parameters()]
+        megatron_cpu.forward_backward(model, seed=0)
+        result["step"] = bool(chained.step()[0])
+        result["changed"] = sum(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        result["n_params"] = len(before)
+        lion = mo.OptimizerConfig(optimizer="muon", lr=0.02, clip_grad=0.0, muon_scalar_optimizer="lion")
+        try:
+            mo.get_megatron_optimizer(lion, [model])
+        except ImportError as exc:
+            result["lion_error"] = str(exc)
+    integration.uninstall()
+    result["restored"] = mo.HAVE_EMERGING_OPTIMIZERS
+    megatron_cpu.shutdown_megatron()
+    print("RESULT " + json.dumps(result))
+    """
+)
+
+
+@needs_megatron
+def test_works_without_emerging_optimizers_installed():
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_eopt.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, HERE, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_EO], capture_output=True, text=True, env=env, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result["have_eo"] is False
+    assert "emerging-optimizers" in result["stock_error"]  # Megatron alone refuses optimizer="muon"
+    assert {"muon", "adaptive_muon"} <= set(result["replaced"])
+    assert result["types"] == ["AdamW", "TensorParallelMuon"]
+    assert result["step"] and result["changed"] == result["n_params"]
+    assert "emerging-optimizers" in result["lion_error"]
+    assert result["restored"] is False
