@@ -100,124 +100,8 @@ def _tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(xs)
 
 
-def _check_weight_decay_method(method: str) -> None:
-    if method not in WEIGHT_DECAY_METHODS:
-        raise ValueError(f"unknown weight_decay_method {method!r}, expected one of: {', '.join(WEIGHT_DECAY_METHODS)}")
-
-
-def _step_scalar(name: str, value: ScalarArg, device: torch.device) -> torch.Tensor:
-    """A per-step scalar as the ops take it: a 0-dim float32 tensor on the lists' device.
-
-    Tensors pass through unchanged (the op checks them: converting here would hide a host copy
-    per step); Python numbers become a fresh tensor, filled on the device without a host sync.
-    """
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python float or a 0-dim float32 tensor, got {type(value).__name__}")
-    return torch.full((), float(value), dtype=torch.float32, device=device)
-
-
-def _lists_device(*lists: Sequence[torch.Tensor]) -> torch.device | None:
-    for xs in lists:
-        if len(xs) > 0:
-            return xs[0].device
-    return None
-
-
-def foreach_momentum_(
-    grads: Sequence[torch.Tensor],
-    momentum_buffers: Sequence[torch.Tensor],
-    ns_inputs: Sequence[torch.Tensor],
-    params: Sequence[torch.Tensor] = (),
-    *,
-    momentum: float,
-    nesterov: bool,
-    weight_decay: ScalarArg = 0.0,
-    weight_decay_method: str = "decoupled",
-) -> None:
-    """Momentum step of the Muon family over lists of tensors, in one fused pass per call.
-
-    For each index i (math in fp32, results stored in each tensor's dtype):
-    with ``weight_decay_method == "l2"``, ``g = grads[i] + weight_decay * params[i]`` (``grads``
-    itself is not modified), else ``g = grads[i]``; then
-    ``momentum_buffers[i].lerp_(g, 1 - momentum)`` and ``ns_inputs[i]`` receives the Newton–Schulz
-    input: ``g.lerp(momentum_buffers[i], momentum)`` with ``nesterov``, else the new buffer.
-
-    ``params`` is read only for l2 and may be empty otherwise; the other weight-decay methods act
-    on the parameters and are applied by :func:`foreach_update_`. Gradients and parameters are
-    float32 or bfloat16; buffers have their dtype or float32; ``ns_inputs`` are float32 or
-    bfloat16 (e.g. slices of a stacked batch for :func:`newton_schulz`). ``weight_decay`` is a
-    float or a 0-dim tensor (optimizers pass a tensor on the lists' device).
-    """
-    grads = _tensor_list("grads", grads)
-    momentum_buffers = _tensor_list("momentum_buffers", momentum_buffers)
-    ns_inputs = _tensor_list("ns_inputs", ns_inputs)
-    params = _tensor_list("params", params)
-    if not (isinstance(momentum, (int, float)) and not isinstance(momentum, bool)):
-        raise TypeError(f"momentum must be a float, got {type(momentum).__name__}")
-    if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
-        raise ValueError(f"momentum must be finite and in [0, 1), got {momentum}")
-    _check_weight_decay_method(weight_decay_method)
-    device = _lists_device(grads, momentum_buffers, ns_inputs, params)
-    if device is None:
-        return
-    wd = _step_scalar("weight_decay", weight_decay, device)
-    _ops.foreach_momentum_(grads, momentum_buffers, ns_inputs, params, float(momentum), bool(nesterov), wd,
-                           weight_decay_method)
-
-
-def foreach_update_(
-    params: Sequence[torch.Tensor],
-    updates: Sequence[torch.Tensor],
-    scales: Sequence[float],
-    *,
-    lr: ScalarArg,
-    weight_decay: ScalarArg = 0.0,
-    weight_decay_method: str = "decoupled",
-) -> None:
-    """Weight decay and update of the parameters over lists of tensors, in one fused pass per call.
-
-    For each index i: ``params[i] <- params[i] - f * params[i] - lr * scales[i] * updates[i]`` with
-    ``f = lr * weight_decay`` (decoupled), ``weight_decay`` (independent), ``lr**2 * weight_decay``
-    (palm) or 0 (l2: the decay went into the gradient in :func:`foreach_momentum_`); evaluated as
-    the reference does, decay first (stored in the parameter's dtype), then the update, in fp32.
-    ``updates`` are float32 or the parameters' dtype; ``lr`` and ``weight_decay`` are floats or
-    0-dim tensors (optimizers pass tensors, so a changing lr neither syncs nor recompiles).
-    """
-    params = _tensor_list("params", params)
-    updates = _tensor_list("updates", updates)
-    if isinstance(scales, torch.Tensor) or not isinstance(scales, (list, tuple)):
-        raise TypeError(f"scales must be a list or tuple of floats, got {type(scales).__name__}")
-    scale_values = []
-    for i, s in enumerate(scales):
-        if isinstance(s, bool) or not isinstance(s, (int, float)):
-            raise TypeError(f"scales[{i}] must be a float, got {type(s).__name__}")
-        if not math.isfinite(s):
-            raise ValueError(f"scales[{i}] must be finite, got {s}")
-        scale_values.append(float(s))
-    _check_weight_decay_method(weight_decay_method)
-    device = _lists_device(params, updates)
-    if device is None:
-        if len(scale_values) != 0:
-            raise ValueError(f"scales has {len(scale_values)} values but no params were given")
-        return
-    lr_t = _step_scalar("lr", lr, device)
-    wd = _step_scalar("weight_decay", weight_decay, device)
-    _ops.foreach_update_(params, updates, scale_values, lr_t, wd, weight_decay_method)
-
-
 # ------------------------------------------------------------------ second-moment normalization
 _MOMENT2_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(xs).__name__}")
-    for i, x in enumerate(xs):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
-    return list(xs)
 
 
 def _check_moment2_hyper(beta2: float, eps: float) -> tuple[float, float]:
@@ -231,13 +115,13 @@ def _check_moment2_hyper(beta2: float, eps: float) -> tuple[float, float]:
 
 
 def _check_moment2_lists(method: str, updates, moment2, grads=None, ns_inputs=None):
-    updates = _check_tensor_list("updates", updates)
-    moment2 = _check_tensor_list("moment2", moment2)
+    updates = _tensor_list("updates", updates)
+    moment2 = _tensor_list("moment2", moment2)
     if len(moment2) != len(updates):
         raise ValueError(f"moment2 has {len(moment2)} tensors but updates has {len(updates)}")
     extra = {}
     if method == "namo":
-        extra = {"grads": _check_tensor_list("grads", grads), "ns_inputs": _check_tensor_list("ns_inputs", ns_inputs)}
+        extra = {"grads": _tensor_list("grads", grads), "ns_inputs": _tensor_list("ns_inputs", ns_inputs)}
         for name, xs in extra.items():
             if len(xs) != len(updates):
                 raise ValueError(f"{name} has {len(xs)} tensors but updates has {len(updates)}")
@@ -392,6 +276,113 @@ def newton_schulz_split(
         extra_scale_factor,
     )
 
+# ------------------------------------------------------------------ foreach momentum and update
+def _check_weight_decay_method(method: str) -> None:
+    if method not in WEIGHT_DECAY_METHODS:
+        raise ValueError(f"unknown weight_decay_method {method!r}, expected one of: {', '.join(WEIGHT_DECAY_METHODS)}")
+
+
+def _step_scalar(name: str, value: ScalarArg, device: torch.device) -> torch.Tensor:
+    """A per-step scalar as the ops take it: a 0-dim float32 tensor on the lists' device.
+
+    Tensors pass through unchanged (the op checks them: converting here would hide a host copy
+    per step); Python numbers become a fresh tensor, filled on the device without a host sync.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float or a 0-dim float32 tensor, got {type(value).__name__}")
+    return torch.full((), float(value), dtype=torch.float32, device=device)
+
+
+def _lists_device(*lists: Sequence[torch.Tensor]) -> torch.device | None:
+    for xs in lists:
+        if len(xs) > 0:
+            return xs[0].device
+    return None
+
+
+def foreach_momentum_(
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    ns_inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor] = (),
+    *,
+    momentum: float,
+    nesterov: bool,
+    weight_decay: ScalarArg = 0.0,
+    weight_decay_method: str = "decoupled",
+) -> None:
+    """Momentum step of the Muon family over lists of tensors, in one fused pass per call.
+
+    For each index i (math in fp32, results stored in each tensor's dtype):
+    with ``weight_decay_method == "l2"``, ``g = grads[i] + weight_decay * params[i]`` (``grads``
+    itself is not modified), else ``g = grads[i]``; then
+    ``momentum_buffers[i].lerp_(g, 1 - momentum)`` and ``ns_inputs[i]`` receives the Newton–Schulz
+    input: ``g.lerp(momentum_buffers[i], momentum)`` with ``nesterov``, else the new buffer.
+
+    ``params`` is read only for l2 and may be empty otherwise; the other weight-decay methods act
+    on the parameters and are applied by :func:`foreach_update_`. Gradients and parameters are
+    float32 or bfloat16; buffers have their dtype or float32; ``ns_inputs`` are float32 or
+    bfloat16 (e.g. slices of a stacked batch for :func:`newton_schulz`). ``weight_decay`` is a
+    float or a 0-dim tensor (optimizers pass a tensor on the lists' device).
+    """
+    grads = _tensor_list("grads", grads)
+    momentum_buffers = _tensor_list("momentum_buffers", momentum_buffers)
+    ns_inputs = _tensor_list("ns_inputs", ns_inputs)
+    params = _tensor_list("params", params)
+    if not (isinstance(momentum, (int, float)) and not isinstance(momentum, bool)):
+        raise TypeError(f"momentum must be a float, got {type(momentum).__name__}")
+    if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
+        raise ValueError(f"momentum must be finite and in [0, 1), got {momentum}")
+    _check_weight_decay_method(weight_decay_method)
+    device = _lists_device(grads, momentum_buffers, ns_inputs, params)
+    if device is None:
+        return
+    wd = _step_scalar("weight_decay", weight_decay, device)
+    _ops.foreach_momentum_(grads, momentum_buffers, ns_inputs, params, float(momentum), bool(nesterov), wd,
+                           weight_decay_method)
+
+
+def foreach_update_(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    scales: Sequence[float],
+    *,
+    lr: ScalarArg,
+    weight_decay: ScalarArg = 0.0,
+    weight_decay_method: str = "decoupled",
+) -> None:
+    """Weight decay and update of the parameters over lists of tensors, in one fused pass per call.
+
+    For each index i: ``params[i] <- params[i] - f * params[i] - lr * scales[i] * updates[i]`` with
+    ``f = lr * weight_decay`` (decoupled), ``weight_decay`` (independent), ``lr**2 * weight_decay``
+    (palm) or 0 (l2: the decay went into the gradient in :func:`foreach_momentum_`); evaluated as
+    the reference does, decay first (stored in the parameter's dtype), then the update, in fp32.
+    ``updates`` are float32 or the parameters' dtype; ``lr`` and ``weight_decay`` are floats or
+    0-dim tensors (optimizers pass tensors, so a changing lr neither syncs nor recompiles).
+    """
+    params = _tensor_list("params", params)
+    updates = _tensor_list("updates", updates)
+    if isinstance(scales, torch.Tensor) or not isinstance(scales, (list, tuple)):
+        raise TypeError(f"scales must be a list or tuple of floats, got {type(scales).__name__}")
+    scale_values = []
+    for i, s in enumerate(scales):
+        if isinstance(s, bool) or not isinstance(s, (int, float)):
+            raise TypeError(f"scales[{i}] must be a float, got {type(s).__name__}")
+        if not math.isfinite(s):
+            raise ValueError(f"scales[{i}] must be finite, got {s}")
+        scale_values.append(float(s))
+    _check_weight_decay_method(weight_decay_method)
+    device = _lists_device(params, updates)
+    if device is None:
+        if len(scale_values) != 0:
+            raise ValueError(f"scales has {len(scale_values)} values but no params were given")
+        return
+    lr_t = _step_scalar("lr", lr, device)
+    wd = _step_scalar("weight_decay", weight_decay, device)
+    _ops.foreach_update_(params, updates, scale_values, lr_t, wd, weight_decay_method)
+
 
 # ------------------------------------------------------------------ fake kernels
 @torch.library.register_fake("megatron_eopt::newton_schulz")
@@ -403,22 +394,41 @@ def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, pre
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_list")
 def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision):
-    # Like the real kernel: one stacked result per shape group, outputs are its slices.
-    # (shapes may be symbolic, hence a scan rather than a dict)
-    groups: list[tuple[list, list[int]]] = []
-    for i, x in enumerate(xs):
-        for shape, members in groups:
-            if shape == list(x.shape):
-                members.append(i)
-                break
-        else:
-            groups.append((list(x.shape), [i]))
-    out: list[torch.Tensor | None] = [None] * len(xs)
-    for shape, members in groups:
-        stacked = xs[members[0]].new_empty((len(members), *shape))
-        for j, i in enumerate(members):
-            out[i] = stacked[j]
-    return out
+    return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
+
+
+def _moment2_fake_checks(updates, moment2):
+    torch._check(len(moment2) == len(updates), lambda: "moment2 and updates differ in length")
+    for u, v in zip(updates, moment2):
+        torch._check(u.dtype == torch.float32 and u.dim() == 2, lambda: "updates must be 2-D float32")
+        torch._check(v.dtype == torch.float32, lambda: "moment2 must be float32")
+
+
+@torch.library.register_fake("megatron_eopt::adamuon_normalize_")
+def _adamuon_normalize_fake(updates, moment2, beta2, eps):
+    _moment2_fake_checks(updates, moment2)
+
+
+@torch.library.register_fake("megatron_eopt::normuon_normalize_")
+def _normuon_normalize_fake(updates, moment2, beta2, eps):
+    _moment2_fake_checks(updates, moment2)
+
+
+@torch.library.register_fake("megatron_eopt::namo_normalize_")
+def _namo_normalize_fake(updates, moment2, grads, ns_inputs, beta2, eps):
+    _moment2_fake_checks(updates, moment2)
+    torch._check(len(grads) == len(updates) and len(ns_inputs) == len(updates),
+                 lambda: "grads, ns_inputs and updates differ in length")
+
+
+@torch.library.register_fake("megatron_eopt::newton_schulz_split")
+def _newton_schulz_split_fake(x, split_sizes, num_groups, coefficients, steps, repeat_last, eps, transpose,
+                              precision, scale_mode, extra_scale_factor):
+    torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
+    torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {x.dim()}-D")
+    torch._check(x.shape[0] == num_groups * sum(split_sizes),
+                 lambda: "x rows must equal num_groups * sum(split_sizes)")
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _fake_list_dtype(op: str, name: str, xs, allowed) -> torch.dtype | None:
@@ -486,37 +496,3 @@ def _foreach_update_fake(params, updates, scales, lr, weight_decay, weight_decay
     for i in range(n):
         _fake_check_index(op, i, "params", params[i], (("updates", updates),))
     return None
-
-
-def _moment2_fake_checks(updates, moment2):
-    torch._check(len(moment2) == len(updates), lambda: "moment2 and updates differ in length")
-    for u, v in zip(updates, moment2):
-        torch._check(u.dtype == torch.float32 and u.dim() == 2, lambda: "updates must be 2-D float32")
-        torch._check(v.dtype == torch.float32, lambda: "moment2 must be float32")
-
-
-@torch.library.register_fake("megatron_eopt::adamuon_normalize_")
-def _adamuon_normalize_fake(updates, moment2, beta2, eps):
-    _moment2_fake_checks(updates, moment2)
-
-
-@torch.library.register_fake("megatron_eopt::normuon_normalize_")
-def _normuon_normalize_fake(updates, moment2, beta2, eps):
-    _moment2_fake_checks(updates, moment2)
-
-
-@torch.library.register_fake("megatron_eopt::namo_normalize_")
-def _namo_normalize_fake(updates, moment2, grads, ns_inputs, beta2, eps):
-    _moment2_fake_checks(updates, moment2)
-    torch._check(len(grads) == len(updates) and len(ns_inputs) == len(updates),
-                 lambda: "grads, ns_inputs and updates differ in length")
-
-
-@torch.library.register_fake("megatron_eopt::newton_schulz_split")
-def _newton_schulz_split_fake(x, split_sizes, num_groups, coefficients, steps, repeat_last, eps, transpose,
-                              precision, scale_mode, extra_scale_factor):
-    torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
-    torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {x.dim()}-D")
-    torch._check(x.shape[0] == num_groups * sum(split_sizes),
-                 lambda: "x rows must equal num_groups * sum(split_sizes)")
-    return torch.empty_like(x, memory_format=torch.contiguous_format)

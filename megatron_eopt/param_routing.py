@@ -38,7 +38,8 @@ DEFAULT_HEAD_PATTERNS: tuple[str, ...] = (
     r"(^|\.)(lm_head|output_layer|classifier|unembed)(\.|$)",
     r"^(output|head|score)\.",
 )
-_NORM_PATTERN = re.compile(r"(norm|(^|[._])ln(_?\w*)?\.|(^|\.)ln_f\.)", re.IGNORECASE)
+# Only labels the reason of a 1-D tensor ("norm" vs "1-D vector"); routing is the same.
+_NORM_PATTERN = re.compile(r"norm|(^|[._])(ln|bn)\w*\.", re.IGNORECASE)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ Built-in entries: ``"muon"`` (:class:`~megatron_eopt.optim.TensorParallelMuon`) 
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -68,9 +69,11 @@ def init_optimizer_state(opt: torch.optim.Optimizer, config: Any = None) -> None
     if hasattr(opt, "init_state"):
         opt.init_state()
         return
-    if hasattr(opt, "_init_group"):  # Emerging-Optimizers style classes
+    init_group = getattr(opt, "_init_group", None)
+    # Emerging-Optimizers style classes (torch's own optimizers have an unrelated _init_group)
+    if init_group is not None and "skip_non_grad_params" in inspect.signature(init_group).parameters:
         for group in opt.param_groups:
-            opt._init_group(group, skip_non_grad_params=False)
+            init_group(group, skip_non_grad_params=False)
         return
     raise TypeError(f"{type(opt).__name__} has neither init_state() nor _init_group(): cannot create its state")
 

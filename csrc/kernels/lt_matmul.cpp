@@ -20,9 +20,19 @@ void check_lt(cublasStatus_t status, const char* what) {
   }
 }
 
+using Alignments = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>;  // A, B, C, D in bytes
+
 // Everything that determines the descriptors and the heuristic's choice.
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int, std::size_t>;
+                           int64_t, int64_t, int64_t, int64_t, int, std::size_t, Alignments>;
+
+// Largest power of two (at most 256) dividing the address and every batch stride in bytes: the
+// heuristic then only offers kernels that work for every matrix of the batch (its default
+// assumes 256-byte alignment, which odd shapes such as 97 x 37 bf16 do not have).
+uint32_t alignment_of(const void* ptr, int64_t stride_elems, std::size_t elem_bytes) {
+  uint64_t bits = reinterpret_cast<uintptr_t>(ptr) | static_cast<uint64_t>(stride_elems) * elem_bytes | 256u;
+  return static_cast<uint32_t>(bits & (~bits + 1));
+}
 
 // Descriptors and algorithm of one problem, created once and reused by every later call.
 struct LtPlan {
@@ -54,7 +64,7 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t co
 }
 
 std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handle,
-                                  std::size_t workspace_bytes) {
+                                  std::size_t workspace_bytes, const Alignments& align) {
   const GemmShape& s = *args.shape;
   const cudaDataType_t type = args.precision == NsPrecision::kMedium ? CUDA_R_16BF : CUDA_R_32F;
   const cublasComputeType_t compute = args.precision == NsPrecision::kHigh
@@ -79,6 +89,12 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
   const uint64_t ws = workspace_bytes;
   cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  const uint32_t align_a = std::get<0>(align), align_b = std::get<1>(align), align_c = std::get<2>(align),
+                 align_d = std::get<3>(align);
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
+  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
@@ -102,14 +118,17 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, cublasLtHandle_t handle, vo
   const GemmShape& s = *args.shape;
   int device = 0;
   MEGATRON_EOPT_CUDA_CHECK(cudaGetDevice(&device));
+  const std::size_t elem = ns_element_bytes(args.precision);
+  const Alignments align{alignment_of(args.a, s.stride_a, elem), alignment_of(args.b, s.stride_b, elem),
+                         alignment_of(args.c, s.stride_c, elem), alignment_of(args.d, s.stride_c, elem)};
   const PlanKey key{device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
                     s.stride_a, s.stride_b, s.stride_c, args.batch,
-                    static_cast<int>(args.precision), workspace_bytes};
+                    static_cast<int>(args.precision), workspace_bytes, align};
   LtPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(key);
-    if (it == cache.end()) it = cache.emplace(key, make_plan(args, handle, workspace_bytes)).first;
+    if (it == cache.end()) it = cache.emplace(key, make_plan(args, handle, workspace_bytes, align)).first;
     plan = it->second.get();
   }
   check_lt(cublasLtMatmul(handle, plan->desc, &args.alpha, args.a, plan->a, args.b, plan->b, &args.beta,

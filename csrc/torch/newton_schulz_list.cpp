@@ -1,8 +1,10 @@
 // List form of Newton–Schulz: matrices of equal shape are stacked and orthogonalized as one batch
-// through the single-tensor op, outputs come back in input order. Same code for every backend.
+// through the single-tensor op, outputs come back in input order (each its own tensor). Same code
+// for every backend.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/clone.h>
 #include <ATen/ops/stack.h>
 #include <torch/library.h>
 
@@ -34,7 +36,13 @@ std::vector<at::Tensor> newton_schulz_list(at::TensorList xs, c10::ArrayRef<doub
     for (std::size_t i : group) members.push_back(xs[i]);
     const at::Tensor result =
         op.call(at::stack(members), coefficients, steps, repeat_last, eps, transpose, precision);
-    for (std::size_t j = 0; j < group.size(); ++j) out[group[j]] = result.select(0, static_cast<int64_t>(j));
+    // Outputs of a custom op may not alias each other, so a batch is split into copies; the
+    // optimizers avoid this pass by keeping their inputs stacked and calling newton_schulz directly.
+    if (group.size() == 1) {
+      out[group[0]] = result.select(0, 0);
+    } else {
+      for (std::size_t j = 0; j < group.size(); ++j) out[group[j]] = result.select(0, static_cast<int64_t>(j)).clone();
+    }
   }
   return out;
 }

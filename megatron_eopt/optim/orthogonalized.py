@@ -81,6 +81,13 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 self._rebuild_plan()
             raise
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
+        # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
+        state = super().__getstate__()
+        state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in ("_plan", "_hyper")})
+        return state
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         defaults = getattr(self, "defaults", {})
@@ -229,11 +236,17 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             )
             launches.append((bucket, group, members, params, grads, states, lr_t, wd_t))
 
-        # 2. orthogonalize per stack
+        # 2. orthogonalize per stack; only NAMO reads the NS inputs again, otherwise each input
+        # stack is released as soon as its result exists (peak: the results plus one input stack).
         updates: list[torch.Tensor | None] = [None] * len(entries)
-        for stack, members, buf in runs:
+        keep_inputs = cfg.moment2_method == "namo"
+        while runs:
+            stack, members, buf = runs.pop(0)
             for i, update in zip(members, self._orthogonalize(stack, buf)):
                 updates[i] = update
+                if not keep_inputs:
+                    ns_inputs[i] = None
+            del buf
 
         # 3. second moment (AdaptiveMuon), 4. decay + update per bucket
         for bucket, group, members, params, grads, states, lr_t, wd_t in launches:

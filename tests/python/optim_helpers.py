@@ -11,8 +11,8 @@ from reference import newton_schulz_ref, rel_err
 SHAPES = [(1, 9), (9, 1), (97, 37), (37, 97), (16, 16), (24, 40), (24, 40), (40, 24)]
 
 
-def make_params(shapes, gen, dtype=torch.float32, scale=1.0):
-    return [torch.nn.Parameter((torch.randn(s, generator=gen) * scale).to(dtype)) for s in shapes]
+def make_params(shapes, gen, dtype=torch.float32, scale=1.0, device="cpu"):
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * scale).to(device, dtype)) for s in shapes]
 
 
 def clone_params(params):
@@ -22,7 +22,7 @@ def clone_params(params):
 def make_grads(params, gen, steps, skip=()):
     """Per step, one gradient per param (None for the indices in `skip`)."""
     return [
-        [None if i in skip else torch.randn(p.shape, generator=gen).to(p.dtype) for i, p in enumerate(params)]
+        [None if i in skip else torch.randn(p.shape, generator=gen).to(p.device, p.dtype) for i, p in enumerate(params)]
         for _ in range(steps)
     ]
 

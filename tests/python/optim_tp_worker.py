@@ -154,6 +154,46 @@ def check_megatron(group, tp_mode, seed):
         assert err <= TOLERANCE["highest"], f"megatron {tp_mode} param {i}: {err:.2e}"
 
 
+def check_collectives(group, seed):
+    """Per step and stack: distributed mode all-reduces the norms once and the Gram matrices once per
+    NS iteration (nothing gathered); duplicated mode gathers once (nothing reduced)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(seed)
+    layout = [((32, 16), 0), ((32, 16), 0), ((16, 32), 1)]  # two stacks, sharded along the long side
+    pg = SimpleNamespace(tp=group, expt_tp=group)
+    calls = {"all_reduce": 0, "all_gather": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    expectations = (
+        ("distributed", {"all_reduce": 2 * (1 + 5), "all_gather": 0}),
+        ("duplicated", {"all_reduce": 0, "all_gather": 2}),
+    )
+    for tp_mode, expected in expectations:
+        params = []
+        for shape, pd in layout:
+            full = torch.randn(shape, generator=gen)
+            params.append(_tag(torch.nn.Parameter(_shard(full, pd, rank, size).clone()), pd, False, False))
+        opt = TensorParallelMuon(params, lr=0.02, num_ns_steps=5, pg_collection=pg, tp_mode=tp_mode)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        for name in calls:
+            calls[name] = 0
+            setattr(dist, name, counting(name))
+        try:
+            opt.step()
+        finally:
+            for name, fn in originals.items():
+                setattr(dist, name, fn)
+        assert calls == expected, f"{tp_mode}: {calls} collectives, expected {expected}"
+
+
 def worker(rank, world_size, init_file, seed):
     """4 ranks: TP 4 over all of them, then TP 2 in two groups of 2 (one spawn for both sizes)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -174,6 +214,7 @@ def worker(rank, world_size, init_file, seed):
                 seed,
                 precision="medium",
             )
+            check_collectives(group, seed)
         if rank >= 2:
             return  # Megatron's import is slow: its comparison runs in the first TP-2 group only
         try:

@@ -1,4 +1,4 @@
-import math
+import copy
 import os
 import socket
 import subprocess
@@ -26,10 +26,10 @@ def quiet_deprecations():
         yield
 
 
-def snippet_zeropower(G, steps):
+def snippet_zeropower(G, steps, dtype=torch.bfloat16):
     """The popular snippet's Newton–Schulz recipe, in plain PyTorch (bf16 throughout)."""
     a, b, c = SIMPLE
-    X = G.bfloat16()
+    X = G.to(dtype)
     if G.size(-2) > G.size(-1):
         X = X.mT
     X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
@@ -42,8 +42,17 @@ def snippet_zeropower(G, steps):
     return X
 
 
+def reference_zeropower(G, steps):
+    """The simple-quintic NS in the reference packages' bf16 recipe (fp32 normalization)."""
+    return newton_schulz_ref(G.float(), steps, "simple", dtype=torch.bfloat16)
+
+
 def snippet_muon_step(params, states, lr, momentum, weight_decay, nesterov=True, ns_steps=5):
-    """Keller Jordan's Muon step: decoupled decay, EMA momentum, Nesterov, flattened conv, scale."""
+    """Keller Jordan's Muon step: decoupled decay, EMA momentum, Nesterov, flattened conv, scale.
+
+    Newton–Schulz runs in the reference bf16 recipe, so the comparison isolates the step logic
+    (the snippet's own all-bf16 recipe is compared in test_zeropower_matches_the_snippet).
+    """
     for p in params:
         g = p.grad.clone()
         buf = states.setdefault(p, torch.zeros_like(p))
@@ -51,7 +60,7 @@ def snippet_muon_step(params, states, lr, momentum, weight_decay, nesterov=True,
         update = g.lerp(buf, momentum) if nesterov else buf
         if update.ndim > 2:
             update = update.view(len(update), -1)
-        update = snippet_zeropower(update, ns_steps).float()
+        update = reference_zeropower(update, ns_steps).float()
         update *= max(1, g.size(-2) / g.size(-1)) ** 0.5
         p.data.mul_(1 - lr * weight_decay)
         p.data.add_(update.reshape(p.shape), alpha=-lr)
@@ -63,19 +72,23 @@ def test_zeropower_matches_the_snippet(gen, shape, steps):
     G = torch.randn(shape, generator=gen)
     out = legacy.zeropower_via_newtonschulz5(G, steps)
     assert out.dtype == torch.bfloat16 and out.shape == G.shape
-    assert rel_err(out, snippet_zeropower(G, steps)) <= TOLERANCE["medium"]
     flat = G.reshape(-1, *shape[-2:])
-    ref = torch.stack([newton_schulz_ref(m, steps, "simple", dtype=torch.bfloat16) for m in flat]).reshape(shape)
+    ref = torch.stack([reference_zeropower(m, steps) for m in flat]).reshape(shape)
     assert rel_err(out, ref) <= TOLERANCE["medium"]
+    # The snippet's recipe in exact arithmetic. Its own all-bf16 run lands up to ~3% from this
+    # (bf16 storage of every intermediate), ours no farther: 4e-2 bounds both, while a wrong
+    # coefficient, transpose or normalization is off by far more.
+    assert rel_err(out, snippet_zeropower(G.double(), steps, torch.float64)) <= 4e-2
 
 
 def test_zeropower_transposes_tall_inputs(gen):
     G = torch.randn(64, 8, generator=gen)
-    out = legacy.zeropower_via_newtonschulz5(G, 10).float()
-    # tall: iterated as the 8x8 Gram side, so the columns come out near-orthonormal
-    gram = out.mT @ out
-    assert torch.allclose(gram, torch.eye(8), atol=0.35)
-    assert rel_err(out, snippet_zeropower(G, 10)) <= TOLERANCE["medium"]
+    out = legacy.zeropower_via_newtonschulz5(G, 10)
+    # tall inputs are iterated as their (wide) transpose: the same computation as G.T
+    assert torch.equal(out, legacy.zeropower_via_newtonschulz5(G.T.contiguous(), 10).T)
+    # the simple quintic leaves singular values roughly in [0.7, 1.2]
+    sv = torch.linalg.svdvals(out.float())
+    assert sv.min() > 0.6 and sv.max() < 1.3
 
 
 def test_zeropower_bad_input():
@@ -132,7 +145,8 @@ def test_muon_matches_the_snippet_including_conv_filters(gen, weight_decay, nest
         opt.step()
         snippet_muon_step(ref, states, lr, mom, weight_decay, nesterov)
     for po, pr, p0 in zip(ours, ref, start):
-        assert rel_err(po.detach() - p0, pr.detach() - p0) <= TOLERANCE["medium"], tuple(po.shape)
+        # same bf16 Newton–Schulz recipe on both sides: only rounding-order differences remain
+        assert rel_err(po.detach() - p0, pr.detach() - p0) <= 5e-3, tuple(po.shape)
         # the state is shaped like the parameter, as in the snippets' checkpoints
         assert opt.state[po]["momentum_buffer"].shape == po.shape
         assert rel_err(opt.state[po]["momentum_buffer"], states[pr]) <= 1e-6
@@ -172,7 +186,7 @@ def test_state_dict_round_trip_continues_exactly(gen):
             opt.step()
 
     run(a, opt_a, grads[:2])
-    saved = opt_a.state_dict()
+    saved = copy.deepcopy(opt_a.state_dict())  # as if saved to disk: no shared tensors
     assert [tuple(s["momentum_buffer"].shape) for s in saved["state"].values()] == [(10, 6), (16, 2, 3, 1)]
     for pb, pa in zip(b, a):
         pb.data.copy_(pa.data)

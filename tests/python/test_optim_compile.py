@@ -24,21 +24,23 @@ CASES = {
 
 
 @pytest.mark.parametrize(
-    "case,lr_kind",
+    "case,lr_kind,device",
     [
-        ("muon", "tensor"),
-        ("muon", "float"),
-        ("normuon", "tensor"),
-        ("tp_muon_qkv", "tensor"),
+        ("muon", "tensor", "cpu"),
+        ("muon", "float", "cpu"),
+        ("normuon", "tensor", "cpu"),
+        ("tp_muon_qkv", "tensor", "cpu"),
+        pytest.param("muon", "tensor", "cuda", marks=pytest.mark.gpu),
+        pytest.param("normuon", "float", "cuda", marks=pytest.mark.gpu),
     ],
 )
-def test_compiled_step_matches_eager_without_recompiling_on_lr_change(case, lr_kind, gen):
+def test_compiled_step_matches_eager_without_recompiling_on_lr_change(case, lr_kind, device, gen):
     torch._dynamo.reset()
     counters.clear()
-    params = make_params(SHAPES, gen, scale=0.1)
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in make_params(SHAPES, gen, scale=0.1)]
     eager_params = clone_params(params)
     start = [p.detach().clone() for p in params]
-    lr0 = torch.tensor(0.02) if lr_kind == "tensor" else 0.02
+    lr0 = torch.tensor(0.02, device=device) if lr_kind == "tensor" else 0.02
     opt = CASES[case](params, lr0)
     eager = CASES[case](eager_params, 0.02)
     opt.init_state()
@@ -46,6 +48,7 @@ def test_compiled_step_matches_eager_without_recompiling_on_lr_change(case, lr_k
     lrs = [0.02, 0.015, 0.01, 0.005, 0.0025]
     graphs = []
     for t, grads in enumerate(make_grads(params, gen, len(lrs))):
+        grads = [g.to(device) for g in grads]
         for p, g in zip(params, grads):
             p.grad = g.clone()
         if lr_kind == "tensor":

@@ -30,10 +30,18 @@ def _fp32_tolerance(moment2_method):
 
 
 def _compare(
-    ours_cls, eo_cls, kwargs, gen, shapes=SHAPES, steps=STEPS, tol=TOLERANCE["highest"], state_keys=("momentum_buffer",)
+    ours_cls,
+    eo_cls,
+    kwargs,
+    gen,
+    shapes=SHAPES,
+    steps=STEPS,
+    tol=TOLERANCE["highest"],
+    state_keys=("momentum_buffer",),
+    device="cpu",
 ):
     # Small weights: the fp32 rounding of p itself stays far below the compared change of p.
-    params = make_params(shapes, gen, scale=0.1)
+    params = make_params(shapes, gen, scale=0.1, device=device)
     start = [p.detach().clone() for p in params]
     ref_params = clone_params(params)
     grads = make_grads(params, gen, steps)
@@ -223,3 +231,23 @@ def test_constructor_signatures_match_emerging_optimizers(ours, ref):
     assert list(ours_sig)[: len(ref_sig)] == list(ref_sig)
     for name, param in ref_sig.items():
         assert (ours_sig[name].default, ours_sig[name].kind) == (param.default, param.kind), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "precision,moment2_method",
+    [("highest", m) for m in (None, "adamuon", "normuon", "namo")]
+    # bf16 Newton–Schulz: AdaMuon's elementwise division would turn the bf16 rounding differences of
+    # two GEMM libraries into elementwise ones (see _fp32_tolerance), so it is compared in fp32 only.
+    + [("medium", m) for m in (None, "normuon", "namo")],
+)
+def test_cuda_parity_with_emerging_optimizers(precision, moment2_method, gen):
+    kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1, nesterov=True, fp32_matmul_prec=precision)
+    shapes = SHAPES + [(256, 512), (512, 256)]
+    tol = TOLERANCE["medium"] if precision == "medium" else _fp32_tolerance(moment2_method)
+    if moment2_method is None:
+        _compare(Muon, eo.Muon, kwargs, gen, shapes=shapes, tol=tol, device="cuda")
+    else:
+        kwargs.update(moment2_method=moment2_method)
+        keys = ("momentum_buffer", "moment2_buffer")
+        _compare(AdaptiveMuon, eo.AdaptiveMuon, kwargs, gen, shapes=shapes, tol=tol, device="cuda", state_keys=keys)

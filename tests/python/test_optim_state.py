@@ -282,3 +282,21 @@ def test_duplicate_params_are_rejected(gen):
     p = make_params([(4, 6)], gen)[0]
     with pytest.raises(ValueError):
         Muon([{"params": [p]}, {"params": [p]}])
+
+
+@pytest.mark.parametrize("case", ["muon", "normuon"])
+def test_deepcopy_continues_like_the_original(case, gen):
+    import copy
+
+    ours_cls, _, kwargs = CASES[case]
+    params = make_params(SHAPES, gen, scale=0.1)
+    opt = ours_cls(params, **kwargs)
+    run_steps(opt, params, make_grads(params, gen, 2))
+    twin = copy.deepcopy(opt)
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    assert twin_params[0] is not params[0] and torch.equal(twin_params[0], params[0])
+    grads = make_grads(params, gen, 2)
+    run_steps(opt, params, grads)
+    run_steps(twin, twin_params, grads)
+    for p, q in zip(params, twin_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -185,7 +185,7 @@ def test_build_optimizers_and_train():
     for _ in range(6):
         logits = model(idx)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
-        losses.append(float(loss))
+        losses.append(loss.item())
         for opt in optimizers:
             opt.zero_grad()
         loss.backward()
