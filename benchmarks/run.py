@@ -50,6 +50,9 @@ def parse_args(argv=None):
                         help="CPU threads for torch (default: torch's own; --quick: 1, since its tiny ops only "
                              "lose from threading, badly so on a loaded machine)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
+    parser.add_argument("--render", metavar="FILE.json",
+                        help="measure nothing: print the table of a saved --out JSON and update --results-md "
+                             "from it (with --remarks, replacing the saved remarks)")
     return parser.parse_args(argv)
 
 
@@ -111,12 +114,29 @@ def run_workload(workload, device, quick, plan) -> dict:
     return entry
 
 
+def publish(doc: dict, args) -> None:
+    """The one table on stdout, and this device's section of --results-md."""
+    print(report.markdown_table(doc["workloads"]))
+    notes = report.footnotes(doc["workloads"], doc["not_run"])
+    if notes:
+        print("\n".join(["", "Not covered:"] + notes))
+    if args.results_md:
+        report.update_results_md(args.results_md, doc, doc["hyper_parameters"])
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
         for w in catalogue_module.catalogue():
             flags = ("quick " if w.in_quick else "") + ("" if not w.cpu_skip else "(not in full CPU runs)")
             print(f"{w.name:32s} {w.kind:7s} {flags}")
+        return 0
+    if args.render:
+        with open(args.render) as f:
+            doc = json.load(f)
+        if args.remarks:
+            doc["remarks"] = args.remarks
+        publish(doc, args)
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -158,17 +178,11 @@ def main(argv=None) -> int:
         "remarks": args.remarks,
     }
 
-    print(report.markdown_table(results))
-    notes = report.footnotes(results, not_run)
-    if notes:
-        print("\n".join(["", "Not covered:"] + notes))
-
+    publish(doc, args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
-    if args.results_md:
-        report.update_results_md(args.results_md, doc, hyper.describe())
     failed = any("error" in r for w in results for r in w["results"].values())
     return 1 if failed else 0
 

@@ -10,7 +10,7 @@ At the end it prints both final losses, times one optimizer step of megatron-eop
 Emerging-Optimizers' Muon (same hyper-parameters, same parameters and gradients), and saves the
 loss curves to --out (PNG). A few minutes on a 2-core CPU with the defaults; uses a GPU when present.
 
-    python examples/train_gpt.py [--steps 200] [--out train_gpt_loss.png] [--device cpu|cuda]
+    python examples/train_gpt.py [--steps 300] [--out train_gpt_loss.png] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -279,12 +279,12 @@ def plot(runs: list[dict], path: str) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--d-model", type=int, default=192)
+    p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--muon-lr", type=float, default=0.02)
     p.add_argument("--adam-lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)

@@ -74,3 +74,19 @@ def test_table_and_results_section(quick_run):
     assert header in md
     for name in WORKLOADS:
         assert f"| {name} |" in md
+
+
+def test_render_rebuilds_the_section_from_json(quick_run, tmp_path):
+    doc, md, _ = quick_run
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(doc))
+    rendered = tmp_path / "RESULTS.md"
+    proc = subprocess.run(
+        [sys.executable, RUN_PY, "--render", str(saved), "--results-md", str(rendered), "--remarks", "Re-rendered."],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    text = rendered.read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table and all(line in text for line in table)
+    assert "Re-rendered." in text
