@@ -122,7 +122,10 @@ def section_markdown(doc: dict) -> str:
         f"mode {doc['mode']}",
     ]
     if "load_average_1_5_15" in env:
-        facts.append(f"load average at start {env['load_average_1_5_15']} on {env['hostname_cpus']} cores")
+        load = f"load average (1, 5, 15 min) {env['load_average_1_5_15']} at the start"
+        if "load_average_end_1_5_15" in env:
+            load += f", {env['load_average_end_1_5_15']} at the end"
+        facts.append(f"{load}, on {env['hostname_cpus']} cores shared with other work")
     if "gpu_memory_gib" in env:
         facts.append(f"{env['gpu_memory_gib']} GiB, L2 {env['gpu_l2_mib']} MiB, {env['gpu_sm_count']} SMs")
     lines.append("Measured: " + "; ".join(facts) + ".")
@@ -141,9 +144,10 @@ def _status_paragraph(keys: list[str]) -> str:
     lines = ["Devices measured: " + (", ".join(k.split(": ", 1)[1] for k in gpu + cpu) or "none") + "."]
     if not gpu:
         lines.append(
-            "**No GPU table has been measured yet.** The CUDA kernels compile for sm_90 but every figure "
-            "below is from a CPU, where megatron-eopt runs ATen's CPU kernels and is not expected to beat "
-            "its peers; the GPU table comes from `scripts/gpu_verify.sh` on an H100/H200."
+            "**No GPU table has been measured yet.** The CUDA kernels compile for sm_90 but have not run "
+            "on a GPU; every figure below is from a CPU, where megatron-eopt's Newton–Schulz makes the same "
+            "ATen BLAS calls as its peers (only the batching differs) and its fused memory-bound ops are "
+            "C++ loops. The GPU table will come from `scripts/gpu_verify.sh` on an H100/H200."
         )
     return "\n".join(lines)
 

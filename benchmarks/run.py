@@ -163,6 +163,8 @@ def main(argv=None) -> int:
         print(f"    {summary} ({entry.get('wall_s', 0)} s)", file=sys.stderr, flush=True)
         results.append(entry)
 
+    if device.type == "cpu":
+        environment["load_average_end_1_5_15"] = [round(v, 2) for v in os.getloadavg()]
     covered = {op for w in catalogue_module.catalogue() for op in w.ops}
     uncovered = [op for op in registered_ops() if op not in covered]
     if uncovered:

@@ -90,3 +90,21 @@ def test_render_rebuilds_the_section_from_json(quick_run, tmp_path):
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table and all(line in text for line in table)
     assert "Re-rendered." in text
+
+
+@pytest.mark.gpu
+def test_quick_cuda_run_times_with_events_and_reports_memory(tmp_path):
+    json_path = tmp_path / "bench_cuda.json"
+    proc = subprocess.run(
+        [sys.executable, RUN_PY, "--device", "cuda", "--quick", "--workload", "ns_batch_16x1024x1024",
+         "mem_foreach_momentum", "step_gpt2_124m", "--out", str(json_path)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(json_path.read_text())
+    assert doc["environment"]["device"] == "cuda" and doc["environment"]["gpu_l2_mib"] > 0
+    for w in doc["workloads"]:
+        for name, r in w["results"].items():
+            assert "error" not in r, (w["name"], name, r.get("error"))
+            assert r["peak_mib"] is not None and r["peak_mib"] >= 0
+        assert "megatron-eopt" in w["results"]
