@@ -30,6 +30,9 @@ OUT=${1:?usage: scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]}
 shift
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build tests bench example)
+for s in "${STEPS[@]}"; do
+  case $s in build | tests | bench | example) ;; *) echo "gpu_verify.sh: unknown step '$s' (build, tests, bench, example)" >&2; exit 2 ;; esac
+done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -62,11 +65,14 @@ say "commit: ${MEGATRON_EOPT_GIT_COMMIT:-unknown (no .git; set MEGATRON_EOPT_GIT
 
 SITE=/tmp/site
 if [ -d "$ROOT/.whl" ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
-  if "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$ROOT"/.whl/*.whl >>"$SUMMARY" 2>&1; then
-    say "wheels: installed $(ls "$ROOT"/.whl/*.whl | xargs -n1 basename | tr '\n' ' ')into $SITE"
-  else
-    say "wheels: FAILED to install .whl/*.whl (see above); tests needing them will fail or skip"
-  fi
+  # One at a time, so that a wheel this Python cannot take does not keep the others out.
+  for wheel in "$ROOT"/.whl/*.whl; do
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" "$wheel" >>"$SUMMARY" 2>&1; then
+      say "wheel: installed $(basename "$wheel") into $SITE"
+    else
+      say "wheel: FAILED to install $(basename "$wheel") (see above); tests needing it will fail or skip"
+    fi
+  done
 else
   say "wheels: no .whl/ folder; emerging-optimizers / megatron-core must already be importable"
 fi
