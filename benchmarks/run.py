@@ -2,13 +2,16 @@
 """Benchmarks megatron-eopt against its peers and prints one table.
 
     python benchmarks/run.py [--device cpu|cuda] [--quick] [--workload NAME ...]
-                             [--out FILE.json] [--results-md FILE] [--list]
+                             [--out FILE.json] [--results-md FILE] [--list] [--render FILE.json]
 
 Peers, measured in the same run with the same hyper-parameters: Emerging-Optimizers 0.3.0
-(`Muon`, `newton_schulz`), `torch.optim.Muon` (and its Newton–Schulz function), and a plain-PyTorch
-batched implementation compiled with torch.compile. Without --workload, a full CUDA run measures
-every workload, a full CPU run those a 2-core CPU finishes in minutes, and --quick a tiny version
-of one workload per code path (under a minute on a small CPU).
+(`Muon`, `AdaptiveMuon`, `newton_schulz`), `torch.optim.Muon` (and its Newton–Schulz function), a
+plain-PyTorch batched implementation compiled with torch.compile, and for the memory-bound ops
+torch._foreach_* and per-tensor loops. Without --workload, a full CUDA run measures every workload,
+a full CPU run those a 2-core CPU finishes (about 10 minutes), and --quick a tiny version of one
+workload per code path (20-40 s on the 2-core development machine, the first run included while
+torch.compile fills its cache). Workloads of ops or optimizers missing from the build are left out
+and listed; exit status 1 when a measurement raised.
 """
 
 from __future__ import annotations
