@@ -111,8 +111,8 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
 
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, cublasLtHandle_t handle,
-                        cudaStream_t stream) {
+                        NsPrecision precision, const NsScratch& scratch, int device,
+                        cublasLtHandle_t handle, cudaStream_t stream) {
   const int64_t elems = m * n;
   if (batch == 0 || elems == 0) return;
   const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose);
@@ -148,15 +148,15 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
     // G = W W^T
     lt_strided_batched_gemm({&plan.gram_gemm, batch, precision, 1.f, xin, xin, 0.f, scratch.gram,
                              scratch.gram},
-                            handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
+                            device, handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
     // B = c G G + b G
     lt_strided_batched_gemm({&plan.poly_gemm, batch, precision, k.c, scratch.gram, scratch.gram, k.b,
                              scratch.gram, scratch.poly},
-                            handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
+                            device, handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
     // W' = B W + a W: operand order per the plan (column-major view of row-major X).
     const void* lhs = plan.work_transposed ? scratch.poly : xin;
     const void* rhs = plan.work_transposed ? xin : scratch.poly;
-    lt_strided_batched_gemm({&plan.update_gemm, batch, precision, 1.f, lhs, rhs, k.a, xin, xout}, handle,
+    lt_strided_batched_gemm({&plan.update_gemm, batch, precision, 1.f, lhs, rhs, k.a, xin, xout}, device, handle,
                             scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
     cur = 1 - cur;
   }

@@ -41,10 +41,11 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
                                   NsPrecision precision, std::size_t blas_workspace_bytes);
 
 // out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each.
-// No host synchronisation; everything is enqueued on `stream`.
+// No host synchronisation; everything is enqueued on `stream`. `device` is the current CUDA
+// device (set by the caller's guard), passed in so no GEMM has to query it.
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, cublasLtHandle_t handle,
-                        cudaStream_t stream);
+                        NsPrecision precision, const NsScratch& scratch, int device,
+                        cublasLtHandle_t handle, cudaStream_t stream);
 
 }  // namespace megatron_eopt
