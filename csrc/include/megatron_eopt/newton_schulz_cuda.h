@@ -21,7 +21,8 @@ struct NsScratch {
   void* iterate[2];
   void* gram;          // batch * g * g elements of the compute type, g = Gram side
   void* poly;          // same size as gram
-  float* sum_squares;  // batch floats
+  float* sum_squares;    // batch floats
+  float* norm_partials;  // per-block partial sums of squares; ns_scratch_layout sizes them
   void* blas_workspace;
   std::size_t blas_workspace_bytes;
 };
@@ -33,6 +34,7 @@ struct NsScratchLayout {
   std::size_t gram;
   std::size_t poly;
   std::size_t sum_squares;
+  std::size_t norm_partials;
   std::size_t blas_workspace;
   std::size_t total;
 };

@@ -39,6 +39,7 @@ at::Tensor newton_schulz_cuda_op(const at::Tensor& x, c10::ArrayRef<double> coef
   scratch.gram = base + layout.gram;
   scratch.poly = base + layout.poly;
   scratch.sum_squares = reinterpret_cast<float*>(base + layout.sum_squares);
+  scratch.norm_partials = reinterpret_cast<float*>(base + layout.norm_partials);
   scratch.blas_workspace = base + layout.blas_workspace;
   scratch.blas_workspace_bytes = kBlasWorkspaceBytes;
 
