@@ -6,11 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef __CUDACC__
-#define MEGATRON_EOPT_HD __host__ __device__ __forceinline__
-#else
-#define MEGATRON_EOPT_HD inline
-#endif
+#include "megatron_eopt/host_device.h"
 
 namespace megatron_eopt {
 
