@@ -1,7 +1,6 @@
 // Batched Newton–Schulz orthogonalization on CUDA: a Frobenius-norm reduction, one fused
 // normalize-and-cast pass, then three cuBLASLt GEMMs per step with the polynomial's scaled
 // additions folded into their epilogues. Torch-free: raw pointers and a stream.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +10,7 @@
 #include "megatron_eopt/cuda_check.h"
 #include "megatron_eopt/newton_schulz_cuda.h"
 #include "megatron_eopt/ns_gemm_plan.h"
+#include "megatron_eopt/storage_types.h"
 #include "tensor_list_kernel.cuh"
 
 namespace megatron_eopt {
@@ -19,13 +19,6 @@ namespace {
 constexpr int kThreads = 256;
 // grid.y indexes the matrix; it is capped at 65535, so very large batches go in slices.
 constexpr int64_t kMaxGridY = 65535;
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // partials[b * gridDim.x + blockIdx.x] = sum of x[b, i]^2 over this block's slice of matrix b
 // (grid.y = batch). Each block writes its own slot, so no atomics: results are run-to-run identical.
@@ -70,11 +63,11 @@ __global__ void normalize_cast_kernel(const float* __restrict__ x, int64_t elems
   }
 }
 
-__global__ void bf16_to_float_kernel(const __nv_bfloat16* __restrict__ in, int64_t count,
+__global__ void bf16_to_float_kernel(const Bf16* __restrict__ in, int64_t count,
                                      float* __restrict__ out) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    out[i] = __bfloat162float(in[i]);
+    out[i] = to_float(in[i]);
   }
 }
 
@@ -156,8 +149,8 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
       sum_squares = scratch.sum_squares + first;
     }
     if (precision == NsPrecision::kMedium) {
-      normalize_cast_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-          x + offset, elems, sum_squares, eps, static_cast<__nv_bfloat16*>(iterate[cur]) + offset);
+      normalize_cast_kernel<Bf16><<<grid, kThreads, 0, stream>>>(
+          x + offset, elems, sum_squares, eps, static_cast<Bf16*>(iterate[cur]) + offset);
     } else {
       normalize_cast_kernel<float><<<grid, kThreads, 0, stream>>>(
           x + offset, elems, sum_squares, eps, static_cast<float*>(iterate[cur]) + offset);
@@ -187,7 +180,7 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   const int64_t total = batch * elems;
   if (precision == NsPrecision::kMedium) {
     bf16_to_float_kernel<<<blocks_for(total, 1), kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(iterate[0]), total, out);
+        static_cast<const Bf16*>(iterate[0]), total, out);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
   } else if (iterate[0] != out) {
     MEGATRON_EOPT_CUDA_CHECK(
