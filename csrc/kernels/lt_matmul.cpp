@@ -87,19 +87,24 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
 
   cublasLtMatmulPreference_t pref = nullptr;
   check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
+  // The preference is destroyed on every path, a failed attribute set included.
+  const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)> pref_owner(
+      pref, &cublasLtMatmulPreferenceDestroy);
   const uint64_t ws = workspace_bytes;
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
-  const uint32_t align_a = std::get<0>(align), align_b = std::get<1>(align), align_c = std::get<2>(align),
-                 align_d = std::get<3>(align);
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
-  cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
+  check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
+           "set max workspace");
+  const uint32_t aligns[4] = {std::get<0>(align), std::get<1>(align), std::get<2>(align), std::get<3>(align)};
+  const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  for (int i = 0; i < 4; ++i) {
+    check_lt(cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &aligns[i], sizeof(aligns[i])),
+             "set min alignment");
+  }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
     throw std::runtime_error("megatron_eopt: cuBLASLt has no algorithm for a " + std::to_string(s.rows) +
                              "x" + std::to_string(s.cols) + "x" + std::to_string(s.depth) +
@@ -111,13 +116,13 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
 
 }  // namespace
 
-void lt_strided_batched_gemm(const LtGemmArgs& args, cublasLtHandle_t handle, void* workspace,
+void lt_strided_batched_gemm(const LtGemmArgs& args, int device, cublasLtHandle_t handle, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::map<PlanKey, std::unique_ptr<LtPlan>> cache;
+  // Process-wide and intentionally leaked: destroying the descriptors at static destruction
+  // would call into cuBLASLt after the CUDA context may already be gone.
+  static auto* const mutex = new std::mutex;
+  static auto* const cache = new std::map<PlanKey, std::unique_ptr<LtPlan>>;
   const GemmShape& s = *args.shape;
-  int device = 0;
-  MEGATRON_EOPT_CUDA_CHECK(cudaGetDevice(&device));
   const std::size_t elem = ns_element_bytes(args.precision);
   const Alignments align{alignment_of(args.a, s.stride_a, elem), alignment_of(args.b, s.stride_b, elem),
                          alignment_of(args.c, s.stride_c, elem), alignment_of(args.d, s.stride_c, elem)};
@@ -126,9 +131,9 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, cublasLtHandle_t handle, vo
                     static_cast<int>(args.precision), workspace_bytes, align};
   LtPlan* plan = nullptr;
   {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(key);
-    if (it == cache.end()) it = cache.emplace(key, make_plan(args, handle, workspace_bytes, align)).first;
+    std::lock_guard<std::mutex> lock(*mutex);
+    auto it = cache->find(key);
+    if (it == cache->end()) it = cache->emplace(key, make_plan(args, handle, workspace_bytes, align)).first;
     plan = it->second.get();
   }
   check_lt(cublasLtMatmul(handle, plan->desc, &args.alpha, args.a, plan->a, args.b, plan->b, &args.beta,

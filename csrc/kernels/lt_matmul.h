@@ -25,7 +25,8 @@ struct LtGemmArgs {
   void* d;
 };
 
-void lt_strided_batched_gemm(const LtGemmArgs& args, cublasLtHandle_t handle, void* workspace,
+// `device` is the current CUDA device (the caller's device guard set it): plans are per device.
+void lt_strided_batched_gemm(const LtGemmArgs& args, int device, cublasLtHandle_t handle, void* workspace,
                              std::size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace megatron_eopt

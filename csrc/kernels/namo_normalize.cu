@@ -4,12 +4,12 @@
 //     factor ||ns_input|| / (sqrt(v) + eps) in scratch (a separate kernel, so no block reads v
 //     while another writes it);
 //  3. scale: O <- O * factor.
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "megatron_eopt/second_moment_cuda.h"
 #include "megatron_eopt/second_moment_math.h"
+#include "megatron_eopt/storage_types.h"
 #include "tensor_list_kernel.cuh"
 
 namespace megatron_eopt {
@@ -28,13 +28,9 @@ struct NamoDesc {
   int64_t partials_first;  // scratch slot of the tensor's first sums block
   int64_t partials_count;  // sums blocks of the tensor
   int64_t factor_slot;     // scratch index of the tensor's factor
-  ElementType grad_type;
-  ElementType ns_input_type;
+  StorageType grad_type;
+  StorageType ns_input_type;
 };
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 
 template <typename T>
 __device__ float strided_sum_squares(const void* data, int64_t first, int64_t count, int64_t stride) {
@@ -47,11 +43,11 @@ __device__ float strided_sum_squares(const void* data, int64_t first, int64_t co
   return acc;
 }
 
-__device__ float sum_squares(const void* data, ElementType type, int64_t first, int64_t count, int64_t stride) {
+__device__ float sum_squares(const void* data, StorageType type, int64_t first, int64_t count, int64_t stride) {
   switch (type) {
-    case ElementType::kBFloat16: return strided_sum_squares<__nv_bfloat16>(data, first, count, stride);
-    case ElementType::kFloat16: return strided_sum_squares<__half>(data, first, count, stride);
-    case ElementType::kFloat32: break;
+    case StorageType::kBFloat16: return strided_sum_squares<Bf16>(data, first, count, stride);
+    case StorageType::kFloat16: return strided_sum_squares<__half>(data, first, count, stride);
+    case StorageType::kFloat32: break;
   }
   return strided_sum_squares<float>(data, first, count, stride);
 }

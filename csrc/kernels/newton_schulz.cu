@@ -1,7 +1,6 @@
 // Batched Newton–Schulz orthogonalization on CUDA: a Frobenius-norm reduction, one fused
 // normalize-and-cast pass, then three cuBLASLt GEMMs per step with the polynomial's scaled
 // additions folded into their epilogues. Torch-free: raw pointers and a stream.
-#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,22 +10,20 @@
 #include "megatron_eopt/cuda_check.h"
 #include "megatron_eopt/newton_schulz_cuda.h"
 #include "megatron_eopt/ns_gemm_plan.h"
+#include "megatron_eopt/storage_types.h"
+#include "tensor_list_kernel.cuh"
 
 namespace megatron_eopt {
 namespace {
 
 constexpr int kThreads = 256;
+// grid.y indexes the matrix; it is capped at 65535, so very large batches go in slices.
+constexpr int64_t kMaxGridY = 65535;
 
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// sum_squares[b] += sum of x[b, i]^2 over this block's slice of matrix b (grid.y = batch).
-__global__ void sum_squares_kernel(const float* __restrict__ x, int64_t elems_per_matrix,
-                                   float* __restrict__ sum_squares) {
+// partials[b * gridDim.x + blockIdx.x] = sum of x[b, i]^2 over this block's slice of matrix b
+// (grid.y = batch). Each block writes its own slot, so no atomics: results are run-to-run identical.
+__global__ void __launch_bounds__(kThreads)
+    sum_squares_kernel(const float* __restrict__ x, int64_t elems_per_matrix, float* __restrict__ partials) {
   const float* mat = x + static_cast<int64_t>(blockIdx.y) * elems_per_matrix;
   float acc = 0.f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -35,17 +32,20 @@ __global__ void sum_squares_kernel(const float* __restrict__ x, int64_t elems_pe
     const float v = mat[i];
     acc = fmaf(v, v, acc);
   }
-  for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-  __shared__ float warp_sums[kThreads / 32];
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  if (lane == 0) warp_sums[warp] = acc;
-  __syncthreads();
-  if (warp == 0) {
-    acc = lane < kThreads / 32 ? warp_sums[lane] : 0.f;
-    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, offset);
-    if (lane == 0) atomicAdd(sum_squares + blockIdx.y, acc);
-  }
+  const float block = block_sum(acc);
+  if (threadIdx.x == 0) partials[static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x] = block;
+}
+
+// sum_squares[b] = sum of the `blocks_per_matrix` partials of matrix b, in a fixed order
+// (one block per matrix).
+__global__ void __launch_bounds__(kThreads)
+    reduce_partials_kernel(const float* __restrict__ partials, int64_t blocks_per_matrix,
+                           float* __restrict__ sum_squares) {
+  const float* mine = partials + static_cast<int64_t>(blockIdx.x) * blocks_per_matrix;
+  float acc = 0.f;
+  for (int64_t j = threadIdx.x; j < blocks_per_matrix; j += blockDim.x) acc += mine[j];
+  const float total = block_sum(acc);
+  if (threadIdx.x == 0) sum_squares[blockIdx.x] = total;
 }
 
 // out[b, i] = cast(x[b, i] / max(||x[b]||_F, eps)): the division is in fp32, as the reference's
@@ -63,11 +63,11 @@ __global__ void normalize_cast_kernel(const float* __restrict__ x, int64_t elems
   }
 }
 
-__global__ void bf16_to_float_kernel(const __nv_bfloat16* __restrict__ in, int64_t count,
+__global__ void bf16_to_float_kernel(const Bf16* __restrict__ in, int64_t count,
                                      float* __restrict__ out) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
-    out[i] = __bfloat162float(in[i]);
+    out[i] = to_float(in[i]);
   }
 }
 
@@ -79,6 +79,16 @@ unsigned blocks_for(int64_t elems, int64_t matrices) {
 }
 
 std::size_t align_up(std::size_t v) { return (v + 255) / 256 * 256; }
+
+// Norm partials of the largest grid-y slice; the slices run in stream order and share them.
+int64_t partial_slots(int64_t batch, int64_t elems) {
+  int64_t slots = 0;
+  for (int64_t first = 0; first < batch; first += kMaxGridY) {
+    const int64_t count = std::min(kMaxGridY, batch - first);
+    slots = std::max(slots, static_cast<int64_t>(blocks_for(elems, count)) * count);
+  }
+  return slots;
+}
 
 }  // namespace
 
@@ -104,6 +114,8 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
   offset += gram_bytes;
   layout.sum_squares = offset;
   offset += align_up(static_cast<std::size_t>(batch) * sizeof(float));
+  layout.norm_partials = offset;
+  offset += align_up(static_cast<std::size_t>(partial_slots(batch, m * n)) * sizeof(float));
   layout.blas_workspace = offset;
   layout.total = offset + blas_workspace_bytes;
   return layout;
@@ -111,8 +123,8 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
 
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, cublasLtHandle_t handle,
-                        cudaStream_t stream) {
+                        NsPrecision precision, const NsScratch& scratch, int device,
+                        cublasLtHandle_t handle, cudaStream_t stream) {
   const int64_t elems = m * n;
   if (batch == 0 || elems == 0) return;
   const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose);
@@ -122,22 +134,26 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   int cur = static_cast<int>(schedule.size() % 2);
   void* iterate[2] = {scratch.iterate[0], scratch.iterate[1]};
 
-  MEGATRON_EOPT_CUDA_CHECK(cudaMemsetAsync(scratch.sum_squares, 0, sizeof(float) * batch, stream));
-  // grid.y indexes the matrix; it is capped at 65535, so very large batches go in slices.
-  constexpr int64_t kMaxGridY = 65535;
   for (int64_t first = 0; first < batch; first += kMaxGridY) {
     const int64_t count = std::min(kMaxGridY, batch - first);
     const int64_t offset = first * elems;
     const dim3 grid(blocks_for(elems, count), static_cast<unsigned>(count));
-    sum_squares_kernel<<<grid, kThreads, 0, stream>>>(x + offset, elems, scratch.sum_squares + first);
+    sum_squares_kernel<<<grid, kThreads, 0, stream>>>(x + offset, elems, scratch.norm_partials);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
+    // With one block per matrix its partial already is the sum.
+    const float* sum_squares = scratch.norm_partials;
+    if (grid.x > 1) {
+      reduce_partials_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(
+          scratch.norm_partials, grid.x, scratch.sum_squares + first);
+      MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
+      sum_squares = scratch.sum_squares + first;
+    }
     if (precision == NsPrecision::kMedium) {
-      normalize_cast_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(
-          x + offset, elems, scratch.sum_squares + first, eps,
-          static_cast<__nv_bfloat16*>(iterate[cur]) + offset);
+      normalize_cast_kernel<Bf16><<<grid, kThreads, 0, stream>>>(
+          x + offset, elems, sum_squares, eps, static_cast<Bf16*>(iterate[cur]) + offset);
     } else {
       normalize_cast_kernel<float><<<grid, kThreads, 0, stream>>>(
-          x + offset, elems, scratch.sum_squares + first, eps, static_cast<float*>(iterate[cur]) + offset);
+          x + offset, elems, sum_squares, eps, static_cast<float*>(iterate[cur]) + offset);
     }
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
   }
@@ -148,15 +164,15 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
     // G = W W^T
     lt_strided_batched_gemm({&plan.gram_gemm, batch, precision, 1.f, xin, xin, 0.f, scratch.gram,
                              scratch.gram},
-                            handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
+                            device, handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
     // B = c G G + b G
     lt_strided_batched_gemm({&plan.poly_gemm, batch, precision, k.c, scratch.gram, scratch.gram, k.b,
                              scratch.gram, scratch.poly},
-                            handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
+                            device, handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
     // W' = B W + a W: operand order per the plan (column-major view of row-major X).
     const void* lhs = plan.work_transposed ? scratch.poly : xin;
     const void* rhs = plan.work_transposed ? xin : scratch.poly;
-    lt_strided_batched_gemm({&plan.update_gemm, batch, precision, 1.f, lhs, rhs, k.a, xin, xout}, handle,
+    lt_strided_batched_gemm({&plan.update_gemm, batch, precision, 1.f, lhs, rhs, k.a, xin, xout}, device, handle,
                             scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
     cur = 1 - cur;
   }
@@ -164,7 +180,7 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   const int64_t total = batch * elems;
   if (precision == NsPrecision::kMedium) {
     bf16_to_float_kernel<<<blocks_for(total, 1), kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(iterate[0]), total, out);
+        static_cast<const Bf16*>(iterate[0]), total, out);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
   } else if (iterate[0] != out) {
     MEGATRON_EOPT_CUDA_CHECK(

@@ -72,6 +72,9 @@ __device__ __forceinline__ float2 block_sum2(float a, float b) {
   return total;
 }
 
+// Sum of v over the block, returned to every thread, in a fixed order (deterministic).
+__device__ __forceinline__ float block_sum(float v) { return block_sum2(v, 0.f).x; }
+
 // Sum of the per-block partial pairs [first, first + count) of a tensor, returned to every
 // thread; every block reading them gets bit-identical sums.
 __device__ __forceinline__ float2 sum_partials(const float2* __restrict__ partials, int64_t first, int64_t count) {

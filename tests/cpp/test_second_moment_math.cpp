@@ -7,10 +7,21 @@
 using namespace megatron_eopt;
 
 TEST(SecondMomentMath, EmaLerpMatchesTheClosedForm) {
-  EXPECT_FLOAT_EQ(ema_lerp(2.f, 4.f, 0.05f), 0.95f * 2.f + 0.05f * 4.f);
-  EXPECT_FLOAT_EQ(ema_lerp(2.f, 4.f, 0.75f), 0.25f * 2.f + 0.75f * 4.f);
-  EXPECT_EQ(ema_lerp(2.f, 4.f, 1.f), 4.f);  // beta2 = 0: the new value exactly
-  EXPECT_EQ(ema_lerp(2.f, 4.f, 0.f), 2.f);  // beta2 = 1: state frozen
+  EXPECT_FLOAT_EQ(torch_lerp(2.f, 4.f, 0.05f), 0.95f * 2.f + 0.05f * 4.f);
+  EXPECT_FLOAT_EQ(torch_lerp(2.f, 4.f, 0.75f), 0.25f * 2.f + 0.75f * 4.f);
+  EXPECT_EQ(torch_lerp(2.f, 4.f, 1.f), 4.f);  // beta2 = 0: the new value exactly
+  EXPECT_EQ(torch_lerp(2.f, 4.f, 0.f), 2.f);  // beta2 = 1: state frozen
+}
+
+// The state updates are torch's lerp to the bit: one fma on each side of |weight| = 0.5.
+TEST(SecondMomentMath, EmaIsTorchsFusedLerp) {
+  // o^2 = 2.25 is exact; for v = 0.002 the fused lerp and an unfused one differ in the last bit.
+  float v = 0.002f;
+  adamuon_normalize(1.5f, v, 0.05f, 1e-8f);
+  EXPECT_EQ(v, std::fmaf(0.05f, 2.25f - 0.002f, 0.002f));
+  float s = 0.3f;
+  namo_scale(s, 5.f, 1.f, 0.9f, 1e-8f);
+  EXPECT_EQ(s, std::fmaf(0.9f - 1.f, 5.f - 0.3f, 5.f));
 }
 
 TEST(SecondMomentMath, Adamuon) {

@@ -21,7 +21,8 @@ struct NsScratch {
   void* iterate[2];
   void* gram;          // batch * g * g elements of the compute type, g = Gram side
   void* poly;          // same size as gram
-  float* sum_squares;  // batch floats
+  float* sum_squares;    // batch floats
+  float* norm_partials;  // per-block partial sums of squares; ns_scratch_layout sizes them
   void* blas_workspace;
   std::size_t blas_workspace_bytes;
 };
@@ -33,6 +34,7 @@ struct NsScratchLayout {
   std::size_t gram;
   std::size_t poly;
   std::size_t sum_squares;
+  std::size_t norm_partials;
   std::size_t blas_workspace;
   std::size_t total;
 };
@@ -41,10 +43,11 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
                                   NsPrecision precision, std::size_t blas_workspace_bytes);
 
 // out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each.
-// No host synchronisation; everything is enqueued on `stream`.
+// No host synchronisation; everything is enqueued on `stream`. `device` is the current CUDA
+// device (set by the caller's guard), passed in so no GEMM has to query it.
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, cublasLtHandle_t handle,
-                        cudaStream_t stream);
+                        NsPrecision precision, const NsScratch& scratch, int device,
+                        cublasLtHandle_t handle, cudaStream_t stream);
 
 }  // namespace megatron_eopt

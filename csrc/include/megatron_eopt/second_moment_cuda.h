@@ -10,9 +10,9 @@
 
 #include <cuda_runtime_api.h>
 
-namespace megatron_eopt {
+#include "megatron_eopt/storage_types.h"
 
-enum class ElementType : int32_t { kFloat32, kBFloat16, kFloat16 };
+namespace megatron_eopt {
 
 // One list entry. All tensors are contiguous and on the current device.
 struct Moment2Tensor {
@@ -22,8 +22,8 @@ struct Moment2Tensor {
   int64_t cols;
   const void* grad = nullptr;      // NAMO: the gradient, rows * cols elements of grad_type
   const void* ns_input = nullptr;  // NAMO: the Newton–Schulz input, rows * cols elements of ns_input_type
-  ElementType grad_type = ElementType::kFloat32;
-  ElementType ns_input_type = ElementType::kFloat32;
+  StorageType grad_type = StorageType::kFloat32;
+  StorageType ns_input_type = StorageType::kFloat32;
 };
 
 // v <- lerp(v, O^2, 1 - beta2); O <- O / (sqrt(v) + eps). One kernel.

@@ -10,23 +10,17 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MEGATRON_EOPT_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define MEGATRON_EOPT_HOST_DEVICE inline
-#endif
+#include "megatron_eopt/host_device.h"
+#include "megatron_eopt/torch_lerp.h"
 
 namespace megatron_eopt {
 
 enum class Moment2Method { kAdamuon, kNormuon, kNamo };
 
-// torch.lerp(v, target, weight): the two-sided form torch uses for accuracy near weight = 1.
-// The EMA v <- beta2 v + (1 - beta2) target is v.lerp_(target, 1 - beta2) in the reference.
-MEGATRON_EOPT_HOST_DEVICE float ema_lerp(float v, float target, float weight) {
-  return fabsf(weight) < 0.5f ? v + weight * (target - v) : target - (target - v) * (1.0f - weight);
-}
+// Every EMA below, v <- beta2 v + (1 - beta2) target, is v.lerp_(target, 1 - beta2) in the
+// reference: torch_lerp(v, target, weight = 1 - beta2), bit-exact with torch's kernels.
 
-MEGATRON_EOPT_HOST_DEVICE float reciprocal_sqrt(float x) {
+MEGATRON_EOPT_HD float reciprocal_sqrt(float x) {
 #if defined(__CUDA_ARCH__)
   return rsqrtf(x);
 #else
@@ -36,34 +30,34 @@ MEGATRON_EOPT_HOST_DEVICE float reciprocal_sqrt(float x) {
 
 // AdaMuon, one element: v <- lerp(v, o^2, 1 - beta2); returns o / (sqrt(v) + eps).
 // No bias correction. o = 0 with v = 0 gives 0 (eps > 0).
-MEGATRON_EOPT_HOST_DEVICE float adamuon_normalize(float o, float& v, float weight, float eps) {
-  v = ema_lerp(v, o * o, weight);
+MEGATRON_EOPT_HD float adamuon_normalize(float o, float& v, float weight, float eps) {
+  v = torch_lerp(v, o * o, weight);
   return o / (sqrtf(v) + eps);
 }
 
 // rsqrt(max(v, eps)) of an already updated v (the apply pass recomputes it from the state).
-MEGATRON_EOPT_HOST_DEVICE float normuon_step_size(float v, float eps) { return reciprocal_sqrt(fmaxf(v, eps)); }
+MEGATRON_EOPT_HD float normuon_step_size(float v, float eps) { return reciprocal_sqrt(fmaxf(v, eps)); }
 
 // NorMuon, one slice (a row when rows >= cols, else a column) of `slice_len` elements whose
 // squares sum to `slice_sum_sq`: v <- lerp(v, mean(o^2), 1 - beta2); returns the slice's step size
 // rsqrt(max(v, eps)). The update is then o * step * normuon_norm_ratio(...).
-MEGATRON_EOPT_HOST_DEVICE float normuon_slice_step(float& v, float slice_sum_sq, int64_t slice_len,
-                                                   float weight, float eps) {
-  v = ema_lerp(v, slice_sum_sq / static_cast<float>(slice_len), weight);
+MEGATRON_EOPT_HD float normuon_slice_step(float& v, float slice_sum_sq, int64_t slice_len, float weight,
+                                          float eps) {
+  v = torch_lerp(v, slice_sum_sq / static_cast<float>(slice_len), weight);
   return normuon_step_size(v, eps);
 }
 
 // NorMuon's Frobenius-norm match: ||O||_F / max(||U'||_F, eps) with U' = O * step, from
 // sum(O^2) and sum(U'^2) = sum over slices of step^2 * slice_sum_sq. Zero O gives 0.
-MEGATRON_EOPT_HOST_DEVICE float normuon_norm_ratio(float sum_sq_o, float sum_sq_scaled, float eps) {
+MEGATRON_EOPT_HD float normuon_norm_ratio(float sum_sq_o, float sum_sq_scaled, float eps) {
   return sqrtf(sum_sq_o) / fmaxf(sqrtf(sum_sq_scaled), eps);
 }
 
 // NAMO, one matrix: v <- lerp(v, ||g||_F^2, 1 - beta2) (scalar state); returns the factor
 // ||G~||_F / (sqrt(v) + eps) that multiplies O, where G~ is the Newton–Schulz input.
-MEGATRON_EOPT_HOST_DEVICE float namo_scale(float& v, float grad_sum_sq, float ns_input_sum_sq, float weight,
-                                           float eps) {
-  v = ema_lerp(v, grad_sum_sq, weight);
+MEGATRON_EOPT_HD float namo_scale(float& v, float grad_sum_sq, float ns_input_sum_sq, float weight,
+                                  float eps) {
+  v = torch_lerp(v, grad_sum_sq, weight);
   return sqrtf(ns_input_sum_sq) / (sqrtf(v) + eps);
 }
 

@@ -1,16 +1,17 @@
-// Element storage types of the foreach ops and their fp32 conversions, usable on the host and
-// on the device alike, so the CPU and CUDA kernels round identically. bf16 is handled as raw bits
-// (round to nearest even, NaN kept quiet), the same rule as c10::BFloat16 and __float2bfloat16_rn.
+// Element storage types of the kernels (foreach, second-moment, Newton–Schulz) and their fp32
+// conversions, usable on the host and on the device alike, so the CPU and CUDA kernels round
+// identically. bf16 is handled as raw bits (round to nearest even, NaN kept quiet), the same rule
+// as c10::BFloat16 and __float2bfloat16_rn.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
 #ifdef __CUDACC__
-#define MEGATRON_EOPT_HD __host__ __device__ __forceinline__
-#else
-#define MEGATRON_EOPT_HD inline
+#include <cuda_fp16.h>
 #endif
+
+#include "megatron_eopt/host_device.h"
 
 namespace megatron_eopt {
 
@@ -20,7 +21,9 @@ struct Bf16 {
 };
 static_assert(sizeof(Bf16) == 2, "Bf16 must be layout-compatible with a 16-bit bf16");
 
-enum class StorageType : uint8_t { kFloat32, kBFloat16 };
+// Element type of a tensor a kernel reads. The foreach ops store fp32 and bf16 only; the
+// second-moment ops also read fp16 inputs (NAMO's gradient and Newton–Schulz input).
+enum class StorageType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
 MEGATRON_EOPT_HD uint32_t float_bits(float v) {
 #ifdef __CUDA_ARCH__
@@ -44,6 +47,10 @@ MEGATRON_EOPT_HD float bits_float(uint32_t u) {
 
 MEGATRON_EOPT_HD float to_float(float v) { return v; }
 MEGATRON_EOPT_HD float to_float(Bf16 v) { return bits_float(static_cast<uint32_t>(v.bits) << 16); }
+#ifdef __CUDACC__
+// fp16 through CUDA's own conversion: only CUDA kernels read it here (the CPU ones use c10::Half).
+MEGATRON_EOPT_HD float to_float(__half v) { return __half2float(v); }
+#endif
 
 template <typename T>
 MEGATRON_EOPT_HD T from_float(float v);

@@ -39,11 +39,12 @@ at::Tensor newton_schulz_cuda_op(const at::Tensor& x, c10::ArrayRef<double> coef
   scratch.gram = base + layout.gram;
   scratch.poly = base + layout.poly;
   scratch.sum_squares = reinterpret_cast<float*>(base + layout.sum_squares);
+  scratch.norm_partials = reinterpret_cast<float*>(base + layout.norm_partials);
   scratch.blas_workspace = base + layout.blas_workspace;
   scratch.blas_workspace_bytes = kBlasWorkspaceBytes;
 
   newton_schulz_cuda(input.data_ptr<float>(), out.data_ptr<float>(), opts.batch, opts.rows, opts.cols,
-                     opts.transpose, opts.schedule, opts.eps, opts.precision, scratch,
+                     opts.transpose, opts.schedule, opts.eps, opts.precision, scratch, input.device().index(),
                      at::cuda::getCurrentCUDABlasLtHandle(), c10::cuda::getCurrentCUDAStream());
   return out;
 }

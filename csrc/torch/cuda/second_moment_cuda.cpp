@@ -16,11 +16,11 @@
 namespace megatron_eopt {
 namespace {
 
-ElementType element_type(at::ScalarType t) {
+StorageType element_type(at::ScalarType t) {
   switch (t) {
-    case at::kBFloat16: return ElementType::kBFloat16;
-    case at::kHalf: return ElementType::kFloat16;
-    default: return ElementType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
+    case at::kBFloat16: return StorageType::kBFloat16;
+    case at::kHalf: return StorageType::kFloat16;
+    default: return StorageType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
   }
 }
 
