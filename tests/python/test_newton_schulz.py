@@ -18,10 +18,23 @@ def _input(shape, gen, device):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_parity_fp32_every_coefficient_set(device, coefficient_type, shape, gen):
     x = _input(shape, gen, device)
-    out = me.newton_schulz(x, steps=6, coefficient_type=coefficient_type, precision="highest")
+    out = me.newton_schulz(x, steps=5, coefficient_type=coefficient_type, precision="highest")
     assert out.dtype == torch.float32 and out.shape == x.shape and out.device == x.device
-    ref = newton_schulz_ref(x.cpu(), steps=6, coefficient_type=coefficient_type,
+    ref = newton_schulz_ref(x.cpu(), steps=5, coefficient_type=coefficient_type,
                             dtype=reference_dtype(shape, coefficient_type, "highest"))
+    assert rel_err(out.cpu(), ref) <= TOLERANCE["highest"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("coefficient_type", list(COEFFICIENT_SETS))
+def test_schedules_run_past_their_table(device, coefficient_type, gen):
+    # Past its table a schedule re-applies rows tuned for small singular values (cycle) to a
+    # spectrum already near 1, which amplifies the rounding of fp32 itself (quintic's first row
+    # reaches 1.3e-5 from float64 at 6 steps): compare with the reference recipe in fp32.
+    steps = len(COEFFICIENT_SETS[coefficient_type]) + 2
+    x = _input((3, 40, 24), gen, device)
+    out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision="highest")
+    ref = newton_schulz_ref(x.cpu(), steps=steps, coefficient_type=coefficient_type, dtype=torch.float32)
     assert rel_err(out.cpu(), ref) <= TOLERANCE["highest"]
 
 
