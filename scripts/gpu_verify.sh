@@ -81,6 +81,13 @@ export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # ------------------------------------------------------------------ build
 build() {
   export CUDACXX=${CUDACXX:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+  # The machine's default compiler (CXX, else g++) may lack a shared libstdc++, which
+  # CMakeLists.txt refuses: take the system's compiler then.
+  local cxx=${CXX:-g++}
+  if [[ "$("$cxx" -print-file-name=libstdc++.so 2>/dev/null)" != /* ]] && [ -x /usr/bin/g++ ]; then
+    say "compiler: $cxx has no shared libstdc++; building with /usr/bin/g++"
+    export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++
+  fi
   local log=$OUT/build.log tests=ON
   local common=(-S . -B "$BUILD_DIR" -G Ninja -DMEGATRON_EOPT_BUILD_EXTENSION=ON -DMEGATRON_EOPT_CUDA=ON
                 "-DMEGATRON_EOPT_CUDA_ARCHS=$ARCHS" "-DPython_EXECUTABLE=$PY")
