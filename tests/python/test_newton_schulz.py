@@ -3,7 +3,7 @@ import torch
 
 import megatron_eopt as me
 from megatron_eopt.newton_schulz import COEFFICIENT_SETS, get_coefficients
-from reference import TOLERANCE, newton_schulz_ref, reference_dtype, rel_err
+from reference import TOLERANCE, newton_schulz_ref, ns_tolerance, rel_err
 
 SHAPES = [(1, 64), (64, 1), (97, 37), (37, 97), (48, 48), (3, 97, 37), (1, 20, 50), (4, 33, 33)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -20,9 +20,8 @@ def test_parity_fp32_every_coefficient_set(device, coefficient_type, shape, gen)
     x = _input(shape, gen, device)
     out = me.newton_schulz(x, steps=5, coefficient_type=coefficient_type, precision="highest")
     assert out.dtype == torch.float32 and out.shape == x.shape and out.device == x.device
-    ref = newton_schulz_ref(x.cpu(), steps=5, coefficient_type=coefficient_type,
-                            dtype=reference_dtype(shape, coefficient_type, "highest"))
-    assert rel_err(out.cpu(), ref) <= TOLERANCE["highest"]
+    ref = newton_schulz_ref(x.cpu(), steps=5, coefficient_type=coefficient_type)
+    assert rel_err(out.cpu(), ref) <= ns_tolerance(x, "highest", device, coefficient_type)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -44,12 +43,18 @@ def test_schedules_run_past_their_table(device, coefficient_type, gen):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_parity_reduced_precision(device, precision, coefficient_type, shape, gen):
     # cans diverges in bf16 on rank-1 inputs by construction (first row 8.47, -25.1, 18.6):
-    # tested in fp32 above.
+    # tested in fp32 above. bf16 ("medium") is compared with the reference recipe in bf16: bf16
+    # storage alone moves a 5-step result 1-6% from the exact one, the reference packages' too.
+    # TF32 ("high") is compared with float64 at the tolerance its rounding allows (ns_tolerance).
     x = _input(shape, gen, device)
     out = me.newton_schulz(x, coefficient_type=coefficient_type, precision=precision)
-    ref = newton_schulz_ref(x.cpu(), coefficient_type=coefficient_type,
-                            dtype=reference_dtype(shape, coefficient_type, precision))
-    assert rel_err(out.cpu(), ref) <= TOLERANCE[precision]
+    if precision == "medium":
+        ref = newton_schulz_ref(x.cpu(), coefficient_type=coefficient_type, dtype=torch.bfloat16)
+        tol = TOLERANCE["medium"]
+    else:
+        ref = newton_schulz_ref(x.cpu(), coefficient_type=coefficient_type)
+        tol = ns_tolerance(x, precision, device, coefficient_type)
+    assert rel_err(out.cpu(), ref) <= tol
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -190,7 +195,8 @@ def test_cuda_matches_cpu_highest(precision, gen):
     x = torch.randn(5, 128, 320, generator=gen)
     out = me.newton_schulz(x.cuda(), precision=precision).cpu()
     ref = me.newton_schulz(x, precision="highest")
-    assert rel_err(out, ref) <= TOLERANCE[precision]
+    tol = TOLERANCE["medium"] if precision == "medium" else ns_tolerance(x, precision, "cuda")
+    assert rel_err(out, ref) <= tol
 
 
 @pytest.mark.gpu
