@@ -7,13 +7,15 @@ TORCH_LIBRARY(megatron_eopt, m) {
   // x: fp32 (m, n) or (batch, m, n). coefficients: the (a, b, c) table flattened row by row;
   // `steps` rows are consumed, cycling through the table or, with repeat_last, repeating its last
   // row. transpose: iterate on x^T (default: when m > n). precision: medium | high | highest.
+  // algorithm: standard (§4.1) | gram (the same iteration on the Gram matrix, §11) | auto (gram
+  // where it does less work on this device, see ns_algorithm.h).
   m.def(
       "newton_schulz(Tensor x, float[] coefficients, int steps, bool repeat_last, float eps, "
-      "bool? transpose, str precision) -> Tensor");
+      "bool? transpose, str precision, str algorithm) -> Tensor");
   // Same for a list of 2-D matrices of any shapes: equal shapes run as one batch.
   m.def(
       "newton_schulz_list(Tensor[] xs, float[] coefficients, int steps, bool repeat_last, float eps, "
-      "bool? transpose, str precision) -> Tensor[]");
+      "bool? transpose, str precision, str algorithm) -> Tensor[]");
 
   // ---- Foreach momentum + weight decay and update (DESIGN §4.3), multi-tensor style ----
   // Per index i: l2 decay of the gradient (params read only then), the EMA of the momentum buffer
@@ -45,8 +47,8 @@ TORCH_LIBRARY(megatron_eopt, m) {
   // extra_scale_factor when scale_mode is given (spectral | shape_scaling | unit_rms_norm).
   m.def(
       "newton_schulz_split(Tensor x, int[] split_sizes, int num_groups, float[] coefficients, int steps, "
-      "bool repeat_last, float eps, bool? transpose, str precision, str? scale_mode, float extra_scale_factor) "
-      "-> Tensor");
+      "bool repeat_last, float eps, bool? transpose, str precision, str? scale_mode, float extra_scale_factor, "
+      "str algorithm) -> Tensor");
 }
 
 // Build facts for the Python front (read with ctypes, no op needed).

@@ -12,6 +12,12 @@ CoefficientRow = tuple[float, float, float]
 NSCoeffT = Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "custom"]
 MuonScaleT = Literal["spectral", "shape_scaling", "unit_rms_norm"]
 PrecisionT = Literal["medium", "high", "highest"]
+NSAlgorithmT = Literal["auto", "standard", "gram"]
+
+# "standard": the iteration on X (DESIGN §4.1). "gram": the same iteration run on the Gram matrix
+# X·Xᵀ of the short side (§11), fewer FLOPs for rectangular matrices. "auto": gram where it does
+# less work on the device (and its precision keeps it within the standard tolerances), else standard.
+NS_ALGORITHMS = ("auto", "standard", "gram")
 
 # Each row (a, b, c) maps a singular value s to a*s + b*s^3 + c*s^5.
 COEFFICIENT_SETS: dict[str, tuple[CoefficientRow, ...]] = {
@@ -120,3 +126,9 @@ def get_muon_scale_factor(size_out: int, size_in: int, mode: MuonScaleT = "spect
 def validate_precision(precision: str) -> None:
     if precision not in ("medium", "high", "highest"):
         raise ValueError(f"precision must be one of 'medium', 'high', 'highest', got {precision!r}")
+
+
+def validate_algorithm(algorithm: str) -> None:
+    """Raises ValueError naming the choices when ``algorithm`` is not a Newton–Schulz algorithm."""
+    if algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"algorithm must be one of 'auto', 'standard', 'gram', got {algorithm!r}")

@@ -12,7 +12,16 @@ from typing import Sequence, Union
 import torch
 
 from . import _library  # noqa: F401  (loads the op library)
-from .newton_schulz import MuonScaleT, NSCoeffT, PrecisionT, coefficient_table, validate_precision
+from .newton_schulz import (
+    MuonScaleT,
+    NSAlgorithmT,
+    NSCoeffT,
+    PrecisionT,
+    NS_ALGORITHMS,
+    coefficient_table,
+    validate_algorithm,
+    validate_precision,
+)
 from .second_moment import Moment2MethodT, moment2_shape, validate_moment2_method
 
 _ops = torch.ops.megatron_eopt
@@ -28,12 +37,14 @@ def _ns_arguments(
     custom_coefficient_sets: Sequence[Sequence[float]] | None,
     eps: float,
     precision: str,
+    algorithm: str,
 ) -> tuple[list[float], bool]:
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     validate_precision(precision)
+    validate_algorithm(algorithm)
     table, repeat_last = coefficient_table(coefficient_type, custom_coefficient_sets)
     return _flatten(table), repeat_last
 
@@ -55,17 +66,23 @@ def newton_schulz(
     eps: float = 1e-7,
     transpose: bool | None = None,
     precision: PrecisionT = "medium",
+    algorithm: NSAlgorithmT = "auto",
 ) -> torch.Tensor:
     """Orthogonalizes ``x`` (fp32, ``(m, n)`` or ``(batch, m, n)``) by Newton–Schulz iteration.
 
     Each matrix is normalized by its Frobenius norm (clamped to ``eps``), then ``steps`` rows of
     the coefficient schedule are applied in the compute ``precision`` ("medium": bf16 storage with
     fp32 accumulation, "high": TF32, "highest": fp32). Tall matrices are iterated transposed unless
-    ``transpose`` says otherwise. Returns an fp32 tensor shaped like ``x``.
+    ``transpose`` says otherwise. ``algorithm``: "standard" iterates on X; "gram" runs the same
+    iteration on the Gram matrix of the short side, with restarts chosen for the schedule and
+    precision (fewer FLOPs for rectangular matrices); "auto" (default) takes gram where it does less
+    work on this device, else standard. Returns an fp32 tensor shaped like ``x``.
     """
     _check_matrix("x", x, (2, 3))
-    coefficients, repeat_last = _ns_arguments(steps, coefficient_type, custom_coefficient_sets, eps, precision)
-    return _ops.newton_schulz(x, coefficients, steps, repeat_last, eps, transpose, precision)
+    coefficients, repeat_last = _ns_arguments(
+        steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
+    )
+    return _ops.newton_schulz(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
 
 
 def newton_schulz_list(
@@ -76,14 +93,19 @@ def newton_schulz_list(
     eps: float = 1e-7,
     transpose: bool | None = None,
     precision: PrecisionT = "medium",
+    algorithm: NSAlgorithmT = "auto",
 ) -> list[torch.Tensor]:
     """:func:`newton_schulz` of each 2-D matrix of ``xs``; equal shapes run as one batch."""
     for i, x in enumerate(xs):
         _check_matrix(f"xs[{i}]", x, (2,))
+    coefficients, repeat_last = _ns_arguments(
+        steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
+    )
     if len(xs) == 0:
         return []
-    coefficients, repeat_last = _ns_arguments(steps, coefficient_type, custom_coefficient_sets, eps, precision)
-    return list(_ops.newton_schulz_list(list(xs), coefficients, steps, repeat_last, eps, transpose, precision))
+    return list(
+        _ops.newton_schulz_list(list(xs), coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
+    )
 
 
 WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
@@ -224,6 +246,7 @@ def newton_schulz_split(
     precision: PrecisionT = "medium",
     scale_mode: MuonScaleT | None = "spectral",
     extra_scale_factor: float = 1.0,
+    algorithm: NSAlgorithmT = "auto",
 ) -> torch.Tensor:
     """Orthogonalizes the parts of a fused projection ``x`` (fp32, ``(rows, n)``) separately.
 
@@ -235,7 +258,8 @@ def newton_schulz_split(
     ``rows`` as Megatron does. Each part goes through :func:`newton_schulz` (equal sizes as one
     batch) and, when ``scale_mode`` is given, is multiplied by
     ``get_muon_scale_factor(part_rows, n, scale_mode) * extra_scale_factor``; ``scale_mode=None``
-    returns the raw parts (AdaptiveMuon normalizes those first). Returns a new fp32 tensor like ``x``.
+    returns the raw parts (AdaptiveMuon normalizes those first). ``algorithm`` as in
+    :func:`newton_schulz`, chosen per part shape. Returns a new fp32 tensor like ``x``.
     """
     _check_matrix("x", x, (2,))
     if isinstance(split_sizes, (int, torch.Tensor)) or not isinstance(split_sizes, Sequence):
@@ -270,10 +294,12 @@ def newton_schulz_split(
         raise ValueError(
             "extra_scale_factor applies only with a scale_mode; without one the parts are returned unscaled"
         )
-    coefficients, repeat_last = _ns_arguments(steps, coefficient_type, custom_coefficient_sets, eps, precision)
+    coefficients, repeat_last = _ns_arguments(
+        steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
+    )
     return _ops.newton_schulz_split(
         x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision, scale_mode,
-        extra_scale_factor,
+        extra_scale_factor, algorithm,
     )
 
 # ------------------------------------------------------------------ foreach momentum and update
@@ -385,15 +411,22 @@ def foreach_update_(
 
 
 # ------------------------------------------------------------------ fake kernels
+def _fake_check_algorithm(algorithm) -> None:
+    torch._check_value(algorithm in NS_ALGORITHMS,
+                       lambda: f"algorithm must be one of 'auto', 'standard', 'gram', got {algorithm!r}")
+
+
 @torch.library.register_fake("megatron_eopt::newton_schulz")
-def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, precision):
+def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm):
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
     torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
+    _fake_check_algorithm(algorithm)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_list")
-def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision):
+def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision, algorithm):
+    _fake_check_algorithm(algorithm)
     return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
 
 
@@ -423,7 +456,8 @@ def _namo_normalize_fake(updates, moment2, grads, ns_inputs, beta2, eps):
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_split")
 def _newton_schulz_split_fake(x, split_sizes, num_groups, coefficients, steps, repeat_last, eps, transpose,
-                              precision, scale_mode, extra_scale_factor):
+                              precision, scale_mode, extra_scale_factor, algorithm):
+    _fake_check_algorithm(algorithm)
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
     torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {x.dim()}-D")
     torch._check(x.shape[0] == num_groups * sum(split_sizes),

@@ -11,7 +11,7 @@ namespace megatron_eopt {
 
 NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
                            bool repeat_last, double eps, std::optional<bool> transpose,
-                           c10::string_view precision) {
+                           c10::string_view precision, c10::string_view algorithm) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat,
                    "newton_schulz: x must be float32, got ", x.scalar_type());
   TORCH_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
@@ -23,6 +23,7 @@ NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficien
     opts.schedule = expand_schedule(std::vector<double>(coefficients.begin(), coefficients.end()), steps,
                                     repeat_last ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
     opts.precision = parse_ns_precision(std::string(precision.data(), precision.size()));
+    opts.algorithm = parse_ns_algorithm(std::string(algorithm.data(), algorithm.size()));
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, "newton_schulz: ", e.what());
   }
@@ -32,6 +33,11 @@ NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficien
   opts.cols = x.size(-1);
   opts.transpose = transpose.value_or(opts.rows > opts.cols);
   return opts;
+}
+
+NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device) {
+  return choose_ns_algorithm(opts.algorithm, opts.rows, opts.cols, opts.transpose, opts.schedule, opts.precision,
+                             device);
 }
 
 }  // namespace megatron_eopt

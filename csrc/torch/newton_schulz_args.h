@@ -8,6 +8,7 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/string_view.h>
 
+#include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/ns_precision.h"
 #include "megatron_eopt/ns_schedule.h"
 
@@ -18,12 +19,16 @@ struct NsOptions {
   float eps;
   bool transpose;  // iterate on X^T
   NsPrecision precision;
+  NsAlgorithm algorithm;  // as requested: auto, standard or gram
   int64_t batch, rows, cols;  // of the input, 2-D inputs having batch 1
 };
 
 // Validates x (fp32, 2-D or 3-D) and the hyper-parameters; every failure names its argument.
 NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
                            bool repeat_last, double eps, std::optional<bool> transpose,
-                           c10::string_view precision);
+                           c10::string_view precision, c10::string_view algorithm);
+
+// The algorithm that runs on `device` (auto resolved) and, for Gram, its program.
+NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device);
 
 }  // namespace megatron_eopt

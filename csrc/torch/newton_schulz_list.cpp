@@ -8,19 +8,28 @@
 #include <ATen/ops/stack.h>
 #include <torch/library.h>
 
+#include <stdexcept>
+#include <string>
+
+#include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/shape_groups.h"
 
 namespace megatron_eopt {
 namespace {
 
 using NsFn = at::Tensor(const at::Tensor&, c10::ArrayRef<double>, int64_t, bool, double, std::optional<bool>,
-                        c10::string_view);
+                        c10::string_view, c10::string_view);
 
 std::vector<at::Tensor> newton_schulz_list(at::TensorList xs, c10::ArrayRef<double> coefficients, int64_t steps,
                                            bool repeat_last, double eps, std::optional<bool> transpose,
-                                           c10::string_view precision) {
+                                           c10::string_view precision, c10::string_view algorithm) {
   static const auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow("megatron_eopt::newton_schulz", "").typed<NsFn>();
+  try {
+    parse_ns_algorithm(std::string(algorithm.data(), algorithm.size()));
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, "newton_schulz_list: ", e.what());
+  }
   std::vector<std::vector<int64_t>> shapes;
   shapes.reserve(xs.size());
   for (std::size_t i = 0; i < xs.size(); ++i) {
@@ -35,7 +44,7 @@ std::vector<at::Tensor> newton_schulz_list(at::TensorList xs, c10::ArrayRef<doub
     members.reserve(group.size());
     for (std::size_t i : group) members.push_back(xs[i]);
     const at::Tensor result =
-        op.call(at::stack(members), coefficients, steps, repeat_last, eps, transpose, precision);
+        op.call(at::stack(members), coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
     // Outputs of a custom op may not alias each other, so a batch is split into copies; the
     // optimizers avoid this pass by keeping their inputs stacked and calling newton_schulz directly.
     if (group.size() == 1) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/scale.h"
 #include "megatron_eopt/split_layout.h"
 
@@ -23,12 +24,13 @@ namespace megatron_eopt {
 namespace {
 
 using NsFn = at::Tensor(const at::Tensor&, c10::ArrayRef<double>, int64_t, bool, double, std::optional<bool>,
-                        c10::string_view);
+                        c10::string_view, c10::string_view);
 
 at::Tensor newton_schulz_split(const at::Tensor& x, at::IntArrayRef split_sizes, int64_t num_groups,
                                c10::ArrayRef<double> coefficients, int64_t steps, bool repeat_last, double eps,
                                std::optional<bool> transpose, c10::string_view precision,
-                               std::optional<c10::string_view> scale_mode, double extra_scale_factor) {
+                               std::optional<c10::string_view> scale_mode, double extra_scale_factor,
+                               c10::string_view algorithm) {
   static const auto ns =
       c10::Dispatcher::singleton().findSchemaOrThrow("megatron_eopt::newton_schulz", "").typed<NsFn>();
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat, "newton_schulz_split: x must be float32, got ", x.scalar_type());
@@ -43,6 +45,7 @@ at::Tensor newton_schulz_split(const at::Tensor& x, at::IntArrayRef split_sizes,
   try {
     layout = plan_split(x.size(0), std::vector<int64_t>(split_sizes.begin(), split_sizes.end()), num_groups);
     if (scale_mode.has_value()) mode = parse_scale_mode(std::string(scale_mode->data(), scale_mode->size()));
+    parse_ns_algorithm(std::string(algorithm.data(), algorithm.size()));
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, "newton_schulz_split: ", e.what());
   }
@@ -59,7 +62,8 @@ at::Tensor newton_schulz_split(const at::Tensor& x, at::IntArrayRef split_sizes,
   if (layout.same_size.size() == 1 && groups == 1) {
     const int64_t size = layout.same_size[0].size;
     const int64_t parts = static_cast<int64_t>(layout.same_size[0].parts.size());
-    at::Tensor out = ns.call(x.reshape({parts, size, n}), coefficients, steps, repeat_last, eps, transpose, precision)
+    at::Tensor out = ns.call(x.reshape({parts, size, n}), coefficients, steps, repeat_last, eps, transpose, precision,
+                             algorithm)
                          .view({x.size(0), n});
     if (mode) out.mul_(factor(size));
     return out;
@@ -75,7 +79,7 @@ at::Tensor newton_schulz_split(const at::Tensor& x, at::IntArrayRef split_sizes,
     const int64_t count = static_cast<int64_t>(members.size());
     // (count, groups, size, n) stacked contiguous, so each part is one (groups * size, n) matrix.
     const at::Tensor result = ns.call(at::stack(members).view({count, groups * same.size, n}), coefficients, steps,
-                                      repeat_last, eps, transpose, precision);
+                                      repeat_last, eps, transpose, precision, algorithm);
     for (int64_t j = 0; j < count; ++j) {
       at::Tensor dest = out_grouped.narrow(1, layout.offsets[same.parts[j]], same.size);
       const at::Tensor src = result.select(0, j).view({groups, same.size, n});

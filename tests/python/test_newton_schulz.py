@@ -176,13 +176,13 @@ def test_bad_tensors():
 def test_op_checks_arguments_in_cpp():
     op = torch.ops.megatron_eopt.newton_schulz
     with pytest.raises(ValueError, match="steps must be at least 1"):
-        op(torch.randn(3, 4), [1.0, 2.0, 3.0], 0, False, 1e-7, None, "medium")
+        op(torch.randn(3, 4), [1.0, 2.0, 3.0], 0, False, 1e-7, None, "medium", "auto")
     with pytest.raises(ValueError, match="coefficients"):
-        op(torch.randn(3, 4), [1.0, 2.0], 1, False, 1e-7, None, "medium")
+        op(torch.randn(3, 4), [1.0, 2.0], 1, False, 1e-7, None, "medium", "auto")
     with pytest.raises(ValueError, match="precision"):
-        op(torch.randn(3, 4), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "bf16")
+        op(torch.randn(3, 4), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "bf16", "auto")
     with pytest.raises(TypeError, match="float32"):
-        op(torch.randn(3, 4).half(), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "medium")
+        op(torch.randn(3, 4).half(), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "medium", "auto")
 
 
 def test_cuda_kernels_reported():

@@ -15,7 +15,7 @@ def test_opcheck_newton_schulz(device, shape, precision, gen):
     x = torch.randn(shape, generator=gen).to(device)
     coeffs = [v for row in COEFFICIENT_SETS["quintic"] for v in row]
     torch.library.opcheck(torch.ops.megatron_eopt.newton_schulz.default,
-                          (x, coeffs, 5, False, 1e-7, None, precision))
+                          (x, coeffs, 5, False, 1e-7, None, precision, "auto"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -23,7 +23,7 @@ def test_opcheck_newton_schulz_list(device, gen):
     xs = [torch.randn(s, generator=gen).to(device) for s in [(4, 6), (6, 4), (4, 6)]]
     coeffs = [v for row in COEFFICIENT_SETS["polar_express"] for v in row]
     torch.library.opcheck(torch.ops.megatron_eopt.newton_schulz_list.default,
-                          (xs, coeffs, 9, True, 1e-7, True, "highest"))
+                          (xs, coeffs, 9, True, 1e-7, True, "highest", "auto"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

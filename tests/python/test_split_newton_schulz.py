@@ -129,13 +129,15 @@ BAD = [
      "extra_scale_factor"),
     (dict(split_sizes=[4, 4], num_groups=2, precision="low"), ValueError, "precision"),
     (dict(split_sizes=[4, 4], num_groups=2, steps=0), ValueError, "steps"),
+    (dict(split_sizes=[4, 4], num_groups=2, algorithm="fast"), ValueError, "algorithm must be one of"),
 ]
 
 
-def _direct(x, split_sizes, num_groups, scale_mode="spectral", extra_scale_factor=1.0, precision="medium", steps=5):
+def _direct(x, split_sizes, num_groups, scale_mode="spectral", extra_scale_factor=1.0, precision="medium", steps=5,
+            algorithm="auto"):
     coeffs = [v for row in COEFFICIENT_SETS["quintic"] for v in row]
     return torch.ops.megatron_eopt.newton_schulz_split(x, split_sizes, num_groups, coeffs, steps, False, 1e-7, None,
-                                                       precision, scale_mode, extra_scale_factor)
+                                                       precision, scale_mode, extra_scale_factor, algorithm)
 
 
 @pytest.mark.parametrize("direct_op", [False, True], ids=["wrapper", "op"])
@@ -178,7 +180,7 @@ def test_opcheck(device, layout, scale_mode, gen):
     x = _x(sizes, groups, n, gen, device)
     coeffs = [v for row in COEFFICIENT_SETS["quintic"] for v in row]
     torch.library.opcheck(torch.ops.megatron_eopt.newton_schulz_split.default,
-                          (x, sizes, groups, coeffs, 5, False, 1e-7, None, "highest", scale_mode, 1.0))
+                          (x, sizes, groups, coeffs, 5, False, 1e-7, None, "highest", scale_mode, 1.0, "auto"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,0 +1,88 @@
+// Gram Newton–Schulz on the CPU: runs a GramProgram (megatron_eopt/ns_gram_plan.h) with ATen's
+// BLAS-backed batched products, op by op as the CUDA executor does.
+//
+// "medium" keeps W in bf16 values, as the CUDA path stores it, but holds them in fp32 tensors:
+// a bf16 value is exact in fp32, so an fp32 GEMM of them is the bf16 product with fp32
+// accumulation, and CPUs without native bf16 GEMMs run it several times faster than ATen's bf16
+// kernels. Results are rounded to bf16 where the CUDA path stores bf16 (W after a restart, Q
+// before a product with W).
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include "cpu/newton_schulz_gram_cpu.h"
+
+#include "cpu/symmetric_bmm.h"
+#include "megatron_eopt/ns_algorithm.h"
+
+#include <ATen/ops/bmm.h>
+#include <ATen/ops/div.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linalg_vector_norm.h>
+
+#include <array>
+
+namespace megatron_eopt {
+namespace {
+
+bool is_x_buffer(GramBuf b) { return b == GramBuf::kX0 || b == GramBuf::kX1; }
+
+void round_bf16_(at::Tensor& t) { t.copy_(t.to(at::kBFloat16)); }
+
+}  // namespace
+
+at::Tensor gram_newton_schulz_cpu(const at::Tensor& w, const NsOptions& opts, const GramProgram& program) {
+  const bool bf16 = opts.precision == NsPrecision::kMedium;
+  const int64_t batch = w.size(0), m = w.size(1), n = w.size(2), s = program.gram_side;
+  const bool transpose = opts.transpose;
+
+  std::array<at::Tensor, kGramBufCount> buf;
+  const auto matrices = w.options().dtype(at::kFloat);
+  buf[gram_buf_index(GramBuf::kOut)] = at::empty({batch, m, n}, matrices);
+  for (GramBuf b : {GramBuf::kX0, GramBuf::kX1}) {
+    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = at::empty({batch, m, n}, matrices);
+  }
+  for (GramBuf b : {GramBuf::kS0, GramBuf::kS1, GramBuf::kS2, GramBuf::kS3, GramBuf::kQx}) {
+    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = at::empty({batch, s, s}, matrices);
+  }
+  const auto at_ = [&buf](GramBuf b) -> at::Tensor& { return buf[gram_buf_index(b)]; };
+  const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
+  const at::Tensor none;
+
+  // W0 = x / max(||x||_F, eps) per matrix, in x's own layout (the Gram side is a choice of
+  // product, not of storage).
+  at::Tensor& x0 = at_(program.x_first);
+  const at::Tensor norm = at::linalg_vector_norm(w, 2, at::IntArrayRef{-2, -1}, /*keepdim=*/true).clamp_min(opts.eps);
+  at::div_out(x0, w, norm);
+  if (bf16) round_bf16_(x0);
+
+  for (const GramOp& op : program.ops) {
+    switch (op.kind) {
+      case GramOpKind::kAddDiag:
+        at_(op.d).diagonal(0, -2, -1).add_(op.alpha);
+        break;
+      case GramOpKind::kRound:
+        at_(op.d).copy_(at_(op.a).to(at::kBFloat16));
+        break;
+      case GramOpKind::kGemm: {
+        at::Tensor& d = at_(op.d);
+        if (op.gemm == GramGemm::kGram) {
+          const at::Tensor& x = at_(op.a);
+          if (transpose) symmetric_bmm_out(d, x.mT(), x, 1.0, none, 0.0, blocks);  // X^T X
+          else symmetric_bmm_out(d, x, x.mT(), 1.0, none, 0.0, blocks);            // X X^T
+        } else if (op.gemm == GramGemm::kApply) {
+          // Operands as the column-major plan orders them: (X, Q) wide, (Q, X) tall.
+          const at::Tensor& x = transpose ? at_(op.b) : at_(op.a);
+          const at::Tensor& q = transpose ? at_(op.a) : at_(op.b);
+          if (transpose) at::bmm_out(d, x, q);  // X Q = (Q X^T)^T
+          else at::bmm_out(d, q, x);            // Q X
+          if (bf16 && is_x_buffer(op.d)) round_bf16_(d);
+        } else {
+          // s x s: every such product of the program is a polynomial in one R, so symmetric.
+          symmetric_bmm_out(d, at_(op.a), at_(op.b), op.alpha, op.beta == 0.f ? none : at_(op.c), op.beta, blocks);
+        }
+        break;
+      }
+    }
+  }
+  return at_(GramBuf::kOut);
+}
+
+}  // namespace megatron_eopt

@@ -1,0 +1,114 @@
+// Which Newton–Schulz algorithm runs: the standard iteration (§4.1) or the Gram iteration
+// (ns_gram_plan.h), and how "auto" chooses between them. Torch-free (GoogleTest checks the rules).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "megatron_eopt/ns_gram_plan.h"
+#include "megatron_eopt/ns_precision.h"
+#include "megatron_eopt/ns_schedule.h"
+
+namespace megatron_eopt {
+
+enum class NsAlgorithm { kAuto, kStandard, kGram };
+
+inline NsAlgorithm parse_ns_algorithm(const std::string& name) {
+  if (name == "auto") return NsAlgorithm::kAuto;
+  if (name == "standard") return NsAlgorithm::kStandard;
+  if (name == "gram") return NsAlgorithm::kGram;
+  throw std::invalid_argument("algorithm must be one of auto, standard, gram; got '" + name + "'");
+}
+
+enum class NsDevice { kCpu, kCuda };
+
+// How the Gram products are rounded on a device (see GramArithmetic): only CUDA has TF32, so
+// "high" on a CPU runs in fp32.
+inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
+  if (precision == NsPrecision::kMedium) return GramArithmetic::kBf16W;
+  if (precision == NsPrecision::kHigh && device == NsDevice::kCuda) return GramArithmetic::kTf32;
+  return GramArithmetic::kFp32;
+}
+
+// Products with a symmetric result are computed as nb x nb blocks of which only the upper
+// nb (nb + 1) / 2 are multiplied (the rest mirrored): on the CPU, blocks of at least 256 rows,
+// at most 4 per side (measured on the development CPU: 1.2x at s = 512, 1.3x at 768, 1.4x at
+// 1024, 2x at 2048 for W W^T; smaller blocks lose more BLAS efficiency than they save). CUDA
+// runs full cuBLASLt GEMMs (cuBLASLt has no symmetric product; blocks would under-fill the GPU).
+inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device) {
+  if (device == NsDevice::kCuda) return 1;
+  const int64_t blocks = side / 256;
+  return blocks < 1 ? 1 : (blocks > 4 ? 4 : blocks);
+}
+
+// Fraction of a symmetric product's FLOPs that is computed with `blocks` blocks per side.
+inline double ns_symmetric_fraction(int64_t blocks) {
+  return static_cast<double>(blocks + 1) / (2.0 * static_cast<double>(blocks));
+}
+
+// Relative cost of one FLOP of the Gram iteration's s x s products against one of the products
+// with the long side. On CUDA with "medium", W is bf16 (tensor cores) but R and Q stay fp32 with
+// fp32 products (TF32 there lets the recursion diverge for some schedules, e.g. cans), which run
+// about 15x slower on Hopper (67 against 989 dense TFLOP/s); elsewhere all products share a type.
+inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
+  return precision == NsPrecision::kMedium && device == NsDevice::kCuda ? 15.0 : 1.0;
+}
+
+// When "auto" takes the Gram iteration: its modelled cost (FLOPs weighted as above, symmetric
+// products at the fraction the device computes) at most 1/min_speedup of the standard iteration's,
+// and a Gram side large enough for the products to be compute-bound.
+// CPU: from `python benchmarks/ns_algorithms.py` on the development machine (fp32, quintic x5,
+// both algorithms interleaved): for s >= 256 the measured speedup follows the model within 0.1
+// (256 x 1024: model 1.29, measured 1.38; 1024 x 2048: 1.17 / 1.10; 1024 x 4096: 1.35 / 1.37);
+// below a modelled 1.15 Gram was no faster (256 x 512: 1.09 / 0.96), and under s = 64 the extra
+// small products cost more than they save (32 x 128: 1.29 / 0.93; 64 x 256: 1.29 / 1.17).
+// CUDA: not measured yet; set from the FLOP model with a margin for the extra launches (up to four
+// s x s products per step instead of one) until a GPU run calibrates it.
+struct NsAutoRule {
+  double min_speedup;
+  int64_t min_gram_side;
+};
+
+inline NsAutoRule ns_auto_rule(NsDevice device) {
+  return device == NsDevice::kCpu ? NsAutoRule{1.15, 64} : NsAutoRule{1.25, 512};
+}
+
+// Modelled time ratio standard / Gram of one call; above 1 the Gram iteration does less work.
+inline double gram_speedup_model(const GramProgram& program, std::size_t steps, int64_t m, int64_t n, bool transpose,
+                                 NsPrecision precision, NsDevice device) {
+  const double sym = ns_symmetric_fraction(ns_symmetric_blocks(program.gram_side, device));
+  const NsFlops g = gram_program_flops(program);
+  const NsFlops st = standard_flops(m, n, transpose, steps);
+  const double standard_cost = sym * st.long_symmetric + st.long_general + sym * st.square;
+  const double gram_cost = sym * g.long_symmetric + g.long_general +
+                           gram_square_flop_weight(precision, device) * sym * g.square;
+  return gram_cost > 0 ? standard_cost / gram_cost : 0.0;
+}
+
+// Everything an executor needs: the algorithm that runs and, for Gram, its program.
+struct NsAlgorithmChoice {
+  NsAlgorithm algorithm;  // kStandard or kGram, never kAuto
+  GramProgram program;    // valid when algorithm == kGram
+};
+
+inline NsAlgorithmChoice choose_ns_algorithm(NsAlgorithm requested, int64_t m, int64_t n, bool transpose,
+                                             const std::vector<NsCoefficients>& schedule, NsPrecision precision,
+                                             NsDevice device) {
+  NsAlgorithmChoice choice{NsAlgorithm::kStandard, {}};
+  if (requested == NsAlgorithm::kStandard) return choice;
+  const std::vector<bool> restart = gram_restarts(schedule.size(), gram_arithmetic(precision, device));
+  GramProgram program = make_gram_program(m, n, transpose, schedule, restart, precision == NsPrecision::kMedium);
+  if (requested == NsAlgorithm::kAuto) {
+    const NsAutoRule rule = ns_auto_rule(device);
+    const int64_t side = transpose ? n : m;
+    const double speedup = gram_speedup_model(program, schedule.size(), m, n, transpose, precision, device);
+    if (side < rule.min_gram_side || speedup < rule.min_speedup) return choice;
+  }
+  choice.algorithm = NsAlgorithm::kGram;
+  choice.program = std::move(program);
+  return choice;
+}
+
+}  // namespace megatron_eopt

@@ -1,0 +1,340 @@
+// Gram Newton–Schulz programs (ns_gram_plan.h) and the algorithm choice (ns_algorithm.h).
+//
+// The numerical test runs each program exactly as the CUDA executor does: every GEMM through its
+// column-major GemmShape of make_ns_gemm_plan (operand order, leading dimensions, batch strides),
+// here with a reference GEMM in double, and checks the result against the standard iteration
+// evaluated directly on row-major matrices: in exact arithmetic the two are the same iteration.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "megatron_eopt/ns_algorithm.h"
+#include "megatron_eopt/ns_gemm_plan.h"
+#include "megatron_eopt/ns_gram_plan.h"
+
+using namespace megatron_eopt;
+
+namespace {
+
+const std::vector<double> kQuintic = {4.0848, -6.8946, 2.9270, 3.9505, -6.3029, 2.6377, 3.7418, -5.5913,
+                                      2.3037, 2.8769, -3.1427, 1.2046, 2.8366, -3.0525, 1.2012};
+const std::vector<double> kPolar = {8.2051, -22.9019, 16.4607, 4.0664, -2.8612, 0.5184, 3.9096, -2.8234, 0.5250};
+
+// Polar Express repeats its last row past its table (cycling back to its steep first row would
+// diverge from a converged spectrum); quintic cycles.
+std::vector<NsCoefficients> schedule(const std::vector<double>& table, long steps) {
+  return expand_schedule(table, steps, &table == &kPolar ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
+}
+
+// Column-major D = alpha op(A) op(B) + beta C over a batch, as cuBLASLt computes it. C is read
+// only when beta != 0 (cuBLASLt's contract, relied on by the programs).
+void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector<double>& a,
+              const std::vector<double>& b, double beta, const std::vector<double>* c, std::vector<double>& d) {
+  std::vector<double> out(d.size());
+  for (int64_t t = 0; t < batch; ++t) {
+    for (int64_t i = 0; i < s.rows; ++i) {
+      for (int64_t j = 0; j < s.cols; ++j) {
+        double acc = 0;
+        for (int64_t k = 0; k < s.depth; ++k) {
+          const double av = s.trans_a ? a.at(t * s.stride_a + i * s.lda + k) : a.at(t * s.stride_a + k * s.lda + i);
+          const double bv = s.trans_b ? b.at(t * s.stride_b + k * s.ldb + j) : b.at(t * s.stride_b + j * s.ldb + k);
+          acc += av * bv;
+        }
+        const int64_t o = t * s.stride_c + j * s.ldc + i;
+        out.at(o) = alpha * acc + (beta != 0.0 ? beta * c->at(o) : 0.0);
+      }
+    }
+  }
+  d = out;
+}
+
+// The standard iteration (§4.1) on row-major X (batch, m, n), exactly, from normalized input.
+std::vector<double> direct_standard(std::vector<double> x, int64_t batch, int64_t m, int64_t n, bool transpose,
+                                    const std::vector<NsCoefficients>& sched) {
+  const int64_t p = transpose ? n : m, q = transpose ? m : n;
+  for (const NsCoefficients& co : sched) {
+    std::vector<double> out(x.size());
+    for (int64_t t = 0; t < batch; ++t) {
+      auto W = [&](int64_t i, int64_t j) { return transpose ? x[t * m * n + j * n + i] : x[t * m * n + i * n + j]; };
+      std::vector<double> G(p * p, 0), B(p * p, 0);
+      for (int64_t i = 0; i < p; ++i)
+        for (int64_t j = 0; j < p; ++j)
+          for (int64_t k = 0; k < q; ++k) G[i * p + j] += W(i, k) * W(j, k);
+      for (int64_t i = 0; i < p; ++i)
+        for (int64_t j = 0; j < p; ++j) {
+          double gg = 0;
+          for (int64_t k = 0; k < p; ++k) gg += G[i * p + k] * G[k * p + j];
+          B[i * p + j] = co.c * gg + co.b * G[i * p + j];
+        }
+      for (int64_t i = 0; i < p; ++i)
+        for (int64_t j = 0; j < q; ++j) {
+          double acc = co.a * W(i, j);
+          for (int64_t k = 0; k < p; ++k) acc += B[i * p + k] * W(k, j);
+          (transpose ? out[t * m * n + j * n + i] : out[t * m * n + i * n + j]) = acc;
+        }
+    }
+    x = out;
+  }
+  return x;
+}
+
+// Runs `program` op by op like the CUDA executor: one GemmShape per GEMM, buffers by name.
+std::vector<double> run_program(const GramProgram& program, const std::vector<double>& x0, int64_t batch, int64_t m,
+                                int64_t n, bool transpose) {
+  const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose);
+  const int64_t s = plan.gram;
+  std::map<GramBuf, std::vector<double>> buf;
+  std::set<GramBuf> written = {program.x_first};
+  buf[program.x_first] = x0;
+  for (const GramOp& op : program.ops) {
+    for (GramBuf r : {op.a, op.b}) {
+      if (r != GramBuf::kNone) EXPECT_TRUE(written.count(r)) << "reads an unwritten buffer";
+    }
+    if (op.kind == GramOpKind::kAddDiag) {
+      std::vector<double>& d = buf.at(op.d);
+      for (int64_t t = 0; t < batch; ++t)
+        for (int64_t i = 0; i < s; ++i) d.at(t * s * s + i * s + i) += op.alpha;
+    } else if (op.kind == GramOpKind::kRound) {
+      buf[op.d] = buf.at(op.a);  // exact arithmetic: rounding to bf16 is the identity here
+    } else {
+      const GemmShape& shape = op.gemm == GramGemm::kGram    ? plan.gram_gemm
+                               : op.gemm == GramGemm::kApply ? plan.update_gemm
+                                                             : plan.poly_gemm;
+      const std::size_t size =
+          static_cast<std::size_t>(batch * (op.gemm == GramGemm::kSquare || op.gemm == GramGemm::kGram ? s * s : m * n));
+      std::vector<double> d(size, std::nan(""));
+      ref_gemm(shape, batch, op.alpha, buf.at(op.a), buf.at(op.b), op.beta, op.beta != 0.f ? &buf.at(op.c) : nullptr,
+               d);
+      buf[op.d] = d;
+    }
+    written.insert(op.d);
+  }
+  return buf.at(GramBuf::kOut);
+}
+
+void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool transpose, long steps,
+                                    GramArithmetic arithmetic, const std::vector<double>& table) {
+  std::mt19937 rng(static_cast<unsigned>(m * 977 + n * 31 + steps * 7 + transpose));
+  std::normal_distribution<double> normal;
+  std::vector<double> x(batch * m * n);
+  for (int64_t t = 0; t < batch; ++t) {  // Frobenius-normalized, as the executors' first pass leaves it
+    double ss = 0;
+    for (int64_t i = 0; i < m * n; ++i) ss += (x[t * m * n + i] = normal(rng)) * x[t * m * n + i];
+    for (int64_t i = 0; i < m * n; ++i) x[t * m * n + i] /= std::sqrt(ss);
+  }
+  const auto sched = schedule(table, steps);
+  const auto restart = gram_restarts(sched.size(), arithmetic);
+  const GramProgram program =
+      make_gram_program(m, n, transpose, sched, restart, arithmetic == GramArithmetic::kBf16W);
+  const auto got = run_program(program, x, batch, m, n, transpose);
+  const auto want = direct_standard(x, batch, m, n, transpose, sched);
+  double err = 0, norm = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    err += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += want[i] * want[i];
+  }
+  EXPECT_LE(std::sqrt(err / norm), 1e-10) << "batch=" << batch << " m=" << m << " n=" << n
+                                          << " transpose=" << transpose << " steps=" << steps;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ restarts
+TEST(GramRestarts, CadencePerArithmetic) {
+  const auto fp32 = gram_restarts(5, GramArithmetic::kFp32);
+  EXPECT_EQ(fp32, (std::vector<bool>{false, false, true, false, true}));
+  const auto bf16 = gram_restarts(5, GramArithmetic::kBf16W);
+  EXPECT_EQ(bf16, (std::vector<bool>{false, false, false, true, false}));
+  const auto tf32 = gram_restarts(4, GramArithmetic::kTf32);
+  EXPECT_EQ(tf32, (std::vector<bool>{false, true, true, true}));
+  EXPECT_EQ(gram_restarts(10, GramArithmetic::kBf16W),
+            (std::vector<bool>{false, false, false, true, false, false, true, false, false, true}));
+  EXPECT_EQ(gram_restarts(1, GramArithmetic::kFp32), std::vector<bool>{false});
+  EXPECT_EQ(gram_restarts(2, GramArithmetic::kFp32), (std::vector<bool>{false, false}));
+}
+
+// ------------------------------------------------------------------ program structure
+TEST(GramProgram, BuffersAreNeverReadWhileWrittenAndEndInOut) {
+  for (bool bf16 : {false, true}) {
+    for (long steps : {1L, 2L, 3L, 5L, 8L}) {
+      for (GramArithmetic ar : {GramArithmetic::kFp32, GramArithmetic::kBf16W, GramArithmetic::kTf32}) {
+        const auto sched = schedule(kQuintic, steps);
+        const auto restart = gram_restarts(sched.size(), ar);
+        const GramProgram p = make_gram_program(40, 100, false, sched, restart, bf16);
+        int applies = 0, grams = 0, rounds = 0;
+        for (const GramOp& op : p.ops) {
+          if (op.kind == GramOpKind::kGemm) {
+            EXPECT_NE(op.d, op.a);
+            EXPECT_NE(op.d, op.b);
+            if (op.beta != 0.f) EXPECT_NE(op.d, op.c);  // cuBLASLt may alias C and D, never A/B
+            applies += op.gemm == GramGemm::kApply;
+            grams += op.gemm == GramGemm::kGram;
+            if (op.gemm == GramGemm::kApply) {
+              const GramBuf q = op.b;  // wide: (X, Q)
+              EXPECT_EQ(q == GramBuf::kQx, bf16) << "Q is rounded to the W type exactly when W is bf16";
+              if (!bf16) EXPECT_NE(op.a, GramBuf::kQx);
+            }
+          }
+          rounds += op.kind == GramOpKind::kRound;
+          if (!bf16) EXPECT_NE(op.d, GramBuf::kQx);
+          // bf16 W never lives in kOut: only the final product writes it.
+          if (bf16 && op.d == GramBuf::kOut) EXPECT_EQ(&op, &p.ops.back());
+        }
+        EXPECT_EQ(applies, p.restarts + 1);
+        EXPECT_EQ(grams, p.restarts + 1);
+        EXPECT_EQ(rounds, bf16 ? p.restarts + 1 : 0);
+        const GramOp& last = p.ops.back();
+        EXPECT_EQ(last.kind, GramOpKind::kGemm);
+        EXPECT_EQ(last.gemm, GramGemm::kApply);
+        EXPECT_EQ(last.d, GramBuf::kOut);
+        EXPECT_NE(last.a, GramBuf::kOut);
+        EXPECT_NE(last.b, GramBuf::kOut);
+        // bf16 W cannot live in the fp32 output; fp32 W may (so no second W buffer is needed).
+        EXPECT_EQ(p.uses[gram_buf_index(GramBuf::kX1)], bf16 && p.restarts > 0);
+        if (bf16) EXPECT_NE(p.x_first, GramBuf::kOut);
+      }
+    }
+  }
+}
+
+TEST(GramProgram, TallOperandOrderPutsQFirst) {
+  const auto sched = schedule(kQuintic, 5);
+  const GramProgram p = make_gram_program(100, 40, true, sched, gram_restarts(5, GramArithmetic::kFp32), false);
+  EXPECT_EQ(p.gram_side, 40);
+  EXPECT_EQ(p.long_side, 100);
+  for (const GramOp& op : p.ops) {
+    if (op.kind == GramOpKind::kGemm && op.gemm == GramGemm::kApply) {
+      EXPECT_TRUE(op.a == GramBuf::kS0 || op.a == GramBuf::kS1 || op.a == GramBuf::kS2 || op.a == GramBuf::kS3);
+    }
+  }
+}
+
+TEST(GramProgram, RejectsMismatchedRestarts) {
+  const auto sched = schedule(kQuintic, 5);
+  EXPECT_THROW(make_gram_program(4, 8, false, sched, std::vector<bool>(4, false), false), std::invalid_argument);
+  EXPECT_THROW(make_gram_program(4, 8, false, {}, {}, false), std::invalid_argument);
+}
+
+// ------------------------------------------------------------------ numerics through the GEMM plan
+TEST(GramProgram, EqualsTheStandardIterationWide) {
+  for (GramArithmetic ar : {GramArithmetic::kFp32, GramArithmetic::kBf16W, GramArithmetic::kTf32}) {
+    check_program_matches_standard(2, 5, 11, false, 5, ar, kQuintic);
+    check_program_matches_standard(1, 1, 9, false, 3, ar, kQuintic);
+    check_program_matches_standard(3, 6, 6, false, 4, ar, kPolar);
+  }
+}
+
+TEST(GramProgram, EqualsTheStandardIterationTall) {
+  for (GramArithmetic ar : {GramArithmetic::kFp32, GramArithmetic::kBf16W, GramArithmetic::kTf32}) {
+    check_program_matches_standard(2, 11, 5, true, 5, ar, kQuintic);
+    check_program_matches_standard(2, 9, 1, true, 2, ar, kQuintic);
+    check_program_matches_standard(1, 13, 7, true, 7, ar, kPolar);
+  }
+}
+
+TEST(GramProgram, EqualsTheStandardIterationWithForcedTranspose) {
+  check_program_matches_standard(2, 4, 9, true, 5, GramArithmetic::kFp32, kQuintic);
+  check_program_matches_standard(2, 9, 4, false, 5, GramArithmetic::kBf16W, kQuintic);
+}
+
+TEST(GramProgram, SingleStepAndLongSchedules) {
+  check_program_matches_standard(1, 4, 10, false, 1, GramArithmetic::kFp32, kQuintic);
+  check_program_matches_standard(2, 4, 10, false, 10, GramArithmetic::kFp32, kQuintic);
+  check_program_matches_standard(2, 10, 4, true, 10, GramArithmetic::kBf16W, kPolar);
+}
+
+// ------------------------------------------------------------------ FLOPs and the auto rule
+TEST(GramFlops, CountsEveryProductOnce) {
+  const auto sched = schedule(kQuintic, 5);
+  const double s = 8, l = 32;
+  // fp32: restarts before steps 2 and 4. W W^T: 3; Q W: 3 (two restarts + final).
+  // s x s: steps 0, 2 open a segment and update R (P, R P, P R P = 3); steps 1, 3 close one
+  // (P, Q P = 2); step 4 opens and closes one (P = 1): 3 + 2 + 3 + 2 + 1 = 11.
+  const GramProgram p = make_gram_program(8, 32, false, sched, gram_restarts(5, GramArithmetic::kFp32), false);
+  const NsFlops f = gram_program_flops(p);
+  EXPECT_DOUBLE_EQ(f.long_symmetric, 3 * 2 * s * s * l);
+  EXPECT_DOUBLE_EQ(f.long_general, 3 * 2 * s * s * l);
+  EXPECT_DOUBLE_EQ(f.square, 11 * 2 * s * s * s);
+  const NsFlops st = standard_flops(8, 32, false, 5);
+  EXPECT_DOUBLE_EQ(st.long_symmetric, 5 * 2 * s * s * l);
+  EXPECT_DOUBLE_EQ(st.long_general, 5 * 2 * s * s * l);
+  EXPECT_DOUBLE_EQ(st.square, 5 * 2 * s * s * s);
+  // Transposed: the Gram side is the column count.
+  EXPECT_DOUBLE_EQ(standard_flops(32, 8, true, 1).long_general, 2 * s * s * l);
+}
+
+TEST(GramFlops, SymmetricBlocks) {
+  EXPECT_EQ(ns_symmetric_blocks(128, NsDevice::kCpu), 1);
+  EXPECT_EQ(ns_symmetric_blocks(512, NsDevice::kCpu), 2);
+  EXPECT_EQ(ns_symmetric_blocks(768, NsDevice::kCpu), 3);
+  EXPECT_EQ(ns_symmetric_blocks(1024, NsDevice::kCpu), 4);
+  EXPECT_EQ(ns_symmetric_blocks(8192, NsDevice::kCpu), 4);
+  EXPECT_EQ(ns_symmetric_blocks(8192, NsDevice::kCuda), 1);
+  EXPECT_DOUBLE_EQ(ns_symmetric_fraction(1), 1.0);
+  EXPECT_DOUBLE_EQ(ns_symmetric_fraction(4), 0.625);
+}
+
+TEST(NsAlgorithmChoice, ExplicitRequestsAreHonoured) {
+  const auto sched = schedule(kQuintic, 5);
+  EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kStandard, 1024, 4096, false, sched, NsPrecision::kHighest,
+                                NsDevice::kCpu).algorithm,
+            NsAlgorithm::kStandard);
+  const auto gram = choose_ns_algorithm(NsAlgorithm::kGram, 3, 3, false, sched, NsPrecision::kMedium, NsDevice::kCuda);
+  EXPECT_EQ(gram.algorithm, NsAlgorithm::kGram);
+  EXPECT_FALSE(gram.program.ops.empty());
+}
+
+TEST(NsAlgorithmChoice, AutoOnTheCpu) {
+  const auto sched = schedule(kQuintic, 5);
+  const auto pick = [&](int64_t m, int64_t n, NsPrecision p) {
+    return choose_ns_algorithm(NsAlgorithm::kAuto, m, n, m > n, sched, p, NsDevice::kCpu).algorithm;
+  };
+  for (NsPrecision p : {NsPrecision::kHighest, NsPrecision::kHigh, NsPrecision::kMedium}) {
+    EXPECT_EQ(pick(1024, 4096, p), NsAlgorithm::kGram);
+    EXPECT_EQ(pick(4096, 1024, p), NsAlgorithm::kGram);
+    EXPECT_EQ(pick(768, 3072, p), NsAlgorithm::kGram);
+    EXPECT_EQ(pick(1024, 1024, p), NsAlgorithm::kStandard);
+    EXPECT_EQ(pick(32, 128, p), NsAlgorithm::kStandard);  // too small to gain
+  }
+  EXPECT_EQ(pick(256, 512, NsPrecision::kHighest), NsAlgorithm::kStandard);  // modelled 1.09x: no gain measured
+  EXPECT_EQ(pick(1024, 2048, NsPrecision::kHighest), NsAlgorithm::kGram);
+}
+
+TEST(NsAlgorithmChoice, AutoOnCuda) {
+  const auto sched = schedule(kQuintic, 5);
+  const auto pick = [&](int64_t m, int64_t n, NsPrecision p) {
+    return choose_ns_algorithm(NsAlgorithm::kAuto, m, n, m > n, sched, p, NsDevice::kCuda).algorithm;
+  };
+  EXPECT_EQ(pick(1024, 4096, NsPrecision::kHighest), NsAlgorithm::kGram);
+  EXPECT_EQ(pick(4096, 1024, NsPrecision::kHighest), NsAlgorithm::kGram);
+  EXPECT_EQ(pick(1024, 3072, NsPrecision::kHighest), NsAlgorithm::kStandard);
+  EXPECT_EQ(pick(256, 4096, NsPrecision::kHighest), NsAlgorithm::kStandard);  // launch-bound
+  // TF32 needs a restart at every step and bf16 W keeps fp32 s x s products: never a gain.
+  EXPECT_EQ(pick(1024, 16384, NsPrecision::kHigh), NsAlgorithm::kStandard);
+  EXPECT_EQ(pick(1024, 16384, NsPrecision::kMedium), NsAlgorithm::kStandard);
+}
+
+TEST(NsAlgorithmChoice, ParsesNames) {
+  EXPECT_EQ(parse_ns_algorithm("auto"), NsAlgorithm::kAuto);
+  EXPECT_EQ(parse_ns_algorithm("standard"), NsAlgorithm::kStandard);
+  EXPECT_EQ(parse_ns_algorithm("gram"), NsAlgorithm::kGram);
+  try {
+    parse_ns_algorithm("fast");
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("algorithm must be one of auto, standard, gram"), std::string::npos);
+  }
+}
+
+TEST(NsAlgorithmChoice, ArithmeticPerPrecisionAndDevice) {
+  EXPECT_EQ(gram_arithmetic(NsPrecision::kHigh, NsDevice::kCuda), GramArithmetic::kTf32);
+  EXPECT_EQ(gram_arithmetic(NsPrecision::kHigh, NsDevice::kCpu), GramArithmetic::kFp32);
+  EXPECT_EQ(gram_arithmetic(NsPrecision::kHighest, NsDevice::kCuda), GramArithmetic::kFp32);
+  EXPECT_EQ(gram_arithmetic(NsPrecision::kMedium, NsDevice::kCpu), GramArithmetic::kBf16W);
+  EXPECT_EQ(gram_arithmetic(NsPrecision::kMedium, NsDevice::kCuda), GramArithmetic::kBf16W);
+}
