@@ -93,3 +93,15 @@ def ns_tolerance(x, precision, device, coefficient_type="quintic", steps=5, cust
     tf32 = precision == "high" and torch.device(device).type == "cuda"
     u = UNIT_ROUNDOFF["tf32" if tf32 else "fp32"]
     return max(TOLERANCE[precision], 4 * u * ns_amplification(x, coefficient_type, steps, custom))
+
+
+# bf16 unit roundoff (8 significant bits).
+BF16_UNIT_ROUNDOFF = 2.0**-8
+
+
+def bf16_input_tolerance(x, coefficient_type="quintic", steps=5, custom=None):
+    """Tolerance against float64 of a result whose input was rounded to bf16 once and then iterated
+    with fp32 products (the Gram iteration's "medium"): DESIGN §6's 2e-2, or one bf16 rounding
+    times the input's amplification (ns_amplification) where the schedule magnifies it more
+    (polar_express on a 1 x n input: 238)."""
+    return max(TOLERANCE["medium"], BF16_UNIT_ROUNDOFF * ns_amplification(x, coefficient_type, steps, custom))
