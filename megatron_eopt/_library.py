@@ -29,3 +29,29 @@ _cdll = ctypes.CDLL(LIBRARY_PATH)
 def cuda_kernels_built() -> bool:
     """True when the library was compiled with its CUDA kernels (nvcc was found at build time)."""
     return bool(_cdll.megatron_eopt_cuda_kernels_built())
+
+
+_PRECISIONS = {"medium": 0, "high": 1, "highest": 2}
+_ALGORITHMS = {"auto": 0, "standard": 1, "gram": 2}
+_cdll.megatron_eopt_ns_plan.restype = ctypes.c_int
+_cdll.megatron_eopt_ns_plan.argtypes = [
+    ctypes.POINTER(ctypes.c_double), ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int8),
+]
+
+
+def ns_plan(
+    coefficients: tuple[float, ...], steps: int, repeat_last: bool, m: int, n: int, transpose: bool,
+    precision: str, algorithm: str, device_type: str,
+) -> tuple[bool, tuple[bool, ...]]:
+    """The fused op's Newton–Schulz choice for one (m, n) matrix: (use the Gram iteration, its
+    restart flags per step). ``coefficients`` is the flattened (a, b, c) table."""
+    values = (ctypes.c_double * len(coefficients))(*coefficients)
+    restart = (ctypes.c_int8 * steps)()
+    code = _cdll.megatron_eopt_ns_plan(
+        values, len(coefficients), steps, int(repeat_last), m, n, int(transpose), _PRECISIONS[precision],
+        _ALGORITHMS[algorithm], 1 if device_type == "cuda" else 0, restart,
+    )
+    if code < 0:
+        raise ValueError("invalid Newton–Schulz arguments")
+    return bool(code), tuple(bool(v) for v in restart)

@@ -24,7 +24,9 @@ using Alignments = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>;  // A, B,
 
 // Everything that determines the descriptors and the heuristic's choice.
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int, std::size_t, Alignments>;
+                           int64_t, int64_t, int64_t, int64_t, int, int, int, std::size_t, Alignments>;
+
+cudaDataType_t lt_data_type(LtElement e) { return e == LtElement::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
 
 // Largest power of two (at most 256) dividing the address and every batch stride in bytes: the
 // heuristic then only offers kernels that work for every matrix of the batch (its default
@@ -66,10 +68,10 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t co
 std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handle,
                                   std::size_t workspace_bytes, const Alignments& align) {
   const GemmShape& s = *args.shape;
-  const cudaDataType_t type = args.precision == NsPrecision::kMedium ? CUDA_R_16BF : CUDA_R_32F;
-  const cublasComputeType_t compute = args.precision == NsPrecision::kHigh
-                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                          : CUBLAS_COMPUTE_32F;
+  const cudaDataType_t ab_type = lt_data_type(args.types.ab);
+  const cudaDataType_t cd_type = lt_data_type(args.types.cd);
+  const cublasComputeType_t compute =
+      args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   auto plan = std::make_unique<LtPlan>();
   check_lt(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F), "MatmulDescCreate");
   const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -79,11 +81,11 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
            "set transb");
   // Stored shapes: A is (rows x depth) or, transposed, (depth x rows); likewise B.
-  plan->a = s.trans_a ? make_layout(type, s.depth, s.rows, s.lda, args.batch, s.stride_a)
-                      : make_layout(type, s.rows, s.depth, s.lda, args.batch, s.stride_a);
-  plan->b = s.trans_b ? make_layout(type, s.cols, s.depth, s.ldb, args.batch, s.stride_b)
-                      : make_layout(type, s.depth, s.cols, s.ldb, args.batch, s.stride_b);
-  plan->c = make_layout(type, s.rows, s.cols, s.ldc, args.batch, s.stride_c);
+  plan->a = s.trans_a ? make_layout(ab_type, s.depth, s.rows, s.lda, args.batch, s.stride_a)
+                      : make_layout(ab_type, s.rows, s.depth, s.lda, args.batch, s.stride_a);
+  plan->b = s.trans_b ? make_layout(ab_type, s.cols, s.depth, s.ldb, args.batch, s.stride_b)
+                      : make_layout(ab_type, s.depth, s.cols, s.ldb, args.batch, s.stride_b);
+  plan->c = make_layout(cd_type, s.rows, s.cols, s.ldc, args.batch, s.stride_c);
 
   cublasLtMatmulPreference_t pref = nullptr;
   check_lt(cublasLtMatmulPreferenceCreate(&pref), "PreferenceCreate");
@@ -123,12 +125,13 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, int device, cublasLtHandle_
   static auto* const mutex = new std::mutex;
   static auto* const cache = new std::map<PlanKey, std::unique_ptr<LtPlan>>;
   const GemmShape& s = *args.shape;
-  const std::size_t elem = ns_element_bytes(args.precision);
-  const Alignments align{alignment_of(args.a, s.stride_a, elem), alignment_of(args.b, s.stride_b, elem),
-                         alignment_of(args.c, s.stride_c, elem), alignment_of(args.d, s.stride_c, elem)};
+  const std::size_t ab = lt_element_bytes(args.types.ab), cd = lt_element_bytes(args.types.cd);
+  const Alignments align{alignment_of(args.a, s.stride_a, ab), alignment_of(args.b, s.stride_b, ab),
+                         alignment_of(args.c, s.stride_c, cd), alignment_of(args.d, s.stride_c, cd)};
   const PlanKey key{device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
                     s.stride_a, s.stride_b, s.stride_c, args.batch,
-                    static_cast<int>(args.precision), workspace_bytes, align};
+                    static_cast<int>(args.types.ab), static_cast<int>(args.types.cd),
+                    static_cast<int>(args.types.compute), workspace_bytes, align};
   LtPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(*mutex);

@@ -13,15 +13,38 @@
 
 namespace megatron_eopt {
 
+enum class LtElement { kFloat32, kBFloat16 };
+enum class LtCompute { kFp32, kTf32 };  // fp32 accumulation; TF32: tensor-core products of fp32 operands
+
+// Element types of A and B (always equal), of C and D (equal), and the compute mode.
+struct LtTypes {
+  LtElement ab;
+  LtElement cd;
+  LtCompute compute;
+};
+
+// The standard Newton–Schulz iteration keeps every operand in its compute type: bf16 ("medium"),
+// fp32 with TF32 products ("high") or fp32 ("highest").
+inline LtTypes lt_types(NsPrecision precision) {
+  switch (precision) {
+    case NsPrecision::kMedium: return {LtElement::kBFloat16, LtElement::kBFloat16, LtCompute::kFp32};
+    case NsPrecision::kHigh: return {LtElement::kFloat32, LtElement::kFloat32, LtCompute::kTf32};
+    case NsPrecision::kHighest: break;
+  }
+  return {LtElement::kFloat32, LtElement::kFloat32, LtCompute::kFp32};
+}
+
+inline std::size_t lt_element_bytes(LtElement e) { return e == LtElement::kBFloat16 ? 2 : 4; }
+
 struct LtGemmArgs {
   const GemmShape* shape;
   int64_t batch;
-  NsPrecision precision;  // element type and compute mode of A, B, C and D
+  LtTypes types;
   float alpha;
   const void* a;
   const void* b;
   float beta;
-  const void* c;
+  const void* c;  // read only when beta != 0; may equal d (cuBLASLt allows C and D to alias)
   void* d;
 };
 

@@ -12,7 +12,13 @@ from typing import Literal, Sequence
 
 import torch
 
-from ..newton_schulz import coefficient_table, get_coefficients, get_muon_scale_factor, validate_precision
+from ..newton_schulz import (
+    NS_ALGORITHMS,
+    coefficient_table,
+    get_coefficients,
+    get_muon_scale_factor,
+    validate_precision,
+)
 
 WeightDecayT = Literal["decoupled", "independent", "l2", "palm"]
 Moment2MethodT = Literal["adamuon", "normuon", "namo"]
@@ -36,6 +42,7 @@ class OrthogonalizationConfig:
     scale_mode: str
     extra_scale_factor: float
     moment2_method: str | None  # None: plain Muon (no second moment)
+    algorithm: str = "auto"  # Newton–Schulz algorithm: auto | standard | gram
 
     @property
     def coefficients(self) -> list[tuple[float, float, float]]:
@@ -51,6 +58,7 @@ class OrthogonalizationConfig:
             eps=NS_EPS,
             transpose=None,
             precision=self.precision,
+            algorithm=self.algorithm,
         )
 
     def scale(self, rows: int, cols: int) -> float:
@@ -69,6 +77,7 @@ def make_config(
     scale_mode: str,
     extra_scale_factor: float,
     moment2_method: str | None = None,
+    ns_algorithm: str = "auto",
 ) -> OrthogonalizationConfig:
     """Validates the optimizer-wide arguments (ValueError naming the argument) and freezes them."""
     if weight_decay_method not in WEIGHT_DECAY_METHODS:
@@ -88,6 +97,8 @@ def make_config(
         raise ValueError(f"scale_mode must be one of {list(SCALE_MODES)}, got {scale_mode!r}")
     if not isinstance(extra_scale_factor, Real) or not math.isfinite(extra_scale_factor):
         raise ValueError(f"extra_scale_factor must be a finite number, got {extra_scale_factor!r}")
+    if ns_algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"ns_algorithm must be one of {list(NS_ALGORITHMS)}, got {ns_algorithm!r}")
     if moment2_method is not None:
         if moment2_method not in MOMENT2_METHODS:
             raise ValueError(f"moment2_method must be one of {list(MOMENT2_METHODS)}, got {moment2_method!r}")
@@ -103,6 +114,7 @@ def make_config(
         scale_mode=scale_mode,
         extra_scale_factor=float(extra_scale_factor),
         moment2_method=moment2_method,
+        algorithm=ns_algorithm,
     )
 
 

@@ -9,7 +9,9 @@ What runs where:
   norms, then per iteration one all-reduce of the k Gram matrices (of the unsharded side, as in
   Megatron: partition_dim 0 iterates on the transpose). The Gram partials are summed in fp32
   (bf16 products accumulate in fp32, like the fused op's GEMMs) and rounded to the compute dtype
-  once, after the sum.
+  once, after the sum. Where the fused op would take the Gram iteration for the global matrix
+  (same choice and restarts, ns_algorithm.h), it runs here too: the s x s recursion needs no
+  communication, so there is one Gram all-reduce per (re)start instead of one per iteration.
 - AdaptiveMuon's NorMuon / NAMO statistics (row means, Frobenius norms) reduce over the whole
   matrix, so for sharded parameters they are computed here with all-reduces of the partial sums
   (one or two per bucket); AdaMuon is elementwise and uses the fused op.
@@ -18,11 +20,14 @@ What runs where:
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._library import ns_plan
+from ..newton_schulz import coefficient_table
 from ._config import OrthogonalizationConfig
 from ._plan import QKVSplit, TPLayout
 
@@ -50,6 +55,45 @@ def _matmul_precision(precision: str):
         torch.set_float32_matmul_precision(previous)
 
 
+@functools.lru_cache(maxsize=256)
+def _gram_restarts(config: OrthogonalizationConfig, m: int, n: int, transpose: bool, device_type: str):
+    """The restart flags when the fused op would run the Gram iteration on this global matrix, else None."""
+    table, repeat_last = coefficient_table(config.coefficient_type, config.custom_coefficient_sets)
+    flat = tuple(float(v) for row in table for v in row)
+    use_gram, restarts = ns_plan(flat, config.num_ns_steps, repeat_last, m, n, transpose, config.precision,
+                                 config.algorithm, device_type)
+    return restarts if use_gram else None
+
+
+def _distributed_gram(X: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, restarts) -> torch.Tensor:
+    """The Gram iteration (DESIGN §11) on local shards X (k, s, l_local) of the working matrices:
+    R = sum over ranks of X X^T (one all-reduce per (re)start), then the s x s recursion, identical
+    on every rank, and X Q-applied locally. R and Q stay fp32; X keeps the compute dtype (bf16 for
+    "medium", rounded after each restart as in the fused op)."""
+    compute = X.dtype
+
+    def gram(W):
+        Wf = W.float()
+        R = torch.bmm(Wf, Wf.mT)
+        dist.all_reduce(R, group=tp.group)
+        return R
+
+    R = gram(X)
+    Q = None
+    coefficients = config.coefficients
+    for k, (a, b, c) in enumerate(coefficients):
+        if k > 0 and restarts[k]:
+            X = torch.bmm(Q.to(compute).float(), X.float()).to(compute)
+            R = gram(X)
+            Q = None
+        P = torch.baddbmm(R, R, R, beta=b, alpha=c)
+        P.diagonal(0, -2, -1).add_(a)
+        if k + 1 < len(coefficients) and not restarts[k + 1]:
+            R = torch.bmm(P, torch.bmm(R, P))
+        Q = P if Q is None else torch.bmm(Q, P)
+    return torch.bmm(Q.to(compute).float(), X.float())
+
+
 def distributed_newton_schulz(
     x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float
 ) -> torch.Tensor:
@@ -61,6 +105,13 @@ def distributed_newton_schulz(
     norm = sq.sqrt().clamp_min(eps)
     compute = torch.bfloat16 if config.precision == "medium" else torch.float32
     X = (w / norm[:, None, None]).to(compute)
+    s, l_global = w.shape[-2], w.shape[-1] * tp.size
+    m, n = (l_global, s) if transpose else (s, l_global)
+    restarts = _gram_restarts(config, m, n, transpose, x.device.type)
+    if restarts is not None:
+        with _matmul_precision(config.precision):
+            out = _distributed_gram(X, tp, config, restarts)
+        return (out.mT if transpose else out).contiguous()
     with _matmul_precision(config.precision):
         for a, b, c in config.coefficients:
             Xf = X.float()

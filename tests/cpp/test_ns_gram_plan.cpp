@@ -6,6 +6,7 @@
 // evaluated directly on row-major matrices: in exact arithmetic the two are the same iteration.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
@@ -337,4 +338,74 @@ TEST(NsAlgorithmChoice, ArithmeticPerPrecisionAndDevice) {
   EXPECT_EQ(gram_arithmetic(NsPrecision::kHighest, NsDevice::kCuda), GramArithmetic::kFp32);
   EXPECT_EQ(gram_arithmetic(NsPrecision::kMedium, NsDevice::kCpu), GramArithmetic::kBf16W);
   EXPECT_EQ(gram_arithmetic(NsPrecision::kMedium, NsDevice::kCuda), GramArithmetic::kBf16W);
+}
+
+// ------------------------------------------------------------------ what the CUDA executor relies on
+TEST(GramProgram, OperandTypesAgreeAsCublasLtRequires) {
+  for (bool bf16 : {false, true}) {
+    for (bool transpose : {false, true}) {
+      const auto sched = schedule(kQuintic, 7);
+      const auto restart = gram_restarts(7, bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
+      const GramProgram p = make_gram_program(transpose ? 60 : 20, transpose ? 20 : 60, transpose, sched, restart, bf16);
+      EXPECT_EQ(p.transpose, transpose);
+      EXPECT_EQ(p.x_bf16, bf16);
+      EXPECT_EQ(gram_buf_is_bf16(p, GramBuf::kOut), false);
+      for (const GramOp& op : p.ops) {
+        switch (op.kind) {
+          case GramOpKind::kGemm:
+            EXPECT_EQ(gram_buf_is_bf16(p, op.a), gram_buf_is_bf16(p, op.b));  // A and B share a type
+            if (op.beta != 0.f) EXPECT_EQ(gram_buf_is_bf16(p, op.c), gram_buf_is_bf16(p, op.d));
+            if (op.gemm == GramGemm::kSquare) {
+              EXPECT_FALSE(gram_buf_is_bf16(p, op.a) || gram_buf_is_bf16(p, op.d));  // R, P, Q stay fp32
+            }
+            if (op.gemm == GramGemm::kGram) EXPECT_FALSE(gram_buf_is_bf16(p, op.d));
+            break;
+          case GramOpKind::kAddDiag:
+            EXPECT_FALSE(gram_buf_is_bf16(p, op.d));
+            break;
+          case GramOpKind::kRound:
+            EXPECT_FALSE(gram_buf_is_bf16(p, op.a));
+            EXPECT_TRUE(gram_buf_is_bf16(p, op.d));
+            break;
+        }
+      }
+    }
+  }
+}
+
+TEST(GramScratchLayout, AlignedDisjointAndSized) {
+  const int64_t batch = 3, m = 37, n = 101;  // odd sizes: every offset must still be 256-aligned
+  for (bool bf16 : {false, true}) {
+    for (long steps : {1L, 2L, 5L}) {
+      const auto sched = schedule(kQuintic, steps);
+      const auto restart = gram_restarts(sched.size(), bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
+      const GramProgram p = make_gram_program(m, n, false, sched, restart, bf16);
+      const std::size_t ws = 1000;
+      const GramScratchLayout l = gram_scratch_layout(p, batch, m, n, 17, ws);
+      std::vector<std::pair<std::size_t, std::size_t>> spans;
+      for (int i = 0; i < kGramBufCount; ++i) {
+        const GramBuf b = static_cast<GramBuf>(i);
+        if (b == GramBuf::kOut || b == GramBuf::kNone || !p.uses[i]) {
+          EXPECT_EQ(l.offset[i], kNoOffset) << i;
+          continue;
+        }
+        ASSERT_NE(l.offset[i], kNoOffset) << i;
+        EXPECT_EQ(l.offset[i] % 256, 0u);
+        const bool w = b == GramBuf::kX0 || b == GramBuf::kX1;
+        const std::size_t bytes = static_cast<std::size_t>(batch) * (w ? m * n : p.gram_side * p.gram_side) *
+                                  (gram_buf_is_bf16(p, b) ? 2 : 4);
+        spans.push_back({l.offset[i], l.offset[i] + bytes});
+      }
+      spans.push_back({l.sum_squares, l.sum_squares + batch * sizeof(float)});
+      spans.push_back({l.norm_partials, l.norm_partials + 17 * sizeof(float)});
+      spans.push_back({l.blas_workspace, l.blas_workspace + ws});
+      EXPECT_EQ(l.sum_squares % 256, 0u);
+      EXPECT_EQ(l.norm_partials % 256, 0u);
+      EXPECT_EQ(l.blas_workspace % 256, 0u);
+      EXPECT_EQ(l.total, l.blas_workspace + ws);
+      std::sort(spans.begin(), spans.end());
+      for (std::size_t k = 1; k < spans.size(); ++k) EXPECT_LE(spans[k - 1].second, spans[k].first);
+      EXPECT_LE(spans.back().second, l.total);
+    }
+  }
 }

@@ -104,6 +104,8 @@ struct GramOp {
 struct GramProgram {
   std::vector<GramOp> ops;
   GramBuf x_first;          // where the normalized input W0 goes
+  bool transpose;           // iterating on X^T: the Gram side is the column count
+  bool x_bf16;              // W (kX0, kX1) and kQx are bf16; everything else is fp32
   bool x_in_out;            // kOut serves as an fp32 W buffer (no kX1 then)
   bool uses[kGramBufCount]; // buffers the program touches (scratch to allocate)
   int restarts;
@@ -123,6 +125,8 @@ inline GramProgram make_gram_program(int64_t m, int64_t n, bool transpose, const
   GramProgram p{};
   p.gram_side = transpose ? n : m;
   p.long_side = transpose ? m : n;
+  p.transpose = transpose;
+  p.x_bf16 = x_bf16;
   p.x_in_out = !x_bf16;
   int restarts = 0;
   for (std::size_t k = 1; k < restart.size(); ++k) restarts += restart[k] ? 1 : 0;
@@ -214,6 +218,48 @@ inline GramProgram make_gram_program(int64_t m, int64_t n, bool transpose, const
     }
   }
   return p;
+}
+
+// Element type of a buffer: the W buffers and kQx hold the W type, everything else fp32.
+inline bool gram_buf_is_bf16(const GramProgram& p, GramBuf b) {
+  return p.x_bf16 && (b == GramBuf::kX0 || b == GramBuf::kX1 || b == GramBuf::kQx);
+}
+
+// Byte offsets of the buffers a program needs inside one scratch allocation (kOut is the
+// caller's output, unused buffers have none), each 256-byte aligned, followed by the per-matrix
+// norm scratch and the BLAS workspace.
+constexpr std::size_t kNoOffset = static_cast<std::size_t>(-1);
+
+struct GramScratchLayout {
+  std::size_t offset[kGramBufCount];
+  std::size_t sum_squares;    // batch floats
+  std::size_t norm_partials;  // norm_partial_slots floats
+  std::size_t blas_workspace;
+  std::size_t total;
+};
+
+inline GramScratchLayout gram_scratch_layout(const GramProgram& p, int64_t batch, int64_t m, int64_t n,
+                                             int64_t norm_partial_slots, std::size_t blas_workspace_bytes) {
+  const auto align = [](std::size_t v) { return (v + 255) / 256 * 256; };
+  const std::size_t s = static_cast<std::size_t>(p.gram_side);
+  GramScratchLayout layout{};
+  std::size_t at = 0;
+  for (int i = 0; i < kGramBufCount; ++i) {
+    const GramBuf b = static_cast<GramBuf>(i);
+    layout.offset[i] = kNoOffset;
+    if (b == GramBuf::kNone || b == GramBuf::kOut || !p.uses[i]) continue;
+    const bool w = b == GramBuf::kX0 || b == GramBuf::kX1;
+    const std::size_t elems = static_cast<std::size_t>(batch) * (w ? static_cast<std::size_t>(m * n) : s * s);
+    layout.offset[i] = at;
+    at += align(elems * (gram_buf_is_bf16(p, b) ? 2 : 4));
+  }
+  layout.sum_squares = at;
+  at += align(static_cast<std::size_t>(batch) * sizeof(float));
+  layout.norm_partials = at;
+  at += align(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
+  layout.blas_workspace = at;
+  layout.total = at + blas_workspace_bytes;
+  return layout;
 }
 
 // FLOPs of one matrix (2 per multiply-add), by kind of product: with the long side and a

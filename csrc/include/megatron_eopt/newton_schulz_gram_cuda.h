@@ -1,0 +1,29 @@
+// Host launcher of the Gram Newton–Schulz iteration on CUDA (DESIGN §11). Raw pointers and a
+// stream only: the torch glue owns allocation, checks and device selection.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "megatron_eopt/ns_gram_plan.h"
+#include "megatron_eopt/ns_precision.h"
+
+namespace megatron_eopt {
+
+// Floats of per-block norm partials the first pass needs (see gram_scratch_layout).
+int64_t ns_gram_norm_partial_slots(int64_t batch, int64_t m, int64_t n);
+
+// out[b] = NS(x[b]) for b < batch by running `program` (built for m, n, transpose and precision);
+// x and out are fp32 and contiguous, (m x n) row-major each. `scratch` is one allocation laid
+// out by gram_scratch_layout(program, batch, m, n, ns_gram_norm_partial_slots(...), blas bytes).
+// No host synchronisation; everything is enqueued on `stream`. `device` is the current CUDA
+// device (set by the caller's guard).
+void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
+                             const GramProgram& program, float eps, NsPrecision precision, void* scratch,
+                             const GramScratchLayout& layout, int device, cublasLtHandle_t handle,
+                             cudaStream_t stream);
+
+}  // namespace megatron_eopt

@@ -1,0 +1,60 @@
+"""One rank of the distributed Gram test (spawned by test_distributed_gram.py, gloo on CPU).
+
+tp_mode "distributed" runs Newton–Schulz in plain PyTorch around its all-reduces; where the
+fused op takes the Gram iteration for the global matrix it does too, and the shards it returns
+must equal the fused op's result on the unsharded matrices.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import megatron_eopt as me  # noqa: E402
+from megatron_eopt.optim._config import make_config  # noqa: E402
+from megatron_eopt.optim._distributed import _gram_restarts, distributed_newton_schulz  # noqa: E402
+from megatron_eopt.optim._plan import TPLayout  # noqa: E402
+from reference import TOLERANCE, rel_err  # noqa: E402
+
+
+def _config(precision, algorithm):
+    return make_config(nesterov=True, weight_decay_method="decoupled", fp32_matmul_prec=precision,
+                       coefficient_type="quintic", custom_coefficient_sets=None, num_ns_steps=5,
+                       scale_mode="spectral", extra_scale_factor=1.0, ns_algorithm=algorithm)
+
+
+def worker(rank, world_size, init_file, seed):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        gen = torch.Generator().manual_seed(seed)
+        # (global batch shape, partition_dim, algorithm): columns sharded of a wide matrix (the
+        # Gram side unsharded), rows sharded of a tall one (iterated transposed), and "auto" on a
+        # shape where the CPU rule takes the Gram iteration.
+        cases = [((2, 24, 96), 1, "gram"), ((2, 96, 24), 0, "gram"), ((1, 128, 512), 1, "auto")]
+        for shape, partition_dim, algorithm in cases:
+            for precision in ("highest", "medium"):
+                full = torch.randn(shape, generator=gen)
+                dim = 1 + partition_dim
+                local = full.chunk(world_size, dim=dim)[rank].contiguous()
+                tp = TPLayout(dist.group.WORLD, world_size, rank, partition_dim, "distributed")
+                config = _config(precision, algorithm)
+                transpose = partition_dim == 0
+                m, n = shape[1], shape[2]
+                assert _gram_restarts(config, m, n, transpose, "cpu") is not None, (shape, algorithm)
+                out = distributed_newton_schulz(local, tp, config, 1e-7)
+                expected = me.newton_schulz(full, precision=precision, transpose=transpose, algorithm=algorithm)
+                expected = expected.chunk(world_size, dim=dim)[rank]
+                # Same rounding points, different summation order of the sharded products.
+                tol = 1e-5 if precision == "highest" else TOLERANCE["medium"] / 4
+                err = rel_err(out, expected)
+                assert err <= tol, f"rank {rank} {shape} pd {partition_dim} {precision} {algorithm}: {err:.2e}"
+        # "standard" keeps the per-iteration all-reduce path.
+        assert _gram_restarts(_config("highest", "standard"), 128, 512, False, "cpu") is None
+    finally:
+        dist.destroy_process_group()
