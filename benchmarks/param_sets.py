@@ -42,6 +42,18 @@ def qwen3_moe_layer(expert_rows: int = 2048, q_rows: int = 2048) -> list[tuple[i
     return attention + router + per_expert * experts
 
 
+def llama_1b_layer() -> list[tuple[int, int]]:
+    """One decoder layer of Llama-3.2-1B (61 M params): the seven matrices of llama_1b()."""
+    return llama_layer(2048, 32, 8, 8192)
+
+
+def qwen3_moe_experts(experts: int = 8) -> list[tuple[int, int]]:
+    """A Qwen3-30B-A3B MoE layer with its real shapes (q 4096 x 2048, k/v 512 x 2048, o 2048 x 4096,
+    router 128 x 2048) and `experts` of its 128 experts (gate/up 768 x 2048, down 2048 x 768):
+    the rectangular expert matrices of a MoE model at a size a CPU steps in seconds."""
+    return qwen3_moe_layer(expert_rows=768, q_rows=4096)[: 5 + 3 * experts]
+
+
 def tiny_gpt() -> list[tuple[int, int]]:
     """A 2-layer, d_model 64 GPT for quick runs: every code path, hardly any work."""
     d = 64

@@ -4,12 +4,16 @@
 - ``torch.optim.Muon`` (PyTorch >= 2.9, single-tensor loop) and its Newton–Schulz function.
 - A plain-PyTorch batched implementation written for this benchmark: torch._foreach_* momentum,
   weight decay and update, equal shapes stacked, Newton–Schulz compiled with ``torch.compile``.
+- gram-newton-schulz (Dao-AILab, PyPI ``gram-newton-schulz``): its ``GramNewtonSchulz`` with the
+  torch backend (its GPU kernels need quack / CUTLASS, not installed), compiled as it does itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import typing
+from types import SimpleNamespace
 from typing import Sequence
 
 import torch
@@ -31,6 +35,7 @@ TORCH_NS = "torch.optim.Muon NS"
 COMPILED = "torch.compile batched"
 FOREACH = "torch._foreach"
 LOOP = "per-tensor loop"
+GRAM_NS = "gram-newton-schulz (torch)"
 
 
 def emerging_optimizers():
@@ -58,15 +63,32 @@ def torch_ns_function():
     return _muon._zeropower_via_newtonschulz
 
 
+def compute_dtype(precision: str) -> torch.dtype:
+    """The storage type of a precision's products: bf16 for "medium", fp32 otherwise."""
+    return torch.bfloat16 if precision == "medium" else torch.float32
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """torch's fp32 matmul precision for the peers' own products: TF32 for "high"."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "high" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 # ------------------------------------------------------------------ plain batched Newton–Schulz
-def plain_newton_schulz(x: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float = 1e-7):
-    """Batched NS in plain PyTorch: fp32 Frobenius normalization, bf16 products (precision "medium")."""
+def plain_newton_schulz(x: torch.Tensor, coefficients: Sequence[tuple[float, float, float]], eps: float = 1e-7,
+                        dtype: torch.dtype = torch.bfloat16):
+    """Batched NS in plain PyTorch: fp32 Frobenius normalization, products in ``dtype``."""
     batched = x if x.dim() == 3 else x.unsqueeze(0)
     transpose = batched.size(-2) > batched.size(-1)
     if transpose:
         batched = batched.mT
     X = batched / torch.linalg.vector_norm(batched, dim=(-2, -1), keepdim=True).clamp_min(eps)
-    X = X.to(torch.bfloat16)
+    X = X.to(dtype)
     for a, b, c in coefficients:
         A = torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
@@ -80,17 +102,64 @@ def plain_newton_schulz(x: torch.Tensor, coefficients: Sequence[tuple[float, flo
 _COMPILED_NS = {}
 
 
-def compiled_newton_schulz(coefficients: Sequence[tuple[float, float, float]]):
-    """One compiled NS per schedule; dynamic shapes so every matrix shape shares the compilation."""
-    key = tuple(tuple(row) for row in coefficients)
+def compiled_newton_schulz(coefficients: Sequence[tuple[float, float, float]], precision: str = "medium"):
+    """One compiled NS per schedule and precision; dynamic shapes so every matrix shape shares the
+    compilation."""
+    key = (tuple(tuple(row) for row in coefficients), precision)
     if key not in _COMPILED_NS:
         rows = [tuple(row) for row in coefficients]
+        dtype = compute_dtype(precision)
+        compiled = torch.compile(lambda x: plain_newton_schulz(x, rows, dtype=dtype), dynamic=True)
 
         def ns(x):
-            return plain_newton_schulz(x, rows)
+            with matmul_precision(precision):
+                return compiled(x)
 
-        _COMPILED_NS[key] = torch.compile(ns, dynamic=True)
+        _COMPILED_NS[key] = ns
     return _COMPILED_NS[key]
+
+
+# ------------------------------------------------------------------ gram-newton-schulz
+def _fp32_backend():
+    """gram-newton-schulz's torch backend with every product in fp32: its iteration casts X to fp16
+    first, and a CPU without native fp16 GEMMs runs fp16 products about 100x slower than fp32. Only
+    that first rounding to fp16 stays; R, Q and the result are fp32."""
+
+    def f(t):
+        return t.float()
+
+    return SimpleNamespace(
+        sym_mm=lambda A, B: f(A) @ f(B),
+        sym_baddbmm=lambda A, B, C, alpha=1.0, beta=1.0: torch.baddbmm(f(C), f(A), f(B), alpha=alpha, beta=beta),
+        mm=lambda A, B: f(A) @ f(B),
+        mm_add=lambda A, B, C, beta: torch.baddbmm(f(C), f(A), f(B), beta=beta),
+    )
+
+
+GRAM_NS_RESTARTS = [2]  # GramNewtonSchulz's default: one restart before the third step
+
+
+def gram_newton_schulz(coefficients: Sequence[tuple[float, float, float]], device_type: str, eps: float = 1e-7):
+    """gram-newton-schulz's GramNewtonSchulz (torch backend, its own compilation) as fn(x) -> fp32,
+    and a note on how it ran; or (None, why not)."""
+    try:
+        import gram_newton_schulz as gns
+        from gram_newton_schulz import gram_newton_schulz as gns_impl
+    except Exception as exc:  # not installed
+        return None, f"gram_newton_schulz not importable ({type(exc).__name__}: {exc})"
+    rows = [list(row) for row in coefficients]
+    if device_type == "cuda":
+        # Its own torch path: fp16 products, compiled with CUDA graphs (its default).
+        ns = gns.GramNewtonSchulz(ns_epsilon=eps, ns_use_kernels=False, ns_coefficients=rows,
+                                  gram_newton_schulz_reset_iterations=GRAM_NS_RESTARTS)
+        return (lambda x: ns(x).float()), "torch backend, fp16 products"
+    compile_kwargs = {"fullgraph": True}  # its default minus "reduce-overhead" (CUDA graphs)
+    ns = gns.GramNewtonSchulz(ns_epsilon=eps, ns_use_kernels=False, ns_coefficients=rows,
+                              gram_newton_schulz_reset_iterations=GRAM_NS_RESTARTS, compile_kwargs=compile_kwargs)
+    backend = _fp32_backend()
+    ns._gram_torch = gns_impl._make_compiled_gram(backend, rows, GRAM_NS_RESTARTS, eps, compile_kwargs)
+    ns._standard_torch = gns_impl._make_compiled_standard(backend, rows, eps, compile_kwargs)
+    return (lambda x: ns(x).float()), "torch backend with fp32 products (X rounded to fp16 once)"
 
 
 def group_by_shape(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
@@ -117,10 +186,11 @@ class PlainBatchedMuon:
     shapes is stacked and orthogonalized by one compiled batched Newton–Schulz.
     """
 
-    def __init__(self, params, *, lr, momentum, weight_decay, nesterov, coefficients, scale_mode, extra_scale):
+    def __init__(self, params, *, lr, momentum, weight_decay, nesterov, coefficients, scale_mode, extra_scale,
+                 precision="medium"):
         self.params = list(params)
         self.lr, self.momentum, self.weight_decay, self.nesterov = lr, momentum, weight_decay, nesterov
-        self.ns = compiled_newton_schulz(coefficients)
+        self.ns = compiled_newton_schulz(coefficients, precision)
         self.buffers = [torch.zeros_like(p) for p in self.params]
         self.groups = group_by_shape(self.params)
         self.scales = [

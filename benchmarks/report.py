@@ -17,8 +17,11 @@ How to read a table:
 - **median ms**: median time of one call (one Newton–Schulz, one memory-bound op, or one whole
   optimizer step) after a warm-up; the first call (compilation, lazy state) is never timed.
 - **peer / ours**: the peer's median divided by megatron-eopt's; above 1 means megatron-eopt is faster.
-- **throughput**: TFLOP/s (Newton–Schulz FLOPs with full GEMMs: per step 4·s²·l + 2·s³ for an
-  s×l matrix, s ≤ l) or GB/s (bytes each op must read and write, each tensor once).
+- **GFLOP**: the FLOPs an implementation performs per call by the Newton–Schulz algorithm it runs,
+  with full GEMMs: standard, per step 4·s²·l + 2·s³ for an s×l matrix, s ≤ l; Gram (DESIGN §11),
+  4·s²·l per (re)start and at the end plus 2 to 8·s³ per step (megatron-eopt counts what its
+  `auto` chose per matrix; gram-newton-schulz its Gram iteration with one restart).
+- **throughput**: TFLOP/s of those FLOPs, or GB/s (bytes each op must read and write, each tensor once).
 - **peak MiB** (GPU only): memory an implementation holds at the peak of a call beyond the inputs
   all implementations share: its optimizer state plus transient workspace
   (torch.cuda.max_memory_allocated). The CPU tables show n/a: tracemalloc does not see tensor
@@ -29,8 +32,17 @@ How to read a table:
 
 Methodology: GPU calls are timed with CUDA events, inputs rotate over enough copies to exceed twice
 the L2 cache; CPU calls are timed with a wall clock, implementations interleaved call by call
-(see `benchmarks/timing.py`). Hyper-parameters, the same for every implementation: {hyper}.
+(see `benchmarks/timing.py`). Hyper-parameters are the same for every implementation of a run and
+listed in its section; the Newton–Schulz schedule and precision default per device
+(`benchmarks/hyper.py`: GPU simple / medium, CPU quintic / highest, since bf16 GEMMs have no fast
+path on CPUs without AVX512-BF16). Sections without that line ran {hyper}.
 """
+
+# What every run used before sections listed their own hyper-parameters (the H100 table).
+_LEGACY_HYPER = (
+    "NS simple x5, precision medium (bf16 products); Muon lr 0.02, momentum 0.95, Nesterov True, "
+    "decoupled weight decay 0.01, scale shape_scaling"
+)
 
 _SECTION_RE = re.compile(r"<!-- section: (?P<key>.*?) -->\n(?P<body>.*?)<!-- /section -->\n?", re.DOTALL)
 
@@ -59,11 +71,11 @@ def table_rows(workloads: list[dict]) -> list[list[str]]:
             label = w["name"] if first else ""
             first = False
             if name in w["skipped"]:
-                rows.append([label, name, "not measured", "", "", "", ""])
+                rows.append([label, name, "not measured", "", "", "", "", ""])
                 continue
             entry = results[name]
             if "error" in entry:
-                rows.append([label, name, "error", "", "", "", ""])
+                rows.append([label, name, "error", "", "", "", "", ""])
                 continue
             ms = entry["median_ms"]
             if name == OURS:
@@ -79,6 +91,7 @@ def table_rows(workloads: list[dict]) -> list[list[str]]:
                     name,
                     f"{ms:.4g}",
                     ratio,
+                    _fmt(entry.get("flops") and entry["flops"] / 1e9, ".4g", ""),
                     _throughput(entry),
                     _fmt(entry.get("peak_mib"), ".1f"),
                     "" if name == OURS else _fmt(diff, ".1e", ""),
@@ -87,7 +100,8 @@ def table_rows(workloads: list[dict]) -> list[list[str]]:
     return rows
 
 
-COLUMNS = ["workload", "implementation", "median ms", "peer / ours", "throughput", "peak MiB", "rel. diff vs ours"]
+COLUMNS = ["workload", "implementation", "median ms", "peer / ours", "GFLOP", "throughput", "peak MiB",
+           "rel. diff vs ours"]
 
 
 def markdown_table(workloads: list[dict]) -> str:
@@ -129,6 +143,8 @@ def section_markdown(doc: dict) -> str:
     if "gpu_memory_gib" in env:
         facts.append(f"{env['gpu_memory_gib']} GiB, L2 {env['gpu_l2_mib']} MiB, {env['gpu_sm_count']} SMs")
     lines.append("Measured: " + "; ".join(facts) + ".")
+    if doc.get("hyper_parameters"):
+        lines += ["", f"Hyper-parameters: {doc['hyper_parameters']}."]
     lines += ["", markdown_table(doc["workloads"]), ""]
     notes = footnotes(doc["workloads"], doc["not_run"])
     if notes:
@@ -154,16 +170,22 @@ def _status_paragraph(keys: list[str]) -> str:
 
 def update_results_md(path: str, doc: dict, hyper_text: str) -> None:
     """Replaces (or adds) this device's section of ``path``; rewrites the header and status lines."""
+    del hyper_text  # each section carries its own now
+    write_section(path, doc["environment"]["device_key"], section_markdown(doc))
+
+
+def write_section(path: str, key: str, body: str) -> None:
+    """Replaces (or adds) the section ``key`` of ``path``, keeping the others; rewrites the header
+    and status lines. Device tables ("cuda: ...", "cpu: ...") come first, other sections after."""
     sections: dict[str, str] = {}
     if os.path.exists(path):
         with open(path) as f:
             for match in _SECTION_RE.finditer(f.read()):
                 sections[match["key"]] = match["body"]
-    key = doc["environment"]["device_key"]
-    sections[key] = section_markdown(doc)
-    # GPU sections first, then CPU; each group in name order.
-    ordered = sorted(sections, key=lambda k: (not k.startswith("cuda:"), k))
-    parts = [_HEADER.format(hyper=hyper_text), _status_paragraph(ordered), ""]
+    sections[key] = body
+    group = {"cuda:": 0, "cpu:": 1}
+    ordered = sorted(sections, key=lambda k: (group.get(k.split(" ", 1)[0], 2), k))
+    parts = [_HEADER.format(hyper=_LEGACY_HYPER), _status_paragraph(ordered), ""]
     for k in ordered:
         body = sections[k].rstrip("\n") + "\n"
         parts.append(f"<!-- section: {k} -->\n{body}<!-- /section -->\n")

@@ -2,12 +2,15 @@
 """Benchmarks megatron-eopt against its peers and prints one table.
 
     python benchmarks/run.py [--device cpu|cuda] [--quick] [--workload NAME ...]
+                             [--precision P] [--coefficients TYPE]
                              [--out FILE.json] [--results-md FILE] [--list] [--render FILE.json]
 
 Peers, measured in the same run with the same hyper-parameters: Emerging-Optimizers 0.3.0
 (`Muon`, `AdaptiveMuon`, `newton_schulz`), `torch.optim.Muon` (and its Newton–Schulz function), a
-plain-PyTorch batched implementation compiled with torch.compile, and for the memory-bound ops
-torch._foreach_* and per-tensor loops. Without --workload, a full CUDA run measures every workload,
+plain-PyTorch batched implementation compiled with torch.compile, gram-newton-schulz's torch
+path (Newton–Schulz workloads), and for the memory-bound ops torch._foreach_* and per-tensor
+loops. The Newton–Schulz schedule and precision default per device (see hyper.py: CUDA simple /
+medium, CPU quintic / highest). Without --workload, a full CUDA run measures every workload,
 a full CPU run those a 2-core CPU finishes (about 10 minutes), and --quick a tiny version of one
 workload per code path (20-40 s on the 2-core development machine, the first run included while
 torch.compile fills its cache). Workloads of ops or optimizers missing from the build are left out
@@ -52,6 +55,10 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads for torch (default: torch's own; --quick: 1, since its tiny ops only "
                              "lose from threading, badly so on a loaded machine)")
+    parser.add_argument("--precision", choices=["medium", "high", "highest"], default=None,
+                        help="Newton–Schulz precision of every implementation (default: the device's, hyper.py)")
+    parser.add_argument("--coefficients", default=None, metavar="TYPE",
+                        help="Newton–Schulz coefficient type of every implementation (default: the device's)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--render", metavar="FILE.json",
                         help="measure nothing: print the table of a saved --out JSON and update --results-md "
@@ -145,6 +152,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
 
+    hyper.configure(device.type, args.coefficients, args.precision)
     threads = args.threads if args.threads is not None else (1 if args.quick else None)
     if threads is not None:
         torch.set_num_threads(threads)

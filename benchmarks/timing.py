@@ -34,6 +34,7 @@ class Impl:
     name: str
     make: Callable[[], Callable[[Any], Any]]
     is_ours: bool = False
+    flops: float | None = None  # per call, by this implementation's algorithm (default: the case's)
 
 
 @dataclass
@@ -111,6 +112,7 @@ def measure(case: Case, plan: Plan, device: torch.device) -> dict[str, dict]:
         fn(inp)
 
     estimates: dict[str, float] = {}
+    impl_flops = {impl.name: impl.flops if impl.flops is not None else case.flops for impl in case.impls}
     for impl in case.impls:
         try:
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
@@ -188,8 +190,9 @@ def measure(case: Case, plan: Plan, device: torch.device) -> dict[str, dict]:
         if device.type == "cuda":
             entry["peak_mib"] = (entry.get("state_mib") or 0.0) + workspace.get(name, 0.0)
         seconds = entry["median_ms"] / 1e3
-        if case.flops:
-            entry["tflops"] = case.flops / seconds / 1e12
+        if impl_flops.get(name):
+            entry["flops"] = impl_flops[name]
+            entry["tflops"] = impl_flops[name] / seconds / 1e12
         if case.bytes_moved:
             entry["gbps"] = case.bytes_moved / seconds / 1e9
     fns.clear()

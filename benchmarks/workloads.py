@@ -162,6 +162,11 @@ def catalogue() -> list[Workload]:
         ]
     steps = [
         _step("gpt2_124m", param_sets.gpt2_124m, "Muon step, GPT-2 124M hidden matrices (85 M params)", in_quick=True),
+        _step("llama_1b_layer", param_sets.llama_1b_layer,
+              "Muon step, one Llama-3.2-1B decoder layer (61 M params; FFN 8192 x 2048)"),
+        _step("qwen3_moe_8experts", param_sets.qwen3_moe_experts,
+              "Muon step, Qwen3-30B-A3B MoE layer with 8 of its 128 experts, real shapes (experts 768 x 2048 / "
+              "2048 x 768; 64 M params)"),
         _step("llama_1b", param_sets.llama_1b, "Muon step, Llama-3.2-1B hidden matrices (0.97 B params)",
               cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.llama_1b())})"),
         _step("llama_8b_4layers", param_sets.llama_8b_layers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 import hyper
+import ns_flops
 import peers
 from timing import Case, Impl, rotation_count
 
@@ -45,11 +46,26 @@ def split_apply(x: torch.Tensor, sizes: list[int], groups: int, ns_fn) -> torch.
     return torch.cat(outs, dim=1).view(-1, n)
 
 
-def _implementations(layout: str, split: tuple[list[int], int] | None = None):
-    """name -> fn(input) for the given input layout ("single", "batch", "list" or "split"), and
-    the reasons for implementations left out."""
+def _per_shape(fn):
+    """fn over a list of 2-D matrices: equal shapes stacked and run as one batch."""
+
+    def run(xs):
+        out = [None] * len(xs)
+        for group in peers.group_by_shape(xs):
+            stacked = fn(torch.stack([xs[i] for i in group]))
+            for i, o in zip(group, stacked.unbind(0)):
+                out[i] = o
+        return out
+
+    return run
+
+
+def _implementations(layout: str, device: torch.device, split: tuple[list[int], int] | None = None):
+    """name -> fn(input) for the given input layout ("single", "batch", "list" or "split"), the
+    reasons for implementations left out, and notes on how some ran."""
     fns: dict[str, callable] = {}
     skipped: dict[str, str] = {}
+    notes: list[str] = []
     a, b, c = hyper.COEFFICIENTS[0]
 
     if layout == "split":
@@ -79,6 +95,10 @@ def _implementations(layout: str, split: tuple[list[int], int] | None = None):
             fns[peers.EO_NS] = (lambda xs: [eo(x) for x in xs]) if layout == "list" else eo
 
     why = peers.torch_muon_available()
+    if not why and not hyper.single_row():
+        why = f"takes one (a, b, c) row; this run's schedule is {hyper.COEFFICIENT_TYPE}"
+    if not why and hyper.PRECISION != "medium":
+        why = f"computes in bf16 only; this run's precision is {hyper.PRECISION}"
     if why:
         skipped[peers.TORCH_NS] = why
     else:
@@ -95,23 +115,26 @@ def _implementations(layout: str, split: tuple[list[int], int] | None = None):
         else:
             fns[peers.TORCH_NS] = lambda xs: [torch_ns(x) for x in xs]
 
-    compiled = peers.compiled_newton_schulz(hyper.COEFFICIENTS)
+    compiled = peers.compiled_newton_schulz(hyper.COEFFICIENTS, hyper.PRECISION)
     if layout == "list":
-
-        def compiled_list(xs):
-            out = [None] * len(xs)
-            for group in peers.group_by_shape(xs):
-                stacked = compiled(torch.stack([xs[i] for i in group]))
-                for i, o in zip(group, stacked.unbind(0)):
-                    out[i] = o
-            return out
-
-        fns[peers.COMPILED] = compiled_list
+        fns[peers.COMPILED] = _per_shape(compiled)
     elif layout == "split":
         fns[peers.COMPILED] = lambda x: split_apply(x, *split, compiled)
     else:
         fns[peers.COMPILED] = compiled
-    return fns, skipped
+
+    gram, how = peers.gram_newton_schulz(hyper.COEFFICIENTS, device.type, hyper.EPS)
+    if gram is None:
+        skipped[peers.GRAM_NS] = how
+    else:
+        notes.append(f"{peers.GRAM_NS}: {how}, restarts before steps {peers.GRAM_NS_RESTARTS}")
+        if layout == "list":
+            fns[peers.GRAM_NS] = _per_shape(gram)
+        elif layout == "split":
+            fns[peers.GRAM_NS] = lambda x: split_apply(x, *split, gram)
+        else:
+            fns[peers.GRAM_NS] = gram
+    return fns, skipped, notes
 
 
 def build_ns_case(
@@ -140,8 +163,15 @@ def build_ns_case(
         return mats
 
     inputs = [make_input() for _ in range(copies)]
-    fns, skipped = _implementations(layout, split)
-    impls = [Impl(n, (lambda f=f: f), is_ours=(n == OURS)) for n, f in fns.items()]
+    fns, skipped, notes = _implementations(layout, device, split)
+    # The matrices each call orthogonalizes (split: its parts), for the FLOPs of each algorithm.
+    if layout == "split":
+        sizes, groups = split
+        matrices = [(groups * size, shapes[0][1]) for size in sizes]
+    else:
+        matrices = list(shapes)
+    impl_flops = {OURS: ns_flops.ours_flops(matrices, device.type), peers.GRAM_NS: ns_flops.gram_peer_flops(matrices)}
+    impls = [Impl(n, (lambda f=f: f), is_ours=(n == OURS), flops=impl_flops.get(n)) for n, f in fns.items()]
 
     def parity() -> dict[str, float]:
         ref = [o.float() for o in _as_list(fns[OURS](inputs[0]))]
@@ -157,11 +187,7 @@ def build_ns_case(
             diffs[impl_name] = _rel_diff(out, ref)
         return diffs
 
-    if layout == "split":
-        sizes, groups = split
-        flops = sum(hyper.ns_flops(groups * size, shapes[0][1]) for size in sizes)
-    else:
-        flops = sum(hyper.ns_flops(m, n) for m, n in shapes)
+    flops = sum(hyper.ns_flops(m, n) for m, n in matrices)
     return Case(
         name=name,
         kind="ns",
@@ -171,5 +197,5 @@ def build_ns_case(
         flops=flops,
         skipped=skipped,
         parity=parity,
-        notes=[f"{copies} rotating input copies"],
+        notes=[f"{copies} rotating input copies"] + notes,
     )

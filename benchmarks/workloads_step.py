@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 
 import hyper
+import ns_flops
 import peers
 from timing import Case, Impl, rotation_count
 
@@ -77,6 +78,10 @@ def step_builders(adaptive: str | None = None) -> tuple[dict[str, StepBuilder], 
         return builders, skipped
 
     why = peers.torch_muon_available()
+    if not why and not hyper.single_row():
+        why = f"takes one (a, b, c) row; this run's schedule is {hyper.COEFFICIENT_TYPE}"
+    if not why and hyper.PRECISION != "medium":
+        why = f"computes in bf16 only; this run's precision is {hyper.PRECISION}"
     if why:
         skipped[peers.TORCH_MUON] = why
     else:
@@ -98,6 +103,10 @@ def step_builders(adaptive: str | None = None) -> tuple[dict[str, StepBuilder], 
         builders[peers.TORCH_MUON] = torch_muon
 
     builders[peers.COMPILED] = lambda params: peers.PlainBatchedMuon(params, **_plain_kwargs()).step
+    skipped[peers.GRAM_NS] = (
+        "its Muon has its own lr adjustment and runs Newton–Schulz in fp16 (no fast path on CPUs); "
+        "its Newton–Schulz is measured in the ns_ workloads"
+    )
     return builders, skipped
 
 
@@ -110,6 +119,7 @@ def _plain_kwargs() -> dict:
         coefficients=hyper.COEFFICIENTS,
         scale_mode=hyper.SCALE_MODE,
         extra_scale=hyper.EXTRA_SCALE,
+        precision=hyper.PRECISION,
     )
 
 
@@ -161,9 +171,11 @@ def build_step_case(
 
     builders, skipped = step_builders(adaptive)
     impls = []
+    ours_flops = ns_flops.ours_flops(shapes, device.type)
     for impl_name, build in builders.items():
         # Each optimizer keeps its own state; all of them update the same parameters.
-        impls.append(Impl(impl_name, (lambda b=build: (lambda _grads, s=b(params): s())), is_ours=impl_name == OURS))
+        impls.append(Impl(impl_name, (lambda b=build: (lambda _grads, s=b(params): s())), is_ours=impl_name == OURS,
+                          flops=ours_flops if impl_name == OURS else None))
 
     return Case(
         name=name,

@@ -13,6 +13,9 @@ fi
 "$PY" -m pip install -q "scikit-build-core>=0.10" ninja "cmake>=3.26" pytest numpy expecttest matplotlib
 # Reference implementations the parity tests compare against (no torch from their requirements).
 "$PY" -m pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py typing_extensions
+# Benchmark peer: Dao-AILab's gram-newton-schulz (its torch backend only; its GPU kernels' packages,
+# quack-kernels and nvidia-cutlass-dsl, are not needed for that).
+"$PY" -m pip install -q --no-deps gram-newton-schulz==0.1.6
 # Megatron-LM's optimizer factory, for the integration tests. megatron-core 0.19.2 declares
 # Python >= 3.12, but its optimizer factory and GPTModel import on 3.11 and need nothing beyond
 # torch, numpy and packaging (its extras pull Transformer Engine, Apex etc.: not wanted here).

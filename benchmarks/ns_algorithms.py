@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""megatron-eopt's two Newton–Schulz algorithms against each other, over matrix shapes.
+
+    python benchmarks/ns_algorithms.py [--device cpu|cuda] [--precision P] [--coefficients TYPE]
+                                       [--quick] [--results-md FILE]
+
+For each shape, algorithm="standard" and algorithm="gram" are timed interleaved call by call
+(same inputs, medians), next to the ratio of their FLOPs (full GEMMs) and what algorithm="auto"
+runs there. This is the measurement the "auto" rule of csrc/include/megatron_eopt/ns_algorithm.h
+is calibrated on. With --results-md the table becomes that file's "algorithms: <device>" section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(HERE)
+if glob.glob(os.path.join(REPO_ROOT, "megatron_eopt", "_C*.so")):
+    sys.path.insert(0, REPO_ROOT)
+
+import torch  # noqa: E402
+
+import env_info  # noqa: E402
+import hyper  # noqa: E402
+import ns_flops  # noqa: E402
+import report  # noqa: E402
+
+import megatron_eopt as me  # noqa: E402
+
+# Gram sides from launch-bound to compute-bound, aspect ratios from square to 4:1, and the
+# shapes of the model sets (GPT-2 MLP and QKV, Qwen3 MoE experts, Llama FFN).
+SIDES = [32, 64, 128, 256, 512, 1024]
+RATIOS = [1, 1.5, 2, 3, 4]
+MODEL_SHAPES = [(768, 2304), (3072, 768), (768, 2048), (2048, 768), (2048, 8192)]
+
+
+def shapes(quick: bool) -> list[tuple[int, int]]:
+    if quick:
+        return [(32, 128), (64, 256)]
+    out = [(s, int(s * r)) for s in SIDES for r in RATIOS]
+    out += [(4096, 1024)]  # a tall one: the transpose is a choice of products
+    return out + MODEL_SHAPES
+
+
+def time_pair(x: torch.Tensor, device: torch.device, target_s: float, max_repeats: int) -> dict[str, float]:
+    fns = {
+        a: (lambda a=a: me.newton_schulz(x, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE,
+                                         precision=hyper.PRECISION, algorithm=a))
+        for a in ("standard", "gram")
+    }
+    for fn in fns.values():  # first calls: plans, caches
+        fn()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    for fn in fns.values():
+        fn()
+    sync()
+    estimate = (time.perf_counter() - start) / 2
+    repeats = int(min(max_repeats, max(3, target_s / max(estimate, 1e-9))))
+    samples = {a: [] for a in fns}
+    for _ in range(repeats):
+        for a, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples[a].append(time.perf_counter() - t0)
+    return {a: statistics.median(v) * 1e3 for a, v in samples.items()}
+
+
+def auto_choice(x: torch.Tensor) -> str:
+    kwargs = dict(steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE, precision=hyper.PRECISION)
+    auto = me.newton_schulz(x, **kwargs)
+    return "gram" if torch.equal(auto, me.newton_schulz(x, algorithm="gram", **kwargs)) else "standard"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    parser.add_argument("--precision", choices=["medium", "high", "highest"], default=None)
+    parser.add_argument("--coefficients", default=None, metavar="TYPE")
+    parser.add_argument("--quick", action="store_true", help="two tiny shapes: a smoke run")
+    parser.add_argument("--results-md", metavar="FILE")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    hyper.configure(device.type, args.coefficients, args.precision)
+    env = env_info.collect(device)
+    load_start = os.getloadavg() if device.type == "cpu" else None
+    gen = torch.Generator(device=device).manual_seed(7)
+    rows = []
+    for m, n in shapes(args.quick):
+        x = torch.randn(m, n, device=device, generator=gen)
+        ms = time_pair(x, device, target_s=0.2 if args.quick else 3.0, max_repeats=5 if args.quick else 25)
+        flop_ratio = hyper.ns_flops(m, n) / ns_flops.ours_matrix_flops(m, n, device.type, "gram")
+        row = [f"{m}x{n}", f"{ms['standard']:.4g}", f"{ms['gram']:.4g}", f"{ms['standard'] / ms['gram']:.2f}x",
+               f"{flop_ratio:.2f}", auto_choice(x)]
+        print(" | ".join(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    load_end = os.getloadavg() if device.type == "cpu" else None
+
+    columns = ["shape", "standard ms", "gram ms", "standard / gram", "FLOP ratio", "auto runs"]
+    table = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] * len(columns)) + "|"]
+    table += ["| " + " | ".join(r) + " |" for r in rows]
+    facts = [f"commit `{env['git_commit']}`", f"torch {env['torch']}", f"date {env['date_utc']}"]
+    if load_start is not None:
+        facts.append(f"load average (1, 5, 15 min) {[round(v, 2) for v in load_start]} at the start, "
+                     f"{[round(v, 2) for v in load_end]} at the end")
+    body = "\n".join([
+        f"## Newton–Schulz algorithms, {env['device_name']} ({device.type})",
+        "",
+        f"Measured by `python benchmarks/ns_algorithms.py`: {'; '.join(facts)}. NS {hyper.COEFFICIENT_TYPE} "
+        f"x{hyper.NS_STEPS}, precision {hyper.PRECISION}; both algorithms interleaved call by call. FLOP ratio: "
+        "standard over Gram FLOPs with full GEMMs (the CPU also computes symmetric products as blocks "
+        "above the diagonal, in both algorithms).",
+        "",
+        *table,
+        "",
+    ])
+    print(body)
+    if args.results_md:
+        report.write_section(args.results_md, f"algorithms: {env['device_name']}", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
