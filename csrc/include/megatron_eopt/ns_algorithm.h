@@ -59,11 +59,12 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 // When "auto" takes the Gram iteration: its modelled cost (FLOPs weighted as above, symmetric
 // products at the fraction the device computes) at most 1/min_speedup of the standard iteration's,
 // and a Gram side large enough for the products to be compute-bound.
-// CPU: from `python benchmarks/ns_algorithms.py` on the development machine (fp32, quintic x5,
-// both algorithms interleaved): for s >= 256 the measured speedup follows the model within 0.1
-// (256 x 1024: model 1.29, measured 1.38; 1024 x 2048: 1.17 / 1.10; 1024 x 4096: 1.35 / 1.37);
-// below a modelled 1.15 Gram was no faster (256 x 512: 1.09 / 0.96), and under s = 64 the extra
-// small products cost more than they save (32 x 128: 1.29 / 0.93; 64 x 256: 1.29 / 1.17).
+// CPU: from `python benchmarks/ns_algorithms.py` on the development machine (benchmarks/RESULTS.md,
+// fp32, quintic x5, both algorithms interleaved): from s = 256 the measured speedup follows the
+// model within about 0.1 (256 x 1024: model 1.29, measured 1.33; 512 x 2048: 1.32 / 1.28;
+// 1024 x 2048: 1.17 / 1.17; 1024 x 4096: 1.35 / 1.38); at s = 128 Gram gained only from a ratio
+// of 3 (128 x 384: 1.21 / 1.12; 128 x 256: 1.09 / 0.97), and below s = 128 its extra small
+// products cost what they save (64 x 256: 1.29 / 0.99; 32 x 128: 1.29 / 0.86).
 // CUDA: not measured yet; set from the FLOP model with a margin for the extra launches (up to four
 // s x s products per step instead of one) until a GPU run calibrates it.
 struct NsAutoRule {
@@ -72,7 +73,7 @@ struct NsAutoRule {
 };
 
 inline NsAutoRule ns_auto_rule(NsDevice device) {
-  return device == NsDevice::kCpu ? NsAutoRule{1.15, 64} : NsAutoRule{1.25, 512};
+  return device == NsDevice::kCpu ? NsAutoRule{1.1, 128} : NsAutoRule{1.25, 512};
 }
 
 // Modelled time ratio standard / Gram of one call; above 1 the Gram iteration does less work.
