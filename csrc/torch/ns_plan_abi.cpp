@@ -24,7 +24,7 @@ extern "C" int megatron_eopt_ns_plan(const double* coefficients, int64_t values,
                                                                                : NsAlgorithm::kGram;
     const NsDevice d = device == 1 ? NsDevice::kCuda : NsDevice::kCpu;
     const NsAlgorithmChoice choice = choose_ns_algorithm(a, m, n, transpose != 0, schedule, p, d);
-    const std::vector<bool> r = gram_restarts(schedule.size(), gram_arithmetic(p, d));
+    const std::vector<bool> r = gram_restarts(schedule, gram_arithmetic(p, d));
     for (std::size_t k = 0; k < r.size(); ++k) restart[k] = r[k] ? 1 : 0;
     return choice.algorithm == NsAlgorithm::kGram ? 1 : 0;
   } catch (const std::exception&) {

@@ -129,7 +129,7 @@ void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool tr
     for (int64_t i = 0; i < m * n; ++i) x[t * m * n + i] /= std::sqrt(ss);
   }
   const auto sched = schedule(table, steps);
-  const auto restart = gram_restarts(sched.size(), arithmetic);
+  const auto restart = gram_restarts(sched, arithmetic);
   const GramProgram program =
       make_gram_program(m, n, transpose, sched, restart, arithmetic == GramArithmetic::kBf16W);
   const auto got = run_program(program, x, batch, m, n, transpose);
@@ -146,17 +146,20 @@ void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool tr
 }  // namespace
 
 // ------------------------------------------------------------------ restarts
-TEST(GramRestarts, CadencePerArithmetic) {
-  const auto fp32 = gram_restarts(5, GramArithmetic::kFp32);
-  EXPECT_EQ(fp32, (std::vector<bool>{false, false, true, false, true}));
-  const auto bf16 = gram_restarts(5, GramArithmetic::kBf16W);
-  EXPECT_EQ(bf16, (std::vector<bool>{false, false, false, true, false}));
-  const auto tf32 = gram_restarts(4, GramArithmetic::kTf32);
-  EXPECT_EQ(tf32, (std::vector<bool>{false, true, true, true}));
-  EXPECT_EQ(gram_restarts(10, GramArithmetic::kBf16W),
+TEST(GramRestarts, CadencePerArithmeticAndSchedule) {
+  const auto quintic = schedule(kQuintic, 5);
+  EXPECT_EQ(gram_restarts(quintic, GramArithmetic::kFp32), (std::vector<bool>{false, false, false, true, false}));
+  EXPECT_EQ(gram_restarts(quintic, GramArithmetic::kBf16W), (std::vector<bool>{false, false, false, true, false}));
+  EXPECT_EQ(gram_restarts(schedule(kQuintic, 4), GramArithmetic::kTf32), (std::vector<bool>{false, true, true, true}));
+  // polar_express's first row (a = 8.2) is steep: fp32 restarts every two steps; bf16 W keeps three.
+  const auto polar = schedule(kPolar, 5);
+  EXPECT_EQ(gram_restarts(polar, GramArithmetic::kFp32), (std::vector<bool>{false, false, true, false, true}));
+  EXPECT_EQ(gram_restarts(polar, GramArithmetic::kBf16W), (std::vector<bool>{false, false, false, true, false}));
+  EXPECT_EQ(gram_restarts(schedule(kQuintic, 10), GramArithmetic::kFp32),
             (std::vector<bool>{false, false, false, true, false, false, true, false, false, true}));
-  EXPECT_EQ(gram_restarts(1, GramArithmetic::kFp32), std::vector<bool>{false});
-  EXPECT_EQ(gram_restarts(2, GramArithmetic::kFp32), (std::vector<bool>{false, false}));
+  EXPECT_EQ(gram_restarts(schedule(kQuintic, 1), GramArithmetic::kFp32), std::vector<bool>{false});
+  EXPECT_EQ(gram_restarts(schedule(kQuintic, 3), GramArithmetic::kFp32), (std::vector<bool>{false, false, false}));
+  EXPECT_EQ(gram_restart_interval(GramArithmetic::kFp32, {{-7.f, 1.f, 0.f}}), 2);  // |a| counts
 }
 
 // ------------------------------------------------------------------ program structure
@@ -165,7 +168,7 @@ TEST(GramProgram, BuffersAreNeverReadWhileWrittenAndEndInOut) {
     for (long steps : {1L, 2L, 3L, 5L, 8L}) {
       for (GramArithmetic ar : {GramArithmetic::kFp32, GramArithmetic::kBf16W, GramArithmetic::kTf32}) {
         const auto sched = schedule(kQuintic, steps);
-        const auto restart = gram_restarts(sched.size(), ar);
+        const auto restart = gram_restarts(sched, ar);
         const GramProgram p = make_gram_program(40, 100, false, sched, restart, bf16);
         int applies = 0, grams = 0, rounds = 0;
         for (const GramOp& op : p.ops) {
@@ -205,7 +208,7 @@ TEST(GramProgram, BuffersAreNeverReadWhileWrittenAndEndInOut) {
 
 TEST(GramProgram, TallOperandOrderPutsQFirst) {
   const auto sched = schedule(kQuintic, 5);
-  const GramProgram p = make_gram_program(100, 40, true, sched, gram_restarts(5, GramArithmetic::kFp32), false);
+  const GramProgram p = make_gram_program(100, 40, true, sched, gram_restarts(sched, GramArithmetic::kFp32), false);
   EXPECT_EQ(p.gram_side, 40);
   EXPECT_EQ(p.long_side, 100);
   for (const GramOp& op : p.ops) {
@@ -253,10 +256,10 @@ TEST(GramProgram, SingleStepAndLongSchedules) {
 TEST(GramFlops, CountsEveryProductOnce) {
   const auto sched = schedule(kQuintic, 5);
   const double s = 8, l = 32;
-  // fp32: restarts before steps 2 and 4. W W^T: 3; Q W: 3 (two restarts + final).
+  // Restarts before steps 2 and 4. W W^T: 3; Q W: 3 (two restarts + final).
   // s x s: steps 0, 2 open a segment and update R (P, R P, P R P = 3); steps 1, 3 close one
   // (P, Q P = 2); step 4 opens and closes one (P = 1): 3 + 2 + 3 + 2 + 1 = 11.
-  const GramProgram p = make_gram_program(8, 32, false, sched, gram_restarts(5, GramArithmetic::kFp32), false);
+  const GramProgram p = make_gram_program(8, 32, false, sched, {false, false, true, false, true}, false);
   const NsFlops f = gram_program_flops(p);
   EXPECT_DOUBLE_EQ(f.long_symmetric, 3 * 2 * s * s * l);
   EXPECT_DOUBLE_EQ(f.long_general, 3 * 2 * s * s * l);
@@ -303,7 +306,8 @@ TEST(NsAlgorithmChoice, AutoOnTheCpu) {
     EXPECT_EQ(pick(64, 256, p), NsAlgorithm::kStandard);  // too small to gain
     EXPECT_EQ(pick(128, 512, p), NsAlgorithm::kGram);
   }
-  EXPECT_EQ(pick(128, 256, NsPrecision::kHighest), NsAlgorithm::kStandard);  // modelled 1.09x: measured 0.97x
+  EXPECT_EQ(pick(128, 192, NsPrecision::kHighest), NsAlgorithm::kStandard);  // modelled 1.0x
+  EXPECT_EQ(pick(128, 256, NsPrecision::kHighest), NsAlgorithm::kGram);      // modelled 1.14x
   EXPECT_EQ(pick(1024, 2048, NsPrecision::kHighest), NsAlgorithm::kGram);
 }
 
@@ -314,7 +318,8 @@ TEST(NsAlgorithmChoice, AutoOnCuda) {
   };
   EXPECT_EQ(pick(1024, 4096, NsPrecision::kHighest), NsAlgorithm::kGram);
   EXPECT_EQ(pick(4096, 1024, NsPrecision::kHighest), NsAlgorithm::kGram);
-  EXPECT_EQ(pick(1024, 3072, NsPrecision::kHighest), NsAlgorithm::kStandard);
+  EXPECT_EQ(pick(1024, 3072, NsPrecision::kHighest), NsAlgorithm::kGram);
+  EXPECT_EQ(pick(1024, 2048, NsPrecision::kHighest), NsAlgorithm::kStandard);  // modelled 1.14x: under the margin
   EXPECT_EQ(pick(256, 4096, NsPrecision::kHighest), NsAlgorithm::kStandard);  // launch-bound
   // TF32 needs a restart at every step and bf16 W keeps fp32 s x s products: never a gain.
   EXPECT_EQ(pick(1024, 16384, NsPrecision::kHigh), NsAlgorithm::kStandard);
@@ -346,7 +351,7 @@ TEST(GramProgram, OperandTypesAgreeAsCublasLtRequires) {
   for (bool bf16 : {false, true}) {
     for (bool transpose : {false, true}) {
       const auto sched = schedule(kQuintic, 7);
-      const auto restart = gram_restarts(7, bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
+      const auto restart = gram_restarts(sched, bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
       const GramProgram p = make_gram_program(transpose ? 60 : 20, transpose ? 20 : 60, transpose, sched, restart, bf16);
       EXPECT_EQ(p.transpose, transpose);
       EXPECT_EQ(p.x_bf16, bf16);
@@ -379,7 +384,7 @@ TEST(GramScratchLayout, AlignedDisjointAndSized) {
   for (bool bf16 : {false, true}) {
     for (long steps : {1L, 2L, 5L}) {
       const auto sched = schedule(kQuintic, steps);
-      const auto restart = gram_restarts(sched.size(), bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
+      const auto restart = gram_restarts(sched, bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
       const GramProgram p = make_gram_program(m, n, false, sched, restart, bf16);
       const std::size_t ws = 1000;
       const GramScratchLayout l = gram_scratch_layout(p, batch, m, n, 17, ws);

@@ -60,11 +60,11 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 // products at the fraction the device computes) at most 1/min_speedup of the standard iteration's,
 // and a Gram side large enough for the products to be compute-bound.
 // CPU: from `python benchmarks/ns_algorithms.py` on the development machine (benchmarks/RESULTS.md,
-// fp32, quintic x5, both algorithms interleaved): from s = 256 the measured speedup follows the
-// model within about 0.1 (256 x 1024: model 1.29, measured 1.33; 512 x 2048: 1.32 / 1.28;
-// 1024 x 2048: 1.17 / 1.17; 1024 x 4096: 1.35 / 1.38); at s = 128 Gram gained only from a ratio
-// of 3 (128 x 384: 1.21 / 1.12; 128 x 256: 1.09 / 0.97), and below s = 128 its extra small
-// products cost what they save (64 x 256: 1.29 / 0.99; 32 x 128: 1.29 / 0.86).
+// fp32, quintic x5, both algorithms interleaved): the measured speedup follows the model within
+// about 0.1 from s = 128 (128 x 256: model 1.14, measured 1.06; 256 x 512: 1.14 / 1.10;
+// 1024 x 2048: 1.27 / 1.25; 1024 x 4096: 1.64 / 1.74), Gram was slower wherever the model says
+// below 1.0, and under s = 128 its extra small products and launches cost more than the model
+// says (32 x 128: 1.50 / 0.88; 64 x 192: 1.35 / 1.03).
 // CUDA: not measured yet; set from the FLOP model with a margin for the extra launches (up to four
 // s x s products per step instead of one) until a GPU run calibrates it.
 struct NsAutoRule {
@@ -99,7 +99,7 @@ inline NsAlgorithmChoice choose_ns_algorithm(NsAlgorithm requested, int64_t m, i
                                              NsDevice device) {
   NsAlgorithmChoice choice{NsAlgorithm::kStandard, {}};
   if (requested == NsAlgorithm::kStandard) return choice;
-  const std::vector<bool> restart = gram_restarts(schedule.size(), gram_arithmetic(precision, device));
+  const std::vector<bool> restart = gram_restarts(schedule, gram_arithmetic(precision, device));
   GramProgram program = make_gram_program(m, n, transpose, schedule, restart, precision == NsPrecision::kMedium);
   if (requested == NsAlgorithm::kAuto) {
     const NsAutoRule rule = ns_auto_rule(device);

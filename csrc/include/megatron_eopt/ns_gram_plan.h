@@ -36,28 +36,39 @@ namespace megatron_eopt {
 //   kTf32:   fp32 storage, TF32 products ("high" on CUDA).
 enum class GramArithmetic { kFp32, kBf16W, kTf32 };
 
-// Restart every `interval` steps (before steps interval, 2 interval, ...). Why these values:
-// forming R squares the condition number of the rounding it carries (an error e in R is a
-// relative error e / sigma^2 on a singular value sigma, against e / sigma for the standard
-// iteration), and the recursion multiplies it by about a^2 per step; recomputing R from the
-// current W, whose small singular values have grown meanwhile, resets it.
-//   kFp32, every 2 steps: measured against the float64 standard iteration on Gaussian (1 x n,
-//     n x 1, 97 x 37, square, batched), rank-deficient and log-spectrum (1 .. 1e-6) inputs, the
-//     Gram result stays within the §6 tolerance wherever the standard fp32 iteration does, and
-//     within 2x of the standard's own error on the inputs where neither does (rank-deficient
-//     ones); restarting only every 3 steps costs up to 6x there (cans, polar_express).
+// A row whose a exceeds this is "steep" (polar_express's 8.21, cans's 8.47, against at most 4.1
+// in simple, quintic, aol and deepseekv4): near zero it multiplies an eigenvalue of R, and the
+// rounding error on it, by a^2 = 70 in one step.
+constexpr float kSteepRowA = 6.0f;
+
+// Restart every `interval` steps (before steps interval, 2 interval, ...), chosen per schedule
+// and arithmetic. Why these values: forming R squares the condition number of the rounding it
+// carries (an error e in R is a relative error e / sigma^2 on a singular value sigma, against
+// e / sigma for the standard iteration), and the recursion multiplies it by about a^2 per step;
+// recomputing R from the current W, whose small singular values have grown meanwhile, resets it.
+//   kFp32, every 3 steps, every 2 with a steep row: measured against the float64 standard
+//     iteration on Gaussian (1 x n, n x 1, 97 x 37, square, batched), rank-deficient and
+//     log-spectrum (1 .. 1e-6) inputs, the Gram result stays within the §6 tolerance wherever
+//     the standard fp32 iteration does, and within 2x of the standard's own error on the inputs
+//     where neither does (rank-deficient ones: quintic 1.6x, simple and aol 1.1x with one restart
+//     in five steps). A steep row needs the shorter segments: one restart left polar_express and
+//     cans 3x to 6x off there, two bring them to 1.0x and 1.8x.
 //   kBf16W, every 3 steps: each restart also rounds W to bf16, an error the remaining steps
 //     amplify like the standard iteration's per-step rounding, so fewer, later restarts are more
 //     accurate: within the §6 bf16 tolerance (2e-2) wherever the standard bf16 iteration is, and
-//     more accurate than it on most inputs (only two bf16 roundings of W instead of one per step).
+//     more accurate than it on most inputs (two bf16 roundings of W instead of one per step).
 //   kTf32, every step: a TF32-rounded R is off by 5e-4, which no restart cadence that saves work
 //     brings back within the TF32 tolerance on rank-deficient inputs; restarting at every step
 //     makes the Gram iteration the standard one re-associated (same products, same cost), so
 //     "auto" never picks it there (see ns_algorithm.h).
 // Validated for every built-in schedule by tests/python/test_newton_schulz_gram.py.
-inline int gram_restart_interval(GramArithmetic arithmetic) {
+inline int gram_restart_interval(GramArithmetic arithmetic, const std::vector<NsCoefficients>& schedule) {
   switch (arithmetic) {
-    case GramArithmetic::kFp32: return 2;
+    case GramArithmetic::kFp32:
+      for (const NsCoefficients& row : schedule) {
+        if (row.a > kSteepRowA || row.a < -kSteepRowA) return 2;
+      }
+      return 3;
     case GramArithmetic::kBf16W: return 3;
     case GramArithmetic::kTf32: return 1;
   }
@@ -66,10 +77,10 @@ inline int gram_restart_interval(GramArithmetic arithmetic) {
 
 // restart[k] is true when step k starts a new segment (restart[0] is always false: step 0 starts
 // the first segment from the normalized input).
-inline std::vector<bool> gram_restarts(std::size_t steps, GramArithmetic arithmetic) {
-  const std::size_t interval = static_cast<std::size_t>(gram_restart_interval(arithmetic));
-  std::vector<bool> restart(steps, false);
-  for (std::size_t k = interval; k < steps; k += interval) restart[k] = true;
+inline std::vector<bool> gram_restarts(const std::vector<NsCoefficients>& schedule, GramArithmetic arithmetic) {
+  const std::size_t interval = static_cast<std::size_t>(gram_restart_interval(arithmetic, schedule));
+  std::vector<bool> restart(schedule.size(), false);
+  for (std::size_t k = interval; k < schedule.size(); k += interval) restart[k] = true;
   return restart;
 }
 
