@@ -9,10 +9,9 @@
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "cpu/newton_schulz_gram_cpu.h"
 
-#include "cpu/symmetric_bmm.h"
+#include "cpu/batched_gemm.h"
 #include "megatron_eopt/ns_algorithm.h"
 
-#include <ATen/ops/bmm.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linalg_vector_norm.h>
@@ -28,14 +27,14 @@ void round_bf16_(at::Tensor& t) { t.copy_(t.to(at::kBFloat16)); }
 
 }  // namespace
 
-at::Tensor gram_newton_schulz_cpu(const at::Tensor& w, const NsOptions& opts, const GramProgram& program) {
+void gram_newton_schulz_cpu(const at::Tensor& w, at::Tensor& out, const NsOptions& opts, const GramProgram& program) {
   const bool bf16 = opts.precision == NsPrecision::kMedium;
   const int64_t batch = w.size(0), m = w.size(1), n = w.size(2), s = program.gram_side;
   const bool transpose = opts.transpose;
 
   std::array<at::Tensor, kGramBufCount> buf;
   const auto matrices = w.options().dtype(at::kFloat);
-  buf[gram_buf_index(GramBuf::kOut)] = at::empty({batch, m, n}, matrices);
+  buf[gram_buf_index(GramBuf::kOut)] = out;
   for (GramBuf b : {GramBuf::kX0, GramBuf::kX1}) {
     if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = at::empty({batch, m, n}, matrices);
   }
@@ -65,24 +64,23 @@ at::Tensor gram_newton_schulz_cpu(const at::Tensor& w, const NsOptions& opts, co
         at::Tensor& d = at_(op.d);
         if (op.gemm == GramGemm::kGram) {
           const at::Tensor& x = at_(op.a);
-          if (transpose) symmetric_bmm_out(d, x.mT(), x, 1.0, none, 0.0, blocks);  // X^T X
-          else symmetric_bmm_out(d, x, x.mT(), 1.0, none, 0.0, blocks);            // X X^T
+          if (transpose) symmetric_gemm_out(d, x.mT(), x, 1.0, none, 0.0, blocks);  // X^T X
+          else symmetric_gemm_out(d, x, x.mT(), 1.0, none, 0.0, blocks);            // X X^T
         } else if (op.gemm == GramGemm::kApply) {
           // Operands as the column-major plan orders them: (X, Q) wide, (Q, X) tall.
           const at::Tensor& x = transpose ? at_(op.b) : at_(op.a);
           const at::Tensor& q = transpose ? at_(op.a) : at_(op.b);
-          if (transpose) at::bmm_out(d, x, q);  // X Q = (Q X^T)^T
-          else at::bmm_out(d, q, x);            // Q X
+          if (transpose) gemm_out(d, x, q, 1.0, none, 0.0);  // X Q = (Q X^T)^T
+          else gemm_out(d, q, x, 1.0, none, 0.0);            // Q X
           if (bf16 && is_x_buffer(op.d)) round_bf16_(d);
         } else {
           // s x s: every such product of the program is a polynomial in one R, so symmetric.
-          symmetric_bmm_out(d, at_(op.a), at_(op.b), op.alpha, op.beta == 0.f ? none : at_(op.c), op.beta, blocks);
+          symmetric_gemm_out(d, at_(op.a), at_(op.b), op.alpha, op.beta == 0.f ? none : at_(op.c), op.beta, blocks);
         }
         break;
       }
     }
   }
-  return at_(GramBuf::kOut);
 }
 
 }  // namespace megatron_eopt
