@@ -20,7 +20,7 @@ import megatron_eopt
 from megatron_eopt.integrations import megatron as integration
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon
 
-from reference import rel_err
+from reference import TOLERANCE, rel_err
 
 try:
     import megatron.core.optimizer as mcore_optimizer
@@ -190,11 +190,15 @@ def test_training_steps_match_the_reference_optimizers(stock_registry, megatron_
     assert not any(type(w.optimizer).__module__.startswith("megatron_eopt") for w in reference_chained.chained_optimizers)
     owner = _inner_by_param_name(model, chained)
     assert any(isinstance(opt, TensorParallelMuon) for opt in owner.values())
+    # fp32 ("highest") Newton–Schulz on both sides. AdaMuon divides elementwise by the root of its
+    # second moment, which turns the normwise fp32 difference of two Newton–Schulz implementations
+    # (different products: symmetric blocks, the Gram iteration) into an elementwise one; the
+    # optimizer parity tests allow it the TF32 tolerance (test_optim_muon_parity._fp32_tolerance).
+    tol = TOLERANCE["high"] if fields.get("adaptive_muon_moment2_method") == "adamuon" else TOLERANCE["highest"]
     for n, p in reference_model.named_parameters():
         delta, ref_delta = ours[n].detach() - start[n], p.detach() - start[n]
         assert ref_delta.norm() > 0, n
-        # fp32 ("highest") Newton–Schulz on both sides
-        assert rel_err(delta, ref_delta) <= 1e-5, (n, type(owner[n]).__name__)
+        assert rel_err(delta, ref_delta) <= tol, (n, type(owner[n]).__name__)
 
 
 @needs_megatron
