@@ -7,6 +7,7 @@ tables, and the optimizer classes built on them.
 from ._library import LIBRARY_PATH, cuda_kernels_built
 from .newton_schulz import (
     COEFFICIENT_SETS,
+    NS_ALGORITHMS,
     get_coefficients,
     get_muon_scale_factor,
     get_supported_coefficient_types,
@@ -35,6 +36,7 @@ __all__ = [
     "COEFFICIENT_SETS",
     "LIBRARY_PATH",
     "MOMENT2_METHODS",
+    "NS_ALGORITHMS",
     "RoutingTable",
     "adamuon_normalize_",
     "build_optimizers",

@@ -10,7 +10,8 @@
 # pytest.log, bench.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
 # section added), train_gpt.log, train_gpt_loss.png.
 #
-# Extra wheels (emerging-optimizers, absl-py, megatron-core, typing_extensions, expecttest; see
+# Extra wheels (emerging-optimizers, absl-py, megatron-core, typing_extensions, expecttest,
+# gram-newton-schulz (a benchmark peer); see
 # scripts/fetch_gpu_wheels.sh) are installed from .whl/ at the repository root when it exists,
 # into /tmp/site (put on PYTHONPATH), never into the machine's site-packages.
 #
