@@ -60,11 +60,11 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 // products at the fraction the device computes) at most 1/min_speedup of the standard iteration's,
 // and a Gram side large enough for the products to be compute-bound.
 // CPU: from `python benchmarks/ns_algorithms.py` on the development machine (benchmarks/RESULTS.md,
-// fp32, quintic x5, both algorithms interleaved): the measured speedup follows the model within
-// about 0.1 from s = 128 (128 x 256: model 1.14, measured 1.06; 256 x 512: 1.14 / 1.10;
-// 1024 x 2048: 1.27 / 1.25; 1024 x 4096: 1.64 / 1.74), Gram was slower wherever the model says
-// below 1.0, and under s = 128 its extra small products and launches cost more than the model
-// says (32 x 128: 1.50 / 0.88; 64 x 192: 1.35 / 1.03).
+// fp32, quintic x5, both algorithms interleaved; ranges over two runs): the measured speedup
+// follows the model from s = 128 (128 x 256: model 1.14, measured 1.06; 256 x 512: 1.14 /
+// 1.08-1.10; 1024 x 2048: 1.27 / 1.18-1.25; 1024 x 4096: 1.64 / 1.74 and more), Gram was slower
+// wherever the model says 1.0 or less, and under s = 128 its extra small products and calls cost
+// more than the model says (32 x 128: 1.50 / 0.88-0.94; 64 x 192: 1.35 / 1.03-1.09).
 // CUDA: not measured yet; set from the FLOP model with a margin for the extra launches (up to four
 // s x s products per step instead of one) until a GPU run calibrates it.
 struct NsAutoRule {
