@@ -18,27 +18,37 @@ TORCH_LIBRARY(megatron_eopt, m) {
       "bool? transpose, str precision, str algorithm) -> Tensor[]");
 
   // ---- Foreach momentum + weight decay and update (DESIGN §4.3), multi-tensor style ----
-  // Per index i: l2 decay of the gradient (params read only then), the EMA of the momentum buffer
-  // and the Newton–Schulz input (nesterov or not) written in ns_inputs' dtype. The parameter-side
-  // decays (decoupled, independent, palm) are applied by foreach_update_. weight_decay and lr are
-  // 0-dim fp32 tensors on the lists' device (read by the kernels: no host sync, graph-capturable).
+  // Per index i: unscaling by grad_scale, l2 decay of the gradient (params read only then), the EMA
+  // of the momentum buffer and the Newton–Schulz input (nesterov or not) written in ns_inputs'
+  // dtype. The parameter-side decays (decoupled, independent, palm) are applied by foreach_update_.
+  // Every per-step scalar (momentum, weight_decay, lr, grad_scale, found_inf) is a 0-dim fp32 or
+  // fp64 tensor on the lists' device, read by the kernels: no host sync, graph-capturable, and a
+  // value that changes every step (warm-up schedules) neither breaks nor recompiles a compiled
+  // step. found_inf != 0 (GradScaler) leaves every tensor untouched. Tensors of one index may
+  // differ in layout (a transposed parameter): the op then works on contiguous copies.
   m.def(
       "foreach_momentum_(Tensor[] grads, Tensor(a!)[] momentum_buffers, Tensor(b!)[] ns_inputs, "
-      "Tensor[] params, float momentum, bool nesterov, Tensor weight_decay, str weight_decay_method) -> ()");
+      "Tensor[] params, Tensor momentum, bool nesterov, Tensor weight_decay, str weight_decay_method, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
   // params[i] <- params[i] - f * params[i] - lr * scales[i] * updates[i], f from the method.
   m.def(
       "foreach_update_(Tensor(a!)[] params, Tensor[] updates, float[] scales, Tensor lr, Tensor weight_decay, "
-      "str weight_decay_method) -> ()");
+      "str weight_decay_method, Tensor? found_inf=None) -> ()");
 
   // ---- Second-moment normalization of the raw NS output O (DESIGN §4.4, AdaptiveMuon) ----
   // Per list entry i: updates[i] is O (fp32, 2-D), normalized in place; moment2[i] its fp32 state:
   // adamuon (m, n); normuon (m, 1) if m >= n else (1, n); namo (1,) (or 0-D). No bias correction.
-  // namo also reads grads[i] (the gradient) and ns_inputs[i] (the NS input G~), shaped like O.
-  m.def("adamuon_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, float beta2, float eps) -> ()");
-  m.def("normuon_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, float beta2, float eps) -> ()");
+  // namo also reads grads[i] (the gradient, divided by grad_scale when given) and ns_inputs[i] (the
+  // NS input G~), shaped like O. beta2, eps, grad_scale and found_inf as the foreach scalars above.
+  m.def(
+      "adamuon_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, Tensor beta2, Tensor eps, "
+      "Tensor? found_inf=None) -> ()");
+  m.def(
+      "normuon_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, Tensor beta2, Tensor eps, "
+      "Tensor? found_inf=None) -> ()");
   m.def(
       "namo_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, Tensor[] grads, Tensor[] ns_inputs, "
-      "float beta2, float eps) -> ()");
+      "Tensor beta2, Tensor eps, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
 
   // ---- Split orthogonalization of fused projections (DESIGN §4.5, Megatron's QKV split) ----
   // x (rows, n) fp32 = (num_groups, sum(split_sizes), n); part k = its rows of size

@@ -7,6 +7,7 @@ argument) before anything runs; the ops check again in C++ for direct callers.
 from __future__ import annotations
 
 import math
+import struct
 from typing import Sequence, Union
 
 import torch
@@ -122,18 +123,59 @@ def _tensor_list(name: str, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(xs)
 
 
+# ------------------------------------------------------------------ per-step scalars
+def _step_scalar(name: str, value: ScalarArg, device: torch.device, check=None) -> torch.Tensor:
+    """A per-step scalar as the ops take it: a 0-dim fp32 or fp64 tensor on the lists' device.
+
+    Tensors pass through unchanged (the op checks dtype and device; reading their value would
+    synchronize, so a device tensor's value is the caller's to keep valid). Python numbers are
+    checked with ``check(value) -> message | None`` and become a fresh fp64 tensor, filled on the
+    device without a host sync; fp64 keeps the reference's rounding of e.g. ``1 - momentum``.
+    """
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a Python float or a 0-dim float32/float64 tensor, got {type(value).__name__}")
+    value = float(value)
+    problem = check(value) if check is not None else (None if math.isfinite(value) else "must be finite")
+    if problem is not None:
+        raise ValueError(f"{name} {problem}, got {value}")
+    return torch.full((), value, dtype=torch.float64, device=device)
+
+
+def _optional_scalar(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+    if value is not None and not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be None or a 0-dim tensor (GradScaler's), got {type(value).__name__}")
+    return value
+
+
+def _float32_value(value: float) -> float:
+    """value as stored in fp32 (inf when out of range, 0 when below the smallest subnormal)."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+def _check_unit_interval(value: float) -> str | None:
+    return None if 0.0 <= value <= 1.0 else "must be finite and in [0, 1]"
+
+
+def _check_momentum(value: float) -> str | None:
+    return None if 0.0 <= value < 1.0 else "must be finite and in [0, 1)"
+
+
+def _check_eps(value: float) -> str | None:
+    # The kernels use eps in fp32: a value that rounds to 0 or inf there is refused here.
+    return None if 0.0 < _float32_value(value) < math.inf else "must be finite and positive in float32"
+
+
 # ------------------------------------------------------------------ second-moment normalization
 _MOMENT2_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_moment2_hyper(beta2: float, eps: float) -> tuple[float, float]:
-    beta2 = float(beta2)
-    eps = float(eps)
-    if not (math.isfinite(beta2) and 0.0 <= beta2 <= 1.0):
-        raise ValueError(f"beta2 must be finite and in [0, 1], got {beta2}")
-    if not (math.isfinite(eps) and eps > 0.0):
-        raise ValueError(f"eps must be finite and positive, got {eps}")
-    return beta2, eps
+def _moment2_scalars(device, beta2, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    return (_step_scalar("beta2", beta2, device, _check_unit_interval), _step_scalar("eps", eps, device, _check_eps))
 
 
 def _check_moment2_lists(method: str, updates, moment2, grads=None, ns_inputs=None):
@@ -172,32 +214,44 @@ def _check_moment2_lists(method: str, updates, moment2, grads=None, ns_inputs=No
 
 
 def adamuon_normalize_(
-    updates: Sequence[torch.Tensor], moment2: Sequence[torch.Tensor], *, beta2: float = 0.95, eps: float = 1e-8
+    updates: Sequence[torch.Tensor],
+    moment2: Sequence[torch.Tensor],
+    *,
+    beta2: ScalarArg = 0.95,
+    eps: ScalarArg = 1e-8,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """AdaMuon, in place on each raw Newton–Schulz output ``O = updates[i]`` (fp32, 2-D).
 
     ``v <- beta2 v + (1 - beta2) O**2`` elementwise (``v = moment2[i]``, fp32, shaped like ``O``), then
-    ``O <- O / (sqrt(v) + eps)``. No bias correction. Apply the Muon scale afterwards.
+    ``O <- O / (sqrt(v) + eps)``. No bias correction. Apply the Muon scale afterwards. ``beta2`` and
+    ``eps`` are floats or 0-dim tensors on the lists' device; a non-zero ``found_inf`` (GradScaler)
+    leaves everything untouched.
     """
-    beta2, eps = _check_moment2_hyper(beta2, eps)
     updates, moment2, _ = _check_moment2_lists("adamuon", updates, moment2)
     if updates:
-        _ops.adamuon_normalize_(updates, moment2, beta2, eps)
+        b, e = _moment2_scalars(updates[0].device, beta2, eps)
+        _ops.adamuon_normalize_(updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
 
 
 def normuon_normalize_(
-    updates: Sequence[torch.Tensor], moment2: Sequence[torch.Tensor], *, beta2: float = 0.95, eps: float = 1e-8
+    updates: Sequence[torch.Tensor],
+    moment2: Sequence[torch.Tensor],
+    *,
+    beta2: ScalarArg = 0.95,
+    eps: ScalarArg = 1e-8,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """NorMuon, in place on each raw Newton–Schulz output ``O = updates[i]`` (fp32, ``(m, n)``).
 
     ``v = moment2[i]`` is ``(m, 1)`` when ``m >= n`` else ``(1, n)``: ``v <- beta2 v + (1 - beta2) r``
     with ``r`` the mean of ``O**2`` over the shorter side; ``U' = O * rsqrt(max(v, eps))``;
-    ``O <- U' * ||O||_F / max(||U'||_F, eps)``.
+    ``O <- U' * ||O||_F / max(||U'||_F, eps)``. Scalars as in :func:`adamuon_normalize_`.
     """
-    beta2, eps = _check_moment2_hyper(beta2, eps)
     updates, moment2, _ = _check_moment2_lists("normuon", updates, moment2)
     if updates:
-        _ops.normuon_normalize_(updates, moment2, beta2, eps)
+        b, e = _moment2_scalars(updates[0].device, beta2, eps)
+        _ops.normuon_normalize_(updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
 
 
 def namo_normalize_(
@@ -206,20 +260,24 @@ def namo_normalize_(
     grads: Sequence[torch.Tensor],
     ns_inputs: Sequence[torch.Tensor],
     *,
-    beta2: float = 0.95,
-    eps: float = 1e-8,
+    beta2: ScalarArg = 0.95,
+    eps: ScalarArg = 1e-8,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """NAMO, in place on each raw Newton–Schulz output ``O = updates[i]`` (fp32, 2-D).
 
     ``v = moment2[i]`` is a ``(1,)`` fp32 tensor: ``v <- beta2 v + (1 - beta2) ||grads[i]||_F**2``, then
-    ``O <- O * ||ns_inputs[i]||_F / (sqrt(v) + eps)``. ``grads[i]`` is the gradient (after weight decay),
-    ``ns_inputs[i]`` the Newton–Schulz input (momentum / Nesterov output); both shaped like ``O``,
-    float32, bfloat16 or float16.
+    ``O <- O * ||ns_inputs[i]||_F / (sqrt(v) + eps)``. ``grads[i]`` is the gradient (after weight decay;
+    divided by ``grad_scale`` when given), ``ns_inputs[i]`` the Newton–Schulz input (momentum /
+    Nesterov output); both shaped like ``O``, float32, bfloat16 or float16. Scalars as in
+    :func:`adamuon_normalize_`.
     """
-    beta2, eps = _check_moment2_hyper(beta2, eps)
     updates, moment2, extra = _check_moment2_lists("namo", updates, moment2, grads, ns_inputs)
     if updates:
-        _ops.namo_normalize_(updates, moment2, extra["grads"], extra["ns_inputs"], beta2, eps)
+        b, e = _moment2_scalars(updates[0].device, beta2, eps)
+        _ops.namo_normalize_(updates, moment2, extra["grads"], extra["ns_inputs"], b, e,
+                             _optional_scalar("grad_scale", grad_scale), _optional_scalar("found_inf", found_inf))
 
 
 def new_moment2_buffer(method: Moment2MethodT, param: torch.Tensor) -> torch.Tensor:
@@ -308,19 +366,6 @@ def _check_weight_decay_method(method: str) -> None:
         raise ValueError(f"unknown weight_decay_method {method!r}, expected one of: {', '.join(WEIGHT_DECAY_METHODS)}")
 
 
-def _step_scalar(name: str, value: ScalarArg, device: torch.device) -> torch.Tensor:
-    """A per-step scalar as the ops take it: a 0-dim float32 tensor on the lists' device.
-
-    Tensors pass through unchanged (the op checks them: converting here would hide a host copy
-    per step); Python numbers become a fresh tensor, filled on the device without a host sync.
-    """
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a Python float or a 0-dim float32 tensor, got {type(value).__name__}")
-    return torch.full((), float(value), dtype=torch.float32, device=device)
-
-
 def _lists_device(*lists: Sequence[torch.Tensor]) -> torch.device | None:
     for xs in lists:
         if len(xs) > 0:
@@ -334,40 +379,42 @@ def foreach_momentum_(
     ns_inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor] = (),
     *,
-    momentum: float,
+    momentum: ScalarArg,
     nesterov: bool,
     weight_decay: ScalarArg = 0.0,
     weight_decay_method: str = "decoupled",
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """Momentum step of the Muon family over lists of tensors, in one fused pass per call.
 
-    For each index i (math in fp32, results stored in each tensor's dtype):
-    with ``weight_decay_method == "l2"``, ``g = grads[i] + weight_decay * params[i]`` (``grads``
-    itself is not modified), else ``g = grads[i]``; then
+    For each index i (math in fp32, results stored in each tensor's dtype): ``g = grads[i]``,
+    divided by ``grad_scale`` when given (GradScaler; ``grads`` itself is not modified); with
+    ``weight_decay_method == "l2"``, ``g = g + weight_decay * params[i]``; then
     ``momentum_buffers[i].lerp_(g, 1 - momentum)`` and ``ns_inputs[i]`` receives the Newton–Schulz
-    input: ``g.lerp(momentum_buffers[i], momentum)`` with ``nesterov``, else the new buffer.
+    input: ``g.lerp(momentum_buffers[i], momentum)`` with ``nesterov``, else the new buffer. A
+    non-zero ``found_inf`` leaves every tensor untouched (decided on the device, no sync).
 
     ``params`` is read only for l2 and may be empty otherwise; the other weight-decay methods act
     on the parameters and are applied by :func:`foreach_update_`. Gradients and parameters are
-    float32 or bfloat16; buffers have their dtype or float32; ``ns_inputs`` are float32 or
-    bfloat16 (e.g. slices of a stacked batch for :func:`newton_schulz`). ``weight_decay`` is a
-    float or a 0-dim tensor (optimizers pass a tensor on the lists' device).
+    float32, bfloat16 or float16; buffers have their dtype or float32; ``ns_inputs`` are float32 or
+    bfloat16 (e.g. slices of a stacked batch for :func:`newton_schulz`). Tensors of one index may
+    have different layouts (a transposed parameter). ``momentum`` and ``weight_decay`` are floats
+    or 0-dim tensors on the lists' device (optimizers pass tensors, so values that change every
+    step neither sync nor recompile).
     """
     grads = _tensor_list("grads", grads)
     momentum_buffers = _tensor_list("momentum_buffers", momentum_buffers)
     ns_inputs = _tensor_list("ns_inputs", ns_inputs)
     params = _tensor_list("params", params)
-    if not (isinstance(momentum, (int, float)) and not isinstance(momentum, bool)):
-        raise TypeError(f"momentum must be a float, got {type(momentum).__name__}")
-    if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
-        raise ValueError(f"momentum must be finite and in [0, 1), got {momentum}")
     _check_weight_decay_method(weight_decay_method)
     device = _lists_device(grads, momentum_buffers, ns_inputs, params)
     if device is None:
         return
+    mu = _step_scalar("momentum", momentum, device, _check_momentum)
     wd = _step_scalar("weight_decay", weight_decay, device)
-    _ops.foreach_momentum_(grads, momentum_buffers, ns_inputs, params, float(momentum), bool(nesterov), wd,
-                           weight_decay_method)
+    _ops.foreach_momentum_(grads, momentum_buffers, ns_inputs, params, mu, bool(nesterov), wd, weight_decay_method,
+                           _optional_scalar("grad_scale", grad_scale), _optional_scalar("found_inf", found_inf))
 
 
 def foreach_update_(
@@ -378,6 +425,7 @@ def foreach_update_(
     lr: ScalarArg,
     weight_decay: ScalarArg = 0.0,
     weight_decay_method: str = "decoupled",
+    found_inf: torch.Tensor | None = None,
 ) -> None:
     """Weight decay and update of the parameters over lists of tensors, in one fused pass per call.
 
@@ -386,7 +434,8 @@ def foreach_update_(
     (palm) or 0 (l2: the decay went into the gradient in :func:`foreach_momentum_`); evaluated as
     the reference does, decay first (stored in the parameter's dtype), then the update, in fp32.
     ``updates`` are float32 or the parameters' dtype; ``lr`` and ``weight_decay`` are floats or
-    0-dim tensors (optimizers pass tensors, so a changing lr neither syncs nor recompiles).
+    0-dim tensors (optimizers pass tensors, so a changing lr neither syncs nor recompiles). A
+    non-zero ``found_inf`` leaves the parameters untouched.
     """
     params = _tensor_list("params", params)
     updates = _tensor_list("updates", updates)
@@ -407,7 +456,8 @@ def foreach_update_(
         return
     lr_t = _step_scalar("lr", lr, device)
     wd = _step_scalar("weight_decay", weight_decay, device)
-    _ops.foreach_update_(params, updates, scale_values, lr_t, wd, weight_decay_method)
+    _ops.foreach_update_(params, updates, scale_values, lr_t, wd, weight_decay_method,
+                         _optional_scalar("found_inf", found_inf))
 
 
 # ------------------------------------------------------------------ fake kernels
@@ -438,20 +488,26 @@ def _moment2_fake_checks(updates, moment2):
 
 
 @torch.library.register_fake("megatron_eopt::adamuon_normalize_")
-def _adamuon_normalize_fake(updates, moment2, beta2, eps):
+def _adamuon_normalize_fake(updates, moment2, beta2, eps, found_inf=None):
     _moment2_fake_checks(updates, moment2)
+    _fake_check_scalar("adamuon_normalize_", "beta2", beta2)
+    _fake_check_scalar("adamuon_normalize_", "eps", eps)
 
 
 @torch.library.register_fake("megatron_eopt::normuon_normalize_")
-def _normuon_normalize_fake(updates, moment2, beta2, eps):
+def _normuon_normalize_fake(updates, moment2, beta2, eps, found_inf=None):
     _moment2_fake_checks(updates, moment2)
+    _fake_check_scalar("normuon_normalize_", "beta2", beta2)
+    _fake_check_scalar("normuon_normalize_", "eps", eps)
 
 
 @torch.library.register_fake("megatron_eopt::namo_normalize_")
-def _namo_normalize_fake(updates, moment2, grads, ns_inputs, beta2, eps):
+def _namo_normalize_fake(updates, moment2, grads, ns_inputs, beta2, eps, grad_scale=None, found_inf=None):
     _moment2_fake_checks(updates, moment2)
     torch._check(len(grads) == len(updates) and len(ns_inputs) == len(updates),
                  lambda: "grads, ns_inputs and updates differ in length")
+    _fake_check_scalar("namo_normalize_", "beta2", beta2)
+    _fake_check_scalar("namo_normalize_", "eps", eps)
 
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_split")
@@ -482,32 +538,36 @@ def _fake_check_index(op: str, i: int, ref_name: str, ref: torch.Tensor, others)
                                        f"has shape {tuple(ref.shape)}")
 
 
-def _fake_check_scalar(op: str, name: str, t: torch.Tensor) -> None:
-    torch._check_value(t.dim() == 0, lambda: f"{op}: {name} must be a 0-dim float32 tensor")
-    torch._check_type(t.dtype == torch.float32, lambda: f"{op}: {name} must be a 0-dim float32 tensor")
+def _fake_check_scalar(op: str, name: str, t: torch.Tensor | None) -> None:
+    if t is None:
+        return
+    torch._check_value(t.dim() == 0, lambda: f"{op}: {name} must be a 0-dim float32 or float64 tensor")
+    torch._check_type(t.dtype in (torch.float32, torch.float64),
+                      lambda: f"{op}: {name} must be a 0-dim float32 or float64 tensor")
 
 
 _FLOATS = (torch.float32, torch.bfloat16)
+_PARAM_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @torch.library.register_fake("megatron_eopt::foreach_momentum_")
 def _foreach_momentum_fake(grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay,
-                           weight_decay_method):
+                           weight_decay_method, grad_scale=None, found_inf=None):
     op = "foreach_momentum_"
     torch._check_value(weight_decay_method in WEIGHT_DECAY_METHODS,
                        lambda: f"{op}: unknown weight_decay_method {weight_decay_method!r}")
-    torch._check_value(math.isfinite(momentum) and 0.0 <= momentum < 1.0,
-                       lambda: f"{op}: momentum must be finite and in [0, 1), got {momentum}")
     n = len(grads)
     torch._check_value(len(momentum_buffers) == n and len(ns_inputs) == n, lambda: f"{op}: list lengths differ")
     torch._check_value(len(params) == n or (len(params) == 0 and weight_decay_method != "l2"),
                        lambda: f"{op}: params must be empty or have one tensor per gradient (l2: required)")
-    grad_dtype = _fake_list_dtype(op, "grads", grads, _FLOATS)
+    grad_dtype = _fake_list_dtype(op, "grads", grads, _PARAM_FLOATS)
     if grad_dtype is not None:
         _fake_list_dtype(op, "params", params, (grad_dtype,))
         _fake_list_dtype(op, "momentum_buffers", momentum_buffers, tuple({grad_dtype, torch.float32}))
     _fake_list_dtype(op, "ns_inputs", ns_inputs, _FLOATS)
-    _fake_check_scalar(op, "weight_decay", weight_decay)
+    for name, t in (("momentum", momentum), ("weight_decay", weight_decay), ("grad_scale", grad_scale),
+                    ("found_inf", found_inf)):
+        _fake_check_scalar(op, name, t)
     for i in range(n):
         _fake_check_index(op, i, "grads", grads[i],
                           (("momentum_buffers", momentum_buffers), ("ns_inputs", ns_inputs), ("params", params)))
@@ -515,18 +575,18 @@ def _foreach_momentum_fake(grads, momentum_buffers, ns_inputs, params, momentum,
 
 
 @torch.library.register_fake("megatron_eopt::foreach_update_")
-def _foreach_update_fake(params, updates, scales, lr, weight_decay, weight_decay_method):
+def _foreach_update_fake(params, updates, scales, lr, weight_decay, weight_decay_method, found_inf=None):
     op = "foreach_update_"
     torch._check_value(weight_decay_method in WEIGHT_DECAY_METHODS,
                        lambda: f"{op}: unknown weight_decay_method {weight_decay_method!r}")
     n = len(params)
     torch._check_value(len(updates) == n and len(scales) == n, lambda: f"{op}: list lengths differ")
     torch._check_value(all(math.isfinite(s) for s in scales), lambda: f"{op}: scales must be finite")
-    param_dtype = _fake_list_dtype(op, "params", params, _FLOATS)
+    param_dtype = _fake_list_dtype(op, "params", params, _PARAM_FLOATS)
     if param_dtype is not None:
         _fake_list_dtype(op, "updates", updates, tuple({param_dtype, torch.float32}))
-    _fake_check_scalar(op, "lr", lr)
-    _fake_check_scalar(op, "weight_decay", weight_decay)
+    for name, t in (("lr", lr), ("weight_decay", weight_decay), ("found_inf", found_inf)):
+        _fake_check_scalar(op, name, t)
     for i in range(n):
         _fake_check_index(op, i, "params", params[i], (("updates", updates),))
     return None

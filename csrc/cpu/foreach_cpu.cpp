@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "megatron_eopt/foreach_ops.h"
@@ -69,42 +70,52 @@ void for_each_chunk(const std::vector<int64_t>& numels, const Body& body) {
 }
 
 void foreach_momentum_cpu(at::TensorList grads, at::TensorList momentum_buffers, at::TensorList ns_inputs,
-                          at::TensorList params, double momentum, bool nesterov, const at::Tensor& weight_decay,
-                          c10::string_view weight_decay_method) {
-  const ForeachMomentumArgs args = parse_foreach_momentum(grads, momentum_buffers, ns_inputs, params, momentum,
-                                                          nesterov, weight_decay, weight_decay_method, c10::kCPU);
-  if (args.numels.empty()) return;
-  const float l2_decay = args.l2 ? *args.weight_decay : 0.f;
+                          at::TensorList params, const at::Tensor& momentum, bool nesterov,
+                          const at::Tensor& weight_decay, c10::string_view weight_decay_method,
+                          const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const ForeachCall<ForeachMomentumArgs> call =
+      parse_foreach_momentum(grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay,
+                             weight_decay_method, grad_scale, found_inf, c10::kCPU);
+  const ForeachMomentumArgs& args = call.args;
+  if (args.numels.empty() || step_skipped(args.found_inf)) return;
+  const MomentumCoefficients coefficients =
+      momentum_coefficients(args.momentum.load(), args.nesterov, args.grad_scale.load_or(1.0));
+  const float l2_decay = args.l2 ? static_cast<float>(args.weight_decay.load()) : 0.f;
   dispatch_momentum(args, [&](auto grad_tag, auto buffer_tag, auto ns_tag, auto l2) {
     using G = typename decltype(grad_tag)::type;
     using B = typename decltype(buffer_tag)::type;
     using N = typename decltype(ns_tag)::type;
     constexpr bool kL2 = decltype(l2)::value;
-    const auto range = args.coefficients.nesterov ? &momentum_range<G, B, N, kL2, true>
-                                                  : &momentum_range<G, B, N, kL2, false>;
+    const auto range = coefficients.nesterov ? &momentum_range<G, B, N, kL2, true>
+                                             : &momentum_range<G, B, N, kL2, false>;
     for_each_chunk(args.numels, [&](std::size_t t, int64_t begin, int64_t end) {
       range(static_cast<const G*>(args.grads[t]), kL2 ? static_cast<const G*>(args.params[t]) : nullptr,
-            static_cast<B*>(args.buffers[t]), static_cast<N*>(args.ns_inputs[t]), l2_decay, args.coefficients, begin,
+            static_cast<B*>(args.buffers[t]), static_cast<N*>(args.ns_inputs[t]), l2_decay, coefficients, begin,
             end);
     });
   });
+  call.finish();
 }
 
 void foreach_update_cpu(at::TensorList params, at::TensorList updates, c10::ArrayRef<double> scales,
-                        const at::Tensor& lr, const at::Tensor& weight_decay, c10::string_view weight_decay_method) {
-  const ForeachUpdateArgs args =
-      parse_foreach_update(params, updates, scales, lr, weight_decay, weight_decay_method, c10::kCPU);
-  if (args.numels.empty()) return;
-  const float lr_value = *args.lr;
-  const float decay = weight_decay_factor(args.method, lr_value, *args.weight_decay);
+                        const at::Tensor& lr, const at::Tensor& weight_decay, c10::string_view weight_decay_method,
+                        const std::optional<at::Tensor>& found_inf) {
+  const ForeachCall<ForeachUpdateArgs> call =
+      parse_foreach_update(params, updates, scales, lr, weight_decay, weight_decay_method, found_inf, c10::kCPU);
+  const ForeachUpdateArgs& args = call.args;
+  if (args.numels.empty() || step_skipped(args.found_inf)) return;
+  const double lr_value = args.lr.load();
+  const float decay = weight_decay_factor(args.method, lr_value, args.weight_decay.load());
+  const float lr_float = static_cast<float>(lr_value);
   dispatch_update(args, [&](auto param_tag, auto update_tag) {
     using P = typename decltype(param_tag)::type;
     using U = typename decltype(update_tag)::type;
     for_each_chunk(args.numels, [&](std::size_t t, int64_t begin, int64_t end) {
       update_range<P, U>(static_cast<P*>(args.params[t]), static_cast<const U*>(args.updates[t]), args.scales[t],
-                         decay, lr_value, begin, end);
+                         decay, lr_float, begin, end);
     });
   });
+  call.finish();
 }
 
 }  // namespace

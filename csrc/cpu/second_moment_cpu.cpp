@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "megatron_eopt/second_moment_math.h"
@@ -43,11 +44,6 @@ double sum_squares_range(const T* p, int64_t begin, int64_t end) {
   }
   for (int l = 0; l < kLanes; ++l) total += lanes[l];
   return total;
-}
-
-void check_cpu(Moment2Method method, at::TensorList updates) {
-  TORCH_CHECK(updates.empty() || updates[0].device().is_cpu(), moment2_op_name(method),
-              ": updates must be CPU tensors here, got ", updates[0].device());
 }
 
 void adamuon_one(float* o, float* v, int64_t numel, float weight, float eps) {
@@ -104,39 +100,47 @@ double sum_squares(const at::Tensor& t) {
   return total;
 }
 
-void adamuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
-  check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps);
-  check_cpu(Moment2Method::kAdamuon, updates);
+void adamuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
+                           const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps,
+                                                    std::nullopt, found_inf, c10::kCPU);
+  if (step_skipped(scalars.found_inf)) return;
+  const Moment2Step h = moment2_step(scalars);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    adamuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].numel(), static_cast<float>(1.0 - beta2),
-                static_cast<float>(eps));
+    adamuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].numel(), h.weight, h.eps);
   }
   o.write_back();
   v.write_back();
 }
 
-void normuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
-  check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps);
-  check_cpu(Moment2Method::kNormuon, updates);
+void normuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
+                           const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps,
+                                                    std::nullopt, found_inf, c10::kCPU);
+  if (step_skipped(scalars.found_inf)) return;
+  const Moment2Step h = moment2_step(scalars);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    normuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].size(0), o[i].size(1),
-                static_cast<float>(1.0 - beta2), static_cast<float>(eps));
+    normuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].size(0), o[i].size(1), h.weight, h.eps);
   }
   o.write_back();
   v.write_back();
 }
 
 void namo_normalize_cpu(at::TensorList updates, at::TensorList moment2, at::TensorList grads,
-                        at::TensorList ns_inputs, double beta2, double eps) {
-  check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2, eps);
-  check_cpu(Moment2Method::kNamo, updates);
+                        at::TensorList ns_inputs, const at::Tensor& beta2, const at::Tensor& eps,
+                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2,
+                                                    eps, grad_scale, found_inf, c10::kCPU);
+  if (step_skipped(scalars.found_inf)) return;
+  const Moment2Step h = moment2_step(scalars);
+  const double scale = scalars.grad_scale.load_or(1.0);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    const float factor = namo_scale(*v[i].data_ptr<float>(), static_cast<float>(sum_squares(grads[i])),
-                                    static_cast<float>(sum_squares(ns_inputs[i])), static_cast<float>(1.0 - beta2),
-                                    static_cast<float>(eps));
+    const float grad_sum_sq = namo_grad_sum_sq(static_cast<float>(sum_squares(grads[i])), scale);
+    const float factor = namo_scale(*v[i].data_ptr<float>(), grad_sum_sq, static_cast<float>(sum_squares(ns_inputs[i])),
+                                    h.weight, h.eps);
     float* out = o[i].data_ptr<float>();
     at::parallel_for(0, o[i].numel(), kGrainElements, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) out[j] *= factor;

@@ -1,4 +1,6 @@
 // foreach_momentum_ on CUDA: the multi-tensor functor around momentum_element (momentum_math.h).
+// momentum, weight decay, the gradient scale and found_inf are read from device memory, so the
+// launch is CUDA-graph capturable and a changing momentum needs no new graph.
 // Torch-free: raw pointers and a stream.
 #include <cuda_runtime.h>
 
@@ -18,15 +20,25 @@ template <typename GradT, typename BufT, typename NsT, bool kL2>
 struct MomentumOp {
   static constexpr int kDepth = kL2 ? 4 : 3;
   static constexpr int kVec = static_cast<int>(kVectorBytes / std::min({sizeof(GradT), sizeof(BufT), sizeof(NsT)}));
+  // Element sizes of lists 0..kDepth-1 (the params entry is unused without l2).
+  static constexpr std::size_t kElemBytes[4] = {sizeof(GradT), sizeof(BufT), sizeof(NsT), sizeof(GradT)};
 
-  MomentumCoefficients coefficients;
-  const float* weight_decay;
+  StepScalar momentum;
+  StepScalar weight_decay;
+  StepScalar grad_scale;
+  StepScalar found_inf;
+  bool nesterov;
 
   struct Context {
+    MomentumCoefficients coefficients;
     float l2_decay;
+    bool skip;
   };
 
-  __device__ __forceinline__ Context prepare() const { return Context{kL2 ? *weight_decay : 0.f}; }
+  __device__ __forceinline__ Context prepare() const {
+    return Context{momentum_coefficients(momentum.load(), nesterov, grad_scale.load_or(1.0)),
+                   kL2 ? static_cast<float>(weight_decay.load()) : 0.f, step_skipped(found_inf)};
+  }
 
   template <int V>
   __device__ __forceinline__ void apply(const Context& ctx, void* const (&ptrs)[kDepth], float /*scale*/,
@@ -43,7 +55,7 @@ struct MomentumOp {
     float buffer[V], ns[V];
 #pragma unroll
     for (int k = 0; k < V; ++k) {
-      const MomentumResult r = momentum_element<GradT, BufT, kL2>(g[k], p[k], ctx.l2_decay, m[k], coefficients);
+      const MomentumResult r = momentum_element<GradT, BufT, kL2>(g[k], p[k], ctx.l2_decay, m[k], ctx.coefficients);
       buffer[k] = r.buffer;
       ns[k] = r.ns_input;
     }
@@ -64,7 +76,8 @@ void foreach_momentum_cuda(const ForeachMomentumArgs& args, cudaStream_t stream)
       pointers[t] = {const_cast<void*>(args.grads[t]), args.buffers[t], args.ns_inputs[t]};
       if constexpr (decltype(l2)::value) pointers[t].push_back(const_cast<void*>(args.params[t]));
     }
-    multi_tensor_apply(pointers, args.numels, {}, Op{args.coefficients, args.weight_decay}, stream);
+    const Op op{args.momentum, args.weight_decay, args.grad_scale, args.found_inf, args.nesterov};
+    multi_tensor_apply(pointers, args.numels, {}, op, stream);
   });
 }
 

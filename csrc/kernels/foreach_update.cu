@@ -1,6 +1,6 @@
 // foreach_update_ on CUDA: the multi-tensor functor around update_element (momentum_math.h).
-// lr and weight decay are read from device memory, so the launch is CUDA-graph capturable.
-// Torch-free: raw pointers and a stream.
+// lr, weight decay and found_inf are read from device memory, so the launch is CUDA-graph
+// capturable. Torch-free: raw pointers and a stream.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,19 +19,23 @@ template <typename ParamT, typename UpdateT>
 struct UpdateOp {
   static constexpr int kDepth = 2;
   static constexpr int kVec = static_cast<int>(kVectorBytes / std::min(sizeof(ParamT), sizeof(UpdateT)));
+  static constexpr std::size_t kElemBytes[kDepth] = {sizeof(ParamT), sizeof(UpdateT)};
 
   WeightDecayMethod method;
-  const float* lr;
-  const float* weight_decay;
+  StepScalar lr;
+  StepScalar weight_decay;
+  StepScalar found_inf;
 
   struct Context {
     float lr;
     float decay;
+    bool skip;
   };
 
   __device__ __forceinline__ Context prepare() const {
-    const float l = *lr;
-    return Context{l, weight_decay_factor(method, l, *weight_decay)};
+    const double l = lr.load();
+    return Context{static_cast<float>(l), weight_decay_factor(method, l, weight_decay.load()),
+                   step_skipped(found_inf)};
   }
 
   template <int V>
@@ -56,7 +60,8 @@ void foreach_update_cuda(const ForeachUpdateArgs& args, cudaStream_t stream) {
     for (std::size_t t = 0; t < args.numels.size(); ++t) {
       pointers[t] = {args.params[t], const_cast<void*>(args.updates[t])};
     }
-    multi_tensor_apply(pointers, args.numels, args.scales, Op{args.method, args.lr, args.weight_decay}, stream);
+    multi_tensor_apply(pointers, args.numels, args.scales,
+                       Op{args.method, args.lr, args.weight_decay, args.found_inf}, stream);
   });
 }
 

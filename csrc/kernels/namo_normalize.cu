@@ -4,7 +4,6 @@
 //     factor ||ns_input|| / (sqrt(v) + eps) in scratch (a separate kernel, so no block reads v
 //     while another writes it);
 //  3. scale: O <- O * factor.
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "megatron_eopt/second_moment_cuda.h"
@@ -46,14 +45,16 @@ __device__ float strided_sum_squares(const void* data, int64_t first, int64_t co
 __device__ float sum_squares(const void* data, StorageType type, int64_t first, int64_t count, int64_t stride) {
   switch (type) {
     case StorageType::kBFloat16: return strided_sum_squares<Bf16>(data, first, count, stride);
-    case StorageType::kFloat16: return strided_sum_squares<__half>(data, first, count, stride);
+    case StorageType::kFloat16: return strided_sum_squares<Fp16>(data, first, count, stride);
     case StorageType::kFloat32: break;
   }
   return strided_sum_squares<float>(data, first, count, stride);
 }
 
 __global__ void __launch_bounds__(kThreads)
-    namo_sums_kernel(const __grid_constant__ TensorListArgs<NamoDesc> args, float2* __restrict__ partials) {
+    namo_sums_kernel(const __grid_constant__ TensorListArgs<NamoDesc> args, const Moment2Scalars scalars,
+                     float2* __restrict__ partials) {
+  if (step_skipped(scalars.found_inf)) return;
   const BlockSlot slot = block_slot(args);
   const NamoDesc d = args.tensors[slot.tensor];
   const int64_t first = slot.local * blockDim.x + threadIdx.x;
@@ -66,16 +67,23 @@ __global__ void __launch_bounds__(kThreads)
 
 // One block per tensor (the finalize plan gives every tensor exactly one block).
 __global__ void __launch_bounds__(kThreads)
-    namo_finalize_kernel(const __grid_constant__ TensorListArgs<NamoDesc> args, float weight, float eps,
+    namo_finalize_kernel(const __grid_constant__ TensorListArgs<NamoDesc> args, const Moment2Scalars scalars,
                          const float2* __restrict__ partials, float* __restrict__ factors) {
+  if (step_skipped(scalars.found_inf)) return;
+  const Moment2Step h = moment2_step(scalars);
   const BlockSlot slot = block_slot(args);
   const NamoDesc d = args.tensors[slot.tensor];
   const float2 sums = sum_partials(partials, d.partials_first, d.partials_count);
-  if (threadIdx.x == 0) factors[d.factor_slot] = namo_scale(*d.moment2, sums.x, sums.y, weight, eps);
+  if (threadIdx.x == 0) {
+    const float grad_sum_sq = namo_grad_sum_sq(sums.x, scalars.grad_scale.load_or(1.0));
+    factors[d.factor_slot] = namo_scale(*d.moment2, grad_sum_sq, sums.y, h.weight, h.eps);
+  }
 }
 
 __global__ void __launch_bounds__(kThreads)
-    namo_scale_kernel(const __grid_constant__ TensorListArgs<NamoDesc> args, const float* __restrict__ factors) {
+    namo_scale_kernel(const __grid_constant__ TensorListArgs<NamoDesc> args, const Moment2Scalars scalars,
+                      const float* __restrict__ factors) {
+  if (step_skipped(scalars.found_inf)) return;
   const BlockSlot slot = block_slot(args);
   const NamoDesc d = args.tensors[slot.tensor];
   const float factor = factors[d.factor_slot];
@@ -104,11 +112,10 @@ std::size_t namo_scratch_floats(const std::vector<Moment2Tensor>& list) {
   return 2 * static_cast<std::size_t>(plans.elements.total_blocks) + list.size();
 }
 
-void namo_normalize_cuda(const std::vector<Moment2Tensor>& list, double beta2, float eps, float* scratch,
+void namo_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment2Scalars& scalars, float* scratch,
                          cudaStream_t stream) {
   if (list.empty()) return;
   const NamoPlans plans = plan_namo(list);
-  const float weight = static_cast<float>(1.0 - beta2);
   auto* partials = reinterpret_cast<float2*>(scratch);
   float* factors = scratch + 2 * plans.elements.total_blocks;
   const auto describe = [&](std::size_t i) {
@@ -124,10 +131,10 @@ void namo_normalize_cuda(const std::vector<Moment2Tensor>& list, double beta2, f
                     t.grad_type,
                     t.ns_input_type};
   };
-  launch_tensor_list<NamoDesc>(plans.elements, kThreads, stream, namo_sums_kernel, describe, partials);
-  launch_tensor_list<NamoDesc>(plans.finalize, kThreads, stream, namo_finalize_kernel, describe, weight, eps,
+  launch_tensor_list<NamoDesc>(plans.elements, kThreads, stream, namo_sums_kernel, describe, scalars, partials);
+  launch_tensor_list<NamoDesc>(plans.finalize, kThreads, stream, namo_finalize_kernel, describe, scalars,
                                static_cast<const float2*>(partials), factors);
-  launch_tensor_list<NamoDesc>(plans.elements, kThreads, stream, namo_scale_kernel, describe,
+  launch_tensor_list<NamoDesc>(plans.elements, kThreads, stream, namo_scale_kernel, describe, scalars,
                                static_cast<const float*>(factors));
 }
 

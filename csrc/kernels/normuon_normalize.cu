@@ -35,8 +35,12 @@ __host__ __device__ __forceinline__ bool row_slices(int64_t rows, int64_t cols) 
 // Row slices: a warp per row, lanes along the contiguous row; column slices: a block handles 32
 // adjacent columns at a time (coalesced rows of 128 bytes), its warps splitting the rows.
 __global__ void __launch_bounds__(kSliceThreads)
-    normuon_slices_kernel(const __grid_constant__ TensorListArgs<NormuonDesc> args, float weight, float eps,
+    normuon_slices_kernel(const __grid_constant__ TensorListArgs<NormuonDesc> args, const Moment2Scalars scalars,
                           float2* __restrict__ partials) {
+  if (step_skipped(scalars.found_inf)) return;
+  const Moment2Step h = moment2_step(scalars);
+  const float weight = h.weight;
+  const float eps = h.eps;
   const BlockSlot slot = block_slot(args);
   const NormuonDesc d = args.tensors[slot.tensor];
   const int lane = threadIdx.x % 32;
@@ -84,8 +88,10 @@ __global__ void __launch_bounds__(kSliceThreads)
 }
 
 __global__ void __launch_bounds__(kApplyThreads)
-    normuon_apply_kernel(const __grid_constant__ TensorListArgs<NormuonDesc> args, float eps,
+    normuon_apply_kernel(const __grid_constant__ TensorListArgs<NormuonDesc> args, const Moment2Scalars scalars,
                          const float2* __restrict__ partials) {
+  if (step_skipped(scalars.found_inf)) return;
+  const float eps = moment2_step(scalars).eps;
   const BlockSlot slot = block_slot(args);
   const NormuonDesc d = args.tensors[slot.tensor];
   const float2 sums = sum_partials(partials, d.partials_first, d.partials_count);
@@ -138,20 +144,19 @@ std::size_t normuon_scratch_floats(const std::vector<Moment2Tensor>& list) {
   return 2 * static_cast<std::size_t>(plan_normuon(list).slices.total_blocks);
 }
 
-void normuon_normalize_cuda(const std::vector<Moment2Tensor>& list, double beta2, float eps, float* scratch,
+void normuon_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment2Scalars& scalars, float* scratch,
                             cudaStream_t stream) {
   const NormuonPlans plans = plan_normuon(list);
   if (plans.slices.total_blocks == 0) return;
-  const float weight = static_cast<float>(1.0 - beta2);
   auto* partials = reinterpret_cast<float2*>(scratch);
   const auto describe = [&](std::size_t i) {
     return NormuonDesc{list[i].update, list[i].moment2,
                        list[i].rows,   list[i].cols,
                        plans.slices.first_block[i], plans.slices.blocks[i]};
   };
-  launch_tensor_list<NormuonDesc>(plans.slices, kSliceThreads, stream, normuon_slices_kernel, describe, weight, eps,
+  launch_tensor_list<NormuonDesc>(plans.slices, kSliceThreads, stream, normuon_slices_kernel, describe, scalars,
                                   partials);
-  launch_tensor_list<NormuonDesc>(plans.apply, kApplyThreads, stream, normuon_apply_kernel, describe, eps,
+  launch_tensor_list<NormuonDesc>(plans.apply, kApplyThreads, stream, normuon_apply_kernel, describe, scalars,
                                   static_cast<const float2*>(partials));
 }
 

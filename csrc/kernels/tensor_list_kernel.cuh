@@ -94,7 +94,8 @@ template <typename Desc, typename Kernel, typename Make, typename... Extra>
 void launch_tensor_list(const TensorListPlan& plan, int threads, cudaStream_t stream, Kernel kernel, Make make,
                         Extra... extra) {
   // Kernel arguments stay within the 4 KiB every architecture and toolkit accepts.
-  static_assert(sizeof(TensorListArgs<Desc>) + 64 <= 4096, "tensor descriptors too large for kernel arguments");
+  static_assert(sizeof(TensorListArgs<Desc>) + (sizeof(Extra) + ... + 0) <= 4096,
+                "tensor descriptors and extra arguments too large for kernel arguments");
   for (const std::vector<std::size_t>& members : plan.launches) {
     TensorListArgs<Desc> args{};
     int32_t blocks = 0;

@@ -17,7 +17,9 @@ NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficien
   TORCH_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
                     "newton_schulz: x must be 2-D (m, n) or 3-D (batch, m, n), got ", x.dim(), "-D");
   TORCH_CHECK_VALUE(steps >= 1, "newton_schulz: steps must be at least 1, got ", steps);
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, "newton_schulz: eps must be finite and positive, got ", eps);
+  // The kernels use eps in fp32: below ~1e-45 it would become 0 (NaN on a zero input), above 3.4e38 inf.
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(eps)) && static_cast<float>(eps) > 0.f,
+                    "newton_schulz: eps must be finite and positive in float32, got ", eps);
   NsOptions opts{};
   try {
     opts.schedule = expand_schedule(std::vector<double>(coefficients.begin(), coefficients.end()), steps,

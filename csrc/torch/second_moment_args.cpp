@@ -5,6 +5,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "torch/foreach_args.h"
+
 namespace megatron_eopt {
 
 const char* moment2_op_name(Moment2Method method) {
@@ -43,12 +45,11 @@ void check_namo_input(const char* op, const char* name, std::size_t i, const at:
 
 }  // namespace
 
-void check_moment2_args(Moment2Method method, at::TensorList updates, at::TensorList moment2, at::TensorList grads,
-                        at::TensorList ns_inputs, double beta2, double eps) {
+Moment2Scalars check_moment2_args(Moment2Method method, at::TensorList updates, at::TensorList moment2,
+                                  at::TensorList grads, at::TensorList ns_inputs, const at::Tensor& beta2,
+                                  const at::Tensor& eps, const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf, c10::DeviceType backend) {
   const char* op = moment2_op_name(method);
-  TORCH_CHECK_VALUE(std::isfinite(beta2) && beta2 >= 0.0 && beta2 <= 1.0, op,
-                    ": beta2 must be finite and in [0, 1], got ", beta2);
-  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0.0, op, ": eps must be finite and positive, got ", eps);
   TORCH_CHECK_VALUE(moment2.size() == updates.size(), op, ": moment2 has ", moment2.size(),
                     " tensors but updates has ", updates.size());
   if (method == Moment2Method::kNamo) {
@@ -56,6 +57,26 @@ void check_moment2_args(Moment2Method method, at::TensorList updates, at::Tensor
                       updates.size());
     TORCH_CHECK_VALUE(ns_inputs.size() == updates.size(), op, ": ns_inputs has ", ns_inputs.size(),
                       " tensors but updates has ", updates.size());
+  }
+  const std::optional<at::Device> device =
+      updates.empty() ? std::nullopt : std::optional<at::Device>(updates[0].device());
+  if (device) {
+    TORCH_CHECK_VALUE(device->type() == backend, op, ": updates[0] is on ", *device, ", expected a ",
+                      c10::DeviceTypeName(backend, /*lower_case=*/true), " tensor");
+  }
+  Moment2Scalars scalars;
+  scalars.beta2 = step_scalar(op, "beta2", beta2, device, backend);
+  scalars.eps = step_scalar(op, "eps", eps, device, backend);
+  scalars.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
+  if (method == Moment2Method::kNamo) {
+    scalars.grad_scale = step_scalar(op, "grad_scale", grad_scale, device, backend, /*required=*/false);
+  }
+  if (backend == c10::kCPU) {  // host memory: the values can be checked without a sync
+    const double b = scalars.beta2.load();
+    const float e = static_cast<float>(scalars.eps.load());
+    TORCH_CHECK_VALUE(std::isfinite(b) && b >= 0.0 && b <= 1.0, op, ": beta2 must be finite and in [0, 1], got ", b);
+    TORCH_CHECK_VALUE(std::isfinite(e) && e > 0.f, op, ": eps must be finite and positive in float32, got ",
+                      scalars.eps.load());
   }
   for (std::size_t i = 0; i < updates.size(); ++i) {
     const at::Tensor& u = updates[i];
@@ -77,6 +98,7 @@ void check_moment2_args(Moment2Method method, at::TensorList updates, at::Tensor
       check_namo_input(op, "ns_inputs", i, ns_inputs[i], u);
     }
   }
+  return scalars;
 }
 
 InPlaceList::InPlaceList(at::TensorList targets) : targets_(targets.begin(), targets.end()) {

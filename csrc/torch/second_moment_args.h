@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -20,10 +21,14 @@ const char* moment2_op_name(Moment2Method method);
 std::vector<int64_t> moment2_shape(Moment2Method method, int64_t rows, int64_t cols);
 
 // Every check, before anything is written: list lengths, dtypes (updates and moment2 fp32; grads and
-// ns_inputs fp32, bf16 or fp16), ranks, shapes, one device for all, finite beta2 in [0, 1],
-// finite eps > 0. `grads` / `ns_inputs` are only checked for NAMO. Failures name the argument.
-void check_moment2_args(Moment2Method method, at::TensorList updates, at::TensorList moment2, at::TensorList grads,
-                        at::TensorList ns_inputs, double beta2, double eps);
+// ns_inputs fp32, bf16 or fp16), ranks, shapes, one device for all, and the per-step scalars:
+// 0-dim fp32 / fp64 tensors on that device (on the CPU also their values: beta2 in [0, 1], eps
+// finite and positive in fp32; device values are the caller's to check, reading them would sync).
+// `grads` / `ns_inputs` / `grad_scale` are only checked for NAMO. Failures name the argument.
+Moment2Scalars check_moment2_args(Moment2Method method, at::TensorList updates, at::TensorList moment2,
+                                  at::TensorList grads, at::TensorList ns_inputs, const at::Tensor& beta2,
+                                  const at::Tensor& eps, const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf, c10::DeviceType backend);
 
 // Contiguous working tensors of an in-place list argument: the originals where they are contiguous,
 // copies otherwise; write_back() copies the results into the non-contiguous originals.

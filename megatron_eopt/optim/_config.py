@@ -31,7 +31,11 @@ NS_EPS = 1e-7  # Frobenius-normalization floor of Newton–Schulz, as in the ref
 
 @dataclass(frozen=True)
 class OrthogonalizationConfig:
-    """How updates are orthogonalized and scaled; shared by every parameter of one optimizer."""
+    """How updates are orthogonalized and scaled; shared by every parameter of one optimizer.
+
+    The Newton–Schulz schedule is expanded and flattened once here, so a step hands the ops
+    ready-made arguments instead of rebuilding them per call.
+    """
 
     nesterov: bool
     weight_decay_method: str
@@ -43,22 +47,21 @@ class OrthogonalizationConfig:
     extra_scale_factor: float
     moment2_method: str | None  # None: plain Muon (no second moment)
     algorithm: str = "auto"  # Newton–Schulz algorithm: auto | standard | gram
+    coefficients: tuple[tuple[float, float, float], ...] = ()  # the rows one run consumes
+    table: tuple[float, ...] = ()  # the op's flattened coefficient table
+    repeat_last: bool = False  # the op's schedule policy past the table
 
-    @property
-    def coefficients(self) -> list[tuple[float, float, float]]:
-        """The (a, b, c) rows one Newton–Schulz run consumes."""
-        return get_coefficients(self.coefficient_type, self.num_ns_steps, self.custom_coefficient_sets)
+    def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
+        """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled)."""
+        return torch.ops.megatron_eopt.newton_schulz(
+            x, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision, self.algorithm
+        )
 
-    def ns_kwargs(self) -> dict:
-        """Keyword arguments of ``megatron_eopt.ops.newton_schulz`` / ``newton_schulz_split``."""
-        return dict(
-            steps=self.num_ns_steps,
-            coefficient_type=self.coefficient_type,
-            custom_coefficient_sets=self.custom_coefficient_sets,
-            eps=NS_EPS,
-            transpose=None,
-            precision=self.precision,
-            algorithm=self.algorithm,
+    def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
+        """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``."""
+        return torch.ops.megatron_eopt.newton_schulz_split(
+            x, list(sizes), num_groups, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision,
+            self.scale_mode if scaled else None, self.extra_scale_factor if scaled else 1.0, self.algorithm,
         )
 
     def scale(self, rows: int, cols: int) -> float:
@@ -104,12 +107,17 @@ def make_config(
             raise ValueError(f"moment2_method must be one of {list(MOMENT2_METHODS)}, got {moment2_method!r}")
         if moment2_method == "namo" and weight_decay_method == "l2":
             raise ValueError('moment2_method="namo" is incompatible with weight_decay_method="l2"')
+    custom = table if coefficient_type == "custom" else None
+    _, repeat_last = coefficient_table(coefficient_type, custom)
     return OrthogonalizationConfig(
+        coefficients=tuple(tuple(row) for row in get_coefficients(coefficient_type, num_ns_steps, custom)),
+        table=tuple(float(v) for row in table for v in row),
+        repeat_last=repeat_last,
         nesterov=bool(nesterov),
         weight_decay_method=weight_decay_method,
         precision=fp32_matmul_prec,
         coefficient_type=coefficient_type,
-        custom_coefficient_sets=table if coefficient_type == "custom" else None,
+        custom_coefficient_sets=custom,
         num_ns_steps=num_ns_steps,
         scale_mode=scale_mode,
         extra_scale_factor=float(extra_scale_factor),
@@ -147,3 +155,31 @@ def check_group_hyperparameters(group: dict, where: str) -> None:
         v = _number(f"{where}['{key}']", group[key])
         if v is not None and not (math.isfinite(v) and ok(v)):
             raise ValueError(f"{where}['{key}'] must be finite and {rules[key]}, got {group[key]!r}")
+
+
+# Per-step values of a param group and what each must be (scheduler-written, checked every step).
+# Written as chained comparisons, which are False for NaN and stay traceable under torch.compile.
+_FLT_MAX = 3.4028234663852886e38
+_FLT_TRUE_MIN = 2.0**-149
+_STEP_RULES = {
+    "lr": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
+    "weight_decay": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
+    "momentum": (lambda v: 0.0 <= v < 1.0, "finite and in [0, 1)"),
+    "beta2": (lambda v: 0.0 <= v <= 1.0, "finite and in [0, 1]"),
+    "eps": (lambda v: _FLT_TRUE_MIN <= v <= _FLT_MAX, "finite and positive in float32"),
+}
+
+
+def check_step_value(key: str, value, where: str) -> None:
+    """Raises ValueError when a per-step value read from a param group is out of range.
+
+    Python numbers (and CPU tensors, outside torch.compile) are checked; a device tensor's value is
+    not read, since that would synchronize with the device.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or torch.compiler.is_compiling():
+            return
+        value = float(value)
+    ok, rule = _STEP_RULES[key]
+    if not ok(value):
+        raise ValueError(f"{where}['{key}'] must be {rule}, got {value!r}")

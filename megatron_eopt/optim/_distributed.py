@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._library import ns_plan
-from ..newton_schulz import coefficient_table
-from ._config import OrthogonalizationConfig
+from ._config import NS_EPS, OrthogonalizationConfig
 from ._plan import QKVSplit, TPLayout
 
 
@@ -58,9 +57,7 @@ def _matmul_precision(precision: str):
 @functools.lru_cache(maxsize=256)
 def _gram_restarts(config: OrthogonalizationConfig, m: int, n: int, transpose: bool, device_type: str):
     """The restart flags when the fused op would run the Gram iteration on this global matrix, else None."""
-    table, repeat_last = coefficient_table(config.coefficient_type, config.custom_coefficient_sets)
-    flat = tuple(float(v) for row in table for v in row)
-    use_gram, restarts = ns_plan(flat, config.num_ns_steps, repeat_last, m, n, transpose, config.precision,
+    use_gram, restarts = ns_plan(config.table, config.num_ns_steps, config.repeat_last, m, n, transpose, config.precision,
                                  config.algorithm, device_type)
     return restarts if use_gram else None
 
@@ -95,7 +92,7 @@ def _distributed_gram(X: torch.Tensor, tp: TPLayout, config: OrthogonalizationCo
 
 
 def distributed_newton_schulz(
-    x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float
+    x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float = NS_EPS
 ) -> torch.Tensor:
     """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (DESIGN §4.1, §4.6)."""
     transpose = tp.partition_dim == 0  # iterate so that the sharded side is the contracted one
@@ -130,19 +127,18 @@ def distributed_orthogonalize(
     qkv: QKVSplit | None,
     global_shape: tuple[int, int],
     config: OrthogonalizationConfig,
-    eps: float,
     scaled: bool,
 ) -> torch.Tensor:
     """tp_mode "distributed" for one stack; QKV parts are orthogonalized (and scaled) one by one."""
     if qkv is None:
-        return distributed_newton_schulz(x, tp, config, eps)
+        return distributed_newton_schulz(x, tp, config)
     k, rows, cols = x.shape
     view = x.view(k, qkv.local_groups, qkv.total, cols)
     out = torch.empty_like(view)
     offset = 0
     for size in qkv.sizes:
         part = view[:, :, offset : offset + size, :].reshape(k, qkv.local_groups * size, cols)
-        o = distributed_newton_schulz(part, tp, config, eps)
+        o = distributed_newton_schulz(part, tp, config)
         if scaled:
             o = o * config.scale(qkv.global_groups * size, global_shape[1])
         out[:, :, offset : offset + size, :] = o.view(k, qkv.local_groups, size, cols)
@@ -159,8 +155,21 @@ def _all_reduce_many(tensors: Sequence[torch.Tensor], group) -> list[torch.Tenso
     return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
-def tp_normuon_normalize_(updates, moment2, entries, *, beta2: float, eps: float) -> None:
-    """NorMuon (DESIGN §4.4) on shards of one TP group, statistics of the global matrices."""
+def _keep_unless_inf(new: torch.Tensor, old: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
+    """new, or old where GradScaler found an inf / NaN gradient (decided on the device, no sync)."""
+    return new if found_inf is None else torch.where(found_inf != 0, old, new)
+
+
+def _lerp_weight(beta2: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    # float(1 - beta2) from the fp64 value, as the fused ops and the reference's Python float.
+    return (1 - beta2).to(like.dtype)
+
+
+def tp_normuon_normalize_(updates, moment2, entries, *, beta2, eps, found_inf=None) -> None:
+    """NorMuon (DESIGN §4.4) on shards of one TP group, statistics of the global matrices.
+
+    beta2 and eps are 0-dim tensors; a non-zero found_inf leaves the state as it was.
+    """
     group = entries[0].tp.group
     partial, reduced = [], []
     for u, e in zip(updates, entries):
@@ -170,16 +179,18 @@ def tp_normuon_normalize_(updates, moment2, entries, *, beta2: float, eps: float
     locals_ = iter(partial)
     norms = []
     scaled = []
+    eps32 = eps.to(torch.float32)
     for u, v, e in zip(updates, moment2, entries):
         s = next(sums) if _reduces_over_shards(e) else next(locals_)
         mean = s / e.global_shape[e.normuon_dim]
-        v.copy_(torch.lerp(v.float(), mean, 1 - beta2))
-        step = u * v.float().clamp_min(eps).rsqrt()
+        new_v = torch.lerp(v.float(), mean, _lerp_weight(beta2, mean))
+        v.copy_(_keep_unless_inf(new_v, v, found_inf))
+        step = u * new_v.clamp_min(eps32).rsqrt()
         norms.append(torch.stack([u.square().sum(), step.square().sum()]))
         scaled.append(step)
     norms = _all_reduce_many(norms, group)
     for u, step, n in zip(updates, scaled, norms):
-        u.copy_(step * (n[0].sqrt() / n[1].sqrt().clamp_min(eps)))
+        u.copy_(step * (n[0].sqrt() / n[1].sqrt().clamp_min(eps32)))
 
 
 def _reduces_over_shards(e) -> bool:
@@ -187,15 +198,23 @@ def _reduces_over_shards(e) -> bool:
     return (e.normuon_dim == -1) == (e.tp.partition_dim == 1)
 
 
-def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2: float, eps: float) -> None:
-    """NAMO (DESIGN §4.4) on shards of one TP group: the two Frobenius norms are global."""
+def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2, eps, grad_scale=None,
+                       found_inf=None) -> None:
+    """NAMO (DESIGN §4.4) on shards of one TP group: the two Frobenius norms are global.
+
+    beta2 and eps are 0-dim tensors; gradients scaled by grad_scale (GradScaler) are unscaled in
+    the norm, and a non-zero found_inf leaves the state as it was.
+    """
     group = entries[0].tp.group
     sums = _all_reduce_many(
         [torch.stack([g.float().square().sum(), x.square().sum()]) for g, x in zip(grads, ns_inputs)], group
     )
+    eps32 = eps.to(torch.float32)
     for u, v, s in zip(updates, moment2, sums):
-        v.copy_(torch.lerp(v.float(), s[0].reshape(1), 1 - beta2))
-        u.mul_(s[1].sqrt() / (v.float().sqrt() + eps))
+        grad_sq = s[0] if grad_scale is None else s[0] / grad_scale.float().square()
+        new_v = torch.lerp(v.float(), grad_sq.expand_as(v), _lerp_weight(beta2, grad_sq))
+        v.copy_(_keep_unless_inf(new_v, v, found_inf))
+        u.mul_(s[1].sqrt() / (new_v.sqrt() + eps32))
 
 
 __all__ = [

@@ -11,10 +11,18 @@ Per step, with the parameters grouped once (see ``_plan``):
 4. per bucket: one ``foreach_update_`` applying decoupled / independent / PaLM decay and
    ``p -= lr * scale * update`` with per-tensor scales.
 
-lr and weight_decay are read from the param groups at every step (schedulers write floats or
-tensors) and copied into one cached 0-dim fp32 tensor per group and device, so the ops never see a
-Python float that changes: no recompilation under ``torch.compile`` and, with tensor values on the
-device, the step can be captured in a CUDA graph.
+lr, weight_decay, momentum (and AdaptiveMuon's beta2, eps) are read from the param groups at
+every step (schedulers and warm-up schedules write floats or tensors) and copied into cached 0-dim
+fp64 tensors per group and device, so the ops never see a Python float that changes: no graph
+break or recompilation under ``torch.compile`` and, with tensor values on the device, the step can
+be captured in a CUDA graph. With ``torch.amp.GradScaler`` the step reads the scaler's
+``grad_scale`` and ``found_inf``: the gradients are unscaled inside the momentum op and a step with
+an inf / NaN gradient changes nothing, decided on the device without a sync.
+
+``orthogonalize(p, grad, **group)`` is Emerging-Optimizers' extension point: a subclass that
+overrides it is called for every parameter with a gradient, after the fused momentum step and the
+batched Newton–Schulz; the base method, called from the override, returns the batched result, so
+only the parameters the override handles itself cost extra.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from .. import ops
-from ._config import NS_EPS, OrthogonalizationConfig, check_group_hyperparameters
+from ._config import OrthogonalizationConfig, check_group_hyperparameters, check_step_value
 from ._distributed import (
     distributed_orthogonalize,
     gather_shards,
@@ -38,10 +46,14 @@ from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan
 class OrthogonalizedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses build the config and may route parameters to TP layouts / QKV splits."""
 
+    # torch.amp.GradScaler.step then hands over `grad_scale` and `found_inf` instead of unscaling.
+    _step_supports_amp_scaling = True
+
     def __init__(self, params, defaults: dict, config: OrthogonalizationConfig) -> None:
         self._config = config
         self._plan: Plan | None = None
-        self._hyper: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._hyper: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
+        self._batched: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._constructed = False
         check_group_hyperparameters(defaults, "defaults")
         super().__init__(params, defaults)
@@ -85,11 +97,13 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
         state = super().__getstate__()
-        state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in ("_plan", "_hyper")})
+        transient = ("_plan", "_hyper", "_batched")
+        state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self._batched = None
         defaults = getattr(self, "defaults", {})
         for group in self.param_groups:
             for key, value in defaults.items():
@@ -102,22 +116,27 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_constructed", False):
             self._rebuild_plan()
 
+    def _step_keys(self) -> tuple[str, ...]:
+        """The per-step values of a param group the ops read as device tensors."""
+        adaptive = self._config.moment2_method is not None
+        return ("lr", "weight_decay", "momentum") + (("beta2", "eps") if adaptive else ())
+
     def _rebuild_plan(self) -> None:
         plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes)
         hyper = {}
         for bucket in plan.buckets:
             key = (bucket.group_index, bucket.device)
             if key not in hyper:
-                hyper[key] = (
-                    torch.zeros((), dtype=torch.float32, device=bucket.device),
-                    torch.zeros((), dtype=torch.float32, device=bucket.device),
-                )
+                # fp64: the kernels round e.g. 1 - momentum as the reference's Python floats do.
+                hyper[key] = {
+                    k: torch.zeros((), dtype=torch.float64, device=bucket.device) for k in self._step_keys()
+                }
         self._plan, self._hyper = plan, hyper
 
     def _current_plan(self) -> Plan:
         plan = self._plan
-        if plan is None or plan.group_sizes != tuple(len(g["params"]) for g in self.param_groups):
-            self._rebuild_plan()  # params were edited in place in a group: regroup once
+        if plan is None or not _plan_matches(plan, self.param_groups):
+            self._rebuild_plan()  # params were added, removed or swapped in a group: regroup once
             plan = self._plan
         return plan
 
@@ -172,18 +191,32 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 )
 
     def _write_hyperparameters(self, plan: Plan, active: list[bool]) -> None:
+        """Checks the per-step values of the groups in use, then writes them to the device tensors."""
         groups_used = {plan.entries[i].group_index for i in range(len(plan.entries)) if active[i]}
+        keys = self._step_keys()
         for gi in sorted(groups_used):
             group = self.param_groups[gi]
-            for key in ("lr", "weight_decay"):
-                value = group[key]
-                if not isinstance(value, torch.Tensor) and value < 0:
-                    raise ValueError(f"param_groups[{gi}]['{key}'] must be >= 0, got {value}")
-        for (gi, _device), (lr_t, wd_t) in self._hyper.items():
+            for key in keys:
+                check_step_value(key, group[key], f"param_groups[{gi}]")
+        if not torch.compiler.is_compiling() and _capturing_cuda_graph(plan):
+            for gi in sorted(groups_used):
+                for key in keys:
+                    if not isinstance(self.param_groups[gi][key], torch.Tensor):
+                        raise RuntimeError(
+                            f"param_groups[{gi}]['{key}'] is a Python number while a CUDA graph is being captured: "
+                            "the graph would replay the value it had at capture time. Store it as a 0-dim tensor "
+                            f"on the device (param_groups[{gi}]['{key}'] = torch.tensor(value, device='cuda')) and "
+                            "update it in place between replays."
+                        )
+        for (gi, _device), tensors in self._hyper.items():
             if gi in groups_used:
                 group = self.param_groups[gi]
-                _write_scalar(lr_t, group["lr"])
-                _write_scalar(wd_t, group["weight_decay"])
+                for key, buf in tensors.items():
+                    _write_scalar(buf, group[key])
+
+    def _grad_scaler_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """GradScaler's grad_scale and found_inf, set on the optimizer for the duration of step()."""
+        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -197,6 +230,15 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         self._check_grads(plan, active)
         self._write_hyperparameters(plan, active)
         cfg = self._config
+        grad_scale, found_inf = self._grad_scaler_tensors()
+        scaler_on: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        for bucket in plan.buckets:  # one copy per device, as torch's fused optimizers do
+            if bucket.device not in scaler_on:
+                scaler_on[bucket.device] = (
+                    None if grad_scale is None else grad_scale.to(bucket.device, non_blocking=True),
+                    None if found_inf is None else found_inf.to(bucket.device, non_blocking=True),
+                )
+        custom = type(self).orthogonalize is not OrthogonalizedOptimizer.orthogonalize
 
         # NS inputs: one stacked fp32 buffer per stack, each active entry writes its slice.
         ns_inputs: list[torch.Tensor | None] = [None] * len(entries)
@@ -220,26 +262,30 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 self._init_entry_state(i)
             group = self.param_groups[bucket.group_index]
             params = [entries[i].param for i in members]
-            # The ops take dense grads; a strided view set by hand is copied (autograd's are dense).
-            grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous() for p in params]
+            # The ops take any dense layout (a transposed parameter and its row-major NS input).
+            grads = [p.grad for p in params]
             states = [self.state[p] for p in params]
-            lr_t, wd_t = self._hyper[(bucket.group_index, bucket.device)]
+            hyper = self._hyper[(bucket.group_index, bucket.device)]
+            scale_t, inf_t = scaler_on[bucket.device]
             ops.foreach_momentum_(
                 grads,
                 [s["momentum_buffer"] for s in states],
                 [ns_inputs[i] for i in members],
                 params if cfg.weight_decay_method == "l2" else (),
-                momentum=_as_float(group["momentum"]),
+                momentum=hyper["momentum"],
                 nesterov=cfg.nesterov,
-                weight_decay=wd_t,
+                weight_decay=hyper["weight_decay"],
                 weight_decay_method=cfg.weight_decay_method,
+                grad_scale=scale_t,
+                found_inf=inf_t,
             )
-            launches.append((bucket, group, members, params, grads, states, lr_t, wd_t))
+            launches.append((bucket, group, members, params, grads, states, hyper, scale_t, inf_t))
 
-        # 2. orthogonalize per stack; only NAMO reads the NS inputs again, otherwise each input
-        # stack is released as soon as its result exists (peak: the results plus one input stack).
+        # 2. orthogonalize per stack; only NAMO and an orthogonalize() override read the NS inputs
+        # again, otherwise each input stack is released as soon as its result exists (peak: the
+        # results plus one input stack).
         updates: list[torch.Tensor | None] = [None] * len(entries)
-        keep_inputs = cfg.moment2_method == "namo"
+        keep_inputs = cfg.moment2_method == "namo" or custom
         while runs:
             stack, members, buf = runs.pop(0)
             for i, update in zip(members, self._orthogonalize(stack, buf)):
@@ -247,21 +293,81 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 if not keep_inputs:
                     ns_inputs[i] = None
             del buf
+        scales = [e.update_scale for e in entries]
+        if custom:
+            self._call_orthogonalize_override(entries, active, ns_inputs, updates, scales)
 
         # 3. second moment (AdaptiveMuon), 4. decay + update per bucket
-        for bucket, group, members, params, grads, states, lr_t, wd_t in launches:
+        for bucket, group, members, params, grads, states, hyper, scale_t, inf_t in launches:
             bucket_updates = [updates[i] for i in members]
             if cfg.moment2_method is not None:
-                self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members])
+                self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
+                                hyper, scale_t, inf_t)
             ops.foreach_update_(
                 params,
                 bucket_updates,
-                [entries[i].update_scale for i in members],
-                lr=lr_t,
-                weight_decay=wd_t,
+                [scales[i] for i in members],
+                lr=hyper["lr"],
+                weight_decay=hyper["weight_decay"],
                 weight_decay_method=cfg.weight_decay_method,
+                found_inf=inf_t,
             )
         return None
+
+    # ------------------------------------------------------------------ Emerging-Optimizers' extension point
+    def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The orthogonalized update of ``p`` from ``grad`` (its Newton–Schulz input), as ``step`` uses it.
+
+        Emerging-Optimizers' semantics: Muon returns the scaled update (``scale_mode`` ×
+        ``extra_scale_factor``, QKV parts scaled separately), AdaptiveMuon the raw Newton–Schulz
+        output (normalized and scaled afterwards). ``kwargs`` are the param group's settings.
+        Subclasses override it (conv reshapes, custom splits) and may call ``super().orthogonalize``
+        for the parameters they leave alone: during ``step`` that returns the batched result.
+        """
+        batched = self._batched
+        if batched is not None:
+            hit = batched.get(id(p))
+            if hit is not None and hit[0] is grad:
+                return hit[1]
+        if grad.ndim != 2:
+            raise ValueError(f"orthogonalize: only 2-D updates are supported, got shape {tuple(grad.shape)}")
+        plan = self._current_plan()
+        index = plan.index.get(id(p))
+        x = grad.to(torch.float32).unsqueeze(0)
+        if index is None or tuple(grad.shape) != plan.entries[index].local_shape:
+            out = self._config.newton_schulz(x)[0]  # a tensor this optimizer does not hold
+            return out if self._config.moment2_method is not None else out * self._config.scale(*grad.shape)
+        entry = plan.entries[index]
+        out = self._orthogonalize(plan.stacks[entry.stack_index], x)[0]
+        return out if self._config.moment2_method is not None else out * entry.update_scale
+
+    def _call_orthogonalize_override(self, entries, active, ns_inputs, updates, scales) -> None:
+        """Runs a subclass's orthogonalize() for every active parameter (results replace the batched ones)."""
+        muon = self._config.moment2_method is None
+        batched = {}
+        for i, e in enumerate(entries):
+            if active[i]:
+                # Muon's orthogonalize returns the scaled update; QKV parts are scaled already.
+                result = updates[i] * e.update_scale if muon and e.update_scale != 1.0 else updates[i]
+                batched[id(e.param)] = (ns_inputs[i], result)
+        self._batched = batched
+        try:
+            for i, e in enumerate(entries):
+                if not active[i]:
+                    continue
+                group = self.param_groups[e.group_index]
+                out = self.orthogonalize(e.param, ns_inputs[i], **{k: v for k, v in group.items() if k != "params"})
+                if not isinstance(out, torch.Tensor) or tuple(out.shape) != e.local_shape:
+                    raise ValueError(
+                        f"{type(self).__name__}.orthogonalize must return a tensor of shape {e.local_shape} for a "
+                        f"param of shape {tuple(e.param.shape)}, got "
+                        f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+                    )
+                updates[i] = out.to(torch.float32).contiguous()
+                if muon:
+                    scales[i] = 1.0  # already scaled
+        finally:
+            self._batched = None
 
     def _orthogonalize(self, stack: Stack, x: torch.Tensor) -> list[torch.Tensor]:
         """Newton–Schulz of one stack: (k, m, n) fp32 NS inputs -> k fp32 (m, n) updates.
@@ -273,31 +379,24 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         scale_parts = cfg.moment2_method is None
         tp = stack.tp
         if tp is not None and tp.mode == "distributed":
-            out = distributed_orthogonalize(x, tp, stack.qkv, stack.global_shape, cfg, NS_EPS, scaled=scale_parts)
+            out = distributed_orthogonalize(x, tp, stack.qkv, stack.global_shape, cfg, scaled=scale_parts)
             return list(out.unbind(0))
         if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
             x = gather_shards(x, tp)
         if stack.qkv is None:
-            outs = list(ops.newton_schulz(x, **cfg.ns_kwargs()).unbind(0))
+            outs = list(cfg.newton_schulz(x).unbind(0))
         else:  # the split op takes one matrix: one call per fused projection, its parts batched inside
             outs = [
-                ops.newton_schulz_split(
-                    m,
-                    list(stack.qkv.sizes),
-                    m.shape[0] // stack.qkv.total,
-                    scale_mode=cfg.scale_mode if scale_parts else None,
-                    extra_scale_factor=cfg.extra_scale_factor if scale_parts else 1.0,
-                    **cfg.ns_kwargs(),
-                )
+                cfg.newton_schulz_split(m, stack.qkv.sizes, m.shape[0] // stack.qkv.total, scaled=scale_parts)
                 for m in x.unbind(0)
             ]
         return outs if tp is None else [local_chunk(o, tp) for o in outs]
 
-    def _normalize(self, group, members, updates, grads, states, ns_inputs) -> None:
+    def _normalize(self, group, members, updates, grads, states, ns_inputs, hyper, grad_scale, found_inf) -> None:
         """Second-moment normalization of the raw NS output of one bucket, then per-part QKV scales."""
         cfg = self._config
         entries = self._plan.entries
-        beta2, eps = _as_float(group["beta2"]), _as_float(group["eps"])
+        beta2, eps = hyper["beta2"], hyper["eps"]
         method = cfg.moment2_method
         moment2 = [s["moment2_buffer"] for s in states]
         # Sharded parameters (tp set) need global statistics; everything else uses the fused op.
@@ -311,23 +410,43 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             v = [moment2[j] for j in js]
             if key is None:
                 if method == "adamuon":
-                    ops.adamuon_normalize_(u, v, beta2=beta2, eps=eps)
+                    ops.adamuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
                 elif method == "normuon":
-                    ops.normuon_normalize_(u, v, beta2=beta2, eps=eps)
+                    ops.normuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
                 else:
-                    ops.namo_normalize_(u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], beta2=beta2, eps=eps)
+                    ops.namo_normalize_(u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], beta2=beta2,
+                                        eps=eps, grad_scale=grad_scale, found_inf=found_inf)
             else:
                 sub_entries = [entries[members[j]] for j in js]
                 if method == "normuon":
-                    tp_normuon_normalize_(u, v, sub_entries, beta2=beta2, eps=eps)
+                    tp_normuon_normalize_(u, v, sub_entries, beta2=beta2, eps=eps, found_inf=found_inf)
                 else:
                     tp_namo_normalize_(
-                        u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], sub_entries, beta2=beta2, eps=eps
+                        u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], sub_entries, beta2=beta2, eps=eps,
+                        grad_scale=grad_scale, found_inf=found_inf,
                     )
         for j, i in enumerate(members):
             entry = entries[i]
             if entry.qkv is not None:
                 _scale_parts_(updates[j], entry.qkv, entry.part_scales)
+
+
+def _plan_matches(plan: Plan, param_groups) -> bool:
+    """True when the groups still hold exactly the parameters the plan was built for, in order."""
+    if plan.group_sizes != tuple(len(g["params"]) for g in param_groups):
+        return False
+    entries = plan.entries
+    i = 0
+    for group in param_groups:
+        for p in group["params"]:
+            if entries[i].param is not p:
+                return False
+            i += 1
+    return True
+
+
+def _capturing_cuda_graph(plan: Plan) -> bool:
+    return any(b.device.type == "cuda" for b in plan.buckets) and torch.cuda.is_current_stream_capturing()
 
 
 def _write_scalar(buf: torch.Tensor, value) -> None:
@@ -337,10 +456,6 @@ def _write_scalar(buf: torch.Tensor, value) -> None:
         buf.zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
     else:
         buf.fill_(value)
-
-
-def _as_float(value) -> float:
-    return float(value) if isinstance(value, torch.Tensor) else value
 
 
 def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:

@@ -33,17 +33,17 @@ TEST(MomentumMath, TorchLerpFormulaOnEachSideOfHalf) {
 }
 
 TEST(MomentumMath, EmaAndNesterov) {
-  const MomentumCoefficients plain{0.1f, 0.9f, false};
+  const MomentumCoefficients plain{0.1f, 0.9f, false, 1.f};
   const MomentumResult r = momentum_element<float, float, false>(2.f, 0.f, 0.f, 1.f, plain);
   EXPECT_FLOAT_EQ(r.buffer, 1.1f);
   EXPECT_EQ(r.ns_input, r.buffer);
-  const MomentumCoefficients nesterov{0.1f, 0.9f, true};
+  const MomentumCoefficients nesterov{0.1f, 0.9f, true, 1.f};
   const MomentumResult n = momentum_element<float, float, false>(2.f, 0.f, 0.f, 1.f, nesterov);
   EXPECT_FLOAT_EQ(n.ns_input, 2.f + 0.9f * (1.1f - 2.f));
 }
 
 TEST(MomentumMath, L2DecayGoesIntoTheGradient) {
-  const MomentumCoefficients c{0.5f, 0.5f, false};
+  const MomentumCoefficients c{0.5f, 0.5f, false, 1.f};
   // g = 1 + 0.5 * 4 = 3; M = 1 + 0.5 (3 - 1) = 2.
   EXPECT_FLOAT_EQ((momentum_element<float, float, true>(1.f, 4.f, 0.5f, 1.f, c).buffer), 2.f);
   // Without l2 the parameter is ignored.
@@ -51,7 +51,7 @@ TEST(MomentumMath, L2DecayGoesIntoTheGradient) {
 }
 
 TEST(MomentumMath, Bf16StorageRoundsTheBufferAndTheNesterovInput) {
-  const MomentumCoefficients c{0.05f, 0.95f, true};
+  const MomentumCoefficients c{0.05f, 0.95f, true, 1.f};
   const float g = 0.3f, m = -0.7f;
   const MomentumResult r = momentum_element<Bf16, Bf16, false>(g, 0.f, 0.f, m, c);
   EXPECT_EQ(r.buffer, round_to<Bf16>(torch_lerp(m, g, 0.05f)));
@@ -79,4 +79,101 @@ TEST(MomentumMath, UpdateDecaysThenSteps) {
   // bf16 parameters store the decayed value (rounded) before the update, as the reference does.
   const float p = 1.f, decay = 1e-3f;
   EXPECT_EQ(update_element<Bf16>(p, 0.f, 1.f, decay, 0.1f), round_to<Bf16>(std::fmaf(p, -decay, p)));
+}
+
+// fp16 storage: the host conversion must match IEEE round-to-nearest-even (c10::Half, and
+// __float2half_rn on the device) for every input.
+namespace {
+
+uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Nearest fp16 of a non-negative finite float by search over every finite fp16 value; ties to the
+// even bit pattern; 65520 and above round to infinity.
+uint16_t nearest_half(float f) {
+  if (f >= 65520.f) return 0x7C00;
+  uint16_t lo = 0, hi = 0x7BFF;
+  while (lo < hi) {  // last value <= f
+    const uint16_t mid = static_cast<uint16_t>((lo + hi + 1) / 2);
+    if (to_float(Fp16{mid}) <= f) lo = mid; else hi = static_cast<uint16_t>(mid - 1);
+  }
+  if (lo == 0x7BFF) return lo;
+  const double below = to_float(Fp16{lo});
+  const double above = to_float(Fp16{static_cast<uint16_t>(lo + 1)});
+  const double d_below = static_cast<double>(f) - below;
+  const double d_above = above - static_cast<double>(f);
+  if (d_below < d_above) return lo;
+  if (d_above < d_below) return static_cast<uint16_t>(lo + 1);
+  return (lo & 1u) ? static_cast<uint16_t>(lo + 1) : lo;
+}
+
+}  // namespace
+
+TEST(Fp16, WideningIsExactForEveryValue) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    const Fp16 v{static_cast<uint16_t>(h)};
+    const float f = to_float(v);
+    const uint32_t exponent = (h >> 10) & 0x1F;
+    if (exponent == 0x1F && (h & 0x3FF)) {
+      EXPECT_TRUE(std::isnan(f));
+      continue;
+    }
+    EXPECT_EQ(from_float<Fp16>(f).bits, h) << "half 0x" << std::hex << h;  // round trip
+  }
+  EXPECT_EQ(to_float(Fp16{0x3C00}), 1.f);
+  EXPECT_EQ(to_float(Fp16{0x0001}), 5.9604644775390625e-08f);  // smallest subnormal, 2^-24
+  EXPECT_EQ(to_float(Fp16{0xFBFF}), -65504.f);
+}
+
+TEST(Fp16, NarrowingRoundsToNearestEven) {
+  uint32_t state = 12345;
+  for (int k = 0; k < 200000; ++k) {
+    state = state * 1664525u + 1013904223u;
+    // magnitudes from 2^-30 (below the subnormals) to 2^17 (past the largest half)
+    const uint32_t u = 0x30800000u + state % (0x48000000u - 0x30800000u);
+    const float f = float_of(u);
+    EXPECT_EQ(from_float<Fp16>(f).bits, nearest_half(f)) << "float 0x" << std::hex << u;
+    EXPECT_EQ(from_float<Fp16>(-f).bits, static_cast<uint16_t>(nearest_half(f) | 0x8000u));
+  }
+  // Ties: 1 + 2^-11 lies halfway between 1 and 1 + 2^-10 (even: 1); 1 + 3 * 2^-11 goes up.
+  EXPECT_EQ(from_float<Fp16>(1.00048828125f).bits, 0x3C00);
+  EXPECT_EQ(from_float<Fp16>(1.00146484375f).bits, 0x3C02);
+  EXPECT_EQ(from_float<Fp16>(65519.f).bits, 0x7BFF);
+  EXPECT_EQ(from_float<Fp16>(65520.f).bits, 0x7C00);
+  EXPECT_EQ(from_float<Fp16>(std::numeric_limits<float>::infinity()).bits, 0x7C00);
+  EXPECT_EQ(from_float<Fp16>(std::numeric_limits<float>::quiet_NaN()).bits, 0x7E00);
+  EXPECT_EQ(from_float<Fp16>(-0.f).bits, 0x8000);
+  EXPECT_EQ(from_float<Fp16>(float_of(0x33000000u)).bits, 0x0000);  // 2^-25: tie with 0, even
+  EXPECT_EQ(from_float<Fp16>(float_of(0x33000001u)).bits, 0x0001);
+  EXPECT_EQ(bits_of(round_to<Fp16>(0.1f)), bits_of(to_float(Fp16{0x2E66})));
+}
+
+TEST(MomentumMath, CoefficientsRoundTheReferencesPythonFloats) {
+  // The lerp weight is float(1 - momentum) of the fp64 value, as the reference passes 1 - 0.95.
+  const MomentumCoefficients c = momentum_coefficients(0.95, true, 1.0);
+  EXPECT_EQ(c.ema_weight, static_cast<float>(1.0 - 0.95));
+  EXPECT_NE(c.ema_weight, 1.f - 0.95f);  // what an fp32 momentum would give instead
+  EXPECT_EQ(c.nesterov_weight, 0.95f);
+  EXPECT_TRUE(c.nesterov);
+}
+
+TEST(MomentumMath, GradScaleUnscalesBeforeEverything) {
+  const MomentumCoefficients scaled = momentum_coefficients(0.5, false, 1024.0);
+  const MomentumCoefficients plain = momentum_coefficients(0.5, false, 1.0);
+  // g = 2048 / 1024 = 2; l2: g = 2 + 0.5 * 4 = 4; M = 1 + 0.5 (4 - 1) = 2.5.
+  EXPECT_EQ((momentum_element<float, float, true>(2048.f, 4.f, 0.5f, 1.f, scaled).buffer),
+            (momentum_element<float, float, true>(2.f, 4.f, 0.5f, 1.f, plain).buffer));
+  EXPECT_FLOAT_EQ((momentum_element<float, float, true>(2048.f, 4.f, 0.5f, 1.f, scaled).buffer), 2.5f);
+  // fp16 gradients and buffers round the buffer to fp16.
+  const MomentumResult h = momentum_element<Fp16, Fp16, false>(0.3f, 0.f, 0.f, -0.7f, plain);
+  EXPECT_EQ(h.buffer, round_to<Fp16>(torch_lerp(-0.7f, 0.3f, 0.5f)));
 }

@@ -123,18 +123,56 @@ TEST(MultiTensorChunks, LocateEntry) {
   EXPECT_EQ(locate_entry(&single, 1, 7), 0);
 }
 
-TEST(MultiTensorChunks, VectorAlignmentDecision) {
+TEST(MultiTensorChunks, VectorHeadFindsTheFirstAlignedElement) {
   alignas(16) static float storage[64];
-  const void* a = storage;
-  const void* b = storage + 4;   // 16 bytes in: aligned
-  const void* c = storage + 1;   // 4 bytes in: not aligned
-  const void* d = reinterpret_cast<const char*>(storage) + 8;
-  EXPECT_TRUE(vector_aligned({a, b}));
-  EXPECT_FALSE(vector_aligned({a, c}));
-  EXPECT_FALSE(vector_aligned({d}));
-  EXPECT_TRUE(vector_aligned({}));
+  alignas(16) static uint16_t halves[64];
+  const std::vector<std::size_t> f32x2{4, 4};
+  EXPECT_EQ(vector_head({storage, storage + 4}, f32x2, 4), 0);      // both aligned
+  EXPECT_EQ(vector_head({storage + 1, storage + 5}, f32x2, 4), 3);  // both 4 bytes in: 3 scalar elements
+  EXPECT_EQ(vector_head({storage, storage + 1}, f32x2, 4), kScalarOnly);  // misaligned by different amounts
+  const void* odd = reinterpret_cast<const char*>(storage) + 2;
+  EXPECT_EQ(vector_head({odd}, {4}, 4), kScalarOnly);  // no whole element lands on a 16-byte boundary
+  // Mixed sizes: bf16 gradients 6 elements (12 bytes) in, fp32 buffers 6 elements (24 bytes) in:
+  // after 2 more elements both are aligned (16 and 32 bytes).
+  EXPECT_EQ(vector_head({halves + 6, storage + 6}, {2, 4}, 8), 2);
+  EXPECT_EQ(vector_head({}, {}, 4), 0);
+  EXPECT_THROW(vector_head({storage}, {4, 4}, 4), std::invalid_argument);
   // Chunk starts keep alignment for 2- and 4-byte elements.
   EXPECT_EQ(kChunkElems * 2 % static_cast<int64_t>(kVectorBytes), 0);
+}
+
+// The kernel's split of a chunk: scalar head, 16-byte vectors, scalar tail. Every element is
+// covered once and every vector starts on a 16-byte boundary, for any offset of a stack slice.
+TEST(MultiTensorChunks, ChunkVectorRangeCoversEveryElementOnce) {
+  alignas(16) static float base[4 * 256];
+  constexpr int kVec = 4;
+  for (int offset = 0; offset < 8; ++offset) {
+    for (int64_t numel : {0, 1, 3, 4, 5, 17, 255, 256}) {
+      const float* data = base + offset;
+      const uint8_t head = vector_head({data}, {4}, kVec);
+      ASSERT_NE(head, kScalarOnly);
+      for (int64_t chunk : {int64_t{16}, int64_t{64}}) {
+        std::vector<int> hits(static_cast<std::size_t>(numel), 0);
+        for (int64_t begin = 0; begin < numel; begin += chunk) {
+          const int64_t end = std::min(numel, begin + chunk);
+          const VectorRange r = chunk_vector_range(begin, end, head, kVec);
+          ASSERT_LE(begin, r.vector_begin);
+          ASSERT_LE(r.vector_begin, r.vector_end);
+          ASSERT_LE(r.vector_end, end);
+          for (int64_t i = begin; i < r.vector_begin; ++i) ++hits[i];
+          for (int64_t i = r.vector_begin; i < r.vector_end; i += kVec) {
+            EXPECT_EQ(reinterpret_cast<std::uintptr_t>(data + i) % kVectorBytes, 0u);
+            for (int k = 0; k < kVec; ++k) ++hits[i + k];
+          }
+          for (int64_t i = r.vector_end; i < end; ++i) ++hits[i];
+        }
+        for (int64_t i = 0; i < numel; ++i) ASSERT_EQ(hits[i], 1) << "offset " << offset << " element " << i;
+      }
+    }
+  }
+  const VectorRange scalar = chunk_vector_range(0, 10, kScalarOnly, 4);
+  EXPECT_EQ(scalar.vector_begin, 10);
+  EXPECT_EQ(scalar.vector_end, 10);
 }
 
 TEST(MultiTensorChunks, TableFitsTheKernelArgumentLimit) {
@@ -150,28 +188,28 @@ TEST(MultiTensorChunks, TableFitsTheKernelArgumentLimit) {
 TEST(MultiTensorChunks, MakeTensorTable) {
   std::vector<std::vector<void*>> pointers;
   std::vector<float> scales;
-  std::vector<bool> aligned;
+  std::vector<uint8_t> heads;
   static float data[8];
   for (int t = 0; t < 5; ++t) {
     pointers.push_back({data + t, data + t + 1});
     scales.push_back(0.5f * t);
-    aligned.push_back(t % 2 == 0);
+    heads.push_back(t % 2 == 0 ? static_cast<uint8_t>(t) : kScalarOnly);
   }
   const auto launches = plan_chunk_launches({10, 0, 40, 5, 33}, 16, 2, 100);
   ASSERT_EQ(launches.size(), 2u);
-  const TensorTable<2> table = make_tensor_table<2>(launches[1], pointers, scales, aligned);
+  const TensorTable<2> table = make_tensor_table<2>(launches[1], pointers, scales, heads);
   ASSERT_EQ(table.count, 2);
   EXPECT_EQ(table.ptr[0][0], data + 3);
   EXPECT_EQ(table.ptr[1][1], data + 5);
   EXPECT_EQ(table.end[1], 33);
   EXPECT_EQ(table.first_block[1], 1u);
   EXPECT_FLOAT_EQ(table.scale[0], 1.5f);
-  EXPECT_EQ(table.vectorized[0], 0);
-  EXPECT_EQ(table.vectorized[1], 1);
-  const TensorTable<2> unscaled = make_tensor_table<2>(launches[0], pointers, {}, aligned);
+  EXPECT_EQ(table.head[0], kScalarOnly);
+  EXPECT_EQ(table.head[1], 4);
+  const TensorTable<2> unscaled = make_tensor_table<2>(launches[0], pointers, {}, heads);
   EXPECT_FLOAT_EQ(unscaled.scale[1], 1.f);
 
   ChunkLaunch too_big;
   too_big.entries.resize(TensorTable<2>::kCapacity + 1);
-  EXPECT_THROW(make_tensor_table<2>(too_big, pointers, scales, aligned), std::invalid_argument);
+  EXPECT_THROW(make_tensor_table<2>(too_big, pointers, scales, heads), std::invalid_argument);
 }

@@ -110,3 +110,17 @@ def test_cuda_graph_capture_of_the_step(case, gen):
         run_steps(eager, eager_params, [step_grads], lrs=[lrs[t]])
     torch.cuda.synchronize()
     assert max_delta_err(params, eager_params, start) <= TOLERANCE["highest"]
+
+
+@pytest.mark.gpu
+def test_python_float_lr_during_cuda_graph_capture_is_refused(gen):
+    # A captured graph would replay the lr of capture time forever: refuse it with a clear error.
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(SHAPES, gen, scale=0.1)]
+    opt = CASES["muon"](params, 0.02)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # warm-up outside capture (plans, state)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="lr'\\] is a Python number while a CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            opt.step()

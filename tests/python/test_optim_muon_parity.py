@@ -198,12 +198,13 @@ def test_custom_coefficients_match_reference(gen):
         (AdaptiveMuon, dict(lr=0.02, momentum=0.9, weight_decay=0.1, moment2_method="namo")),
     ],
 )
-def test_bf16_and_mixed_dtype_params_match_float64_reference(cls, kwargs, gen):
-    # EO's Muon rejects bf16 params (its NS needs fp32); ours keeps bf16 state and runs NS in fp32.
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_bf16_fp16_and_mixed_dtype_params_match_float64_reference(cls, kwargs, low, gen):
+    # Low-precision params keep state in their dtype; momentum math and NS run in fp32.
     kwargs = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.05, **kwargs, "fp32_matmul_prec": "highest"}
     params = make_params(SHAPES, gen, scale=0.01)
     for i in range(0, len(params), 2):
-        params[i] = torch.nn.Parameter(params[i].detach().to(torch.bfloat16))
+        params[i] = torch.nn.Parameter(params[i].detach().to(low))
     start = [p.detach().clone() for p in params]
     grads = make_grads(params, gen, STEPS)
     ours = cls(params, **kwargs)
@@ -215,7 +216,7 @@ def test_bf16_and_mixed_dtype_params_match_float64_reference(cls, kwargs, gen):
         ref.step(g)
     for p in params:
         assert ours.state[p]["momentum_buffer"].dtype == p.dtype
-    bf16 = [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
+    bf16 = [i for i, p in enumerate(params) if p.dtype == low]
     fp32 = [i for i, p in enumerate(params) if p.dtype == torch.float32]
     pick = lambda xs, idx: [xs[i] for i in idx]  # noqa: E731
     assert max_delta_err(pick(params, bf16), pick(ref.params, bf16), pick(start, bf16)) <= TOLERANCE["medium"]

@@ -248,6 +248,7 @@ _LISTS, _CASES = _bad_cases()
 
 def _call_op(method, args, beta2=0.95, eps=1e-8):
     updates, states, grads, xs = args
+    beta2, eps = torch.tensor(beta2, dtype=torch.float64), torch.tensor(eps, dtype=torch.float64)
     if method == "namo":
         torch.ops.megatron_eopt.namo_normalize_(updates, states, grads, xs, beta2, eps)
     else:
@@ -273,7 +274,10 @@ def test_bad_input_mutates_nothing(case, direct_op):
 
 @pytest.mark.parametrize("direct_op", [False, True], ids=["wrapper", "op"])
 @pytest.mark.parametrize("beta2,eps,fragment", [(1.5, 1e-8, "beta2"), (float("nan"), 1e-8, "beta2"),
-                                                (0.95, 0.0, "eps"), (0.95, float("inf"), "eps")])
+                                                (0.95, 0.0, "eps"), (0.95, float("inf"), "eps"),
+                                                # finite doubles that are 0 / inf in the kernels' fp32
+                                                (0.95, 1e-46, "eps must be finite and positive in float32"),
+                                                (0.95, 1e39, "eps must be finite and positive in float32")])
 @pytest.mark.parametrize("method", METHODS)
 def test_bad_hyper_parameters(method, beta2, eps, fragment, direct_op):
     args = _LISTS(method)
@@ -291,17 +295,22 @@ def test_bad_hyper_parameters(method, beta2, eps, fragment, direct_op):
 # ------------------------------------------------------------------ opcheck and torch.compile
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("method", METHODS)
-def test_opcheck(device, method, gen):
+@pytest.mark.parametrize("amp", [False, True])
+def test_opcheck(device, method, amp, gen):
+    beta2 = torch.tensor(0.9, device=device, dtype=torch.float64)
+    eps = torch.tensor(1e-8, device=device)
+    found_inf = torch.zeros((), device=device)
     shapes = [(9, 5), (5, 9), (9, 5)]
     updates = [_randn(s, gen, device) for s in shapes]
     states = [me.new_moment2_buffer(method, u) + 0.1 for u in updates]
     if method == "namo":
         grads = [_randn(s, gen, device, torch.bfloat16) for s in shapes]
         xs = [_randn(s, gen, device) for s in shapes]
-        torch.library.opcheck(torch.ops.megatron_eopt.namo_normalize_.default, (updates, states, grads, xs, 0.9, 1e-8))
+        scalars = (beta2, eps, torch.tensor(2.0, device=device), found_inf) if amp else (beta2, eps)
+        torch.library.opcheck(torch.ops.megatron_eopt.namo_normalize_.default, (updates, states, grads, xs, *scalars))
     else:
         op = getattr(torch.ops.megatron_eopt, f"{method}_normalize_").default
-        torch.library.opcheck(op, (updates, states, 0.9, 1e-8))
+        torch.library.opcheck(op, (updates, states, beta2, eps, found_inf) if amp else (updates, states, beta2, eps))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -329,3 +338,76 @@ def test_compile_fullgraph_equals_eager(device, gen):
     for m in METHODS:
         for v, w in zip(states[m], eager_states[m]):
             torch.testing.assert_close(v, w)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("method", METHODS)
+def test_found_inf_leaves_updates_and_state_untouched(device, method, gen):
+    # GradScaler's overflow flag is read on the device: a skipped step changes nothing.
+    shapes = [(9, 5), (5, 9)]
+    updates = [_randn(s, gen, device) for s in shapes]
+    states = [me.new_moment2_buffer(method, u) + 0.25 for u in updates]
+    grads = [_randn(s, gen, device) for s in shapes]
+    before = [t.clone() for t in updates + states]
+    _run(method, updates, states, grads, grads, found_inf=torch.ones((), device=device))
+    assert all(torch.equal(a, b) for a, b in zip(before, updates + states))
+    _run(method, updates, states, grads, grads, found_inf=torch.zeros((), device=device))
+    assert not any(torch.equal(a, b) for a, b in zip(before, updates + states))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_namo_grad_scale_equals_unscaled_grads(device, gen):
+    # A power-of-two scale divides exactly, so the scaled call must equal the unscaled one bitwise.
+    shapes = [(9, 5), (1, 7)]
+    updates = [_randn(s, gen, device) for s in shapes]
+    grads = [_randn(s, gen, device) for s in shapes]
+    xs = [_randn(s, gen, device) for s in shapes]
+    states = [me.new_moment2_buffer("namo", u) + 0.25 for u in updates]
+    ref_updates, ref_states = [u.clone() for u in updates], [v.clone() for v in states]
+    me.namo_normalize_(ref_updates, ref_states, grads, xs)
+    me.namo_normalize_(updates, states, [g * 65536 for g in grads], xs,
+                       grad_scale=torch.tensor(65536.0, device=device))
+    assert all(torch.equal(a, b) for a, b in zip(updates + states, ref_updates + ref_states))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_tensor_beta2_eps_change_without_recompiling(device, gen):
+    from torch._dynamo.utils import counters
+
+    def step(os_, vs, beta2, eps):
+        me.adamuon_normalize_(os_, vs, beta2=beta2, eps=eps)
+
+    shapes = [(12, 7), (7, 12)]
+    states = [me.new_moment2_buffer("adamuon", torch.empty(s, device=device)) for s in shapes]
+    eager_states = [v.clone() for v in states]
+    beta2 = torch.tensor(0.9, device=device)
+    eps = torch.tensor(1e-8, device=device)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    for t, (b, e) in enumerate([(0.9, 1e-8), (0.5, 1e-6), (0.99, 1e-3)]):
+        beta2.fill_(b)
+        eps.fill_(e)
+        os_ = [_randn(s, gen, device) for s in shapes]
+        ours, ref = [o.clone() for o in os_], [o.clone() for o in os_]
+        compiled(ours, states, beta2, eps)
+        me.adamuon_normalize_(ref, eager_states, beta2=b, eps=e)
+        for x, y in zip(ours + states, ref + eager_states):
+            torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.gpu
+def test_adamuon_cuda_equals_cpu_bitwise(gen):
+    # The square is rounded before the EMA on both backends (no contraction into an FMA), so the
+    # state carried over several steps stays bitwise equal.
+    shapes = [(97, 37), (1, 64), (48, 48)]
+    cpu_states = [me.new_moment2_buffer("adamuon", torch.empty(s)) for s in shapes]
+    gpu_states = [v.cuda() for v in cpu_states]
+    for _ in range(5):
+        os_ = [_randn(s, gen, "cpu") for s in shapes]
+        on_gpu = [o.cuda() for o in os_]
+        me.adamuon_normalize_(os_, cpu_states, beta2=0.95, eps=1e-8)
+        me.adamuon_normalize_(on_gpu, gpu_states, beta2=0.95, eps=1e-8)
+        for a, b in zip(os_ + cpu_states, on_gpu + gpu_states):
+            assert torch.equal(a, b.cpu())

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "megatron_eopt/momentum_math.h"
+#include "megatron_eopt/step_scalar.h"
 #include "megatron_eopt/storage_types.h"
 
 namespace megatron_eopt {
@@ -24,9 +25,13 @@ struct ForeachMomentumArgs {
   StorageType grad_type = StorageType::kFloat32;  // also the params' type
   StorageType buffer_type = StorageType::kFloat32;
   StorageType ns_type = StorageType::kFloat32;
-  MomentumCoefficients coefficients{};
+  bool nesterov = false;
   bool l2 = false;
-  const float* weight_decay = nullptr;  // 0-dim tensor's storage, on the op's device
+  // 0-dim tensors' storage on the op's device, read by the kernels (momentum_coefficients()).
+  StepScalar momentum;
+  StepScalar weight_decay;
+  StepScalar grad_scale;  // optional: gradients are divided by it
+  StepScalar found_inf;   // optional: non-zero leaves every tensor untouched
 };
 
 // foreach_update_: params[t] (read, written), updates[t] (read), per-tensor scales[t].
@@ -38,8 +43,9 @@ struct ForeachUpdateArgs {
   StorageType param_type = StorageType::kFloat32;
   StorageType update_type = StorageType::kFloat32;
   WeightDecayMethod method = WeightDecayMethod::kDecoupled;
-  const float* lr = nullptr;  // 0-dim tensors' storage, on the op's device
-  const float* weight_decay = nullptr;
+  StepScalar lr;  // 0-dim tensors' storage, on the op's device
+  StepScalar weight_decay;
+  StepScalar found_inf;  // optional: non-zero leaves the parameters untouched
 };
 
 template <typename T>
@@ -47,19 +53,28 @@ struct TypeTag {
   using type = T;
 };
 
+// Parameters, gradients and momentum buffers: fp32, bf16 or fp16 (computed in fp32).
 template <typename F>
-decltype(auto) visit_storage_type(StorageType type, F&& f) {
+decltype(auto) visit_param_type(StorageType type, F&& f) {
+  if (type == StorageType::kBFloat16) return f(TypeTag<Bf16>{});
+  if (type == StorageType::kFloat16) return f(TypeTag<Fp16>{});
+  return f(TypeTag<float>{});
+}
+
+// Newton–Schulz inputs: fp32 or bf16 (the compute types of the NS op).
+template <typename F>
+decltype(auto) visit_ns_type(StorageType type, F&& f) {
   if (type == StorageType::kBFloat16) return f(TypeTag<Bf16>{});
   return f(TypeTag<float>{});
 }
 
 // Calls f(TypeTag<Grad>, TypeTag<Buffer>, TypeTag<Ns>, bool_constant<l2>) for the supported
-// combinations: buffers in the gradient's type or fp32, NS inputs fp32 or bf16.
+// combinations: gradients fp32, bf16 or fp16, buffers in their type or fp32, NS inputs fp32 or bf16.
 template <typename F>
 void dispatch_momentum(const ForeachMomentumArgs& a, F&& f) {
-  visit_storage_type(a.grad_type, [&](auto grad_tag) {
-    visit_storage_type(a.buffer_type, [&](auto buffer_tag) {
-      visit_storage_type(a.ns_type, [&](auto ns_tag) {
+  visit_param_type(a.grad_type, [&](auto grad_tag) {
+    visit_param_type(a.buffer_type, [&](auto buffer_tag) {
+      visit_ns_type(a.ns_type, [&](auto ns_tag) {
         using G = typename decltype(grad_tag)::type;
         using B = typename decltype(buffer_tag)::type;
         if constexpr (std::is_same_v<B, G> || std::is_same_v<B, float>) {
@@ -79,8 +94,8 @@ void dispatch_momentum(const ForeachMomentumArgs& a, F&& f) {
 // Calls f(TypeTag<Param>, TypeTag<Update>) for updates in fp32 or the parameters' type.
 template <typename F>
 void dispatch_update(const ForeachUpdateArgs& a, F&& f) {
-  visit_storage_type(a.param_type, [&](auto param_tag) {
-    visit_storage_type(a.update_type, [&](auto update_tag) {
+  visit_param_type(a.param_type, [&](auto param_tag) {
+    visit_param_type(a.update_type, [&](auto update_tag) {
       using P = typename decltype(param_tag)::type;
       using U = typename decltype(update_tag)::type;
       if constexpr (std::is_same_v<U, P> || std::is_same_v<U, float>) {

@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "megatron_eopt/storage_types.h"
+#include "megatron_eopt/torch_lerp.h"
 
 namespace megatron_eopt {
 
@@ -25,23 +26,19 @@ inline WeightDecayMethod parse_weight_decay_method(std::string_view name) {
                               "', expected one of: decoupled, independent, l2, palm");
 }
 
-// torch.lerp(start, end, weight) for a scalar weight: the two formulas torch switches between at
-// |weight| = 0.5, each as the single fma torch's CPU (vectorized) and CUDA kernels evaluate.
-// Every operand is computed unconditionally and only selected (no branch, nothing for the
-// compiler to speculate), so CPU loops over it vectorize.
-MEGATRON_EOPT_HD float torch_lerp(float start, float end, float weight) {
-  const bool small = fabsf(weight) < 0.5f;
-  const float weight_minus_one = weight - 1.f;
-  const float coefficient = small ? weight : weight_minus_one;
-  const float base = small ? start : end;
-  return fmaf(coefficient, end - start, base);
-}
-
 struct MomentumCoefficients {
   float ema_weight;       // 1 - momentum: M.lerp_(g, 1 - momentum)
   float nesterov_weight;  // momentum: g.lerp(M, momentum)
   bool nesterov;
+  float grad_scale;  // gradients arrive multiplied by it (GradScaler; 1 without one)
 };
+
+// The coefficients of one step from the momentum value (fp64, as the reference's Python float:
+// the lerp weight is float(1 - momentum), rounded once).
+MEGATRON_EOPT_HD MomentumCoefficients momentum_coefficients(double momentum, bool nesterov, double grad_scale) {
+  return {static_cast<float>(1.0 - momentum), static_cast<float>(momentum), nesterov,
+          static_cast<float>(grad_scale)};
+}
 
 struct MomentumResult {
   float buffer;    // new momentum buffer value, already rounded to the buffer's storage type
@@ -50,12 +47,14 @@ struct MomentumResult {
 
 // One element of the momentum step. g and p are the gradient and parameter (p is read only for
 // l2 weight decay, with `l2_decay` = weight_decay), m the current buffer value.
+//   unscale:  g <- g / grad_scale        (in fp32, as torch's fused Adam; exact for 1)
 //   l2:       g <- g + wd * p            (stored in the gradient's type, as the reference's grad.add_)
 //   EMA:      M <- lerp(M, g, 1 - mu)    (stored in the buffer's type)
 //   nesterov: G = lerp(g, M, mu)         (in the promoted type of g and M), else G = M
 template <typename GradT, typename BufT, bool kL2>
 MEGATRON_EOPT_HD MomentumResult momentum_element(float g, float p, float l2_decay, float m,
                                                  const MomentumCoefficients& c) {
+  g = g / c.grad_scale;
   if constexpr (kL2) g = round_to<GradT>(fmaf(p, l2_decay, g));
   const float buffer = round_to<BufT>(torch_lerp(m, g, c.ema_weight));
   using NesterovT = typename Wider<GradT, BufT>::type;
@@ -65,14 +64,14 @@ MEGATRON_EOPT_HD MomentumResult momentum_element(float g, float p, float l2_deca
 
 // The factor f of p <- p - f * p for a weight-decay method; l2 decays the gradient instead (0).
 // Formed in double and rounded once, like the reference's Python-float alpha.
-MEGATRON_EOPT_HD float weight_decay_factor(WeightDecayMethod method, float lr, float weight_decay) {
+MEGATRON_EOPT_HD float weight_decay_factor(WeightDecayMethod method, double lr, double weight_decay) {
   const double l = lr;
   const double w = weight_decay;
   switch (method) {
     case WeightDecayMethod::kDecoupled:
       return static_cast<float>(w * l);
     case WeightDecayMethod::kIndependent:
-      return weight_decay;
+      return static_cast<float>(w);
     case WeightDecayMethod::kPalm:
       return static_cast<float>(w * l * l);
     case WeightDecayMethod::kL2:

@@ -3,17 +3,21 @@
 // An op is a functor with
 //   static constexpr int kDepth;   // lists it touches (pointers per tensor)
 //   static constexpr int kVec;     // elements per vector step: 16 bytes of its narrowest type
-//   Context prepare() const;       // per-thread prologue (e.g. read lr from device memory)
+//   static constexpr std::size_t kElemBytes[];  // element size of each list (at least kDepth entries)
+//   Context prepare() const;       // per-thread prologue (e.g. read lr from device memory); its
+//                                  // `bool skip` (GradScaler's found_inf) makes the block write nothing
 //   template <int V> void apply(const Context&, void* const (&ptrs)[kDepth], float scale, int64_t i) const;
 //                                  // elements [i, i + V); V == kVec: 16-byte aligned vectors
 // multi_tensor_apply plans the chunks (multi_tensor_chunks.h), passes each launch's table in the
-// kernel arguments and runs one block per chunk: the vector loop when every pointer of the tensor
-// is 16-byte aligned, a scalar tail (or a scalar loop when not aligned) otherwise.
+// kernel arguments and runs one block per chunk: a scalar head up to the first element where every
+// pointer of the tensor is 16-byte aligned (vector_head), the vector loop, a scalar tail; a scalar
+// loop when no such element exists.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "megatron_eopt/cuda_check.h"
@@ -70,19 +74,21 @@ __global__ void __launch_bounds__(kMultiTensorThreads)
   for (int d = 0; d < Depth; ++d) ptrs[d] = table.ptr[d][t];
   const float scale = table.scale[t];
   const auto ctx = op.prepare();
+  if (ctx.skip) return;  // the same for every block: nothing of the step is written
 
-  int64_t scalar_begin = begin;
-  if (table.vectorized[t]) {
-    constexpr int V = Op::kVec;
-    const int64_t vector_end = begin + (end - begin) / V * V;
-    for (int64_t i = begin + static_cast<int64_t>(threadIdx.x) * V; i < vector_end;
-         i += static_cast<int64_t>(blockDim.x) * V) {
-      op.template apply<V>(ctx, ptrs, scale, i);
-    }
-    scalar_begin = vector_end;
+  constexpr int V = Op::kVec;
+  const VectorRange range = chunk_vector_range(begin, end, table.head[t], V);
+  const int64_t vector_begin = range.vector_begin;
+  const int64_t vector_end = range.vector_end;
+  for (int64_t i = vector_begin + static_cast<int64_t>(threadIdx.x) * V; i < vector_end;
+       i += static_cast<int64_t>(blockDim.x) * V) {
+    op.template apply<V>(ctx, ptrs, scale, i);
   }
-  for (int64_t i = scalar_begin + threadIdx.x; i < end; i += blockDim.x) {
-    op.template apply<1>(ctx, ptrs, scale, i);
+  // Scalar head [begin, vector_begin) and tail [vector_end, end).
+  const int64_t head_count = vector_begin - begin;
+  const int64_t scalar_count = head_count + (end - vector_end);
+  for (int64_t k = threadIdx.x; k < scalar_count; k += blockDim.x) {
+    op.template apply<1>(ctx, ptrs, scale, k < head_count ? begin + k : vector_end + (k - head_count));
   }
 }
 
@@ -95,14 +101,16 @@ void multi_tensor_apply(const std::vector<std::vector<void*>>& pointers, const s
   static_assert(sizeof(TensorTable<Depth>) + sizeof(Op) <= kKernelArgBytes,
                 "kernel arguments exceed the 4 KiB limit");
   static_assert(sizeof(Op) <= kFunctorArgBytes, "functor larger than its kernel-argument budget");
-  std::vector<bool> aligned(pointers.size());
+  static_assert(std::size(Op::kElemBytes) >= Depth, "one element size per list");
+  const std::vector<std::size_t> elem_bytes(std::begin(Op::kElemBytes), std::begin(Op::kElemBytes) + Depth);
+  std::vector<uint8_t> heads(pointers.size());
   for (std::size_t t = 0; t < pointers.size(); ++t) {
-    aligned[t] = vector_aligned(std::vector<const void*>(pointers[t].begin(), pointers[t].end()));
+    heads[t] = vector_head(std::vector<const void*>(pointers[t].begin(), pointers[t].end()), elem_bytes, Op::kVec);
   }
   const std::vector<ChunkLaunch> launches =
       plan_chunk_launches(numels, kChunkElems, TensorTable<Depth>::kCapacity, kMaxBlocksPerLaunch);
   for (const ChunkLaunch& launch : launches) {
-    const TensorTable<Depth> table = make_tensor_table<Depth>(launch, pointers, scales, aligned);
+    const TensorTable<Depth> table = make_tensor_table<Depth>(launch, pointers, scales, heads);
     multi_tensor_kernel<Depth, Op><<<launch.blocks, kMultiTensorThreads, 0, stream>>>(table, op);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
   }

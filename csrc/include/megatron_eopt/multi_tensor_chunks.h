@@ -76,12 +76,44 @@ inline std::vector<ChunkLaunch> plan_chunk_launches(const std::vector<int64_t>& 
   return launches;
 }
 
-// True when every address is aligned to kVectorBytes: then all lists of the tensor can be read
-// and written with 16-byte vectors (chunk starts preserve the alignment, see kChunkElems).
-inline bool vector_aligned(const std::vector<const void*>& addresses) {
-  return std::all_of(addresses.begin(), addresses.end(), [](const void* a) {
-    return reinterpret_cast<std::uintptr_t>(a) % kVectorBytes == 0;
-  });
+// No element offset makes every pointer of the tensor 16-byte aligned: scalar loop only.
+constexpr uint8_t kScalarOnly = 0xFF;
+
+// The vector head of a tensor: the first element index h < vec at which every list's pointer
+// (address[d], elements of elem_bytes[d]) is 16-byte aligned, so elements [h, h + k * vec) go in
+// 16-byte vectors and only the h elements before (and a tail) are scalar. `vec` is the vector step
+// of the narrowest type (16 / its size), so a step of vec elements keeps every list aligned, and
+// chunk starts (multiples of kChunkElems) keep the same head. kScalarOnly when no h works, e.g. an
+// fp32 slice at an odd byte offset, or lists misaligned by different element counts.
+inline uint8_t vector_head(const std::vector<const void*>& addresses, const std::vector<std::size_t>& elem_bytes,
+                           int vec) {
+  if (addresses.size() != elem_bytes.size() || vec <= 0 || vec >= kScalarOnly) {
+    throw std::invalid_argument("vector_head: one element size per address and 0 < vec < 255 required");
+  }
+  for (int h = 0; h < vec; ++h) {
+    bool aligned = true;
+    for (std::size_t d = 0; d < addresses.size() && aligned; ++d) {
+      const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(addresses[d]) + h * elem_bytes[d];
+      aligned = a % kVectorBytes == 0;
+    }
+    if (aligned) return static_cast<uint8_t>(h);
+  }
+  return kScalarOnly;
+}
+
+// The vector range [vector_begin, vector_end) of a chunk [begin, end) whose tensor has vector
+// head `head` (kScalarOnly: empty range at `end`); the elements before and after it are scalar.
+// Chunk starts are multiples of kChunkElems (a multiple of vec), so the head is the same in every
+// chunk of a tensor.
+struct VectorRange {
+  int64_t vector_begin;
+  int64_t vector_end;
+};
+
+MEGATRON_EOPT_HD VectorRange chunk_vector_range(int64_t begin, int64_t end, uint8_t head, int vec) {
+  if (head == kScalarOnly) return {end, end};
+  const int64_t first = begin + head < end ? begin + head : end;
+  return {first, first + (end - first) / vec * vec};
 }
 
 // Index of the entry that owns `block`: the last one whose first_block <= block.
@@ -102,7 +134,7 @@ MEGATRON_EOPT_HD int locate_entry(const uint32_t* first_block, int count, uint32
 // Entries a table of `depth` lists can hold within the kernel-argument budget.
 constexpr int table_capacity(int depth) {
   // pointers + begin + end + first_block + scale + vectorized flag
-  const std::size_t per_entry = depth * sizeof(void*) + 2 * sizeof(int64_t) + sizeof(uint32_t) + sizeof(float) + 1;
+  const std::size_t per_entry = depth * sizeof(void*) + 2 * sizeof(int64_t) + sizeof(uint32_t) + sizeof(float) + 1;  // + head
   return static_cast<int>((kKernelArgBytes - kFunctorArgBytes - 16) / per_entry);
 }
 
@@ -115,15 +147,15 @@ struct TensorTable {
   int64_t end[kCapacity];
   uint32_t first_block[kCapacity];
   float scale[kCapacity];  // per-tensor scalar (the update's scales), 1 when unused
-  uint8_t vectorized[kCapacity];
+  uint8_t head[kCapacity];  // vector_head of the tensor (kScalarOnly: no vector loop)
   int32_t count;
 };
 
 // Fills the table of one planned launch. `pointers[t][d]` is list d's pointer of tensor t,
-// `scales` (empty = all 1) a per-tensor scalar, `aligned[t]` the vector_aligned decision.
+// `scales` (empty = all 1) a per-tensor scalar, `heads[t]` the tensor's vector_head.
 template <int Depth>
 TensorTable<Depth> make_tensor_table(const ChunkLaunch& launch, const std::vector<std::vector<void*>>& pointers,
-                                     const std::vector<float>& scales, const std::vector<bool>& aligned) {
+                                     const std::vector<float>& scales, const std::vector<uint8_t>& heads) {
   if (launch.entries.size() > static_cast<std::size_t>(TensorTable<Depth>::kCapacity)) {
     throw std::invalid_argument("make_tensor_table: launch has more entries than the table holds");
   }
@@ -136,7 +168,7 @@ TensorTable<Depth> make_tensor_table(const ChunkLaunch& launch, const std::vecto
     table.end[e] = entry.end;
     table.first_block[e] = entry.first_block;
     table.scale[e] = scales.empty() ? 1.f : scales[entry.tensor];
-    table.vectorized[e] = aligned[entry.tensor] ? 1 : 0;
+    table.head[e] = heads[entry.tensor];
   }
   return table;
 }

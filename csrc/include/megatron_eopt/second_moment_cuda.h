@@ -10,9 +10,13 @@
 
 #include <cuda_runtime_api.h>
 
+#include "megatron_eopt/second_moment_math.h"
 #include "megatron_eopt/storage_types.h"
 
 namespace megatron_eopt {
+
+// Each launcher reads beta2, eps (and NAMO's grad_scale) from `scalars` inside its kernels, and
+// its kernels return at once when scalars.found_inf is set.
 
 // One list entry. All tensors are contiguous and on the current device.
 struct Moment2Tensor {
@@ -27,19 +31,20 @@ struct Moment2Tensor {
 };
 
 // v <- lerp(v, O^2, 1 - beta2); O <- O / (sqrt(v) + eps). One kernel.
-void adamuon_normalize_cuda(const std::vector<Moment2Tensor>& list, double beta2, float eps, cudaStream_t stream);
+void adamuon_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment2Scalars& scalars,
+                            cudaStream_t stream);
 
 // Floats of device scratch normuon_normalize_cuda needs (0 for an empty list).
 std::size_t normuon_scratch_floats(const std::vector<Moment2Tensor>& list);
 // Per slice (row if rows >= cols, else column): v <- lerp(v, mean(O^2), 1 - beta2);
 // U' = O rsqrt(max(v, eps)); O <- U' ||O||_F / max(||U'||_F, eps). Two kernels.
-void normuon_normalize_cuda(const std::vector<Moment2Tensor>& list, double beta2, float eps, float* scratch,
+void normuon_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment2Scalars& scalars, float* scratch,
                             cudaStream_t stream);
 
 // Floats of device scratch namo_normalize_cuda needs (0 for an empty list).
 std::size_t namo_scratch_floats(const std::vector<Moment2Tensor>& list);
 // v <- lerp(v, ||grad||_F^2, 1 - beta2); O <- O ||ns_input||_F / (sqrt(v) + eps). Three kernels.
-void namo_normalize_cuda(const std::vector<Moment2Tensor>& list, double beta2, float eps, float* scratch,
+void namo_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment2Scalars& scalars, float* scratch,
                          cudaStream_t stream);
 
 }  // namespace megatron_eopt

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "megatron_eopt/host_device.h"
+#include "megatron_eopt/step_scalar.h"
 #include "megatron_eopt/torch_lerp.h"
 
 namespace megatron_eopt {
@@ -19,6 +20,35 @@ enum class Moment2Method { kAdamuon, kNormuon, kNamo };
 
 // Every EMA below, v <- beta2 v + (1 - beta2) target, is v.lerp_(target, 1 - beta2) in the
 // reference: torch_lerp(v, target, weight = 1 - beta2), bit-exact with torch's kernels.
+
+// The per-step values every normalization reads (0-dim tensors on the op's device).
+struct Moment2Scalars {
+  StepScalar beta2;
+  StepScalar eps;
+  StepScalar grad_scale;  // NAMO only, optional: its gradients arrive multiplied by it
+  StepScalar found_inf;   // optional: non-zero leaves updates and state untouched
+};
+
+// fp32 values of one step: the lerp weight float(1 - beta2), rounded once from fp64 as the
+// reference's Python float, and eps.
+struct Moment2Step {
+  float weight;
+  float eps;
+};
+
+MEGATRON_EOPT_HD Moment2Step moment2_step(const Moment2Scalars& s) {
+  return {static_cast<float>(1.0 - s.beta2.load()), static_cast<float>(s.eps.load())};
+}
+
+// a * b rounded on its own: never contracted into a following add (ptxas fuses o * o - v into one
+// fma otherwise, which torch's separate square and lerp kernels do not).
+MEGATRON_EOPT_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;  // the CPU library is built with -ffp-contract=off
+#endif
+}
 
 MEGATRON_EOPT_HD float reciprocal_sqrt(float x) {
 #if defined(__CUDA_ARCH__)
@@ -31,7 +61,7 @@ MEGATRON_EOPT_HD float reciprocal_sqrt(float x) {
 // AdaMuon, one element: v <- lerp(v, o^2, 1 - beta2); returns o / (sqrt(v) + eps).
 // No bias correction. o = 0 with v = 0 gives 0 (eps > 0).
 MEGATRON_EOPT_HD float adamuon_normalize(float o, float& v, float weight, float eps) {
-  v = torch_lerp(v, o * o, weight);
+  v = torch_lerp(v, mul_rn(o, o), weight);
   return o / (sqrtf(v) + eps);
 }
 
@@ -54,11 +84,18 @@ MEGATRON_EOPT_HD float normuon_norm_ratio(float sum_sq_o, float sum_sq_scaled, f
 }
 
 // NAMO, one matrix: v <- lerp(v, ||g||_F^2, 1 - beta2) (scalar state); returns the factor
-// ||G~||_F / (sqrt(v) + eps) that multiplies O, where G~ is the Newton–Schulz input.
+// ||G~||_F / (sqrt(v) + eps) that multiplies O, where G~ is the Newton–Schulz input. With a
+// GradScaler the caller passes ||g||_F^2 of the unscaled gradient (namo_grad_sum_sq).
 MEGATRON_EOPT_HD float namo_scale(float& v, float grad_sum_sq, float ns_input_sum_sq, float weight,
                                   float eps) {
   v = torch_lerp(v, grad_sum_sq, weight);
   return sqrtf(ns_input_sum_sq) / (sqrtf(v) + eps);
+}
+
+// ||g / s||_F^2 from ||g||_F^2 of gradients scaled by s (exact for GradScaler's powers of two).
+MEGATRON_EOPT_HD float namo_grad_sum_sq(float scaled_sum_sq, double grad_scale) {
+  const float s = static_cast<float>(grad_scale);
+  return scaled_sum_sq / (s * s);
 }
 
 }  // namespace megatron_eopt

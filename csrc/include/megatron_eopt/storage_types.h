@@ -21,8 +21,14 @@ struct Bf16 {
 };
 static_assert(sizeof(Bf16) == 2, "Bf16 must be layout-compatible with a 16-bit bf16");
 
-// Element type of a tensor a kernel reads. The foreach ops store fp32 and bf16 only; the
-// second-moment ops also read fp16 inputs (NAMO's gradient and Newton–Schulz input).
+// IEEE fp16 as stored in memory. Converted by hand on the host (the CPU kernels include no CUDA
+// header) with the same round-to-nearest-even rule as c10::Half and __float2half_rn.
+struct Fp16 {
+  uint16_t bits;
+};
+static_assert(sizeof(Fp16) == 2, "Fp16 must be layout-compatible with a 16-bit half");
+
+// Element type of a tensor a kernel reads or writes.
 enum class StorageType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
 MEGATRON_EOPT_HD uint32_t float_bits(float v) {
@@ -47,10 +53,23 @@ MEGATRON_EOPT_HD float bits_float(uint32_t u) {
 
 MEGATRON_EOPT_HD float to_float(float v) { return v; }
 MEGATRON_EOPT_HD float to_float(Bf16 v) { return bits_float(static_cast<uint32_t>(v.bits) << 16); }
-#ifdef __CUDACC__
-// fp16 through CUDA's own conversion: only CUDA kernels read it here (the CPU ones use c10::Half).
-MEGATRON_EOPT_HD float to_float(__half v) { return __half2float(v); }
+MEGATRON_EOPT_HD float to_float(Fp16 v) {
+#ifdef __CUDA_ARCH__
+  return __half2float(__ushort_as_half(v.bits));
+#else
+  // Exact widening: normals rebias the exponent, subnormals are mantissa * 2^-24.
+  const uint32_t h = v.bits;
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0x1Fu) return bits_float(sign | 0x7F800000u | (mantissa << 13));  // inf, NaN
+  if (exponent == 0) {
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // 2^-24, exact
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
 #endif
+}
 
 template <typename T>
 MEGATRON_EOPT_HD T from_float(float v);
@@ -71,6 +90,28 @@ MEGATRON_EOPT_HD Bf16 from_float<Bf16>(float v) {
   return Bf16{static_cast<uint16_t>((rounded & ~nan_mask) | (0x7FC0u & nan_mask))};
 }
 
+template <>
+MEGATRON_EOPT_HD Fp16 from_float<Fp16>(float v) {
+#ifdef __CUDA_ARCH__
+  return Fp16{__half_as_ushort(__float2half_rn(v))};
+#else
+  const uint32_t u = float_bits(v);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t magnitude = u & 0x7FFFFFFFu;
+  if (magnitude > 0x7F800000u) return Fp16{static_cast<uint16_t>(sign | 0x7E00u)};   // NaN: quiet, as c10
+  if (magnitude >= 0x477FF000u) return Fp16{static_cast<uint16_t>(sign | 0x7C00u)};  // >= 65520 rounds to inf
+  if (magnitude < 0x38800000u) {
+    // Below 2^-14 (fp16 subnormals): adding 0.5 makes fp32's own rounding round to a multiple of
+    // 2^-24, and the low bits of the sum are the fp16 mantissa (1024 carries into the exponent).
+    const float sum = bits_float(magnitude) + 0.5f;
+    return Fp16{static_cast<uint16_t>(sign | (float_bits(sum) - 0x3F000000u))};
+  }
+  // Normal: rebias the exponent (127 - 15 = 112) and round the 13 dropped bits to nearest even.
+  const uint32_t odd = (magnitude >> 13) & 1u;
+  return Fp16{static_cast<uint16_t>(sign | ((magnitude + 0xC8000FFFu + odd) >> 13))};
+#endif
+}
+
 // The fp32 value v takes once stored as T (the reference rounds there too).
 template <typename T>
 MEGATRON_EOPT_HD float round_to(float v) {
@@ -86,6 +127,10 @@ template <>
 struct Wider<Bf16, Bf16> {
   using type = Bf16;
 };
+template <>
+struct Wider<Fp16, Fp16> {
+  using type = Fp16;
+};
 
 template <typename T>
 struct StorageOf;
@@ -96,6 +141,10 @@ struct StorageOf<float> {
 template <>
 struct StorageOf<Bf16> {
   static constexpr StorageType value = StorageType::kBFloat16;
+};
+template <>
+struct StorageOf<Fp16> {
+  static constexpr StorageType value = StorageType::kFloat16;
 };
 
 }  // namespace megatron_eopt

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "megatron_eopt/second_moment_cuda.h"
@@ -22,11 +23,6 @@ StorageType element_type(at::ScalarType t) {
     case at::kHalf: return StorageType::kFloat16;
     default: return StorageType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
   }
-}
-
-void check_cuda(Moment2Method method, at::TensorList updates) {
-  TORCH_CHECK(updates[0].is_cuda(), moment2_op_name(method), ": updates must be CUDA tensors here, got ",
-              updates[0].device());
 }
 
 std::vector<Moment2Tensor> describe(const InPlaceList& o, const InPlaceList& v, std::size_t count) {
@@ -44,37 +40,38 @@ at::Tensor scratch_floats(std::size_t count, const at::Tensor& like) {
   return at::empty({static_cast<int64_t>(std::max<std::size_t>(count, 1))}, like.options().dtype(at::kFloat));
 }
 
-void adamuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
-  check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps);
+void adamuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
+                               const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps,
+                                                    std::nullopt, found_inf, c10::kCUDA);
   if (updates.empty()) return;
-  check_cuda(Moment2Method::kAdamuon, updates);
   const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
   const InPlaceList o(updates), v(moment2);
-  adamuon_normalize_cuda(describe(o, v, updates.size()), beta2, static_cast<float>(eps),
-                         c10::cuda::getCurrentCUDAStream());
+  adamuon_normalize_cuda(describe(o, v, updates.size()), scalars, c10::cuda::getCurrentCUDAStream());
   o.write_back();
   v.write_back();
 }
 
-void normuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, double beta2, double eps) {
-  check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps);
+void normuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
+                               const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps,
+                                                    std::nullopt, found_inf, c10::kCUDA);
   if (updates.empty()) return;
-  check_cuda(Moment2Method::kNormuon, updates);
   const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
   const InPlaceList o(updates), v(moment2);
   const std::vector<Moment2Tensor> list = describe(o, v, updates.size());
   const at::Tensor scratch = scratch_floats(normuon_scratch_floats(list), o[0]);
-  normuon_normalize_cuda(list, beta2, static_cast<float>(eps), scratch.data_ptr<float>(),
-                         c10::cuda::getCurrentCUDAStream());
+  normuon_normalize_cuda(list, scalars, scratch.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
   o.write_back();
   v.write_back();
 }
 
 void namo_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, at::TensorList grads,
-                            at::TensorList ns_inputs, double beta2, double eps) {
-  check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2, eps);
+                            at::TensorList ns_inputs, const at::Tensor& beta2, const at::Tensor& eps,
+                            const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2,
+                                                    eps, grad_scale, found_inf, c10::kCUDA);
   if (updates.empty()) return;
-  check_cuda(Moment2Method::kNamo, updates);
   const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
   const InPlaceList o(updates), v(moment2);
   std::vector<at::Tensor> inputs;  // keeps contiguous copies of the read-only inputs alive
@@ -89,8 +86,7 @@ void namo_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, at::
     list[i].ns_input_type = element_type(ns_inputs[i].scalar_type());
   }
   const at::Tensor scratch = scratch_floats(namo_scratch_floats(list), o[0]);
-  namo_normalize_cuda(list, beta2, static_cast<float>(eps), scratch.data_ptr<float>(),
-                      c10::cuda::getCurrentCUDAStream());
+  namo_normalize_cuda(list, scalars, scratch.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
   o.write_back();
   v.write_back();
 }
