@@ -66,24 +66,80 @@ def newton_schulz(
     custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
     eps: float = 1e-7,
     transpose: bool | None = None,
+    tp_group: "torch.distributed.ProcessGroup | None" = None,
+    use_syrk: bool = False,
+    *,
     precision: PrecisionT = "medium",
     algorithm: NSAlgorithmT = "auto",
 ) -> torch.Tensor:
     """Orthogonalizes ``x`` (fp32, ``(m, n)`` or ``(batch, m, n)``) by Newton–Schulz iteration.
 
-    Each matrix is normalized by its Frobenius norm (clamped to ``eps``), then ``steps`` rows of
-    the coefficient schedule are applied in the compute ``precision`` ("medium": bf16 storage with
-    fp32 accumulation, "high": TF32, "highest": fp32). Tall matrices are iterated transposed unless
-    ``transpose`` says otherwise. ``algorithm``: "standard" iterates on X; "gram" runs the same
-    iteration on the Gram matrix of the short side, with restarts chosen for the schedule and
-    precision (fewer FLOPs for rectangular matrices); "auto" (default) takes gram where it does less
-    work on this device, else standard. Returns an fp32 tensor shaped like ``x``.
+    Emerging-Optimizers' signature and positional order. Each matrix is normalized by its Frobenius
+    norm (clamped to ``eps``), then ``steps`` rows of the coefficient schedule are applied in the
+    compute ``precision`` ("medium": bf16 storage with fp32 accumulation, "high": TF32, "highest":
+    fp32). Tall matrices are iterated transposed unless ``transpose`` says otherwise.
+    ``algorithm``: "standard" iterates on X; "gram" runs the same iteration on the Gram matrix of
+    the short side, with restarts chosen for the schedule and precision (fewer FLOPs for
+    rectangular matrices); "auto" (default) takes gram where it does less work on this device, else
+    standard. Returns an fp32 tensor shaped like ``x``.
+
+    With ``tp_group``, ``x`` is this rank's shard of a matrix split over the group along the side
+    the iteration contracts (the columns, or the rows when transposed), as in Emerging-Optimizers:
+    the norm and every Gram product are all-reduced over the group, so each rank gets its shard of
+    the result of the whole matrix. ``use_syrk`` is accepted for compatibility; the op chooses its
+    products itself.
     """
     _check_matrix("x", x, (2, 3))
+    if isinstance(tp_group, str):
+        raise TypeError(
+            "newton_schulz: the 7th positional argument is tp_group (Emerging-Optimizers' order); pass "
+            f"precision={tp_group!r} as a keyword"
+        )
+    if not isinstance(use_syrk, bool):
+        raise TypeError(f"use_syrk must be a bool, got {type(use_syrk).__name__}")
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
+    if tp_group is not None:
+        return _tensor_parallel_newton_schulz(
+            x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
+        )
     return _ops.newton_schulz(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
+
+
+def _tensor_parallel_newton_schulz(
+    x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
+) -> torch.Tensor:
+    """The distributed iteration of Megatron's tp_mode "distributed" over ``tp_group`` (DESIGN §4.6)."""
+    import torch.distributed as dist
+
+    from .optim._config import make_config
+    from .optim._distributed import distributed_newton_schulz
+    from .optim._plan import TPLayout
+
+    config = make_config(
+        nesterov=False,
+        weight_decay_method="decoupled",
+        fp32_matmul_prec=precision,
+        coefficient_type=coefficient_type,
+        custom_coefficient_sets=custom_coefficient_sets,
+        num_ns_steps=steps,
+        scale_mode="spectral",
+        extra_scale_factor=1.0,
+        ns_algorithm=algorithm,
+    )
+    if transpose is None:
+        transpose = x.size(-2) > x.size(-1)
+    # distributed_newton_schulz contracts the sharded side: rows sharded means iterating on X^T.
+    tp = TPLayout(
+        group=tp_group,
+        size=dist.get_world_size(tp_group),
+        rank=dist.get_rank(tp_group),
+        partition_dim=0 if transpose else 1,
+        mode="distributed",
+    )
+    out = distributed_newton_schulz(x if x.ndim == 3 else x.unsqueeze(0), tp, config, eps)
+    return out if x.ndim == 3 else out.squeeze(0)
 
 
 def newton_schulz_list(

@@ -13,18 +13,27 @@
 namespace megatron_eopt {
 namespace {
 
+// The heuristic may pick algorithms that use up to this much workspace; each call then allocates
+// what its algorithm reports (often nothing).
+constexpr std::size_t kMaxWorkspaceBytes = 32u << 20;
+
 void check_lt(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
-    throw std::runtime_error(std::string("megatron_eopt: cuBLASLt ") + what + " failed with status " +
+    throw std::runtime_error(std::string("megatron_eopt: cuBLAS ") + what + " failed with status " +
                              std::to_string(static_cast<int>(status)));
   }
+}
+
+std::string shape_text(const GemmShape& s, int64_t batch) {
+  return std::to_string(batch) + " x (" + std::to_string(s.rows) + "x" + std::to_string(s.depth) + " @ " +
+         std::to_string(s.depth) + "x" + std::to_string(s.cols) + ")";
 }
 
 using Alignments = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>;  // A, B, C, D in bytes
 
 // Everything that determines the descriptors and the heuristic's choice.
 using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int, int, int, std::size_t, Alignments>;
+                           int64_t, int64_t, int64_t, int64_t, int, int, int, Alignments>;
 
 cudaDataType_t lt_data_type(LtElement e) { return e == LtElement::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
 
@@ -41,6 +50,8 @@ struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  std::size_t workspace_bytes = 0;  // what `algo` needs
+  bool fallback = false;            // cuBLASLt has no algorithm: cublasGemmStridedBatchedEx runs it
   ~LtPlan() {
     if (a) cublasLtMatrixLayoutDestroy(a);
     if (b) cublasLtMatrixLayoutDestroy(b);
@@ -65,8 +76,7 @@ cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t co
   return layout;
 }
 
-std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handle,
-                                  std::size_t workspace_bytes, const Alignments& align) {
+std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handle, const Alignments& align) {
   const GemmShape& s = *args.shape;
   const cudaDataType_t ab_type = lt_data_type(args.types.ab);
   const cudaDataType_t cd_type = lt_data_type(args.types.cd);
@@ -92,7 +102,7 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   // The preference is destroyed on every path, a failed attribute set included.
   const std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, decltype(&cublasLtMatmulPreferenceDestroy)> pref_owner(
       pref, &cublasLtMatmulPreferenceDestroy);
-  const uint64_t ws = workspace_bytes;
+  const uint64_t ws = kMaxWorkspaceBytes;
   check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
            "set max workspace");
   const uint32_t aligns[4] = {std::get<0>(align), std::get<1>(align), std::get<2>(align), std::get<3>(align)};
@@ -107,19 +117,60 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
-  if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
-    throw std::runtime_error("megatron_eopt: cuBLASLt has no algorithm for a " + std::to_string(s.rows) +
-                             "x" + std::to_string(s.cols) + "x" + std::to_string(s.depth) +
-                             " batched GEMM (status " + std::to_string(static_cast<int>(status)) + ")");
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && found == 0)) {
+    plan->fallback = true;  // e.g. 97 x 37 bf16: no Lt kernel for these alignments
+    return plan;
   }
+  check_lt(status, "MatmulAlgoGetHeuristic");
   plan->algo = result.algo;
+  plan->workspace_bytes = result.workspaceSize;
   return plan;
+}
+
+cudaDataType_t blas_type(LtElement e) { return e == LtElement::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+// cuBLAS computes C in place: D starts as a copy of C when beta reads it. C and D share one
+// layout (ldc, stride_c), so the copy is one span; its gaps are D's own padding.
+void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
+  const GemmShape& s = *args.shape;
+  const std::size_t cd = lt_element_bytes(args.types.cd);
+  if (args.beta != 0.f && args.c != args.d) {
+    const std::size_t span = static_cast<std::size_t>((args.batch - 1) * s.stride_c + (s.cols - 1) * s.ldc + s.rows);
+    if (cudaMemcpyAsync(args.d, args.c, span * cd, cudaMemcpyDeviceToDevice, ctx.stream) != cudaSuccess) {
+      throw std::runtime_error("megatron_eopt: copying the GEMM addend failed: " +
+                               std::string(cudaGetErrorString(cudaGetLastError())));
+    }
+  }
+  // The handle is torch's: its math mode may allow TF32 for fp32 products. The compute type says
+  // what this problem wants, so the default math mode is set for the call and restored after.
+  cublasMath_t previous = CUBLAS_DEFAULT_MATH;
+  check_lt(cublasGetMathMode(ctx.blas, &previous), "GetMathMode");
+  check_lt(cublasSetMathMode(ctx.blas, CUBLAS_DEFAULT_MATH), "SetMathMode");
+  check_lt(cublasSetStream(ctx.blas, ctx.stream), "SetStream");
+  const cublasComputeType_t compute =
+      args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const cublasStatus_t status = cublasGemmStridedBatchedEx(
+      ctx.blas, s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(s.rows),
+      static_cast<int>(s.cols), static_cast<int>(s.depth), &args.alpha, args.a, blas_type(args.types.ab),
+      static_cast<int>(s.lda), s.stride_a, args.b, blas_type(args.types.ab), static_cast<int>(s.ldb), s.stride_b,
+      &args.beta, args.d, blas_type(args.types.cd), static_cast<int>(s.ldc), s.stride_c,
+      static_cast<int>(args.batch), compute, CUBLAS_GEMM_DEFAULT);
+  cublasSetMathMode(ctx.blas, previous);
+  check_lt(status, "GemmStridedBatchedEx");
+}
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    cudaGetLastError();  // not capturable (e.g. the legacy stream): treat as not capturing
+    return false;
+  }
+  return status != cudaStreamCaptureStatusNone;
 }
 
 }  // namespace
 
-void lt_strided_batched_gemm(const LtGemmArgs& args, int device, cublasLtHandle_t handle, void* workspace,
-                             std::size_t workspace_bytes, cudaStream_t stream) {
+void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   // Process-wide and intentionally leaked: destroying the descriptors at static destruction
   // would call into cuBLASLt after the CUDA context may already be gone.
   static auto* const mutex = new std::mutex;
@@ -128,21 +179,35 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, int device, cublasLtHandle_
   const std::size_t ab = lt_element_bytes(args.types.ab), cd = lt_element_bytes(args.types.cd);
   const Alignments align{alignment_of(args.a, s.stride_a, ab), alignment_of(args.b, s.stride_b, ab),
                          alignment_of(args.c, s.stride_c, cd), alignment_of(args.d, s.stride_c, cd)};
-  const PlanKey key{device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
+  const PlanKey key{ctx.device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
                     s.stride_a, s.stride_b, s.stride_c, args.batch,
                     static_cast<int>(args.types.ab), static_cast<int>(args.types.cd),
-                    static_cast<int>(args.types.compute), workspace_bytes, align};
+                    static_cast<int>(args.types.compute), align};
   LtPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(*mutex);
     auto it = cache->find(key);
-    if (it == cache->end()) it = cache->emplace(key, make_plan(args, handle, workspace_bytes, align)).first;
+    if (it == cache->end()) {
+      if (capturing(ctx.stream)) {
+        throw std::runtime_error(
+            "megatron_eopt: a Newton-Schulz GEMM of shape " + shape_text(s, args.batch) +
+            " is met for the first time while a CUDA graph is being captured; its cuBLASLt algorithm must be "
+            "chosen outside capture. Run the same step (or op) once before capturing it (a warm-up iteration on a "
+            "side stream, as torch.cuda.graphs recommends).");
+      }
+      it = cache->emplace(key, make_plan(args, ctx.lt, align)).first;
+    }
     plan = it->second.get();
   }
-  check_lt(cublasLtMatmul(handle, plan->desc, &args.alpha, args.a, plan->a, args.b, plan->b, &args.beta,
-                          args.c, plan->c, args.d, plan->c, &plan->algo, workspace, workspace_bytes,
-                          stream),
-           "Matmul");
+  if (plan->fallback) {
+    blas_gemm(args, ctx);
+    return;
+  }
+  void* workspace = plan->workspace_bytes == 0 ? nullptr : ctx.workspace.get(ctx.workspace.context, plan->workspace_bytes);
+  check_lt(cublasLtMatmul(ctx.lt, plan->desc, &args.alpha, args.a, plan->a, args.b, plan->b, &args.beta,
+                          args.c, plan->c, args.d, plan->c, &plan->algo, workspace, plan->workspace_bytes,
+                          ctx.stream),
+           "LtMatmul");
 }
 
 }  // namespace megatron_eopt

@@ -1,13 +1,16 @@
 // Strided-batched GEMM through cuBLASLt, D = alpha op(A) op(B) + beta C with C and D distinct,
-// so scaled additions fold into the epilogue. Algorithms are chosen once per problem and cached.
+// so scaled additions fold into the epilogue. Algorithms are chosen once per problem and cached;
+// when cuBLASLt offers none (odd alignments), the problem runs through cublasGemmStridedBatchedEx.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include <cublasLt.h>
+#include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "megatron_eopt/blas_context.h"
 #include "megatron_eopt/ns_gemm_plan.h"
 #include "megatron_eopt/ns_precision.h"
 
@@ -48,8 +51,8 @@ struct LtGemmArgs {
   void* d;
 };
 
-// `device` is the current CUDA device (the caller's device guard set it): plans are per device.
-void lt_strided_batched_gemm(const LtGemmArgs& args, int device, cublasLtHandle_t handle, void* workspace,
-                             std::size_t workspace_bytes, cudaStream_t stream);
+// Throws when a problem's plan does not exist yet and `stream` is capturing a CUDA graph: the
+// algorithm query must run before capture (a warm-up call on the same shapes).
+void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx);
 
 }  // namespace megatron_eopt

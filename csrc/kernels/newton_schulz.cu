@@ -35,12 +35,12 @@ std::size_t align_up(std::size_t v) { return (v + 255) / 256 * 256; }
 
 }  // namespace
 
-NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose,
-                                  NsPrecision precision, std::size_t blas_workspace_bytes) {
+NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision) {
   const std::size_t elem = ns_element_bytes(precision);
   const int64_t g = transpose ? n : m;
   const std::size_t iterate_bytes = align_up(static_cast<std::size_t>(batch * m * n) * elem);
-  const std::size_t gram_bytes = align_up(static_cast<std::size_t>(batch * g * g) * elem);
+  // G and B with padded rows (make_ns_gemm_plan): every matrix of the batch 16-byte aligned.
+  const std::size_t gram_bytes = align_up(static_cast<std::size_t>(batch * padded_square_ld(g) * g) * elem);
   NsScratchLayout layout{};
   std::size_t offset = 0;
   if (precision == NsPrecision::kMedium) {
@@ -59,18 +59,17 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
   offset += align_up(static_cast<std::size_t>(batch) * sizeof(float));
   layout.norm_partials = offset;
   offset += align_up(static_cast<std::size_t>(ns_norm_partial_slots(batch, m * n)) * sizeof(float));
-  layout.blas_workspace = offset;
-  layout.total = offset + blas_workspace_bytes;
+  layout.total = offset;
   return layout;
 }
 
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, int device,
-                        cublasLtHandle_t handle, cudaStream_t stream) {
+                        NsPrecision precision, const NsScratch& scratch, const LtContext& blas) {
+  cudaStream_t stream = blas.stream;
   const int64_t elems = m * n;
   if (batch == 0 || elems == 0) return;
-  const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose);
+  const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose, padded_square_ld(transpose ? n : m));
   const std::size_t elem_bytes = ns_element_bytes(precision);
   const LtTypes types = lt_types(precision);
 
@@ -84,17 +83,15 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
     void* xin = iterate[cur];
     void* xout = iterate[1 - cur];
     // G = W W^T
-    lt_strided_batched_gemm({&plan.gram_gemm, batch, types, 1.f, xin, xin, 0.f, scratch.gram, scratch.gram},
-                            device, handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
+    lt_strided_batched_gemm({&plan.gram_gemm, batch, types, 1.f, xin, xin, 0.f, scratch.gram, scratch.gram}, blas);
     // B = c G G + b G
     lt_strided_batched_gemm({&plan.poly_gemm, batch, types, k.c, scratch.gram, scratch.gram, k.b, scratch.gram,
                              scratch.poly},
-                            device, handle, scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
+                            blas);
     // W' = B W + a W: operand order per the plan (column-major view of row-major X).
     const void* lhs = plan.work_transposed ? scratch.poly : xin;
     const void* rhs = plan.work_transposed ? xin : scratch.poly;
-    lt_strided_batched_gemm({&plan.update_gemm, batch, types, 1.f, lhs, rhs, k.a, xin, xout}, device, handle,
-                            scratch.blas_workspace, scratch.blas_workspace_bytes, stream);
+    lt_strided_batched_gemm({&plan.update_gemm, batch, types, 1.f, lhs, rhs, k.a, xin, xout}, blas);
     cur = 1 - cur;
   }
 

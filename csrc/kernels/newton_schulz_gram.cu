@@ -25,14 +25,15 @@ unsigned elementwise_blocks(int64_t count) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((count + kThreads - 1) / kThreads, 4096)));
 }
 
-// p[b, i, i] += a for b < batch, i < side (p: batch contiguous side x side matrices). Each thread
-// owns distinct diagonal entries: no races.
-__global__ void add_diagonal_kernel(float* __restrict__ p, int64_t batch, int64_t side, float a) {
+// p[b, i, i] += a for b < batch, i < side (p: side x side matrices with leading dimension ld and
+// batch stride matrix_stride). Each thread owns distinct diagonal entries: no races.
+__global__ void add_diagonal_kernel(float* __restrict__ p, int64_t batch, int64_t side, int64_t ld,
+                                    int64_t matrix_stride, float a) {
   const int64_t count = batch * side;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < count; t += stride) {
     const int64_t b = t / side, i = t % side;
-    p[b * side * side + i * side + i] += a;
+    p[b * matrix_stride + i * ld + i] += a;
   }
 }
 
@@ -53,10 +54,10 @@ int64_t ns_gram_norm_partial_slots(int64_t batch, int64_t m, int64_t n) { return
 
 void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                              const GramProgram& program, float eps, NsPrecision precision, void* scratch,
-                             const GramScratchLayout& layout, int device, cublasLtHandle_t handle,
-                             cudaStream_t stream) {
+                             const GramScratchLayout& layout, const LtContext& blas) {
+  cudaStream_t stream = blas.stream;
   if (batch == 0 || m * n == 0) return;
-  const NsGemmPlan plan = make_ns_gemm_plan(m, n, program.transpose);
+  const NsGemmPlan plan = make_ns_gemm_plan(m, n, program.transpose, padded_square_ld(program.gram_side));
   const int64_t side = plan.gram;
   if (side != program.gram_side) throw std::logic_error("megatron_eopt: Gram program built for another shape");
 
@@ -72,8 +73,6 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
     return p;
   };
   char* base = static_cast<char*>(scratch);
-  void* blas_workspace = base + layout.blas_workspace;
-  const std::size_t blas_bytes = layout.total - layout.blas_workspace;
   // "high": TF32 products; otherwise fp32 accumulation of fp32 or bf16 operands (the s x s
   // products keep fp32 even for "medium": TF32 there lets the recursion diverge, see
   // gram_square_flop_weight).
@@ -87,12 +86,12 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
     switch (op.kind) {
       case GramOpKind::kAddDiag:
         add_diagonal_kernel<<<elementwise_blocks(batch * side), kThreads, 0, stream>>>(
-            static_cast<float*>(at(op.d)), batch, side, op.alpha);
+            static_cast<float*>(at(op.d)), batch, side, plan.square_ld, plan.square_stride, op.alpha);
         MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
         break;
-      case GramOpKind::kRound:
-        float_to_bf16_kernel<<<elementwise_blocks(batch * side * side), kThreads, 0, stream>>>(
-            static_cast<const float*>(at(op.a)), batch * side * side, static_cast<Bf16*>(at(op.d)));
+      case GramOpKind::kRound:  // source and destination share the padded layout: round it whole
+        float_to_bf16_kernel<<<elementwise_blocks(batch * plan.square_stride), kThreads, 0, stream>>>(
+            static_cast<const float*>(at(op.a)), batch * plan.square_stride, static_cast<Bf16*>(at(op.d)));
         MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
         break;
       case GramOpKind::kGemm: {
@@ -102,8 +101,7 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
         const LtTypes types{element_of(program, op.a), element_of(program, op.d), compute};
         // beta == 0: C is not read; pass D so cuBLASLt sees a valid matrix of D's type.
         const void* c = op.beta != 0.f ? at(op.c) : at(op.d);
-        lt_strided_batched_gemm({shape, batch, types, op.alpha, at(op.a), at(op.b), op.beta, c, at(op.d)}, device,
-                                handle, blas_workspace, blas_bytes, stream);
+        lt_strided_batched_gemm({shape, batch, types, op.alpha, at(op.a), at(op.b), op.beta, c, at(op.d)}, blas);
         break;
       }
     }

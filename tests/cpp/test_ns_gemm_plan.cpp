@@ -2,6 +2,7 @@
 // row-major matrices and comparing with a direct row-major evaluation of the NS step.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -26,7 +27,7 @@ void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector
           acc += av * bv;
         }
         const int64_t o = t * s.stride_c + j * s.ldc + i;
-        d[o] = alpha * acc + beta * c[o];
+        d[o] = beta == 0.0 ? alpha * acc : alpha * acc + beta * c[o];  // BLAS: C unread when beta == 0
       }
     }
   }
@@ -61,17 +62,21 @@ std::vector<double> direct_step(const std::vector<double>& x, int64_t batch, int
   return out;
 }
 
-void check_plan(int64_t batch, int64_t m, int64_t n, bool transpose) {
+void check_plan(int64_t batch, int64_t m, int64_t n, bool transpose, int64_t square_ld = 0) {
   std::mt19937 rng(static_cast<unsigned>(m * 131 + n * 7 + transpose));
   std::normal_distribution<double> normal;
   std::vector<double> x(batch * m * n);
   for (double& v : x) v = normal(rng) * 0.1;
   const double a = 3.4445, b = -4.7750, c = 2.0315;
 
-  const auto plan = make_ns_gemm_plan(m, n, transpose);
+  const auto plan = make_ns_gemm_plan(m, n, transpose, square_ld);
   const int64_t g = plan.gram;
   EXPECT_EQ(g, transpose ? n : m);
-  std::vector<double> gram(batch * g * g), poly(batch * g * g), xout(x.size());
+  EXPECT_EQ(plan.square_ld, std::max(square_ld, g));
+  EXPECT_EQ(plan.square_stride, plan.square_ld * g);
+  // Padding entries hold NaN: a plan that read them would poison the result.
+  std::vector<double> gram(batch * plan.square_stride, std::nan("")), poly(batch * plan.square_stride, std::nan(""));
+  std::vector<double> xout(x.size());
   ref_gemm(plan.gram_gemm, batch, 1.0, x, x, 0.0, gram, gram);
   ref_gemm(plan.poly_gemm, batch, c, gram, gram, b, gram, poly);
   if (plan.work_transposed) ref_gemm(plan.update_gemm, batch, 1.0, poly, x, a, x, xout);
@@ -100,6 +105,17 @@ TEST(NsGemmPlan, TallMatrices) {
 TEST(NsGemmPlan, ForcedTransposeOfWideAndNoTransposeOfTall) {
   check_plan(2, 3, 7, true);
   check_plan(2, 7, 3, false);
+}
+
+TEST(NsGemmPlan, PaddedSquareLeadingDimension) {
+  for (const bool transpose : {false, true}) {
+    check_plan(3, 5, 11, transpose, megatron_eopt::padded_square_ld(transpose ? 11 : 5));
+    check_plan(2, 9, 4, transpose, megatron_eopt::padded_square_ld(transpose ? 4 : 9));
+    check_plan(2, 1, 6, transpose, 13);
+  }
+  EXPECT_EQ(megatron_eopt::padded_square_ld(1), 8);
+  EXPECT_EQ(megatron_eopt::padded_square_ld(8), 8);
+  EXPECT_EQ(megatron_eopt::padded_square_ld(97), 104);
 }
 
 TEST(NsGemmPlan, GramSideIsTheWorkingRows) {

@@ -85,10 +85,11 @@ std::vector<double> direct_standard(std::vector<double> x, int64_t batch, int64_
 }
 
 // Runs `program` op by op like the CUDA executor: one GemmShape per GEMM, buffers by name.
+// `square_ld`: leading dimension of the s x s buffers (0: unpadded), as the CUDA layout pads it.
 std::vector<double> run_program(const GramProgram& program, const std::vector<double>& x0, int64_t batch, int64_t m,
-                                int64_t n, bool transpose) {
-  const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose);
-  const int64_t s = plan.gram;
+                                int64_t n, bool transpose, int64_t square_ld = 0) {
+  const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose, square_ld);
+  const int64_t s = plan.gram, ld = plan.square_ld;
   std::map<GramBuf, std::vector<double>> buf;
   std::set<GramBuf> written = {program.x_first};
   buf[program.x_first] = x0;
@@ -99,7 +100,7 @@ std::vector<double> run_program(const GramProgram& program, const std::vector<do
     if (op.kind == GramOpKind::kAddDiag) {
       std::vector<double>& d = buf.at(op.d);
       for (int64_t t = 0; t < batch; ++t)
-        for (int64_t i = 0; i < s; ++i) d.at(t * s * s + i * s + i) += op.alpha;
+        for (int64_t i = 0; i < s; ++i) d.at(t * plan.square_stride + i * ld + i) += op.alpha;
     } else if (op.kind == GramOpKind::kRound) {
       buf[op.d] = buf.at(op.a);  // exact arithmetic: rounding to bf16 is the identity here
     } else {
@@ -107,7 +108,9 @@ std::vector<double> run_program(const GramProgram& program, const std::vector<do
                                : op.gemm == GramGemm::kApply ? plan.update_gemm
                                                              : plan.poly_gemm;
       const std::size_t size =
-          static_cast<std::size_t>(batch * (op.gemm == GramGemm::kSquare || op.gemm == GramGemm::kGram ? s * s : m * n));
+          static_cast<std::size_t>(batch * (op.gemm == GramGemm::kSquare || op.gemm == GramGemm::kGram
+                                                ? plan.square_stride
+                                                : m * n));
       std::vector<double> d(size, std::nan(""));
       ref_gemm(shape, batch, op.alpha, buf.at(op.a), buf.at(op.b), op.beta, op.beta != 0.f ? &buf.at(op.c) : nullptr,
                d);
@@ -132,8 +135,11 @@ void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool tr
   const auto restart = gram_restarts(sched, arithmetic);
   const GramProgram program =
       make_gram_program(m, n, transpose, sched, restart, arithmetic == GramArithmetic::kBf16W);
-  const auto got = run_program(program, x, batch, m, n, transpose);
   const auto want = direct_standard(x, batch, m, n, transpose, sched);
+  // The padded layout (NaN in the padding) must give the same values as the dense one.
+  const auto padded = run_program(program, x, batch, m, n, transpose, padded_square_ld(program.gram_side) + 8);
+  const auto got = run_program(program, x, batch, m, n, transpose);
+  for (std::size_t i = 0; i < x.size(); ++i) ASSERT_EQ(padded[i], got[i]) << "padded layout differs at " << i;
   double err = 0, norm = 0;
   for (std::size_t i = 0; i < x.size(); ++i) {
     err += (got[i] - want[i]) * (got[i] - want[i]);
@@ -386,8 +392,7 @@ TEST(GramScratchLayout, AlignedDisjointAndSized) {
       const auto sched = schedule(kQuintic, steps);
       const auto restart = gram_restarts(sched, bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
       const GramProgram p = make_gram_program(m, n, false, sched, restart, bf16);
-      const std::size_t ws = 1000;
-      const GramScratchLayout l = gram_scratch_layout(p, batch, m, n, 17, ws);
+      const GramScratchLayout l = gram_scratch_layout(p, batch, m, n, 17);
       std::vector<std::pair<std::size_t, std::size_t>> spans;
       for (int i = 0; i < kGramBufCount; ++i) {
         const GramBuf b = static_cast<GramBuf>(i);
@@ -398,17 +403,16 @@ TEST(GramScratchLayout, AlignedDisjointAndSized) {
         ASSERT_NE(l.offset[i], kNoOffset) << i;
         EXPECT_EQ(l.offset[i] % 256, 0u);
         const bool w = b == GramBuf::kX0 || b == GramBuf::kX1;
-        const std::size_t bytes = static_cast<std::size_t>(batch) * (w ? m * n : p.gram_side * p.gram_side) *
+        // s x s buffers hold padded rows (leading dimension padded_square_ld(s)).
+        const std::size_t square = static_cast<std::size_t>(padded_square_ld(p.gram_side) * p.gram_side);
+        const std::size_t bytes = static_cast<std::size_t>(batch) * (w ? m * n : square) *
                                   (gram_buf_is_bf16(p, b) ? 2 : 4);
         spans.push_back({l.offset[i], l.offset[i] + bytes});
       }
       spans.push_back({l.sum_squares, l.sum_squares + batch * sizeof(float)});
       spans.push_back({l.norm_partials, l.norm_partials + 17 * sizeof(float)});
-      spans.push_back({l.blas_workspace, l.blas_workspace + ws});
       EXPECT_EQ(l.sum_squares % 256, 0u);
       EXPECT_EQ(l.norm_partials % 256, 0u);
-      EXPECT_EQ(l.blas_workspace % 256, 0u);
-      EXPECT_EQ(l.total, l.blas_workspace + ws);
       std::sort(spans.begin(), spans.end());
       for (std::size_t k = 1; k < spans.size(); ++k) EXPECT_LE(spans[k - 1].second, spans[k].first);
       EXPECT_LE(spans.back().second, l.total);

@@ -56,5 +56,17 @@ def worker(rank, world_size, init_file, seed):
                 assert err <= tol, f"rank {rank} {shape} pd {partition_dim} {precision} {algorithm}: {err:.2e}"
         # "standard" keeps the per-iteration all-reduce path.
         assert _gram_restarts(_config("highest", "standard"), 128, 512, False, "cpu") is None
+        # The public op in Emerging-Optimizers' positional order with tp_group: a wide matrix with
+        # its columns sharded, and a tall one with its rows sharded (iterated transposed, the
+        # default for the tall local shard); 2-D and batched inputs.
+        for shape, dim in (((24, 96), 1), ((96, 24), 0), ((3, 20, 64), 2)):
+            full = torch.randn(shape, generator=gen)
+            local = full.chunk(world_size, dim=dim)[rank].contiguous()
+            transpose = dim == full.ndim - 2
+            out = me.newton_schulz(local, 5, "quintic", None, 1e-7, transpose, dist.group.WORLD, False,
+                                   precision="highest")
+            expected = me.newton_schulz(full, 5, "quintic", None, 1e-7, transpose, precision="highest")
+            err = rel_err(out, expected.chunk(world_size, dim=dim)[rank])
+            assert out.shape == local.shape and err <= 1e-5, f"rank {rank} tp_group {shape}: {err:.2e}"
     finally:
         dist.destroy_process_group()

@@ -173,6 +173,27 @@ def test_bad_tensors():
         me.newton_schulz_list([torch.randn(4, 5), torch.randn(2, 4, 5)])
 
 
+def test_signature_follows_emerging_optimizers():
+    import inspect
+
+    eo_utils = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers.muon_utils")
+    ours = inspect.signature(me.newton_schulz).parameters
+    ref = inspect.signature(eo_utils.newton_schulz).parameters
+    assert list(ours)[: len(ref)] == list(ref)
+    for name in ("coefficient_type", "eps", "transpose", "tp_group", "use_syrk"):
+        assert ours[name].default == ref[name].default, name
+
+
+def test_positional_call_in_emerging_optimizers_order(gen):
+    x = torch.randn(2, 12, 40, generator=gen)
+    ours = me.newton_schulz(x, 3, "polar_express", None, 1e-7, False, None, True, precision="highest")
+    assert torch.equal(ours, me.newton_schulz(x, steps=3, coefficient_type="polar_express", precision="highest"))
+    with pytest.raises(TypeError, match="pass precision='highest' as a keyword"):
+        me.newton_schulz(x, 5, "quintic", None, 1e-7, None, "highest")
+    with pytest.raises(TypeError, match="use_syrk must be a bool"):
+        me.newton_schulz(x, use_syrk="yes")
+
+
 def test_op_checks_arguments_in_cpp():
     op = torch.ops.megatron_eopt.newton_schulz
     with pytest.raises(ValueError, match="steps must be at least 1"):

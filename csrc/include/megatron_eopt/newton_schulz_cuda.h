@@ -6,9 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include <cublasLt.h>
-#include <cuda_runtime_api.h>
-
+#include "megatron_eopt/blas_context.h"
 #include "megatron_eopt/ns_precision.h"
 #include "megatron_eopt/ns_schedule.h"
 
@@ -23,8 +21,6 @@ struct NsScratch {
   void* poly;          // same size as gram
   float* sum_squares;    // batch floats
   float* norm_partials;  // per-block partial sums of squares; ns_scratch_layout sizes them
-  void* blas_workspace;
-  std::size_t blas_workspace_bytes;
 };
 
 // Byte offsets, 256-byte aligned, of the scratch buffers inside one allocation.
@@ -35,19 +31,15 @@ struct NsScratchLayout {
   std::size_t poly;
   std::size_t sum_squares;
   std::size_t norm_partials;
-  std::size_t blas_workspace;
   std::size_t total;
 };
 
-NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose,
-                                  NsPrecision precision, std::size_t blas_workspace_bytes);
+NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision);
 
 // out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each.
-// No host synchronisation; everything is enqueued on `stream`. `device` is the current CUDA
-// device (set by the caller's guard), passed in so no GEMM has to query it.
+// No host synchronisation; everything is enqueued on `blas.stream`.
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, int device,
-                        cublasLtHandle_t handle, cudaStream_t stream);
+                        NsPrecision precision, const NsScratch& scratch, const LtContext& blas);
 
 }  // namespace megatron_eopt

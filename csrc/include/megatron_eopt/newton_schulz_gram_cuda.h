@@ -5,9 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include <cublasLt.h>
-#include <cuda_runtime_api.h>
-
+#include "megatron_eopt/blas_context.h"
 #include "megatron_eopt/ns_gram_plan.h"
 #include "megatron_eopt/ns_precision.h"
 
@@ -18,12 +16,10 @@ int64_t ns_gram_norm_partial_slots(int64_t batch, int64_t m, int64_t n);
 
 // out[b] = NS(x[b]) for b < batch by running `program` (built for m, n, transpose and precision);
 // x and out are fp32 and contiguous, (m x n) row-major each. `scratch` is one allocation laid
-// out by gram_scratch_layout(program, batch, m, n, ns_gram_norm_partial_slots(...), blas bytes).
-// No host synchronisation; everything is enqueued on `stream`. `device` is the current CUDA
-// device (set by the caller's guard).
+// out by gram_scratch_layout(program, batch, m, n, ns_gram_norm_partial_slots(...)).
+// No host synchronisation; everything is enqueued on `blas.stream`.
 void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                              const GramProgram& program, float eps, NsPrecision precision, void* scratch,
-                             const GramScratchLayout& layout, int device, cublasLtHandle_t handle,
-                             cudaStream_t stream);
+                             const GramScratchLayout& layout, const LtContext& blas);
 
 }  // namespace megatron_eopt

@@ -238,21 +238,21 @@ inline bool gram_buf_is_bf16(const GramProgram& p, GramBuf b) {
 
 // Byte offsets of the buffers a program needs inside one scratch allocation (kOut is the
 // caller's output, unused buffers have none), each 256-byte aligned, followed by the per-matrix
-// norm scratch and the BLAS workspace.
+// norm scratch. (The BLAS workspace is allocated per algorithm, see blas_context.h.)
 constexpr std::size_t kNoOffset = static_cast<std::size_t>(-1);
 
 struct GramScratchLayout {
   std::size_t offset[kGramBufCount];
   std::size_t sum_squares;    // batch floats
   std::size_t norm_partials;  // norm_partial_slots floats
-  std::size_t blas_workspace;
   std::size_t total;
 };
 
 inline GramScratchLayout gram_scratch_layout(const GramProgram& p, int64_t batch, int64_t m, int64_t n,
-                                             int64_t norm_partial_slots, std::size_t blas_workspace_bytes) {
+                                             int64_t norm_partial_slots) {
   const auto align = [](std::size_t v) { return (v + 255) / 256 * 256; };
-  const std::size_t s = static_cast<std::size_t>(p.gram_side);
+  // s x s buffers use the padded leading dimension of make_ns_gemm_plan (16-byte aligned rows).
+  const std::size_t square = static_cast<std::size_t>(padded_square_ld(p.gram_side) * p.gram_side);
   GramScratchLayout layout{};
   std::size_t at = 0;
   for (int i = 0; i < kGramBufCount; ++i) {
@@ -260,7 +260,7 @@ inline GramScratchLayout gram_scratch_layout(const GramProgram& p, int64_t batch
     layout.offset[i] = kNoOffset;
     if (b == GramBuf::kNone || b == GramBuf::kOut || !p.uses[i]) continue;
     const bool w = b == GramBuf::kX0 || b == GramBuf::kX1;
-    const std::size_t elems = static_cast<std::size_t>(batch) * (w ? static_cast<std::size_t>(m * n) : s * s);
+    const std::size_t elems = static_cast<std::size_t>(batch) * (w ? static_cast<std::size_t>(m * n) : square);
     layout.offset[i] = at;
     at += align(elems * (gram_buf_is_bf16(p, b) ? 2 : 4));
   }
@@ -268,8 +268,7 @@ inline GramScratchLayout gram_scratch_layout(const GramProgram& p, int64_t batch
   at += align(static_cast<std::size_t>(batch) * sizeof(float));
   layout.norm_partials = at;
   at += align(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
-  layout.blas_workspace = at;
-  layout.total = at + blas_workspace_bytes;
+  layout.total = at;
   return layout;
 }
 

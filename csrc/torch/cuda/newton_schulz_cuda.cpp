@@ -16,18 +16,35 @@
 namespace megatron_eopt {
 namespace {
 
-// cuBLASLt workspace per call; Hopper's fastest kernels ask for up to 32 MiB.
-constexpr std::size_t kBlasWorkspaceBytes = 32u << 20;
+// The BLAS workspace of one call, from the caching allocator: grown to what the largest chosen
+// algorithm asks for. A replaced buffer goes back to the allocator, which reuses it only in
+// stream order, after the GEMMs already enqueued on this stream.
+struct TorchWorkspace {
+  at::TensorOptions options;
+  at::Tensor buffer;
+
+  static void* get(void* context, std::size_t bytes) {
+    auto* self = static_cast<TorchWorkspace*>(context);
+    if (!self->buffer.defined() || static_cast<std::size_t>(self->buffer.numel()) < bytes) {
+      self->buffer = at::empty({static_cast<int64_t>(bytes)}, self->options);
+    }
+    return self->buffer.data_ptr();
+  }
+};
+
+LtContext blas_context(const at::Tensor& x, TorchWorkspace& workspace) {
+  return LtContext{x.device().index(), at::cuda::getCurrentCUDABlasLtHandle(), at::cuda::getCurrentCUDABlasHandle(),
+                   LtWorkspace{&workspace, &TorchWorkspace::get}, c10::cuda::getCurrentCUDAStream()};
+}
 
 // The Gram iteration (DESIGN §11): one scratch allocation laid out for its program.
 void run_gram(const at::Tensor& input, at::Tensor& out, const NsOptions& opts, const GramProgram& program) {
-  const GramScratchLayout layout =
-      gram_scratch_layout(program, opts.batch, opts.rows, opts.cols,
-                          ns_gram_norm_partial_slots(opts.batch, opts.rows, opts.cols), kBlasWorkspaceBytes);
+  const GramScratchLayout layout = gram_scratch_layout(program, opts.batch, opts.rows, opts.cols,
+                                                       ns_gram_norm_partial_slots(opts.batch, opts.rows, opts.cols));
   const at::Tensor buffer = at::empty({static_cast<int64_t>(layout.total)}, input.options().dtype(at::kByte));
+  TorchWorkspace workspace{input.options().dtype(at::kByte), {}};
   newton_schulz_gram_cuda(input.data_ptr<float>(), out.data_ptr<float>(), opts.batch, opts.rows, opts.cols, program,
-                          opts.eps, opts.precision, buffer.data_ptr(), layout, input.device().index(),
-                          at::cuda::getCurrentCUDABlasLtHandle(), c10::cuda::getCurrentCUDAStream());
+                          opts.eps, opts.precision, buffer.data_ptr(), layout, blas_context(input, workspace));
 }
 
 at::Tensor newton_schulz_cuda_op(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
@@ -46,8 +63,8 @@ at::Tensor newton_schulz_cuda_op(const at::Tensor& x, c10::ArrayRef<double> coef
     return out;
   }
 
-  const NsScratchLayout layout = ns_scratch_layout(opts.batch, opts.rows, opts.cols, opts.transpose,
-                                                   opts.precision, kBlasWorkspaceBytes);
+  const NsScratchLayout layout =
+      ns_scratch_layout(opts.batch, opts.rows, opts.cols, opts.transpose, opts.precision);
   const at::Tensor buffer = at::empty({static_cast<int64_t>(layout.total)}, input.options().dtype(at::kByte));
   auto* base = static_cast<char*>(buffer.data_ptr());
   NsScratch scratch{};
@@ -58,12 +75,9 @@ at::Tensor newton_schulz_cuda_op(const at::Tensor& x, c10::ArrayRef<double> coef
   scratch.poly = base + layout.poly;
   scratch.sum_squares = reinterpret_cast<float*>(base + layout.sum_squares);
   scratch.norm_partials = reinterpret_cast<float*>(base + layout.norm_partials);
-  scratch.blas_workspace = base + layout.blas_workspace;
-  scratch.blas_workspace_bytes = kBlasWorkspaceBytes;
-
+  TorchWorkspace workspace{input.options().dtype(at::kByte), {}};
   newton_schulz_cuda(input.data_ptr<float>(), out.data_ptr<float>(), opts.batch, opts.rows, opts.cols,
-                     opts.transpose, opts.schedule, opts.eps, opts.precision, scratch, input.device().index(),
-                     at::cuda::getCurrentCUDABlasLtHandle(), c10::cuda::getCurrentCUDAStream());
+                     opts.transpose, opts.schedule, opts.eps, opts.precision, scratch, blas_context(input, workspace));
   return out;
 }
 

@@ -1,0 +1,31 @@
+// What the CUDA launchers need to run GEMMs, passed in by the torch glue: handles, the stream and
+// a workspace provider. Torch-free.
+#pragma once
+
+#include <cstddef>
+
+#include <cublasLt.h>
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+namespace megatron_eopt {
+
+// Device workspace for the GEMMs of one op call: get(context, bytes) returns at least `bytes` of
+// device memory usable in stream order on the call's stream. The glue backs it with torch's
+// caching allocator, so a call holds what its chosen algorithms need instead of a fixed maximum.
+struct LtWorkspace {
+  void* context;
+  void* (*get)(void* context, std::size_t bytes);
+};
+
+// Everything a GEMM needs besides its operands. `device` is the current CUDA device (the caller's
+// device guard set it): plans are per device.
+struct LtContext {
+  int device;
+  cublasLtHandle_t lt;
+  cublasHandle_t blas;  // the fallback's handle
+  LtWorkspace workspace;
+  cudaStream_t stream;
+};
+
+}  // namespace megatron_eopt
