@@ -61,11 +61,3 @@ TORCH_LIBRARY(megatron_eopt, m) {
       "str algorithm) -> Tensor");
 }
 
-// Build facts for the Python front (read with ctypes, no op needed).
-extern "C" int megatron_eopt_cuda_kernels_built() {
-#ifdef MEGATRON_EOPT_WITH_CUDA
-  return 1;
-#else
-  return 0;
-#endif
-}

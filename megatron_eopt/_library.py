@@ -31,6 +31,24 @@ def cuda_kernels_built() -> bool:
     return bool(_cdll.megatron_eopt_cuda_kernels_built())
 
 
+_cdll.megatron_eopt_torch_version_built.restype = ctypes.c_char_p
+_cdll.megatron_eopt_cuda_archs_built.restype = ctypes.c_char_p
+_cdll.megatron_eopt_cuda_version_built.restype = ctypes.c_int
+
+
+def build_info() -> dict:
+    """What the library was compiled against: torch version, CUDA runtime version (None for a
+    CPU-only build) and CMake's CUDA architecture list (e.g. ``["80-real", "90-real", "100"]``:
+    machine code for each, PTX for the last one, which newer GPUs compile at load time)."""
+    cuda = _cdll.megatron_eopt_cuda_version_built()
+    archs = _cdll.megatron_eopt_cuda_archs_built().decode()
+    return {
+        "torch": _cdll.megatron_eopt_torch_version_built().decode(),
+        "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None,
+        "cuda_archs": [a for a in archs.split(",") if a],
+    }
+
+
 _PRECISIONS = {"medium": 0, "high": 1, "highest": 2}
 _ALGORITHMS = {"auto": 0, "standard": 1, "gram": 2}
 _cdll.megatron_eopt_ns_plan.restype = ctypes.c_int

@@ -362,7 +362,8 @@ def newton_schulz_split(
     extra_scale_factor: float = 1.0,
     algorithm: NSAlgorithmT = "auto",
 ) -> torch.Tensor:
-    """Orthogonalizes the parts of a fused projection ``x`` (fp32, ``(rows, n)``) separately.
+    """Orthogonalizes the parts of a fused projection ``x`` (fp32, ``(rows, n)``, or a stack
+    ``(batch, rows, n)`` of projections of one shape, all parts of one size in one batch) separately.
 
     ``x`` is viewed as ``(num_groups, sum(split_sizes), n)`` and cut along the middle dimension;
     part ``k`` is the ``(num_groups * split_sizes[k], n)`` matrix of its rows across the groups
@@ -375,7 +376,7 @@ def newton_schulz_split(
     returns the raw parts (AdaptiveMuon normalizes those first). ``algorithm`` as in
     :func:`newton_schulz`, chosen per part shape. Returns a new fp32 tensor like ``x``.
     """
-    _check_matrix("x", x, (2,))
+    _check_matrix("x", x, (2, 3))
     if isinstance(split_sizes, (int, torch.Tensor)) or not isinstance(split_sizes, Sequence):
         raise TypeError(f"split_sizes must be a sequence of ints, got {type(split_sizes).__name__}")
     sizes = [int(s) for s in split_sizes]
@@ -385,7 +386,7 @@ def newton_schulz_split(
         if s < 1:
             raise ValueError(f"split_sizes[{k}] must be positive, got {s}")
     group_rows = sum(sizes)
-    rows = x.shape[0]
+    rows = x.shape[-2]
     if num_groups is None:
         if rows % group_rows != 0:
             raise ValueError(f"x has {rows} rows, which is not a multiple of sum(split_sizes) = {group_rows}")
@@ -571,8 +572,8 @@ def _newton_schulz_split_fake(x, split_sizes, num_groups, coefficients, steps, r
                               precision, scale_mode, extra_scale_factor, algorithm):
     _fake_check_algorithm(algorithm)
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
-    torch._check(x.dim() == 2, lambda: f"x must be 2-D, got {x.dim()}-D")
-    torch._check(x.shape[0] == num_groups * sum(split_sizes),
+    torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
+    torch._check(x.shape[-2] == num_groups * sum(split_sizes),
                  lambda: "x rows must equal num_groups * sum(split_sizes)")
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 

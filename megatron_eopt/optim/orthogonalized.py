@@ -385,11 +385,10 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             x = gather_shards(x, tp)
         if stack.qkv is None:
             outs = list(cfg.newton_schulz(x).unbind(0))
-        else:  # the split op takes one matrix: one call per fused projection, its parts batched inside
-            outs = [
-                cfg.newton_schulz_split(m, stack.qkv.sizes, m.shape[0] // stack.qkv.total, scaled=scale_parts)
-                for m in x.unbind(0)
-            ]
+        else:  # every part of every projection of the stack: one batched NS per part size
+            outs = list(
+                cfg.newton_schulz_split(x, stack.qkv.sizes, x.shape[-2] // stack.qkv.total, scaled=scale_parts).unbind(0)
+            )
         return outs if tp is None else [local_chunk(o, tp) for o in outs]
 
     def _normalize(self, group, members, updates, grads, states, ns_inputs, hyper, grad_scale, found_inf) -> None:

@@ -97,6 +97,22 @@ def test_equal_parts_run_as_one_batch(layout, calls, gen):
     assert _ns_calls(lambda: me.newton_schulz_split(x, sizes, groups)) == calls
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["qkv_gqa", "qkv_gate", "per_head", "rows_unequal"])
+def test_stack_of_projections_equals_per_matrix_calls_in_one_batch_per_size(device, layout, gen):
+    # An optimizer stack (k, rows, n): every part of every matrix, one newton_schulz call per part
+    # size, each matrix's result as if split on its own.
+    sizes, groups, n = LAYOUTS[layout]
+    stack = torch.stack([_x(sizes, groups, n, gen, device) for _ in range(3)])
+    kw = dict(precision="highest", scale_mode="spectral")
+    out = me.newton_schulz_split(stack, sizes, groups, **kw)
+    assert out.shape == stack.shape
+    for k in range(3):
+        torch.testing.assert_close(out[k], me.newton_schulz_split(stack[k], sizes, groups, **kw), rtol=1e-5, atol=1e-6)
+    if device == "cpu":
+        assert _ns_calls(lambda: me.newton_schulz_split(stack, sizes, groups)) == len(set(sizes))
+
+
 def test_matches_megatron_tensor_parallel_muon(gen):
     emerging = pytest.importorskip("megatron.core.optimizer.emerging_optimizers")
     if not emerging.HAVE_EMERGING_OPTIMIZERS:
@@ -157,7 +173,7 @@ def test_bad_input(case, direct_op, gen):
 
 @pytest.mark.parametrize("direct_op", [False, True], ids=["wrapper", "op"])
 def test_bad_tensor(direct_op):
-    cases = [(torch.randn(8, 4, dtype=torch.bfloat16), TypeError), (torch.randn(2, 8, 4), (TypeError, ValueError))]
+    cases = [(torch.randn(8, 4, dtype=torch.bfloat16), TypeError), (torch.randn(2, 2, 8, 4), (TypeError, ValueError))]
     for x, exc in cases:
         with pytest.raises(exc, match="x must be"):
             if direct_op:
@@ -181,6 +197,9 @@ def test_opcheck(device, layout, scale_mode, gen):
     coeffs = [v for row in COEFFICIENT_SETS["quintic"] for v in row]
     torch.library.opcheck(torch.ops.megatron_eopt.newton_schulz_split.default,
                           (x, sizes, groups, coeffs, 5, False, 1e-7, None, "highest", scale_mode, 1.0, "auto"))
+    torch.library.opcheck(torch.ops.megatron_eopt.newton_schulz_split.default,
+                          (torch.stack([x, 2 * x]), sizes, groups, coeffs, 5, False, 1e-7, None, "highest", scale_mode,
+                           1.0, "auto"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
