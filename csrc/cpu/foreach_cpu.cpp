@@ -11,18 +11,12 @@
 #include <optional>
 #include <vector>
 
+#include "cpu/cpu_clones.h"
 #include "megatron_eopt/foreach_ops.h"
 #include "megatron_eopt/momentum_math.h"
 #include "megatron_eopt/multi_tensor_chunks.h"
 #include "torch/foreach_args.h"
 
-// The element loops are compiled twice on x86-64: for AVX2 + FMA (vectorized, fmaf in hardware)
-// and for the baseline ISA (fmaf from libm, same results); the loader picks one per CPU.
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__)
-#define MEGATRON_EOPT_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define MEGATRON_EOPT_CPU_CLONES
-#endif
 
 namespace megatron_eopt {
 namespace {

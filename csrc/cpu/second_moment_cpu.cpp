@@ -11,6 +11,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu/cpu_clones.h"
 #include "megatron_eopt/second_moment_math.h"
 #include "torch/second_moment_args.h"
 
@@ -27,7 +28,7 @@ int64_t grain_for(int64_t elements_per_item) {
 // Sum of squares of p[begin, end) in double. Independent lane accumulators let the compiler
 // vectorize without reassociating (a single accumulator is a serial dependency chain).
 template <typename T>
-double sum_squares_range(const T* p, int64_t begin, int64_t end) {
+MEGATRON_EOPT_CPU_CLONES double sum_squares_range(const T* p, int64_t begin, int64_t end) {
   constexpr int kLanes = 8;
   double lanes[kLanes] = {};
   int64_t i = begin;
@@ -46,10 +47,14 @@ double sum_squares_range(const T* p, int64_t begin, int64_t end) {
   return total;
 }
 
+MEGATRON_EOPT_CPU_CLONES void adamuon_range(float* __restrict__ o, float* __restrict__ v, int64_t begin, int64_t end,
+                                             float weight, float eps) {
+  for (int64_t i = begin; i < end; ++i) o[i] = adamuon_normalize(o[i], v[i], weight, eps);
+}
+
 void adamuon_one(float* o, float* v, int64_t numel, float weight, float eps) {
-  at::parallel_for(0, numel, kGrainElements, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) o[i] = adamuon_normalize(o[i], v[i], weight, eps);
-  });
+  at::parallel_for(0, numel, kGrainElements,
+                   [&](int64_t begin, int64_t end) { adamuon_range(o, v, begin, end, weight, eps); });
 }
 
 void normuon_one(float* o, float* v, int64_t rows, int64_t cols, float weight, float eps) {
