@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]     (no step named: all four)
 #
-# OUT_DIR receives at most 8 files: summary.txt (environment and one line per step), build.log,
+# OUT_DIR receives at most 8 files: summary.txt (environment, the doctor self-test, one line per step), build.log,
 # pytest.log, bench.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
 # section added), train_gpt.log, train_gpt_loss.png.
 #
@@ -129,6 +129,9 @@ fi
 
 # ------------------------------------------------------------------ tests
 if want tests; then
+  # The self-test users run first on a new GPU: build facts and every op against the CPU path.
+  "$PY" -m megatron_eopt.doctor 2>&1 | tee -a "$SUMMARY"
+  if [ "${PIPESTATUS[0]}" -eq 0 ]; then say "doctor: ok"; else say "doctor: FAILED (see above)"; failed_core=1; fi
   "$PY" -m pytest tests/python -v -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
   rc=$?
   result=$(tail -1 "$OUT/pytest.log")
