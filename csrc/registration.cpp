@@ -59,5 +59,8 @@ TORCH_LIBRARY(megatron_eopt, m) {
       "newton_schulz_split(Tensor x, int[] split_sizes, int num_groups, float[] coefficients, int steps, "
       "bool repeat_last, float eps, bool? transpose, str precision, str? scale_mode, float extra_scale_factor, "
       "str algorithm) -> Tensor");
+  // QK-clip (MuonClip): weights[i] (rows, cols) cut into blocks of block_rows[i] rows (attention
+  // heads); block b multiplied in place by factors[i][b] (fp32 math, stored in the weight's dtype).
+  m.def("qk_clip_(Tensor(a!)[] weights, Tensor[] factors, int[] block_rows) -> ()");
 }
 

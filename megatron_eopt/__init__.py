@@ -23,6 +23,7 @@ from .ops import (
     newton_schulz_list,
     newton_schulz_split,
     normuon_normalize_,
+    qk_clip_,
 )
 from .second_moment import MOMENT2_METHODS, moment2_shape
 from . import optim  # noqa: E402  (after the ops it is built on)
@@ -55,6 +56,7 @@ __all__ = [
     "newton_schulz_split",
     "normuon_normalize_",
     "optim",
+    "qk_clip_",
     "registry",
     "validate_coefficient_type",
 ]
