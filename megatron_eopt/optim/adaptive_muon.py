@@ -40,6 +40,8 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         beta2: float = 0.95,
         eps: float = 1e-8,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+        nd_mode: str = "error",
+        sharded_mode: str = "owner",
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -59,4 +61,4 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         self.scale_mode = scale_mode
         self.extra_scale_factor = config.extra_scale_factor
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
-        super().__init__(params, defaults, config)
+        super().__init__(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode)
