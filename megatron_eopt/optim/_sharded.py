@@ -10,8 +10,9 @@ local tensor) and orthogonalizes the sharded matrices in one of two modes:
   it, balanced by Newton–Schulz FLOPs. Per chunk of matrices, one all-to-all moves the shards to
   their owners, each owner runs one batched Newton–Schulz per shape, and one all-to-all returns
   each rank its part of the result. Chunks are pipelined: the collectives are asynchronous, so
-  the shards of chunk i+1 travel while chunk i is orthogonalized (collectives run on the
-  backend's own stream / threads).
+  the shards of chunk i+1 travel while chunk i is orthogonalized. On CUDA the asynchronous NCCL
+  collectives run on NCCL's own stream (the side stream), and ``wait()`` only orders the current
+  stream after them, so the host never blocks; on CPU gloo runs them on its own threads.
 - ``gather``: the reference. Each matrix is all-gathered by DTensor (``full_tensor``), every
   rank orthogonalizes it and keeps its part. Also the fallback for placements without a
   rectangular box per rank (e.g. FSDP2's strided shards over tensor parallelism).
@@ -104,6 +105,27 @@ def _group_of(mesh, mesh_dims: tuple[int, ...]):
     return None
 
 
+_COORDINATES: dict[tuple[Any, Any], list[tuple[int, ...]]] = {}
+
+
+def _member_coordinates(mesh, group) -> list[tuple[int, ...]]:
+    """Mesh coordinates of the group's ranks in group-rank order (cached: plans are rebuilt often)."""
+    key = (mesh, group)  # meshes compare by their ranks and shape; few of them exist
+    hit = _COORDINATES.get(key)
+    if hit is None:
+        where = {int(r): i for i, r in enumerate(mesh.mesh.flatten().tolist())}
+        shape = tuple(mesh.mesh.shape)
+        hit = []
+        for r in dist.get_process_group_ranks(group):
+            flat, coordinate = where[r], []
+            for size in reversed(shape):
+                coordinate.append(flat % size)
+                flat //= size
+            hit.append(tuple(reversed(coordinate)))
+        _COORDINATES[key] = hit
+    return hit
+
+
 def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str) -> ShardLayout:
     """The layout of DTensor parameter p; ValueError naming `where` when it cannot be optimized."""
     mesh, placements = p.device_mesh, tuple(p.placements)
@@ -149,10 +171,8 @@ def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str) -> Sh
         return layout
     layout.kind, layout.group = "owner", group
     layout.group_rank, layout.group_size = dist.get_rank(group), dist.get_world_size(group)
-    grid = mesh.mesh
-    mesh_shape = tuple(grid.shape)
-    for r in dist.get_process_group_ranks(group):
-        coordinate = tuple(int(c) for c in (grid == r).nonzero()[0].tolist())
+    mesh_shape = tuple(mesh.mesh.shape)
+    for coordinate in _member_coordinates(mesh, group):
         layout.boxes.append(_box(view, placements, coordinate, mesh_shape))
     mine = layout.boxes[layout.group_rank][1]
     if tuple(mine) != tuple(p.to_local().shape):  # sharding rule not the chunking one: use DTensor's own
