@@ -105,7 +105,7 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
         results[mode] = {"median_ms": statistics.median(times), "samples_ms": times,
                          "bytes_sent_per_rank": int(sent_max)}
         if mode != "replicated":
-            finals[mode] = [p.to_local().clone() for p in params]
+            finals[mode] = [p.detach().to_local().clone() for p in params]
     diff = max(
         float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(finals["owner"], finals["gather"])
         if b.numel()
@@ -134,11 +134,13 @@ def run(name: str, ranks: int, quick: bool) -> dict:
 
 def markdown(entries: list[dict], environment: dict) -> str:
     """The RESULTS.md section of a distributed run."""
+    cpu = environment["device_name"].split(",")[0]
     lines = [
-        f"## Sharded Muon steps (DTensor Shard(0), gloo), {environment['device_name']} (cpu)",
+        f"## Sharded Muon steps (DTensor Shard(0), gloo), {cpu}, {os.cpu_count()} cores (cpu)",
         "",
         f"Measured by `python benchmarks/run.py --workload dist_...`: commit `{environment['git_commit']}`; "
-        f"torch {environment['torch']}; date {environment['date_utc']}. One process per rank, 1 thread each, "
+        f"torch {environment['torch']}; date {environment['date_utc']}. One process per rank, 1 thread each "
+        f"(more ranks than the {os.cpu_count()} cores share them: a rank's time then includes waiting for a core), "
         "fp32 \"highest\", quintic x5. **ms**: median over repeats of the slowest rank's step. **MiB sent**: "
         "bytes each rank sends per step. owner: one owner per matrix, all-to-all; gather: all-gather, every "
         "rank orthogonalizes every matrix; replicated: full tensors on every rank, no communication "

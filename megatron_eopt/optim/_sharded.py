@@ -140,9 +140,9 @@ def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str) -> Sh
                 "redistribute it to Shard or Replicate first"
             )
         if isinstance(pl, Shard):
-            d = pl.dim % nd
-            shard_dims.setdefault(d, []).append(i)
             exact = exact and type(pl) is Shard and pl.dim >= 0
+            if mesh.size(i) > 1:  # sharded over one rank: the whole dim is local, as if replicated
+                shard_dims.setdefault(pl.dim % nd, []).append(i)
         elif not isinstance(pl, Replicate):
             raise ValueError(f"{where} has an unsupported placement {pl} on mesh dim {i}")
     if nd > 2 and nd_mode == "flatten":
@@ -165,7 +165,7 @@ def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str) -> Sh
     matrix_dims = layout.mesh_dims_for_matrix
     if not matrix_dims:
         return layout  # replicated, or experts sharded on the batch dim: each rank holds whole matrices
-    group = _group_of(mesh, matrix_dims) if (sharded_mode == "owner" and exact and len(view) == nd) else None
+    group = _group_of(mesh, matrix_dims) if (sharded_mode == "owner" and exact) else None
     if group is None:
         layout.kind = "gather"
         return layout

@@ -20,6 +20,9 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     [1]), ``U = O·‖G̃‖ / (√v + eps)``. Then ``U`` is scaled by ``scale_mode`` × ``extra_scale_factor``
     and ``p -= lr·U``. State: ``momentum_buffer``, ``moment2_buffer`` (dtype of p); ``beta2`` and
     ``eps`` live in the param groups.
+
+    ``nd_mode`` and ``sharded_mode`` as in :class:`Muon`; with ``nd_mode="batch"`` NorMuon and NAMO
+    keep one statistic per matrix (``(E, m, 1)`` / ``(E, 1, n)``, ``(E, 1)``).
     """
 
     def __init__(

@@ -21,18 +21,18 @@ class Muon(OrthogonalizedOptimizer):
 
     ``use_syrk`` is accepted for signature compatibility and ignored (the fused op chooses its
     own kernels). ``custom_coefficient_sets`` (an extension) gives the rows of
-    ``coefficient_type="custom"``.
+    ``coefficient_type="custom"``. The legacy Keller Jordan / nanochat Muon is
+    ``Muon(params, lr=0.02, weight_decay=0, nesterov=True, coefficient_type="simple",
+    scale_mode="shape_scaling")``; ``torch.optim.Muon`` with ``adjust_lr_fn="original"`` is the
+    same with its weight decay, and ``"match_rms_adamw"`` is ``scale_mode="spectral",
+    extra_scale_factor=0.2``.
 
     ``nd_mode`` (also a param-group key) decides what happens to params with more than two dims:
     ``"error"`` rejects them (Emerging-Optimizers), ``"batch"`` treats leading dims as independent
     matrices (MoE experts ``(E, m, n)``: each expert is its own Muon matrix, scaled from ``(m, n)``),
     ``"flatten"`` views them as ``(size(0), -1)`` (convolutions). DTensor params (FSDP2, tensor
     parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
-    is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks). The legacy Keller Jordan / nanochat Muon is
-    ``Muon(params, lr=0.02, weight_decay=0, nesterov=True, coefficient_type="simple",
-    scale_mode="shape_scaling")``; ``torch.optim.Muon`` with ``adjust_lr_fn="original"`` is the
-    same with its weight decay, and ``"match_rms_adamw"`` is ``scale_mode="spectral",
-    extra_scale_factor=0.2``.
+    is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks).
     """
 
     def __init__(

@@ -425,16 +425,22 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             hit = batched.get(id(p))
             if hit is not None and hit[0] is grad:
                 return hit[1]
-        if grad.ndim != 2:
-            raise ValueError(f"orthogonalize: only 2-D updates are supported, got shape {tuple(grad.shape)}")
         plan = self._current_plan()
         index = plan.index.get(id(p))
-        x = grad.to(torch.float32).unsqueeze(0)
-        if index is None or tuple(grad.shape) != plan.entries[index].local_shape:
-            out = self._config.newton_schulz(x)[0]  # a tensor this optimizer does not hold
+        entry = None if index is None else plan.entries[index]
+        if entry is None or tuple(grad.shape) != entry.local_shape:
+            if grad.ndim != 2:
+                raise ValueError(f"orthogonalize: only 2-D updates are supported, got shape {tuple(grad.shape)}")
+            # a tensor this optimizer does not hold
+            out = self._config.newton_schulz(grad.to(torch.float32).unsqueeze(0))[0]
             return out if self._config.moment2_method is not None else out * self._config.scale(*grad.shape)
-        entry = plan.entries[index]
-        out = self._orthogonalize(plan.stacks[entry.stack_index], x)[0]
+        x = grad.to(torch.float32)
+        if entry.stack_index < 0:
+            # A matrix spanning ranks: a collective, so every rank of its mesh must call this.
+            out = self._sharded.run([entry.sharding], [x.contiguous()])[0]
+        else:
+            res = self._orthogonalize(plan.stacks[entry.stack_index], x if x.ndim == 3 else x.unsqueeze(0))
+            out = res[0] if x.ndim == 2 else (res if isinstance(res, torch.Tensor) else torch.stack(res))
         return out if self._config.moment2_method is not None else out * entry.update_scale
 
     def _call_orthogonalize_override(self, entries, active, ns_inputs, updates, scales) -> None:

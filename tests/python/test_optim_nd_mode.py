@@ -99,3 +99,25 @@ def test_bad_nd_input_is_rejected_before_anything_changes(gen):
     with pytest.raises(ValueError, match="cannot be viewed"):
         Muon([torch.nn.Parameter(torch.randn(4, 3, 5).transpose(0, 1))], nd_mode="flatten")
     assert len(opt.param_groups) == 1 and not opt.state
+
+
+def test_orthogonalize_extension_point_with_batched_experts(gen):
+    """An orthogonalize() override that defers to the base class gives the batched step's result, and a
+    direct call on an (E, m, n) input returns every expert's scaled update."""
+
+    class Deferring(Muon):
+        def orthogonalize(self, p, grad, **kwargs):
+            return super().orthogonalize(p, grad, **kwargs)
+
+    experts = torch.randn(3, 5, 8, generator=gen)
+    grads = [[torch.randn(experts.shape, generator=gen)] for _ in range(2)]
+    a, b = torch.nn.Parameter(experts.clone()), torch.nn.Parameter(experts.clone())
+    opt = Muon([a], nd_mode="batch", **KW)
+    _steps(opt, [a], grads)
+    _steps(Deferring([b], nd_mode="batch", **KW), [b], grads)
+    assert rel_err(b.detach() - experts, a.detach() - experts) <= 1e-6
+    g = torch.randn(experts.shape, generator=gen)
+    out = opt.orthogonalize(a, g)
+    single = Muon([torch.nn.Parameter(torch.randn(5, 8))], **KW)
+    for e in range(3):
+        assert rel_err(out[e], single.orthogonalize(single.param_groups[0]["params"][0], g[e])) <= 1e-6
