@@ -144,12 +144,13 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
     stack_of: dict[tuple, int] = {}
     bucket_of: dict[tuple, int] = {}
     sharded: list[int] = []
+    coordinates: dict = {}  # mesh coordinates of owner groups, shared by the params of one build
     adaptive = config.moment2_method is not None
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             where = f"param_groups[{gi}]['params'][{pi}]"
             mode = group.get("nd_mode", nd_mode)
-            sharding = describe(p, mode, sharded_mode, where) if is_dtensor(p) else None
+            sharding = describe(p, mode, sharded_mode, where, coordinates) if is_dtensor(p) else None
             local_shape = _local_view_shape(p, mode)
             tp = layout_fn(p)
             global_shape = list(local_shape[-2:] if sharding is None else sharding.view_shape[-2:])

@@ -105,13 +105,11 @@ def _group_of(mesh, mesh_dims: tuple[int, ...]):
     return None
 
 
-_COORDINATES: dict[tuple[Any, Any], list[tuple[int, ...]]] = {}
-
-
-def _member_coordinates(mesh, group) -> list[tuple[int, ...]]:
-    """Mesh coordinates of the group's ranks in group-rank order (cached: plans are rebuilt often)."""
-    key = (mesh, group)  # meshes compare by their ranks and shape; few of them exist
-    hit = _COORDINATES.get(key)
+def _member_coordinates(mesh, group, cache: dict | None) -> list[tuple[int, ...]]:
+    """Mesh coordinates of the group's ranks in group-rank order. ``cache`` lives for one plan
+    build (a module-level cache would keep process groups alive past destroy_process_group)."""
+    key = (id(mesh), id(group))
+    hit = None if cache is None else cache.get(key)
     if hit is None:
         where = {int(r): i for i, r in enumerate(mesh.mesh.flatten().tolist())}
         shape = tuple(mesh.mesh.shape)
@@ -122,11 +120,12 @@ def _member_coordinates(mesh, group) -> list[tuple[int, ...]]:
                 coordinate.append(flat % size)
                 flat //= size
             hit.append(tuple(reversed(coordinate)))
-        _COORDINATES[key] = hit
+        if cache is not None:
+            cache[key] = hit
     return hit
 
 
-def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str) -> ShardLayout:
+def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None) -> ShardLayout:
     """The layout of DTensor parameter p; ValueError naming `where` when it cannot be optimized."""
     mesh, placements = p.device_mesh, tuple(p.placements)
     shape = tuple(p.shape)
@@ -172,7 +171,7 @@ def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str) -> Sh
     layout.kind, layout.group = "owner", group
     layout.group_rank, layout.group_size = dist.get_rank(group), dist.get_world_size(group)
     mesh_shape = tuple(mesh.mesh.shape)
-    for coordinate in _member_coordinates(mesh, group):
+    for coordinate in _member_coordinates(mesh, group, cache):
         layout.boxes.append(_box(view, placements, coordinate, mesh_shape))
     mine = layout.boxes[layout.group_rank][1]
     if tuple(mine) != tuple(p.to_local().shape):  # sharding rule not the chunking one: use DTensor's own
