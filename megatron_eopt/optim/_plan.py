@@ -9,14 +9,13 @@ load_state_dict), never inside a compiled step; a step only filters it by which 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from ._config import OrthogonalizationConfig
-from ._sharded import ShardLayout, describe, is_dtensor, local
+from ._sharded import ShardLayout, describe, is_dtensor, local, matrix_view
 
 
 @dataclass(frozen=True)
@@ -121,15 +120,6 @@ def _qkv_split(sizes, local_shape, global_shape, where: str) -> QKVSplit:
     return QKVSplit(sizes, local_shape[0] // total, global_shape[0] // total)
 
 
-def _local_view_shape(p: torch.Tensor, nd_mode: str) -> tuple[int, ...]:
-    shape = tuple(int(s) for s in local(p).shape)
-    if len(shape) == 2:
-        return shape
-    if nd_mode == "flatten":
-        return (shape[0], math.prod(shape[1:]))
-    return (math.prod(shape[:-2]), shape[-2], shape[-1])
-
-
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
                sharded_mode: str = "owner") -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
@@ -151,7 +141,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
             where = f"param_groups[{gi}]['params'][{pi}]"
             mode = group.get("nd_mode", nd_mode)
             sharding = describe(p, mode, sharded_mode, where, coordinates) if is_dtensor(p) else None
-            local_shape = _local_view_shape(p, mode)
+            local_shape = matrix_view(tuple(local(p).shape), mode)
             tp = layout_fn(p)
             global_shape = list(local_shape[-2:] if sharding is None else sharding.view_shape[-2:])
             if tp is not None:

@@ -78,6 +78,17 @@ class ShardLayout:
         return tuple(sorted({i for d in (nd - 2, nd - 1) for i in self.shard_dims.get(d, ())}))
 
 
+def matrix_view(shape: tuple[int, ...], nd_mode: str) -> tuple[int, ...]:
+    """The matrix view of a param shape: 2-D as is; more dims: (size(0), -1) for "flatten",
+    (prod(leading), m, n) for "batch"."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) <= 2:
+        return shape
+    if nd_mode == "flatten":
+        return (shape[0], math.prod(shape[1:]))
+    return (math.prod(shape[:-2]), shape[-2], shape[-1])
+
+
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     """(offset, length) of part `index` of `size` split as torch.chunk / DTensor's Shard do."""
     full = -(-size // parts) if size else 0
@@ -125,7 +136,9 @@ def _member_coordinates(mesh, group, cache: dict | None) -> list[tuple[int, ...]
     return hit
 
 
-def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None) -> ShardLayout:
+def describe(
+    p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None
+) -> ShardLayout:
     """The layout of DTensor parameter p; ValueError naming `where` when it cannot be optimized."""
     mesh, placements = p.device_mesh, tuple(p.placements)
     shape = tuple(p.shape)
@@ -144,22 +157,19 @@ def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache
                 shard_dims.setdefault(pl.dim % nd, []).append(i)
         elif not isinstance(pl, Replicate):
             raise ValueError(f"{where} has an unsupported placement {pl} on mesh dim {i}")
+    view = matrix_view(shape, nd_mode)
     if nd > 2 and nd_mode == "flatten":
         if any(d != 0 for d in shard_dims):
             raise ValueError(
                 f"{where}: nd_mode='flatten' views the param as (size(0), -1), so it may be sharded on dim 0 only; "
                 f"got placements {list(placements)}"
             )
-        view = (shape[0], math.prod(shape[1:]))
     elif nd > 2:  # batch
         if nd != 3 and any(d != 0 for d in shard_dims):
             raise ValueError(
                 f"{where}: nd_mode='batch' on a sharded {nd}-D param needs it 3-D (E, m, n) or sharded on dim 0 only; "
                 f"got shape {shape} and placements {list(placements)}"
             )
-        view = (math.prod(shape[:-2]), shape[-2], shape[-1])
-    else:
-        view = shape
     layout = ShardLayout(mesh, placements, view, "local", {d: tuple(v) for d, v in shard_dims.items()})
     matrix_dims = layout.mesh_dims_for_matrix
     if not matrix_dims:
@@ -174,8 +184,13 @@ def describe(p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache
     for coordinate in _member_coordinates(mesh, group, cache):
         layout.boxes.append(_box(view, placements, coordinate, mesh_shape))
     mine = layout.boxes[layout.group_rank][1]
-    if tuple(mine) != tuple(p.to_local().shape):  # sharding rule not the chunking one: use DTensor's own
-        layout.kind, layout.group, layout.boxes = "gather", None, []
+    if tuple(mine) != matrix_view(tuple(p.to_local().shape), nd_mode):
+        # Every rank must take the same path (a fallback decided on one rank would deadlock), so a
+        # shard that is not where DTensor's chunking rule puts it is an error, not a silent switch.
+        raise ValueError(
+            f"{where}: its local shard has shape {tuple(p.to_local().shape)} but placements {list(placements)} of "
+            f"shape {shape} give {tuple(mine)} on this rank; pass sharded_mode='gather' for such a layout"
+        )
     return layout
 
 
