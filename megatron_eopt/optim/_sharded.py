@@ -96,6 +96,12 @@ def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(full, size - start))
 
 
+def _is_shard(pl) -> bool:
+    # Shard, and FSDP2's _StridedShard over tensor parallelism (not a Shard subclass in every
+    # torch version); both split a tensor dim `pl.dim` over a mesh dim.
+    return isinstance(pl, Shard) or (type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"))
+
+
 def _box(shape, placements, coordinate, mesh_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
     offset, length = [0] * len(shape), list(shape)
     for i, pl in enumerate(placements):
@@ -151,7 +157,7 @@ def describe(
                 f"{where} has a Partial placement on mesh dim {i} ({pl}): a pending reduction cannot be optimized; "
                 "redistribute it to Shard or Replicate first"
             )
-        if isinstance(pl, Shard):
+        if _is_shard(pl):
             exact = exact and type(pl) is Shard and pl.dim >= 0
             if mesh.size(i) > 1:  # sharded over one rank: the whole dim is local, as if replicated
                 shard_dims.setdefault(pl.dim % nd, []).append(i)
@@ -198,7 +204,7 @@ def state_placements(layout: ShardLayout, param_shape, state_shape) -> list:
     """Placements of a state tensor: the param's, Replicate along dims the state reduced to size 1."""
     out = []
     for pl in layout.placements:
-        if isinstance(pl, Shard):
+        if _is_shard(pl):
             d = pl.dim % len(param_shape)
             keep = d < len(state_shape) and state_shape[d] == param_shape[d]
             out.append(pl if keep else Replicate())

@@ -106,7 +106,9 @@ def _restore_collectives(state):
 def check_placements(world, grid, pair, single, seed):
     shapes = [(37, 24), (24, 37), (3, 8), (37, 24)]  # uneven rows, wide, fewer rows than ranks, a repeat
     for sharded_mode in ("owner", "gather"):
-        for cls, extra in OPTIMIZERS:
+        # The statistics' reductions do not depend on the mode: gather runs Muon and NorMuon only.
+        optimizers = OPTIMIZERS if sharded_mode == "owner" else OPTIMIZERS[::2]
+        for cls, extra in optimizers:
             for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
                 check(world, [(s, placements) for s in shapes], cls, extra, seed, sharded_mode=sharded_mode,
                       label=f"world {placements}")
@@ -115,6 +117,14 @@ def check_placements(world, grid, pair, single, seed):
                                [Shard(1), Replicate()]):
                 check(grid, [(s, placements) for s in shapes], cls, extra, seed, sharded_mode=sharded_mode,
                       label=f"2x2 {placements}")
+        try:  # FSDP2 over tensor parallelism shards dim 0 twice with a strided dp shard: gather path
+            from torch.distributed.tensor.placement_types import _StridedShard
+        except ImportError:
+            _StridedShard = None
+        if _StridedShard is not None:
+            for cls, extra in optimizers:
+                check(grid, [(s, [_StridedShard(0, split_factor=2), Shard(0)]) for s in shapes[:2]], cls, extra,
+                      seed, sharded_mode=sharded_mode, label="FSDP x TP strided")
         for placements in ([Shard(0)], [Shard(1)]):
             check(pair, [(s, placements) for s in shapes], Muon, {}, seed, sharded_mode=sharded_mode,
                   label=f"2 ranks {placements}")
@@ -350,5 +360,22 @@ def worker(rank, world_size, init_file, seed):
         ckpt = os.path.join(os.path.dirname(init_file), "ckpt")
         for k, (cls, extra) in enumerate((OPTIMIZERS[0], OPTIMIZERS[2])):
             check_dcp(world, pair, seed, f"{ckpt}{k}", cls, extra)
+    finally:
+        dist.destroy_process_group()
+
+
+def small_worker(rank, world_size, init_file, seed):
+    """A world of 1 or 2 processes: FSDP2 on the whole world, Shard(0) / Shard(1) matrices and experts."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        torch.set_float32_matmul_precision("highest")
+        world = init_device_mesh("cpu", (world_size,))
+        for reshard in (True, False):
+            check_fsdp(world, seed, reshard, Muon, {})
+        for cls, extra in (OPTIMIZERS[0], OPTIMIZERS[2]):
+            for placements in ([Shard(0)], [Shard(1)]):
+                check(world, [((37, 24), placements), ((24, 37), placements), ((4, 9, 6), placements)], cls, extra,
+                      seed, nd_mode="batch", label=f"world of {world_size} {placements}")
     finally:
         dist.destroy_process_group()

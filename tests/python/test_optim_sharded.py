@@ -14,3 +14,11 @@ def test_dtensor_params_match_unsharded_on_1_2_and_4_ranks(tmp_path, gen):
     # One spawn of 4 ranks covers meshes of 4, 2 x 2, 2 and 1 ranks.
     seed = gen.initial_seed() % (2**31)
     mp.spawn(sharded_worker.worker, args=(4, os.path.join(tmp_path, "rendezvous"), seed), nprocs=4, join=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fsdp2_and_dtensor_params_on_a_world_of_1_and_2_processes(tmp_path, gen, world_size):
+    seed = gen.initial_seed() % (2**31)
+    mp.spawn(sharded_worker.small_worker, args=(world_size, os.path.join(tmp_path, "rendezvous"), seed),
+             nprocs=world_size, join=True)
