@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmarks megatron-eopt against its peers and prints one table.
 
-    python benchmarks/run.py [--device cpu|cuda] [--quick] [--workload NAME ...]
+    python benchmarks/run.py [--device cpu|cuda] [--quick] [--workload NAME ...] [--ranks N ...]
                              [--precision P] [--coefficients TYPE]
                              [--out FILE.json] [--results-md FILE] [--list] [--render FILE.json]
 
@@ -15,6 +15,10 @@ a full CPU run those a 2-core CPU finishes (about 10 minutes), and --quick a tin
 workload per code path (20-40 s on the 2-core development machine, the first run included while
 torch.compile fills its cache). Workloads of ops or optimizers missing from the build are left out
 and listed; exit status 1 when a measurement raised.
+
+The ``dist_*`` workloads (workloads_dist.py) run only when named: they spawn --ranks CPU processes
+(gloo) holding FSDP2-sharded DTensor parameters and compare the owner and gather modes of the
+sharded step with per-rank redundant computation; their table is its own RESULTS.md section.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import env_info  # noqa: E402
 import hyper  # noqa: E402
 import report  # noqa: E402
 import workloads as catalogue_module  # noqa: E402
+import workloads_dist  # noqa: E402
 from timing import measure, plan_for  # noqa: E402
 
 SCHEMA = "megatron-eopt-benchmarks/1"
@@ -59,6 +64,8 @@ def parse_args(argv=None):
                         help="Newton–Schulz precision of every implementation (default: the device's, hyper.py)")
     parser.add_argument("--coefficients", default=None, metavar="TYPE",
                         help="Newton–Schulz coefficient type of every implementation (default: the device's)")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], metavar="N",
+                        help="process counts of the dist_* workloads (default: 2 4)")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--render", metavar="FILE.json",
                         help="measure nothing: print the table of a saved --out JSON and update --results-md "
@@ -71,10 +78,10 @@ def select(args, device: torch.device):
     catalogue = catalogue_module.catalogue()
     names = {w.name: w for w in catalogue}
     if args.workload:
-        unknown = [n for n in args.workload if n not in names]
+        unknown = [n for n in args.workload if n not in names and n not in workloads_dist.WORKLOADS]
         if unknown:
             raise SystemExit(f"unknown workload(s) {unknown}; known: {sorted(names)}")
-        return [names[n] for n in args.workload], {}
+        return [names[n] for n in args.workload if n in names], {}
     if args.quick:
         chosen = [w for w in catalogue if w.in_quick]
         return chosen, {}
@@ -134,12 +141,39 @@ def publish(doc: dict, args) -> None:
         report.update_results_md(args.results_md, doc, doc["hyper_parameters"])
 
 
+def run_dist(args, names, others) -> int:
+    """The dist_* workloads: one spawn per (workload, rank count), one table."""
+    if others:
+        raise SystemExit("run the dist_* workloads on their own (they spawn processes and have their own table)")
+    environment = env_info.collect(torch.device("cpu"))
+    entries = []
+    for name in names:
+        for ranks in args.ranks:
+            print(f"{name} on {ranks} ranks ...", file=sys.stderr, flush=True)
+            entry = workloads_dist.run(name, ranks, args.quick)
+            print("    " + ", ".join(f"{m} {r['median_ms']:.3g} ms" for m, r in entry["results"].items()),
+                  file=sys.stderr, flush=True)
+            entries.append(entry)
+    body = workloads_dist.markdown(entries, environment)
+    if args.remarks:
+        body += "\n" + args.remarks + "\n"
+    print(body)
+    if args.results_md:
+        report.write_section(args.results_md, f"dist: {environment['device_name'].split(',')[0]}", body)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"schema": SCHEMA, "environment": environment, "dist_workloads": entries}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
         for w in catalogue_module.catalogue():
             flags = ("quick " if w.in_quick else "") + ("" if not w.cpu_skip else "(not in full CPU runs)")
             print(f"{w.name:32s} {w.kind:7s} {flags}")
+        for name, (description, _) in workloads_dist.WORKLOADS.items():
+            print(f"{name:32s} dist    (only when named) {description}")
         return 0
     if args.render:
         with open(args.render) as f:
@@ -157,6 +191,9 @@ def main(argv=None) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     chosen, not_run = select(args, device)
+    dist_names = [n for n in (args.workload or []) if n in workloads_dist.WORKLOADS]
+    if dist_names:
+        return run_dist(args, dist_names, chosen)
     plan = plan_for(device, args.quick)
     environment = env_info.collect(device)
     environment["device_key"] = env_info.device_key(device)

@@ -183,15 +183,19 @@ class Muon(torch.optim.Optimizer):
         slot: dict[tuple[int, float], int] = {}
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                handle = p.detach() if p.ndim == 2 else p.detach().view(p.shape[0], -1)
+                # A DTensor stays whole (the fused optimizer flattens it with nd_mode "flatten" on
+                # its local shard); a plain tensor is flattened here by a view.
+                sharded = _is_dtensor(p)
+                handle = p.detach() if p.ndim == 2 or sharded else p.detach().view(p.shape[0], -1)
                 ratio = 1.0
                 if p.ndim > 2:
-                    ratio = _legacy_scale(p.shape) / math.sqrt(max(1.0, handle.shape[0] / handle.shape[1]))
-                key = (gi, ratio)
+                    rows, cols = p.shape[0], p.numel() // p.shape[0]
+                    ratio = _legacy_scale(p.shape) / math.sqrt(max(1.0, rows / cols))
+                key = (gi, ratio, sharded)
                 if key not in slot:
                     slot[key] = len(inner_groups)
-                    inner_groups.append({"params": []})
-                    self._inner_sources.append(key)
+                    inner_groups.append({"params": [], "nd_mode": "flatten"})
+                    self._inner_sources.append((gi, ratio))
                 inner_groups[slot[key]]["params"].append(handle)
                 self._handles.append((p, handle, slot[key]))
         self._inner = FusedMuon(
@@ -216,9 +220,9 @@ class Muon(torch.optim.Optimizer):
             outer = self.state.get(p)
             inner = self._inner.state.get(handle)
             if outer and "momentum_buffer" in outer:
-                self._inner.state[handle]["momentum_buffer"] = outer["momentum_buffer"].view(handle.shape)
+                self._inner.state[handle]["momentum_buffer"] = _view(outer["momentum_buffer"], handle.shape)
             elif inner and "momentum_buffer" in inner:
-                self.state[p]["momentum_buffer"] = inner["momentum_buffer"].view(p.shape)
+                self.state[p]["momentum_buffer"] = _view(inner["momentum_buffer"], p.shape)
 
     def _sync_hyperparameters(self) -> None:
         if self._settings() != self._inner_settings:
@@ -251,8 +255,22 @@ class Muon(torch.optim.Optimizer):
         return loss
 
 
+def _is_dtensor(t) -> bool:
+    from .optim._sharded import is_dtensor
+
+    return is_dtensor(t)
+
+
+def _view(t: torch.Tensor, shape) -> torch.Tensor:
+    return t if tuple(t.shape) == tuple(shape) else t.view(shape)
+
+
 class DistMuon(Muon):
     """nanochat's data-parallel Muon: every rank holds all parameters and its own grads.
+
+    DTensor parameters (FSDP2, already reduce-scattered grads) take the sharded path of
+    :class:`megatron_eopt.optim.Muon` instead: each matrix is orthogonalized once, by its owner
+    rank (all-to-all of the shards), with the same numbers as :class:`Muon` on the full tensors.
 
     Per step, for each run of ``world_size`` same-shape parameters: one reduce-scatter averages
     their grads so that rank r receives the average for the r-th; each rank updates the
@@ -304,6 +322,18 @@ class DistMuon(Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        sharded = [_is_dtensor(p) for p in params]
+        if any(sharded):
+            if not all(sharded):
+                raise ValueError(
+                    "DistMuon takes either plain replicated tensors (nanochat's data parallelism) or DTensor "
+                    "parameters (FSDP2 / tensor parallel), not both in one optimizer"
+                )
+            # The grads are reduced already (FSDP2's reduce-scatter); the fused optimizer moves
+            # the shards to one owner per matrix and back.
+            super().step()
+            return loss
         world = dist.get_world_size(self._pg)
         rank = dist.get_rank(self._pg)
         for gi, group in enumerate(self.param_groups):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ._config import OrthogonalizationConfig
+from ._sharded import ShardLayout, describe, is_dtensor, local, matrix_view
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,8 @@ class QKVSplit:
 class ParamEntry:
     param: torch.Tensor
     group_index: int
-    local_shape: tuple[int, int]
-    global_shape: tuple[int, int]
+    local_shape: tuple[int, ...]  # the local matrix view: (m, n), or (E, m, n) for nd_mode "batch"
+    global_shape: tuple[int, int]  # the global shape of one matrix
     tp: TPLayout | None
     qkv: QKVSplit | None
     # Scale handed to foreach_update_. Plain matrices: Muon scale of the global shape. QKV:
@@ -59,8 +60,19 @@ class ParamEntry:
     update_scale: float
     part_scales: tuple[tuple[int, int, float], ...] = ()  # (row offset, rows, scale) per part
     normuon_dim: int = -1  # dim NorMuon averages over, from the global shape
-    stack_index: int = -1
+    stack_index: int = -1  # -1: a sharded matrix (orthogonalized by _sharded), not in a stack
     bucket_index: int = -1
+    sharding: ShardLayout | None = None  # DTensor params
+
+    @property
+    def batch(self) -> int:
+        """Matrices in the local view (its leading dim in nd_mode "batch", else 1)."""
+        return self.local_shape[0] if len(self.local_shape) == 3 else 1
+
+    def view(self, t: torch.Tensor) -> torch.Tensor:
+        """The local matrix view of the param, its grad or a state tensor shaped like it."""
+        t = local(t)
+        return t if tuple(t.shape) == self.local_shape else t.view(self.local_shape)
 
 
 @dataclass
@@ -92,6 +104,7 @@ class Plan:
     buckets: list[Bucket]
     group_sizes: tuple[int, ...]  # len(group["params"]) per group when built: detects edits
     index: dict[int, int]  # id(param) -> entry index
+    sharded: list[int] = field(default_factory=list)  # entries whose matrices span ranks
 
 
 def _qkv_split(sizes, local_shape, global_shape, where: str) -> QKVSplit:
@@ -107,24 +120,30 @@ def _qkv_split(sizes, local_shape, global_shape, where: str) -> QKVSplit:
     return QKVSplit(sizes, local_shape[0] // total, global_shape[0] // total)
 
 
-def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn) -> Plan:
+def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
+               sharded_mode: str = "owner") -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
 
     layout_fn(p) -> TPLayout | None gives the tensor-parallel layout; qkv_fn(p) -> split sizes or
-    None says whether p is a fused QKV projection.
+    None says whether p is a fused QKV projection. nd_mode is the default of groups without one.
+    DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack.
     """
     entries: list[ParamEntry] = []
     stacks: list[Stack] = []
     buckets: list[Bucket] = []
     stack_of: dict[tuple, int] = {}
     bucket_of: dict[tuple, int] = {}
+    sharded: list[int] = []
+    coordinates: dict = {}  # mesh coordinates of owner groups, shared by the params of one build
     adaptive = config.moment2_method is not None
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             where = f"param_groups[{gi}]['params'][{pi}]"
-            local_shape = (int(p.shape[0]), int(p.shape[1]))
+            mode = group.get("nd_mode", nd_mode)
+            sharding = describe(p, mode, sharded_mode, where, coordinates) if is_dtensor(p) else None
+            local_shape = matrix_view(tuple(local(p).shape), mode)
             tp = layout_fn(p)
-            global_shape = list(local_shape)
+            global_shape = list(local_shape[-2:] if sharding is None else sharding.view_shape[-2:])
             if tp is not None:
                 global_shape[tp.partition_dim] *= tp.size
             global_shape = tuple(global_shape)
@@ -151,27 +170,31 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn)
                 update_scale=update_scale,
                 part_scales=part_scales,
                 normuon_dim=-1 if global_shape[0] >= global_shape[1] else -2,
+                sharding=sharding,
             )
             ei = len(entries)
             entries.append(entry)
-
-            skey = (local_shape, p.device, None if tp is None else tp.key, None if qkv is None else qkv.sizes)
-            if skey not in stack_of:
-                stack_of[skey] = len(stacks)
-                stacks.append(Stack(local_shape, global_shape, p.device, tp, qkv))
-            entry.stack_index = stack_of[skey]
-            stacks[entry.stack_index].members.append(ei)
-
             bkey = (gi, p.dtype, p.device)
             if bkey not in bucket_of:
                 bucket_of[bkey] = len(buckets)
                 buckets.append(Bucket(gi, p.dtype, p.device))
             entry.bucket_index = bucket_of[bkey]
             buckets[entry.bucket_index].members.append(ei)
+            if sharding is not None and sharding.kind != "local":
+                sharded.append(ei)
+                continue
+
+            skey = (local_shape[-2:], p.device, None if tp is None else tp.key, None if qkv is None else qkv.sizes)
+            if skey not in stack_of:
+                stack_of[skey] = len(stacks)
+                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, qkv))
+            entry.stack_index = stack_of[skey]
+            stacks[entry.stack_index].members.append(ei)
     return Plan(
         entries=entries,
         stacks=stacks,
         buckets=buckets,
         group_sizes=tuple(len(g["params"]) for g in param_groups),
         index={id(e.param): i for i, e in enumerate(entries)},
+        sharded=sharded,
     )

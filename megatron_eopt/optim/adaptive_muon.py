@@ -20,6 +20,9 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     [1]), ``U = O·‖G̃‖ / (√v + eps)``. Then ``U`` is scaled by ``scale_mode`` × ``extra_scale_factor``
     and ``p -= lr·U``. State: ``momentum_buffer``, ``moment2_buffer`` (dtype of p); ``beta2`` and
     ``eps`` live in the param groups.
+
+    ``nd_mode`` and ``sharded_mode`` as in :class:`Muon`; with ``nd_mode="batch"`` NorMuon and NAMO
+    keep one statistic per matrix (``(E, m, 1)`` / ``(E, 1, n)``, ``(E, 1)``).
     """
 
     def __init__(
@@ -40,6 +43,8 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         beta2: float = 0.95,
         eps: float = 1e-8,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+        nd_mode: str = "error",
+        sharded_mode: str = "owner",
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -59,4 +64,4 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         self.scale_mode = scale_mode
         self.extra_scale_factor = config.extra_scale_factor
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
-        super().__init__(params, defaults, config)
+        super().__init__(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode)

@@ -26,6 +26,13 @@ class Muon(OrthogonalizedOptimizer):
     scale_mode="shape_scaling")``; ``torch.optim.Muon`` with ``adjust_lr_fn="original"`` is the
     same with its weight decay, and ``"match_rms_adamw"`` is ``scale_mode="spectral",
     extra_scale_factor=0.2``.
+
+    ``nd_mode`` (also a param-group key) decides what happens to params with more than two dims:
+    ``"error"`` rejects them (Emerging-Optimizers), ``"batch"`` treats leading dims as independent
+    matrices (MoE experts ``(E, m, n)``: each expert is its own Muon matrix, scaled from ``(m, n)``),
+    ``"flatten"`` views them as ``(size(0), -1)`` (convolutions). DTensor params (FSDP2, tensor
+    parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
+    is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks).
     """
 
     def __init__(
@@ -44,6 +51,8 @@ class Muon(OrthogonalizedOptimizer):
         extra_scale_factor: float = 1.0,
         use_syrk: bool = False,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+        nd_mode: str = "error",
+        sharded_mode: str = "owner",
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -58,4 +67,7 @@ class Muon(OrthogonalizedOptimizer):
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
         self.fp32_matmul_prec = fp32_matmul_prec
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config)
+        super().__init__(
+            params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
+            sharded_mode=sharded_mode,
+        )

@@ -41,6 +41,17 @@ from ._distributed import (
     tp_normuon_normalize_,
 )
 from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan
+from ._sharded import (
+    ND_MODES,
+    SHARDED_MODES,
+    ShardedOrthogonalizer,
+    describe,
+    is_dtensor,
+    local,
+    sharded_namo_,
+    sharded_normuon_,
+    zeros_state,
+)
 
 
 class OrthogonalizedOptimizer(torch.optim.Optimizer):
@@ -49,7 +60,15 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
     # torch.amp.GradScaler.step then hands over `grad_scale` and `found_inf` instead of unscaling.
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, defaults: dict, config: OrthogonalizationConfig) -> None:
+    def __init__(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
+                 sharded_mode: str = "owner") -> None:
+        if nd_mode not in ND_MODES:
+            raise ValueError(f"nd_mode must be one of {list(ND_MODES)}, got {nd_mode!r}")
+        if sharded_mode not in SHARDED_MODES:
+            raise ValueError(f"sharded_mode must be one of {list(SHARDED_MODES)}, got {sharded_mode!r}")
+        self.nd_mode = nd_mode
+        self.sharded_mode = sharded_mode
+        self._sharded = ShardedOrthogonalizer(config)
         self._config = config
         self._plan: Plan | None = None
         self._hyper: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
@@ -75,15 +94,21 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         try:
+            nd_mode = group.get("nd_mode", self.nd_mode)
+            if nd_mode not in ND_MODES:
+                raise ValueError(f"param_groups[{gi}]['nd_mode'] must be one of {list(ND_MODES)}, got {nd_mode!r}")
+            mesh = None
             for pi, p in enumerate(group["params"]):
                 where = f"param_groups[{gi}]['params'][{pi}]"
-                if p.ndim != 2:
-                    raise ValueError(
-                        f"{type(self).__name__} only supports 2-D parameters; {where} has shape {tuple(p.shape)} "
-                        "(optimize 1-D, embedding and output parameters with AdamW)"
-                    )
-                if not p.is_floating_point():
-                    raise ValueError(f"{where} must be a floating-point tensor, got {p.dtype}")
+                self._check_param(p, nd_mode, where)
+                if is_dtensor(p):
+                    if mesh is not None and p.device_mesh != mesh:
+                        raise ValueError(
+                            f"{where} lives on device mesh {p.device_mesh}, other params of param_groups[{gi}] on "
+                            f"{mesh}: one param group takes params of one mesh (put the others in their own group)"
+                        )
+                    mesh = p.device_mesh
+                    describe(p, nd_mode, self.sharded_mode, where)  # rejects Partial and impossible views
             check_group_hyperparameters(group, f"param_groups[{gi}]")
             if self._constructed:
                 self._rebuild_plan()
@@ -93,17 +118,44 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 self._rebuild_plan()
             raise
 
+    def _check_param(self, p: torch.Tensor, nd_mode: str, where: str) -> None:
+        if p.ndim < 2 or (p.ndim > 2 and nd_mode == "error"):
+            hint = (
+                "pass nd_mode='batch' (leading dims index independent matrices, e.g. MoE experts (E, m, n)) or "
+                "nd_mode='flatten' (view as (size(0), -1), e.g. convolutions)"
+                if p.ndim > 2
+                else "optimize 0-D/1-D, embedding and output parameters with AdamW"
+            )
+            raise ValueError(
+                f"{type(self).__name__} only supports 2-D parameters with nd_mode='error'; {where} has shape "
+                f"{tuple(p.shape)} ({hint})"
+            )
+        if not p.is_floating_point():
+            raise ValueError(f"{where} must be a floating-point tensor, got {p.dtype}")
+        if p.ndim > 2:
+            t = p.to_local() if is_dtensor(p) else p
+            dims = range(t.ndim) if nd_mode == "flatten" else range(t.ndim - 2)
+            # The matrix view must share the param's memory (the update is written through it).
+            try:
+                t.view(t.shape[0], -1) if nd_mode == "flatten" else t.view(-1, *t.shape[-2:])
+            except RuntimeError:
+                raise ValueError(
+                    f"{where} of shape {tuple(p.shape)} and strides {t.stride()} cannot be viewed as matrices with "
+                    f"nd_mode={nd_mode!r} (dims {list(dims)} must be contiguous)"
+                ) from None
+
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
         state = super().__getstate__()
-        transient = ("_plan", "_hyper", "_batched")
+        transient = ("_plan", "_hyper", "_batched", "_sharded")
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._batched = None
+        self._sharded = ShardedOrthogonalizer(self._config)
         defaults = getattr(self, "defaults", {})
         for group in self.param_groups:
             for key, value in defaults.items():
@@ -122,7 +174,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         return ("lr", "weight_decay", "momentum") + (("beta2", "eps") if adaptive else ())
 
     def _rebuild_plan(self) -> None:
-        plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes)
+        plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
+                          self.sharded_mode)
         hyper = {}
         for bucket in plan.buckets:
             key = (bucket.group_index, bucket.device)
@@ -146,17 +199,30 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         p = entry.param
         state = self.state[p]
         if "momentum_buffer" not in state:
+            # A DTensor param gets a DTensor state with its mesh and placements (DCP reshards it).
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         method = self._config.moment2_method
         if method is not None and "moment2_buffer" not in state:
             # fp32 whatever p's dtype (the normalization ops keep their statistics in fp32; for
             # fp32 params this is Emerging-Optimizers' layout, which stores p's dtype).
-            shape = list(entry.local_shape)
+            # nd_mode "batch": one statistic per matrix, (E, m, 1) / (E, 1, n) / (E, 1).
+            lead = list(entry.local_shape[:-2]) if entry.sharding is None else list(entry.sharding.view_shape[:-2])
+            if entry.sharding is None:
+                shape = list(entry.local_shape)
+            else:
+                shape = list(entry.sharding.view_shape)
             if method == "normuon":
                 shape[entry.normuon_dim] = 1
             elif method == "namo":  # EMA of the squared Frobenius norm of the gradient
-                shape = [1]
-            state["moment2_buffer"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+                shape = lead + [1]
+            if entry.sharding is None:
+                if method == "adamuon":
+                    shape = list(p.shape)  # elementwise: shaped like p (a flattened conv too)
+                state["moment2_buffer"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
+            elif method == "adamuon":  # elementwise: sharded exactly like p
+                state["moment2_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+            else:
+                state["moment2_buffer"] = zeros_state(p, entry.sharding, shape, torch.float32)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -183,6 +249,12 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             if g.is_sparse:
                 raise ValueError(
                     f"{type(self).__name__} does not support sparse gradients (param of shape {tuple(p.shape)})"
+                )
+            if is_dtensor(p) and (not is_dtensor(g) or g.placements != p.placements or g.device_mesh != p.device_mesh):
+                raise ValueError(
+                    f"grad of a DTensor param of shape {tuple(p.shape)} with placements {list(p.placements)} must be a "
+                    f"DTensor on the same mesh and placements, got "
+                    f"{list(g.placements) if is_dtensor(g) else type(g).__name__}"
                 )
             if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
                 raise ValueError(
@@ -240,17 +312,25 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 )
         custom = type(self).orthogonalize is not OrthogonalizedOptimizer.orthogonalize
 
-        # NS inputs: one stacked fp32 buffer per stack, each active entry writes its slice.
+        # NS inputs: one stacked fp32 buffer per stack, each active entry writes its slice (an
+        # nd_mode "batch" entry its E consecutive slices); a sharded matrix its local part.
         ns_inputs: list[torch.Tensor | None] = [None] * len(entries)
         runs = []
         for stack in plan.stacks:
             members = [i for i in stack.members if active[i]]
             if not members:
                 continue
-            buf = torch.empty((len(members), *stack.local_shape), dtype=torch.float32, device=stack.device)
-            for j, i in enumerate(members):
-                ns_inputs[i] = buf[j]
+            count = sum(entries[i].batch for i in members)
+            buf = torch.empty((count, *stack.local_shape), dtype=torch.float32, device=stack.device)
+            offset = 0
+            for i in members:
+                e = entries[i]
+                ns_inputs[i] = buf[offset] if len(e.local_shape) == 2 else buf[offset : offset + e.batch]
+                offset += e.batch
             runs.append((stack, members, buf))
+        sharded = [i for i in plan.sharded if active[i]]
+        for i in sharded:
+            ns_inputs[i] = torch.empty(entries[i].local_shape, dtype=torch.float32, device=entries[i].param.device)
 
         # 1. momentum (and L2 decay, Nesterov) per bucket
         launches = []
@@ -261,15 +341,17 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             for i in members:
                 self._init_entry_state(i)
             group = self.param_groups[bucket.group_index]
-            params = [entries[i].param for i in members]
-            # The ops take any dense layout (a transposed parameter and its row-major NS input).
-            grads = [p.grad for p in params]
-            states = [self.state[p] for p in params]
+            # The ops run on local matrix views (DTensor: to_local(); nd_mode: (E, m, n) or
+            # (size(0), -1)); they take any dense layout (a transposed parameter and its
+            # row-major NS input).
+            params = [entries[i].view(entries[i].param) for i in members]
+            grads = [entries[i].view(entries[i].param.grad) for i in members]
+            states = [self.state[entries[i].param] for i in members]
             hyper = self._hyper[(bucket.group_index, bucket.device)]
             scale_t, inf_t = scaler_on[bucket.device]
             ops.foreach_momentum_(
                 grads,
-                [s["momentum_buffer"] for s in states],
+                [entries[i].view(s["momentum_buffer"]) for i, s in zip(members, states)],
                 [ns_inputs[i] for i in members],
                 params if cfg.weight_decay_method == "l2" else (),
                 momentum=hyper["momentum"],
@@ -286,10 +368,24 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         # results plus one input stack).
         updates: list[torch.Tensor | None] = [None] * len(entries)
         keep_inputs = cfg.moment2_method == "namo" or custom
+        if sharded:  # matrices spanning ranks: owner (all-to-all) or gather mode, see _sharded
+            outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded])
+            for i, update in zip(sharded, outs):
+                updates[i] = update
+                if not keep_inputs:
+                    ns_inputs[i] = None
         while runs:
             stack, members, buf = runs.pop(0)
-            for i, update in zip(members, self._orthogonalize(stack, buf)):
-                updates[i] = update
+            results = self._orthogonalize(stack, buf)
+            offset = 0
+            for i in members:
+                e = entries[i]
+                if len(e.local_shape) == 2:
+                    updates[i] = results[offset]
+                else:  # the E results of a batch entry: contiguous slices of one output
+                    updates[i] = torch.stack(results[offset : offset + e.batch]) if isinstance(results, list) \
+                        else results[offset : offset + e.batch]
+                offset += e.batch
                 if not keep_inputs:
                     ns_inputs[i] = None
             del buf
@@ -329,16 +425,22 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             hit = batched.get(id(p))
             if hit is not None and hit[0] is grad:
                 return hit[1]
-        if grad.ndim != 2:
-            raise ValueError(f"orthogonalize: only 2-D updates are supported, got shape {tuple(grad.shape)}")
         plan = self._current_plan()
         index = plan.index.get(id(p))
-        x = grad.to(torch.float32).unsqueeze(0)
-        if index is None or tuple(grad.shape) != plan.entries[index].local_shape:
-            out = self._config.newton_schulz(x)[0]  # a tensor this optimizer does not hold
+        entry = None if index is None else plan.entries[index]
+        if entry is None or tuple(grad.shape) != entry.local_shape:
+            if grad.ndim != 2:
+                raise ValueError(f"orthogonalize: only 2-D updates are supported, got shape {tuple(grad.shape)}")
+            # a tensor this optimizer does not hold
+            out = self._config.newton_schulz(grad.to(torch.float32).unsqueeze(0))[0]
             return out if self._config.moment2_method is not None else out * self._config.scale(*grad.shape)
-        entry = plan.entries[index]
-        out = self._orthogonalize(plan.stacks[entry.stack_index], x)[0]
+        x = grad.to(torch.float32)
+        if entry.stack_index < 0:
+            # A matrix spanning ranks: a collective, so every rank of its mesh must call this.
+            out = self._sharded.run([entry.sharding], [x.contiguous()])[0]
+        else:
+            res = self._orthogonalize(plan.stacks[entry.stack_index], x if x.ndim == 3 else x.unsqueeze(0))
+            out = res[0] if x.ndim == 2 else (res if isinstance(res, torch.Tensor) else torch.stack(res))
         return out if self._config.moment2_method is not None else out * entry.update_scale
 
     def _call_orthogonalize_override(self, entries, active, ns_inputs, updates, scales) -> None:
@@ -384,6 +486,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
             x = gather_shards(x, tp)
         if stack.qkv is None:
+            if tp is None:
+                return cfg.newton_schulz(x)  # indexed like a list of its k matrices
             outs = list(cfg.newton_schulz(x).unbind(0))
         else:  # every part of every projection of the stack: one batched NS per part size
             outs = list(
@@ -397,33 +501,58 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         entries = self._plan.entries
         beta2, eps = hyper["beta2"], hyper["eps"]
         method = cfg.moment2_method
-        moment2 = [s["moment2_buffer"] for s in states]
-        # Sharded parameters (tp set) need global statistics; everything else uses the fused op.
-        subsets: dict[Any, list[int]] = {}
+        moment2 = []
         for j, i in enumerate(members):
-            tp = entries[i].tp
-            key = None if (tp is None or method == "adamuon") else tp.key
-            subsets.setdefault(key, []).append(j)
+            v = local(states[j]["moment2_buffer"])
+            moment2.append(entries[i].view(v) if method == "adamuon" else v)
+        # Statistics over a whole matrix: TP shards and sharded DTensors reduce them across ranks;
+        # everything else goes to the fused op, nd_mode "batch" entries as their 2-D slices.
+        subsets: dict[Any, list[int]] = {}
+        fused: list[tuple] = []
+        spanning: list[int] = []
+        for j, i in enumerate(members):
+            e = entries[i]
+            if method != "adamuon" and e.tp is not None:
+                subsets.setdefault(e.tp.key, []).append(j)
+            elif method != "adamuon" and e.sharding is not None and e.sharding.kind != "local":
+                spanning.append(j)
+            elif len(e.local_shape) == 2:
+                fused.append((updates[j], moment2[j], grads[j], ns_inputs[j]))
+            else:
+                x = ns_inputs[j]
+                for k in range(e.batch):
+                    fused.append((updates[j][k], moment2[j][k], grads[j][k], None if x is None else x[k]))
+        if fused:
+            u, v, g, x = (list(t) for t in zip(*fused))
+            if method == "adamuon":
+                ops.adamuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
+            elif method == "normuon":
+                ops.normuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
+            else:
+                ops.namo_normalize_(u, v, g, x, beta2=beta2, eps=eps, grad_scale=grad_scale, found_inf=found_inf)
+        if spanning:
+            as3 = lambda t: t if t.ndim == 3 else t.unsqueeze(0)  # noqa: E731
+            lays = [entries[members[j]].sharding for j in spanning]
+            u = [as3(updates[j]) for j in spanning]
+            if method == "normuon":
+                sharded_normuon_(u, [as3(moment2[j]) for j in spanning], lays,
+                                 [entries[members[j]].normuon_dim for j in spanning], beta2=beta2, eps=eps,
+                                 found_inf=found_inf)
+            else:
+                sharded_namo_(u, [moment2[j].view(-1) for j in spanning], [as3(grads[j]) for j in spanning],
+                              [as3(ns_inputs[j]) for j in spanning], lays, beta2=beta2, eps=eps,
+                              grad_scale=grad_scale, found_inf=found_inf)
         for key, js in subsets.items():
             u = [updates[j] for j in js]
             v = [moment2[j] for j in js]
-            if key is None:
-                if method == "adamuon":
-                    ops.adamuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
-                elif method == "normuon":
-                    ops.normuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
-                else:
-                    ops.namo_normalize_(u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], beta2=beta2,
-                                        eps=eps, grad_scale=grad_scale, found_inf=found_inf)
+            sub_entries = [entries[members[j]] for j in js]
+            if method == "normuon":
+                tp_normuon_normalize_(u, v, sub_entries, beta2=beta2, eps=eps, found_inf=found_inf)
             else:
-                sub_entries = [entries[members[j]] for j in js]
-                if method == "normuon":
-                    tp_normuon_normalize_(u, v, sub_entries, beta2=beta2, eps=eps, found_inf=found_inf)
-                else:
-                    tp_namo_normalize_(
-                        u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], sub_entries, beta2=beta2, eps=eps,
-                        grad_scale=grad_scale, found_inf=found_inf,
-                    )
+                tp_namo_normalize_(
+                    u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], sub_entries, beta2=beta2, eps=eps,
+                    grad_scale=grad_scale, found_inf=found_inf,
+                )
         for j, i in enumerate(members):
             entry = entries[i]
             if entry.qkv is not None:

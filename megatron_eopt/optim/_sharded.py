@@ -1,0 +1,386 @@
+"""DTensor (FSDP2, tensor parallel, HSDP) parameters: layouts, and orthogonalization of sharded matrices.
+
+The elementwise part of a step (momentum, decay, update, AdaMuon) runs on ``to_local()`` views
+through the fused ops; only Newton–Schulz and the NorMuon / NAMO statistics need the whole
+matrix. This module describes where each rank's shard sits in the full matrix (a *box*: offset
+and shape per dim, from the placements with DTensor's chunking rule, checked against the real
+local tensor) and orthogonalizes the sharded matrices in one of two modes:
+
+- ``owner`` (default): every full matrix gets one owner rank in the group of ranks that shard
+  it, balanced by Newton–Schulz FLOPs. Per chunk of matrices, one all-to-all moves the shards to
+  their owners, each owner runs one batched Newton–Schulz per shape, and one all-to-all returns
+  each rank its part of the result. Chunks are pipelined: the collectives are asynchronous, so
+  the shards of chunk i+1 travel while chunk i is orthogonalized. On CUDA the asynchronous NCCL
+  collectives run on NCCL's own stream (the side stream), and ``wait()`` only orders the current
+  stream after them, so the host never blocks; on CPU gloo runs them on its own threads.
+- ``gather``: the reference. Each matrix is all-gathered by DTensor (``full_tensor``), every
+  rank orthogonalizes it and keeps its part. Also the fallback for placements without a
+  rectangular box per rank (e.g. FSDP2's strided shards over tensor parallelism).
+
+Matrices whose matrix dims are not sharded (Replicate, or MoE experts sharded on dim 0 in
+``nd_mode="batch"``) need no communication: they join the ordinary batched stacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:  # torch.distributed.tensor is public from torch 2.4; guarded for builds without distributed
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    try:
+        from torch.distributed.tensor import Partial
+    except ImportError:  # pragma: no cover
+        from torch.distributed.tensor.placement_types import Partial
+except ImportError:  # pragma: no cover
+    DTensor = Replicate = Shard = Partial = distribute_tensor = None
+
+ND_MODES = ("error", "batch", "flatten")
+SHARDED_MODES = ("owner", "gather")
+# Matrices per rank and chunk in owner mode: two keeps every rank busy while the next chunk's
+# shards travel, and same-shape matrices of a chunk still batch into one Newton–Schulz call.
+ITEMS_PER_RANK = 2
+
+
+def is_dtensor(t: Any) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a view sharing its storage), or t itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+@dataclass(eq=False)
+class ShardLayout:
+    """Where a DTensor parameter lives; coordinates are those of its matrix view (see nd_mode)."""
+
+    mesh: Any
+    placements: tuple
+    view_shape: tuple[int, ...]  # global shape of the matrix view: (m, n) or (E, m, n)
+    kind: str  # "local" (no communication) | "owner" | "gather"
+    # tensor dim of the view -> mesh dims that shard it (statistics over that dim are all-reduced there)
+    shard_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    group: Any = None  # owner mode: the ranks that hold the parts of one matrix
+    group_rank: int = 0
+    group_size: int = 1
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # per group rank
+
+    @property
+    def mesh_dims_for_matrix(self) -> tuple[int, ...]:
+        """Mesh dims that shard the matrix dims (the last two of the view)."""
+        nd = len(self.view_shape)
+        return tuple(sorted({i for d in (nd - 2, nd - 1) for i in self.shard_dims.get(d, ())}))
+
+
+def matrix_view(shape: tuple[int, ...], nd_mode: str) -> tuple[int, ...]:
+    """The matrix view of a param shape: 2-D as is; more dims: (size(0), -1) for "flatten",
+    (prod(leading), m, n) for "batch"."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) <= 2:
+        return shape
+    if nd_mode == "flatten":
+        return (shape[0], math.prod(shape[1:]))
+    return (math.prod(shape[:-2]), shape[-2], shape[-1])
+
+
+def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of part `index` of `size` split as torch.chunk / DTensor's Shard do."""
+    full = -(-size // parts) if size else 0
+    start = min(index * full, size)
+    return start, max(0, min(full, size - start))
+
+
+def _is_shard(pl) -> bool:
+    # Shard, and FSDP2's _StridedShard over tensor parallelism (not a Shard subclass in every
+    # torch version); both split a tensor dim `pl.dim` over a mesh dim.
+    return isinstance(pl, Shard) or (type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"))
+
+
+def _box(shape, placements, coordinate, mesh_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    offset, length = [0] * len(shape), list(shape)
+    for i, pl in enumerate(placements):
+        if type(pl) is Shard:
+            d = pl.dim
+            start, n = _chunk(length[d], mesh_shape[i], coordinate[i])
+            offset[d] += start
+            length[d] = n
+    return tuple(offset), tuple(length)
+
+
+def _group_of(mesh, mesh_dims: tuple[int, ...]):
+    """The process group over the given mesh dims (other coordinates fixed), or None if none exists."""
+    if len(mesh_dims) == 1:
+        return mesh.get_group(mesh_dims[0])
+    if len(mesh_dims) == mesh.ndim and mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return None
+
+
+def _member_coordinates(mesh, group, cache: dict | None) -> list[tuple[int, ...]]:
+    """Mesh coordinates of the group's ranks in group-rank order. ``cache`` lives for one plan
+    build (a module-level cache would keep process groups alive past destroy_process_group)."""
+    key = (id(mesh), id(group))
+    hit = None if cache is None else cache.get(key)
+    if hit is None:
+        where = {int(r): i for i, r in enumerate(mesh.mesh.flatten().tolist())}
+        shape = tuple(mesh.mesh.shape)
+        hit = []
+        for r in dist.get_process_group_ranks(group):
+            flat, coordinate = where[r], []
+            for size in reversed(shape):
+                coordinate.append(flat % size)
+                flat //= size
+            hit.append(tuple(reversed(coordinate)))
+        if cache is not None:
+            cache[key] = hit
+    return hit
+
+
+def describe(
+    p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None
+) -> ShardLayout:
+    """The layout of DTensor parameter p; ValueError naming `where` when it cannot be optimized."""
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    shape = tuple(p.shape)
+    nd = len(shape)
+    shard_dims: dict[int, list[int]] = {}
+    exact = True
+    for i, pl in enumerate(placements):
+        if isinstance(pl, Partial):
+            raise ValueError(
+                f"{where} has a Partial placement on mesh dim {i} ({pl}): a pending reduction cannot be optimized; "
+                "redistribute it to Shard or Replicate first"
+            )
+        if _is_shard(pl):
+            exact = exact and type(pl) is Shard and pl.dim >= 0
+            if mesh.size(i) > 1:  # sharded over one rank: the whole dim is local, as if replicated
+                shard_dims.setdefault(pl.dim % nd, []).append(i)
+        elif not isinstance(pl, Replicate):
+            raise ValueError(f"{where} has an unsupported placement {pl} on mesh dim {i}")
+    view = matrix_view(shape, nd_mode)
+    if nd > 2 and nd_mode == "flatten":
+        if any(d != 0 for d in shard_dims):
+            raise ValueError(
+                f"{where}: nd_mode='flatten' views the param as (size(0), -1), so it may be sharded on dim 0 only; "
+                f"got placements {list(placements)}"
+            )
+    elif nd > 2:  # batch
+        if nd != 3 and any(d != 0 for d in shard_dims):
+            raise ValueError(
+                f"{where}: nd_mode='batch' on a sharded {nd}-D param needs it 3-D (E, m, n) or sharded on dim 0 only; "
+                f"got shape {shape} and placements {list(placements)}"
+            )
+    layout = ShardLayout(mesh, placements, view, "local", {d: tuple(v) for d, v in shard_dims.items()})
+    matrix_dims = layout.mesh_dims_for_matrix
+    if not matrix_dims:
+        return layout  # replicated, or experts sharded on the batch dim: each rank holds whole matrices
+    group = _group_of(mesh, matrix_dims) if (sharded_mode == "owner" and exact) else None
+    if group is None:
+        layout.kind = "gather"
+        return layout
+    layout.kind, layout.group = "owner", group
+    layout.group_rank, layout.group_size = dist.get_rank(group), dist.get_world_size(group)
+    mesh_shape = tuple(mesh.mesh.shape)
+    for coordinate in _member_coordinates(mesh, group, cache):
+        layout.boxes.append(_box(view, placements, coordinate, mesh_shape))
+    mine = layout.boxes[layout.group_rank][1]
+    if tuple(mine) != matrix_view(tuple(p.to_local().shape), nd_mode):
+        # Every rank must take the same path (a fallback decided on one rank would deadlock), so a
+        # shard that is not where DTensor's chunking rule puts it is an error, not a silent switch.
+        raise ValueError(
+            f"{where}: its local shard has shape {tuple(p.to_local().shape)} but placements {list(placements)} of "
+            f"shape {shape} give {tuple(mine)} on this rank; pass sharded_mode='gather' for such a layout"
+        )
+    return layout
+
+
+def state_placements(layout: ShardLayout, param_shape, state_shape) -> list:
+    """Placements of a state tensor: the param's, Replicate along dims the state reduced to size 1."""
+    out = []
+    for pl in layout.placements:
+        if _is_shard(pl):
+            d = pl.dim % len(param_shape)
+            keep = d < len(state_shape) and state_shape[d] == param_shape[d]
+            out.append(pl if keep else Replicate())
+        else:
+            out.append(pl)
+    return out
+
+
+def zeros_state(p: torch.Tensor, layout: ShardLayout, shape, dtype) -> torch.Tensor:
+    """A zero state DTensor of `shape` on p's mesh (placements from state_placements)."""
+    placements = state_placements(layout, tuple(p.shape), tuple(shape))
+    full = torch.zeros(shape, dtype=dtype, device=p.to_local().device)  # small: reduced statistics only
+    return distribute_tensor(full, layout.mesh, placements, src_data_rank=None)
+
+
+def _ns_flops(shape) -> float:
+    *lead, m, n = shape
+    s, l = min(m, n), max(m, n)
+    return math.prod(lead) * s * s * (4 * l + 2 * s)
+
+
+def _slices(box):
+    offset, shape = box
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+class ShardedOrthogonalizer:
+    """Orthogonalizes the sharded matrices of one step (owner or gather mode, see module docstring)."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.bytes_sent = 0  # owner mode: bytes this rank put into all-to-alls (benchmarks read it)
+
+    def _ns(self, full: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors."""
+        out: list[torch.Tensor | None] = [None] * len(full)
+        by_shape: dict[tuple[int, int], list[int]] = {}
+        for k, t in enumerate(full):
+            by_shape.setdefault(tuple(t.shape[-2:]), []).append(k)
+        for ks in by_shape.values():
+            batch = torch.cat([full[k].reshape(-1, *full[k].shape[-2:]) for k in ks])
+            res = self.config.newton_schulz(batch)
+            start = 0
+            for k in ks:
+                count = full[k].numel() // (full[k].shape[-2] * full[k].shape[-1])
+                out[k] = res[start : start + count].view(full[k].shape)
+                start += count
+        return out
+
+    def run(self, layouts: list[ShardLayout], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """inputs: local fp32 NS inputs in view coordinates -> local fp32 raw NS outputs."""
+        outputs: list[torch.Tensor | None] = [None] * len(inputs)
+        groups: dict[int, list[int]] = {}
+        for k, lay in enumerate(layouts):
+            if lay.kind == "owner":
+                groups.setdefault(id(lay.group), []).append(k)
+            else:
+                outputs[k] = self._gather_one(lay, inputs[k])
+        for ks in groups.values():
+            self._owner(ks, layouts, inputs, outputs)
+        return outputs
+
+    def _gather_one(self, lay: ShardLayout, x: torch.Tensor) -> torch.Tensor:
+        shape = lay.view_shape
+        stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
+        full = DTensor.from_local(x, lay.mesh, lay.placements, run_check=False, shape=torch.Size(shape),
+                                  stride=stride).full_tensor()
+        out = self._ns([full])[0]
+        return distribute_tensor(out, lay.mesh, lay.placements, src_data_rank=None).to_local()
+
+    def _owner(self, ks: list[int], layouts, inputs, outputs) -> None:
+        lay0 = layouts[ks[0]]
+        group, size, me = lay0.group, lay0.group_size, lay0.group_rank
+        # Same-shape matrices next to each other, so that an owner's matrices of a chunk batch.
+        ks = sorted(ks, key=lambda k: (layouts[k].view_shape[-2:], k))
+        per_chunk = ITEMS_PER_RANK * size
+        chunks = [ks[i : i + per_chunk] for i in range(0, len(ks), per_chunk)]
+        load = [0.0] * size
+        owners: dict[int, int] = {}
+        for chunk in chunks:  # longest processing time first, ties to the lowest rank: same on every rank
+            for k in sorted(chunk, key=lambda k: (-_ns_flops(layouts[k].view_shape), k)):
+                r = min(range(size), key=lambda r: (load[r], r))
+                owners[k] = r
+                load[r] += _ns_flops(layouts[k].view_shape)
+
+        def send(chunk):
+            mine = [[k for k in chunk if owners[k] == d] for d in range(size)]
+            parts = [inputs[k].reshape(-1) for d in range(size) for k in mine[d]]
+            buf = torch.cat(parts) if parts else inputs[chunk[0]].new_empty(0)
+            in_splits = [sum(inputs[k].numel() for k in mine[d]) for d in range(size)]
+            owned = mine[me]
+            out_splits = [sum(math.prod(layouts[k].boxes[s][1]) for k in owned) for s in range(size)]
+            recv = buf.new_empty(sum(out_splits))
+            self.bytes_sent += (buf.numel() - in_splits[me]) * buf.element_size()
+            work = dist.all_to_all_single(recv, buf, out_splits, in_splits, group=group, async_op=True)
+            return work, recv, out_splits, owned, mine
+
+        pending_back = []
+        nxt = send(chunks[0]) if chunks else None
+        for ci in range(len(chunks)):
+            work, recv, out_splits, owned, mine = nxt
+            nxt = send(chunks[ci + 1]) if ci + 1 < len(chunks) else None  # overlaps this chunk's NS
+            work.wait()
+            full = [inputs[k].new_empty(layouts[k].view_shape) for k in owned]
+            pieces = iter(recv.split([math.prod(layouts[k].boxes[s][1]) for s in range(size) for k in owned]))
+            for s in range(size):
+                for j, k in enumerate(owned):
+                    box = layouts[k].boxes[s]
+                    full[j][_slices(box)] = next(pieces).view(box[1])
+            results = self._ns(full)
+            back = [results[j][_slices(layouts[k].boxes[s])].reshape(-1) for s in range(size)
+                    for j, k in enumerate(owned)]
+            send_buf = torch.cat(back) if back else recv.new_empty(0)
+            back_splits = [sum(math.prod(layouts[k].boxes[s][1]) for k in owned) for s in range(size)]
+            recv_splits = [sum(inputs[k].numel() for k in mine[d]) for d in range(size)]
+            got = send_buf.new_empty(sum(recv_splits))
+            self.bytes_sent += (send_buf.numel() - back_splits[me]) * send_buf.element_size()
+            w = dist.all_to_all_single(got, send_buf, recv_splits, back_splits, group=group, async_op=True)
+            pending_back.append((w, got, mine))
+        for w, got, mine in pending_back:
+            w.wait()
+            pieces = iter(got.split([inputs[k].numel() for d in range(size) for k in mine[d]]))
+            for d in range(size):
+                for k in mine[d]:
+                    outputs[k] = next(pieces).view(inputs[k].shape)
+
+
+def _reduce_dims(tensors, layouts, view_dims) -> None:
+    """Sums tensors[k] in place over the mesh dims that shard view dims view_dims[k] of layouts[k]
+    (one all-reduce per mesh group; replicated mesh dims hold equal values and are left alone)."""
+    by_group: dict[int, tuple[Any, list[int]]] = {}
+    for k, (lay, vd) in enumerate(zip(layouts, view_dims)):
+        for i in sorted({i for d in vd for i in lay.shard_dims.get(d, ())}):
+            g = lay.mesh.get_group(i)
+            by_group.setdefault(id(g), (g, []))[1].append(k)
+    for g, ks in by_group.values():
+        flat = torch.cat([tensors[k].reshape(-1) for k in ks])
+        dist.all_reduce(flat, group=g)
+        for k, chunk in zip(ks, flat.split([tensors[k].numel() for k in ks])):
+            tensors[k].copy_(chunk.view_as(tensors[k]))
+
+
+def _matrix_dims(lay: ShardLayout) -> tuple[int, int]:
+    nd = len(lay.view_shape)
+    return (nd - 2, nd - 1)
+
+
+def sharded_normuon_(updates, moment2, layouts, normuon_dims, *, beta2, eps, found_inf=None) -> None:
+    """NorMuon (DESIGN §4.4) on local (E, m, n) views of sharded matrices, statistics of the full ones.
+
+    moment2[k] is the (E, m, 1) or (E, 1, n) local view; normuon_dims[k] is -1 or -2.
+    """
+    sums = [u.square().sum(dim=nd, keepdim=True) for u, nd in zip(updates, normuon_dims)]
+    _reduce_dims(sums, layouts, [(len(l.view_shape) + nd,) for l, nd in zip(layouts, normuon_dims)])
+    eps32 = eps.to(torch.float32)
+    norms, steps = [], []
+    for u, v, s, lay, nd in zip(updates, moment2, sums, layouts, normuon_dims):
+        mean = s / lay.view_shape[nd]
+        new_v = torch.lerp(v.float(), mean, (1 - beta2).to(mean.dtype))
+        v.copy_(new_v if found_inf is None else torch.where(found_inf != 0, v, new_v))
+        step = u * new_v.clamp_min(eps32).rsqrt()
+        norms.append(torch.stack([u.square().sum(dim=(-2, -1)), step.square().sum(dim=(-2, -1))]))
+        steps.append(step)
+    _reduce_dims(norms, layouts, [_matrix_dims(l) for l in layouts])
+    for u, step, n in zip(updates, steps, norms):
+        u.copy_(step * (n[0].sqrt() / n[1].sqrt().clamp_min(eps32))[:, None, None])
+
+
+def sharded_namo_(updates, moment2, grads, ns_inputs, layouts, *, beta2, eps, grad_scale=None, found_inf=None) -> None:
+    """NAMO (DESIGN §4.4) on local (E, m, n) views of sharded matrices; moment2[k] is the (E,) view."""
+    sums = [torch.stack([g.float().square().sum(dim=(-2, -1)), x.square().sum(dim=(-2, -1))])
+            for g, x in zip(grads, ns_inputs)]
+    _reduce_dims(sums, layouts, [_matrix_dims(l) for l in layouts])
+    eps32 = eps.to(torch.float32)
+    for u, v, s in zip(updates, moment2, sums):
+        grad_sq = s[0] if grad_scale is None else s[0] / grad_scale.float().square()
+        new_v = torch.lerp(v.float(), grad_sq, (1 - beta2).to(grad_sq.dtype))
+        v.copy_(new_v if found_inf is None else torch.where(found_inf != 0, v, new_v))
+        u.mul_((s[1].sqrt() / (new_v.sqrt() + eps32))[:, None, None])

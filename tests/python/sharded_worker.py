@@ -1,0 +1,381 @@
+"""One rank of the DTensor / FSDP2 optimizer tests (spawned by test_optim_sharded.py, gloo on CPU).
+
+Every rank builds the same full parameters and gradients (one seed), distributes them with the
+placements under test, steps the optimizer on the DTensors and compares with the unsharded
+optimizer stepping the full tensors on this rank. Meshes: the world (4 ranks), a 2 x 2 mesh
+(FSDP x TP, HSDP), its rows (2 ranks) and a 4 x 1 mesh whose second dim is a 1-rank mesh.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
+from reference import rel_err  # noqa: E402
+
+TOL = 1e-6  # fp32, precision "highest": the sharded step must equal the unsharded one
+STEPS = 2
+OPTIMIZERS = [
+    (Muon, {}),
+    (AdaptiveMuon, dict(moment2_method="adamuon")),
+    (AdaptiveMuon, dict(moment2_method="normuon")),
+    (AdaptiveMuon, dict(moment2_method="namo")),
+]
+
+
+def _kwargs(extra, **more):
+    return dict(lr=0.02, momentum=0.9, weight_decay=0.1, fp32_matmul_prec="highest", nesterov=True, **extra,
+                **more)
+
+
+def _dist(t, mesh, placements):
+    return distribute_tensor(t, mesh, placements, src_data_rank=None)  # every rank holds the same full tensor
+
+
+def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner", expect=None, label=""):
+    """layout: [(shape, placements)]. Steps sharded and unsharded; compares params and state."""
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, _ in layout]
+    grads = [[torch.randn(shape, generator=gen) for shape, _ in layout] for _ in range(STEPS)]
+    params = [torch.nn.Parameter(_dist(t, mesh, pl)) for t, (_, pl) in zip(full, layout)]
+    ref = [torch.nn.Parameter(t.clone()) for t in full]
+    kwargs = _kwargs(extra, nd_mode=nd_mode)
+    opt = cls(params, sharded_mode=sharded_mode, **kwargs)
+    ref_opt = cls(ref, **kwargs)
+    calls = _count_collectives() if expect is not None else None
+    try:
+        for step_grads in grads:
+            for p, r, g, (_, pl) in zip(params, ref, step_grads, layout):
+                p.grad = _dist(g, mesh, pl)
+                r.grad = g.clone()
+            opt.step()
+            ref_opt.step()
+    finally:
+        if calls is not None:
+            got = _restore_collectives(calls)
+    if expect is not None:
+        assert got == expect, f"{label}: collectives {got}, expected {expect}"
+    where = f"{label} {cls.__name__} {extra} {sharded_mode}"
+    for i, (p, r, t, (shape, pl)) in enumerate(zip(params, ref, full, layout)):
+        assert isinstance(p, DTensor) and p.placements == tuple(pl), f"{where} param {i} lost its placements"
+        err = rel_err(p.full_tensor() - t, r.detach() - t)
+        assert err <= TOL, f"{where} param {i} {shape} {pl}: rel err {err:.2e}"
+        for key, value in ref_opt.state[r].items():
+            got = opt.state[p][key]
+            assert isinstance(got, DTensor) and got.device_mesh == mesh, f"{where} state {key} is not a DTensor"
+            got = got.full_tensor()
+            assert got.shape == value.shape, f"{where} param {i} {key}: {tuple(got.shape)} vs {tuple(value.shape)}"
+            assert rel_err(got, value) <= TOL, f"{where} param {i} state {key}"
+    return opt
+
+
+_COUNTED = ("all_to_all_single", "all_gather_into_tensor", "all_reduce", "all_gather")
+
+
+def _count_collectives():
+    calls = {name: 0 for name in _COUNTED}
+    originals = {name: getattr(dist, name) for name in _COUNTED}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in _COUNTED:
+        setattr(dist, name, counting(name))
+    return calls, originals
+
+
+def _restore_collectives(state):
+    calls, originals = state
+    for name, fn in originals.items():
+        setattr(dist, name, fn)
+    return {k: v for k, v in calls.items() if v}
+
+
+def check_placements(world, grid, pair, single, seed):
+    shapes = [(37, 24), (24, 37), (3, 8), (37, 24)]  # uneven rows, wide, fewer rows than ranks, a repeat
+    for sharded_mode in ("owner", "gather"):
+        # The statistics' reductions do not depend on the mode: gather runs Muon and NorMuon only.
+        optimizers = OPTIMIZERS if sharded_mode == "owner" else OPTIMIZERS[::2]
+        for cls, extra in optimizers:
+            for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+                check(world, [(s, placements) for s in shapes], cls, extra, seed, sharded_mode=sharded_mode,
+                      label=f"world {placements}")
+            # 2-D meshes: FSDP x TP (rows and columns, rows twice), HSDP (replicate x shard)
+            for placements in ([Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(0)],
+                               [Shard(1), Replicate()]):
+                check(grid, [(s, placements) for s in shapes], cls, extra, seed, sharded_mode=sharded_mode,
+                      label=f"2x2 {placements}")
+        try:  # FSDP2 over tensor parallelism shards dim 0 twice with a strided dp shard: gather path
+            from torch.distributed.tensor.placement_types import _StridedShard
+        except ImportError:
+            _StridedShard = None
+        if _StridedShard is not None:
+            for cls, extra in optimizers:
+                check(grid, [(s, [_StridedShard(0, split_factor=2), Shard(0)]) for s in shapes[:2]], cls, extra,
+                      seed, sharded_mode=sharded_mode, label="FSDP x TP strided")
+        for placements in ([Shard(0)], [Shard(1)]):
+            check(pair, [(s, placements) for s in shapes], Muon, {}, seed, sharded_mode=sharded_mode,
+                  label=f"2 ranks {placements}")
+            check(single, [(s, placements) for s in shapes], Muon, {}, seed, sharded_mode=sharded_mode,
+                  label=f"1 rank {placements}")
+    # Owner mode: per chunk of 2 x 4 matrices one all-to-all there and one back, nothing else (Muon).
+    shapes = [(37, 24)] * 9 + [(16, 16)]
+    check(world, [(s, [Shard(0)]) for s in shapes], Muon, {}, seed, expect={"all_to_all_single": 2 * 2 * STEPS},
+          label="owner collectives")
+
+
+def check_each_matrix_once(world, seed):
+    """Owner mode orthogonalizes every matrix on exactly one rank, work balanced across ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(37, 24)] * 6 + [(16, 48)] * 2
+    params = [torch.nn.Parameter(_dist(torch.randn(s, generator=gen), world, [Shard(0)])) for s in shapes]
+    opt = Muon(params, lr=0.02)
+    counted = []
+    original = opt._sharded._ns
+
+    def ns(full):
+        counted.extend(tuple(t.shape) for t in full)
+        return original(full)
+
+    opt._sharded._ns = ns
+    for p, s in zip(params, shapes):
+        p.grad = _dist(torch.randn(s, generator=gen), world, [Shard(0)])
+    opt.step()
+    mine = torch.tensor([len(counted)])
+    dist.all_reduce(mine)
+    assert int(mine) == len(shapes), f"{int(mine)} Newton–Schulz runs for {len(shapes)} matrices"
+    assert 1 <= len(counted) <= 3, f"unbalanced owners: this rank ran {counted}"
+
+
+def check_moe(world, grid, seed):
+    expert = (8, 12, 20)  # 8 experts of 12 x 20 on 4 ranks
+    uneven = (6, 20, 12)  # 6 experts on 4 ranks: 2, 2, 2, 0
+    for cls, extra in OPTIMIZERS:
+        # Expert parallel: every rank orthogonalizes the experts it holds, no communication
+        # (NAMO / NorMuon statistics are per expert, so nothing is reduced either).
+        check(world, [(expert, [Shard(0)]), (uneven, [Shard(0)])], cls, extra, seed, nd_mode="batch",
+              expect={}, label="experts dim 0")
+        # Experts sharded inside the matrices go through the owner path.
+        check(world, [(expert, [Shard(1)]), (uneven, [Shard(2)])], cls, extra, seed, nd_mode="batch",
+              label="experts dim 1/2")
+        check(grid, [(expert, [Shard(0), Shard(1)])], cls, extra, seed, nd_mode="batch", label="EP x TP")
+        check(world, [((8, 3, 2, 2), [Shard(0)])], cls, extra, seed, nd_mode="flatten", label="conv flatten")
+
+
+def check_bad_input(world, pair, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.nn.Parameter(_dist(torch.randn(8, 8, generator=gen), world, [Shard(0)]))
+    b = torch.nn.Parameter(_dist(torch.randn(8, 8, generator=gen), pair, [Shard(0)]))
+    before = a.full_tensor().clone()
+    cases = [
+        (lambda: Muon([a, b]), "mesh"),
+        (lambda: Muon([torch.nn.Parameter(DTensor.from_local(torch.randn(8, 8), world, [Partial()]))]), "Partial"),
+        (lambda: Muon([torch.nn.Parameter(_dist(torch.randn(4, 8, 8, generator=gen), world, [Shard(0)]))]),
+         "nd_mode"),
+        (lambda: Muon([a], sharded_mode="scatter"), "sharded_mode"),
+        (lambda: Muon([a], nd_mode="stack"), "nd_mode"),
+    ]
+    for make, needle in cases:
+        try:
+            make()
+        except ValueError as e:
+            assert needle in str(e), f"error does not name {needle}: {e}"
+        else:
+            raise AssertionError(f"no error for a bad input ({needle})")
+    opt = Muon([a], lr=0.1)
+    try:
+        opt.add_param_group({"params": [torch.nn.Parameter(_dist(torch.randn(2, 4, 4), world, [Shard(0)]))]})
+    except ValueError as e:
+        assert "nd_mode" in str(e)
+    else:
+        raise AssertionError("3-D DTensor accepted without nd_mode")
+    assert len(opt.param_groups) == 1 and not opt.state
+    assert torch.equal(a.full_tensor(), before)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        # 37 rows: uneven (padded) FSDP2 shards on 2 and 4 ranks
+        self.a = torch.nn.Linear(24, 37, bias=False)
+        self.b = torch.nn.Linear(37, 37, bias=False)
+        self.c = torch.nn.Linear(37, 24, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _fsdp(mesh, seed, reshard_after_forward=True):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Net(torch.Generator().manual_seed(seed))
+    for layer in (model.a, model.b, model.c):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def check_fsdp(mesh, seed, reshard_after_forward, cls, extra):
+    """A real FSDP2 model (forward, backward, reduce-scattered grads); each step compared with the
+    unsharded optimizer stepping the full tensors with the same grads."""
+    model = _fsdp(mesh, seed, reshard_after_forward)
+    params = list(model.parameters())
+    kwargs = _kwargs(extra)
+    opt = cls(model.parameters(), **kwargs)
+    ref = [torch.nn.Parameter(p.full_tensor()) for p in params]
+    ref_opt = cls(ref, **kwargs)
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    for step in range(STEPS):
+        loss = model(torch.randn(5, 24, generator=gen)).square().mean()
+        loss.backward()
+        for p, r in zip(params, ref):
+            r.grad = p.grad.full_tensor()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        for i, (p, r) in enumerate(zip(params, ref)):
+            err = rel_err(p.full_tensor(), r.detach())
+            assert err <= TOL, f"FSDP2 {cls.__name__} {extra} reshard={reshard_after_forward} param {i}: {err:.2e}"
+            r.data.copy_(p.full_tensor())  # next step starts from the same point
+
+
+def _dcp_run(model, opt, grads_for, steps):
+    for step in steps:
+        for name, p in model.named_parameters():
+            p.grad = _dist(grads_for(name, step), p.device_mesh, p.placements)
+        opt.step()
+
+
+def check_dcp(world, pair, seed, path, cls, extra):
+    """Saved with DCP on 2 ranks after 2 steps, loaded on 4, 2 more steps == 4 unsharded steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    shapes = {n: tuple(p.shape) for n, p in _Net(torch.Generator()).named_parameters()}
+
+    def grads_for(name, step):
+        g = torch.Generator().manual_seed(seed + 7919 * step + sorted(shapes).index(name))
+        return torch.randn(shapes[name], generator=g)
+
+    kwargs = _kwargs(extra)
+    if dist.get_rank() < 2:  # ranks 0, 1: the 2-rank run that writes the checkpoint
+        model = _fsdp(pair, seed)
+        opt = cls(model.parameters(), **kwargs)
+        _dcp_run(model, opt, grads_for, range(2))
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        dcp.save(state, checkpoint_id=path, process_group=pair.get_group())
+    dist.barrier()
+    model = _fsdp(world, seed + 1)  # other initial values: everything must come from the checkpoint
+    opt = cls(model.parameters(), **kwargs)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    _dcp_run(model, opt, grads_for, range(2, 4))
+
+    ref_model = _Net(torch.Generator().manual_seed(seed))
+    ref_opt = cls(ref_model.parameters(), **kwargs)
+    for step in range(4):
+        for name, p in ref_model.named_parameters():
+            p.grad = grads_for(name, step)
+        ref_opt.step()
+    ref_params = dict(ref_model.named_parameters())
+    for name, p in model.named_parameters():
+        r = ref_params[name]
+        assert rel_err(p.full_tensor(), r.detach()) <= TOL, f"DCP 2 -> 4 ranks {cls.__name__} {extra}: {name}"
+        for key, value in ref_opt.state[r].items():
+            got = opt.state[p][key]
+            assert isinstance(got, DTensor), f"DCP: state {key} of {name} is not a DTensor after loading"
+            assert rel_err(got.full_tensor(), value) <= TOL, f"DCP {cls.__name__} {extra}: {name} state {key}"
+
+
+def check_legacy_dist_muon(mesh, seed):
+    """megatron_eopt.muon.DistMuon on FSDP2-layout DTensors equals the legacy Muon on the full tensors."""
+    import warnings
+
+    from megatron_eopt.muon import DistMuon
+    from megatron_eopt.muon import Muon as LegacyMuon
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(37, 24), (24, 37), (37, 24), (8, 3, 2, 2)]
+    full = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+    params = [torch.nn.Parameter(_dist(t, mesh, [Shard(0)])) for t in full]
+    ref = [torch.nn.Parameter(t.clone()) for t in full]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = DistMuon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
+        ref_opt = LegacyMuon(ref, lr=0.05, momentum=0.9, weight_decay=0.1)
+    for step in range(STEPS):
+        for p, r, s in zip(params, ref, shapes):
+            g = torch.randn(s, generator=gen)
+            p.grad, r.grad = _dist(g, mesh, [Shard(0)]), g
+        opt.step()
+        ref_opt.step()
+    for i, (p, r, t) in enumerate(zip(params, ref, full)):
+        # bf16 Newton–Schulz (the legacy numbers): equal up to bf16 rounding of the batch composition
+        err = rel_err(p.full_tensor() - t, r.detach() - t)
+        assert err <= 2e-2, f"DistMuon on DTensors, param {i} {shapes[i]}: rel err {err:.2e}"
+        assert isinstance(opt.state[p]["momentum_buffer"], DTensor)
+
+
+def worker(rank, world_size, init_file, seed):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        torch.set_float32_matmul_precision("highest")
+        world = init_device_mesh("cpu", (world_size,))
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        pair = grid["tp"]
+        single = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("a", "b"))["b"]
+        check_placements(world, grid, pair, single, seed)
+        check_each_matrix_once(world, seed)
+        check_moe(world, grid, seed)
+        check_bad_input(world, pair, seed)
+        check_legacy_dist_muon(world, seed)
+        for mesh in (world, pair):
+            for reshard in (True, False):
+                check_fsdp(mesh, seed, reshard, Muon, {})
+        check_fsdp(world, seed, True, AdaptiveMuon, dict(moment2_method="normuon"))
+        check_fsdp(pair, seed, False, AdaptiveMuon, dict(moment2_method="namo"))
+        ckpt = os.path.join(os.path.dirname(init_file), "ckpt")
+        for k, (cls, extra) in enumerate((OPTIMIZERS[0], OPTIMIZERS[2])):
+            check_dcp(world, pair, seed, f"{ckpt}{k}", cls, extra)
+    finally:
+        dist.destroy_process_group()
+
+
+def small_worker(rank, world_size, init_file, seed):
+    """A world of 1 or 2 processes: FSDP2 on the whole world, Shard(0) / Shard(1) matrices and experts."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        torch.set_float32_matmul_precision("highest")
+        world = init_device_mesh("cpu", (world_size,))
+        for reshard in (True, False):
+            check_fsdp(world, seed, reshard, Muon, {})
+        for cls, extra in (OPTIMIZERS[0], OPTIMIZERS[2]):
+            for placements in ([Shard(0)], [Shard(1)]):
+                check(world, [((37, 24), placements), ((24, 37), placements), ((4, 9, 6), placements)], cls, extra,
+                      seed, nd_mode="batch", label=f"world of {world_size} {placements}")
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,24 @@
+"""DTensor parameters (FSDP2 Shard(0) with uneven shards, Shard(1), Replicate, 2-D meshes, MoE experts)
+step exactly like the unsharded optimizer, in owner and gather mode (DESIGN §9); gloo on CPU."""
+
+import os
+
+import pytest
+import torch.multiprocessing as mp
+
+import sharded_worker
+
+
+@pytest.mark.distributed
+def test_dtensor_params_match_unsharded_on_1_2_and_4_ranks(tmp_path, gen):
+    # One spawn of 4 ranks covers meshes of 4, 2 x 2, 2 and 1 ranks.
+    seed = gen.initial_seed() % (2**31)
+    mp.spawn(sharded_worker.worker, args=(4, os.path.join(tmp_path, "rendezvous"), seed), nprocs=4, join=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_fsdp2_and_dtensor_params_on_a_world_of_1_and_2_processes(tmp_path, gen, world_size):
+    seed = gen.initial_seed() % (2**31)
+    mp.spawn(sharded_worker.small_worker, args=(world_size, os.path.join(tmp_path, "rendezvous"), seed),
+             nprocs=world_size, join=True)
