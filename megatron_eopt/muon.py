@@ -26,8 +26,18 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from . import _legacy_hybrid
+
 # TensorParallelMuon is served by __getattr__ (it warns when used, not on `import *`).
-__all__ = ["DistMuon", "Muon", "get_megatron_muon_optimizer", "zeropower_via_newtonschulz5"]
+__all__ = [
+    "DistMuon",
+    "Muon",
+    "MuonWithAuxAdam",
+    "SingleDeviceMuonWithAuxAdam",
+    "get_default_muon_param_groups",
+    "get_megatron_muon_optimizer",
+    "zeropower_via_newtonschulz5",
+]
 
 _REPLACEMENTS = {
     "zeropower_via_newtonschulz5": 'megatron_eopt.newton_schulz(G.float(), steps, coefficient_type="simple")',
@@ -44,6 +54,10 @@ _REPLACEMENTS = {
         '(OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=...))'
     ),
     "TensorParallelMuon": "megatron_eopt.optim.TensorParallelMuon",
+    "MotifMuon": "megatron_eopt.optim.HybridMuon (groups flagged use_muon, clip_config, cpu_offload)",
+    "MuonWithAuxAdam": "megatron_eopt.optim.HybridMuon (groups flagged use_muon)",
+    "SingleDeviceMuonWithAuxAdam": "megatron_eopt.optim.HybridMuon (groups flagged use_muon)",
+    "get_default_muon_param_groups": "param groups flagged use_muon for megatron_eopt.optim.HybridMuon",
 }
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
@@ -125,6 +139,20 @@ class Muon(torch.optim.Optimizer):
 
     _legacy_name = "Muon"
 
+    def __new__(cls, params: Iterable[Any] = (), *args: Any, **kwargs: Any):
+        # Motif's constructor (groups flagged use_muon, AdamW / QK-clip keywords): the hybrid class.
+        if cls is Muon:
+            params = list(params)
+            if _legacy_hybrid.is_motif_call(params, kwargs):
+                _warn_once("MotifMuon")
+                obj = _legacy_hybrid.MotifMuon.__new__(_legacy_hybrid.MotifMuon)
+                obj.__init__(params, *args, **kwargs)
+                return obj
+            obj = super().__new__(cls)
+            obj._new_params = params  # a generator was consumed above: __init__ takes this list
+            return obj
+        return super().__new__(cls)
+
     def __init__(
         self,
         params: Iterable[Any],
@@ -139,6 +167,7 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         if self._legacy_name == "Muon":  # DistMuon warns under its own name
             _warn_once("Muon")
+        params = self.__dict__.pop("_new_params", params)
         ns_steps = _resolve_steps(ns_steps, backend, backend_steps)
         defaults = dict(lr=lr, momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps, weight_decay=weight_decay)
         self._inner = None
@@ -430,6 +459,26 @@ def get_megatron_muon_optimizer(
         pg_collection=pg_collection,
         **kwargs,
     )
+
+
+class MuonWithAuxAdam(_legacy_hybrid.MuonWithAuxAdam):
+    __doc__ = _legacy_hybrid.MuonWithAuxAdam.__doc__
+
+    def __init__(self, param_groups: Iterable[Any]) -> None:
+        _warn_once(type(self).__name__)
+        super().__init__(param_groups)
+
+
+class SingleDeviceMuonWithAuxAdam(MuonWithAuxAdam):
+    """The single-device variant of :class:`MuonWithAuxAdam` (the same numbers)."""
+
+
+def get_default_muon_param_groups(model: torch.nn.Module, is_muon_func: Callable[[str, Any], bool] | None = None):
+    """Motif's default split: 2-D hidden matrices to Muon; embeddings, the output head, norms, biases
+    and scalars to AdamW (``is_muon_func(name, param)`` decides instead when given). Every group
+    gets ``names``."""
+    _warn_once("get_default_muon_param_groups")
+    return _legacy_hybrid.default_muon_param_groups(model, is_muon_func)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,209 @@
+"""HybridMuon: one optimizer for a whole model, Muon for the groups flagged ``use_muon=True`` and
+AdamW for the rest (Motif's parallel Muon, Moonlight / Kimi K2's MuonClip, Keller Jordan's
+``MuonWithAuxAdam``), with QK-clip and CPU offload of the optimizer state.
+
+The Muon groups run through the fused :class:`Muon` / :class:`AdaptiveMuon` path (every option of
+those classes, ``nd_mode`` and DTensor params included); the AdamW groups through torch's own
+AdamW (its fused kernel on CUDA, foreach otherwise) with per-group ``lr``, ``betas``, ``eps`` and
+``weight_decay``. Both inner optimizers hold the very group dicts of ``param_groups`` and share one
+``state``, so schedulers, ``state_dict()`` and ``load_state_dict()`` see a single optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch.optim.adam import adam as adam_functional
+
+from ._offload import StateOffload
+from .adaptive_muon import AdaptiveMuon
+from .muon import Muon
+from .qk_clip import ClipConfig, ClipTarget, apply_qk_clip, parse_target
+
+# Keys that belong to the AdamW side of a group; the Muon side ignores them.
+ADAMW_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
+
+
+class HybridMuon(torch.optim.Optimizer):
+    """Muon for ``use_muon=True`` groups, AdamW for ``use_muon=False`` groups, in one optimizer.
+
+    Arguments: ``params`` as param-group dicts, each with a ``use_muon`` flag and optionally
+    ``names`` (the parameters' names, needed for QK-clip and for ``expert_keys``); ``lr``,
+    ``momentum``, ``weight_decay`` and every :class:`Muon` keyword (``nesterov``,
+    ``fp32_matmul_prec``, ``coefficient_type``, ``num_ns_steps``, ``scale_mode``,
+    ``extra_scale_factor``, ``weight_decay_method``, ``nd_mode``, ...; with ``moment2_method`` the
+    Muon side is :class:`AdaptiveMuon`, with ``beta2`` and ``eps``) are the Muon groups' defaults;
+    ``adamw_lr`` (default: ``lr``), ``adamw_betas``, ``adamw_eps`` and ``adamw_weight_decay`` the
+    AdamW groups' defaults. ``clip_config`` (Motif's dict: ``threshold``, ``head_dim``,
+    optionally ``q_indices`` / ``k_indices``) turns on QK-clip: ``step(qk_logits={layer: (heads,)
+    max logits})``. ``cpu_offload=True`` keeps the state in (pinned) host memory between steps.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Mapping[str, Any]],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        weight_decay: float = 0.0,
+        *,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float | None = None,
+        moment2_method: str | None = None,
+        clip_config: Mapping[str, Any] | None = None,
+        cpu_offload: bool = False,
+        **muon_kwargs: Any,
+    ) -> None:
+        groups = self._check_groups(params)
+        self.clip_config = ClipConfig.from_dict(clip_config) if clip_config is not None else None
+        muon_groups = [g for g in groups if g["use_muon"]]
+        adamw_groups = [g for g in groups if not g["use_muon"]]
+        # The inner optimizers fill their defaults into the shared group dicts.
+        muon_cls = AdaptiveMuon if moment2_method is not None else Muon
+        if moment2_method is not None:
+            muon_kwargs["moment2_method"] = moment2_method
+        self._muon = muon_cls(muon_groups, lr, momentum, weight_decay, **muon_kwargs) if muon_groups else None
+        self._adamw = None
+        if adamw_groups:
+            on_cuda = all(p.is_cuda for g in adamw_groups for p in g["params"])
+            self._adamw = torch.optim.AdamW(
+                adamw_groups,
+                lr=lr if adamw_lr is None else adamw_lr,
+                betas=adamw_betas,
+                eps=adamw_eps,
+                weight_decay=weight_decay if adamw_weight_decay is None else adamw_weight_decay,
+                foreach=None if on_cuda else True,
+                fused=True if on_cuda else None,
+            )
+        super().__init__(groups, {})
+        self._link()
+        self._clip_targets = self._find_clip_targets() if self.clip_config is not None else []
+        self._offload = StateOffload(self)
+        if cpu_offload:
+            self.turn_on_cpu_offload()
+
+    # ------------------------------------------------------------------ groups
+    @staticmethod
+    def _check_groups(params) -> list[dict[str, Any]]:
+        groups = list(params)
+        if not groups or not all(isinstance(g, Mapping) for g in groups):
+            raise TypeError("HybridMuon takes a list of param-group dicts, each with a 'use_muon' flag")
+        out = []
+        for i, g in enumerate(groups):
+            if "use_muon" not in g:
+                raise ValueError(f"param_groups[{i}] has no 'use_muon' key: say True (Muon) or False (AdamW)")
+            if not isinstance(g["use_muon"], bool):
+                raise ValueError(f"param_groups[{i}]['use_muon'] must be True or False, got {g['use_muon']!r}")
+            group = dict(g)
+            group["params"] = list(group["params"])
+            if "names" in group:
+                names = list(group["names"])
+                if len(names) != len(group["params"]):
+                    raise ValueError(f"param_groups[{i}]['names'] has {len(names)} names for "
+                                     f"{len(group['params'])} params")
+                group["names"] = names
+            out.append(group)
+        return out
+
+    def _link(self) -> None:
+        """Points the inner optimizers at this optimizer's group dicts and state."""
+        if self._muon is not None:
+            self._muon.param_groups = [g for g in self.param_groups if g["use_muon"]]
+            self._muon.state = self.state
+        if self._adamw is not None:
+            self._adamw.param_groups = [g for g in self.param_groups if not g["use_muon"]]
+            self._adamw.state = self.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_muon", None) is not None or getattr(self, "_adamw", None) is not None:
+            if not hasattr(self, "_offload"):  # during construction: the inner optimizers own the defaults
+                super().add_param_group(param_group)
+                return
+            raise NotImplementedError("HybridMuon: add the group at construction (its Muon / AdamW side is fixed then)")
+        super().add_param_group(param_group)
+
+    def _find_clip_targets(self) -> list[ClipTarget]:
+        targets = []
+        for gi, group in enumerate(self.param_groups):
+            names = group.get("names")
+            if names is None:
+                continue
+            for p, name in zip(group["params"], names):
+                t = parse_target(p, name)
+                if t is not None:
+                    targets.append(t)
+        if not targets:
+            raise ValueError("clip_config is set but no parameter name marks a query / key / fused QKV weight of a "
+                             "layer (give each group 'names', e.g. 'layers.0.attn.q_proj.weight')")
+        return targets
+
+    # ------------------------------------------------------------------ state
+    def turn_on_cpu_offload(self) -> None:
+        """Keeps the optimizer state in (pinned) host memory between steps."""
+        self._offload.turn_on()
+
+    def turn_off_cpu_offload(self) -> None:
+        """Brings the state back to the parameters' devices and keeps it there."""
+        self._offload.turn_off()
+
+    @property
+    def cpu_offload(self) -> bool:
+        return self._offload.enabled
+
+    def state_dict(self) -> dict[str, Any]:
+        self._offload.refuse("state_dict()")
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._offload.refuse("load_state_dict()")
+        super().load_state_dict(state_dict)
+        self._link()  # torch built new group dicts and a new state
+
+    def init_state(self) -> None:
+        """Creates the Muon side's state up front (for checkpoint loading); AdamW's is lazy."""
+        if self._muon is not None:
+            self._muon.init_state()
+
+    # ------------------------------------------------------------------ step
+    def _adamw_step(self) -> None:
+        """torch's AdamW over the AdamW groups: its own state init and functional kernel (fused on
+        CUDA, foreach otherwise), called directly so the whole step stays one graph under
+        torch.compile (AdamW.step's grad-mode wrapper breaks the graph)."""
+        adamw = self._adamw
+        for group in adamw.param_groups:
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            has_complex = adamw._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            if not params:
+                continue
+            beta1, beta2 = group["betas"]
+            adam_functional(
+                params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+                amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                foreach=group["foreach"], capturable=group["capturable"], differentiable=False, fused=group["fused"],
+                decoupled_weight_decay=True,
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None, qk_logits: Mapping[int, torch.Tensor] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if qk_logits is not None and self.clip_config is None:
+            raise ValueError("qk_logits given but QK-clip is off: pass clip_config to the constructor")
+        if qk_logits is not None:
+            from .qk_clip import plan_clip
+
+            plan_clip(self._clip_targets, qk_logits, self.clip_config)  # bad logits: raise before any change
+        self._offload.bring_in()
+        if self._muon is not None:
+            self._muon.step()
+        if self._adamw is not None:
+            self._adamw_step()
+        self._offload.send_out()
+        if qk_logits:
+            apply_qk_clip(self._clip_targets, qk_logits, self.clip_config)
+        return loss

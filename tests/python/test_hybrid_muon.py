@@ -1,0 +1,416 @@
+"""HybridMuon (Muon + AdamW in one optimizer), QK-clip, CPU offload, and the Motif / Keller Jordan
+legacy names, against plain-PyTorch references of their semantics."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import megatron_eopt as me
+from megatron_eopt import muon as legacy
+from megatron_eopt.newton_schulz import get_coefficients
+from megatron_eopt.optim import HybridMuon, Muon
+from megatron_eopt.optim.qk_clip import max_attention_logits
+from reference import TOLERANCE, rel_err
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 3, 10
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, fused: bool, gqa: bool):
+        super().__init__()
+        kv = KV_HEADS if gqa else HEADS
+        if fused:
+            groups = kv
+            self.linear_qkv = torch.nn.Linear(HIDDEN, (HEADS + 2 * groups) * HEAD_DIM, bias=False)
+        else:
+            self.q_proj = torch.nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
+            self.k_proj = torch.nn.Linear(HIDDEN, kv * HEAD_DIM, bias=False)
+        self.o_proj = torch.nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+
+
+class Model(torch.nn.Module):
+    def __init__(self, fused=False, gqa=False, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(7, HIDDEN)
+        self.layers = torch.nn.ModuleList(Attention(fused, gqa) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        self.lm_head = torch.nn.Linear(HIDDEN, 7, bias=False)
+
+
+def _groups(model, **muon_group):
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        (muon if p.ndim == 2 and "embed" not in name and "lm_head" not in name else adamw).append((name, p))
+    return [
+        {"params": [p for _, p in muon], "names": [n for n, _ in muon], "use_muon": True, **muon_group},
+        {"params": [p for _, p in adamw], "names": [n for n, _ in adamw], "use_muon": False, "lr": 3e-3,
+         "betas": (0.8, 0.9), "eps": 1e-7, "weight_decay": 0.05},
+    ]
+
+
+def _set_grads(model, gen):
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+
+
+def _clone(model):
+    return copy.deepcopy(model)
+
+
+# ------------------------------------------------------------------ the two halves
+@pytest.mark.parametrize("device", DEVICES)
+def test_muon_side_equals_muon_and_adamw_side_equals_torch_adamw(device, gen):
+    model = Model().to(device)
+    ref = _clone(model)
+    kw = dict(lr=0.02, momentum=0.9, weight_decay=0.1, nesterov=True, fp32_matmul_prec="highest")
+    opt = HybridMuon(_groups(model), **kw)
+    ref_groups = _groups(ref)
+    muon = Muon([{"params": ref_groups[0]["params"]}], **kw)
+    g = ref_groups[1]
+    adamw = torch.optim.AdamW(g["params"], lr=3e-3, betas=(0.8, 0.9), eps=1e-7, weight_decay=0.05, foreach=True)
+    for _ in range(3):
+        _set_grads(model, gen)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        muon.step()
+        adamw.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_groups_need_use_muon_and_change_nothing(gen):
+    model = Model()
+    groups = _groups(model)
+    del groups[1]["use_muon"]
+    with pytest.raises(ValueError, match="param_groups\\[1\\] has no 'use_muon' key"):
+        HybridMuon(groups)
+    groups[1]["use_muon"] = "yes"
+    with pytest.raises(ValueError, match="'use_muon'\\] must be True or False"):
+        HybridMuon(groups)
+
+
+def test_state_dict_round_trip_continues_identically(gen):
+    model = Model()
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest")
+    for _ in range(2):
+        _set_grads(model, gen)
+        opt.step()
+    clone = _clone(model)
+    loaded = HybridMuon(_groups(clone), fp32_matmul_prec="highest")
+    # torch's load_state_dict shares same-device tensors with the source: load a copy, as a checkpoint is.
+    loaded.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert set(opt.state_dict()["state"][0]) == {"momentum_buffer"}
+    assert {"exp_avg", "exp_avg_sq", "step"} <= set(opt.state_dict()["state"][len(_groups(model)[0]["params"])])
+    for _ in range(2):
+        _set_grads(model, gen)
+        for p, q in zip(model.parameters(), clone.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        loaded.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), clone.parameters()))
+    # A scheduler writing lr into the hybrid's groups reaches both halves.
+    loaded.param_groups[1]["lr"] = 0.0
+    before = [p.detach().clone() for p in clone.parameters()]
+    _set_grads(clone, gen)
+    loaded.step()
+    adam_params = set(map(id, loaded.param_groups[1]["params"]))
+    for p, b in zip(clone.parameters(), before):
+        if id(p) in adam_params:
+            assert torch.equal(p, b * (1 - 0.0 * 0.05))
+
+
+def test_compile_fullgraph_equals_eager(gen):
+    torch._dynamo.reset()
+    model = Model(layers=1)
+    ref = _clone(model)
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest")
+    eager = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
+    step = torch.compile(opt.step, fullgraph=True)
+    for _ in range(2):
+        _set_grads(model, gen)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        step()
+        eager.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ QK-clip
+CLIP = {"threshold": 5.0, "head_dim": HEAD_DIM}
+
+
+def _clip_run(fused, gqa, logits, gen):
+    """Params after one step without and with QK-clip (same grads)."""
+    model = Model(fused=fused, gqa=gqa)
+    ref = _clone(model)
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", clip_config=CLIP)
+    plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
+    _set_grads(model, gen)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = p.grad.clone()
+    opt.step(qk_logits=logits)
+    plain.step()
+    return model, ref
+
+
+def _gamma(logits):
+    return torch.where(logits > CLIP["threshold"], CLIP["threshold"] / logits, torch.ones_like(logits))
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+def test_qk_clip_separate_projections(gqa, gen):
+    logits = {0: torch.tensor([1.0, 20.0, 5.0, 10.0]), 1: torch.tensor([50.0, 2.0, 3.0, 4.0])}
+    model, ref = _clip_run(False, gqa, logits, gen)
+    kv = KV_HEADS if gqa else HEADS
+    group = HEADS // kv
+    for layer, s in logits.items():
+        gamma = _gamma(s)
+        k_scale = gamma.view(kv, group).amin(1).sqrt()
+        q_scale = gamma / k_scale.repeat_interleave(group)
+        if not gqa:
+            torch.testing.assert_close(q_scale, gamma.sqrt())  # Motif's / Kimi's rule for MHA
+        q, rq = model.layers[layer].q_proj.weight, ref.layers[layer].q_proj.weight
+        k, rk = model.layers[layer].k_proj.weight, ref.layers[layer].k_proj.weight
+        torch.testing.assert_close(q, rq * q_scale.repeat_interleave(HEAD_DIM)[:, None], rtol=1e-6, atol=0)
+        torch.testing.assert_close(k, rk * k_scale.repeat_interleave(HEAD_DIM)[:, None], rtol=1e-6, atol=0)
+        # Every head's q.k product shrinks by exactly gamma_h.
+        for h in range(HEADS):
+            qs = q_scale[h] * k_scale[h // group]
+            assert math.isclose(qs.item(), gamma[h].item(), rel_tol=1e-6)
+        assert torch.equal(model.layers[layer].o_proj.weight, ref.layers[layer].o_proj.weight)
+
+
+def test_qk_clip_fused_qkv_gqa_layout(gen):
+    logits = {1: torch.tensor([9.0, 1.0, 40.0, 6.0])}
+    model, ref = _clip_run(True, True, logits, gen)
+    gamma = _gamma(logits[1])
+    k_scale = gamma.view(KV_HEADS, HEADS // KV_HEADS).amin(1).sqrt()
+    q_scale = gamma / k_scale.repeat_interleave(HEADS // KV_HEADS)
+    per_group = torch.cat([q_scale.view(KV_HEADS, -1), k_scale[:, None], torch.ones(KV_HEADS, 1)], 1).reshape(-1)
+    w, rw = model.layers[1].linear_qkv.weight, ref.layers[1].linear_qkv.weight
+    torch.testing.assert_close(w, rw * per_group.repeat_interleave(HEAD_DIM)[:, None], rtol=1e-6, atol=0)
+    assert torch.equal(model.layers[0].linear_qkv.weight, ref.layers[0].linear_qkv.weight)  # no logits given
+
+
+@pytest.mark.parametrize("logits,match", [
+    ({7: torch.ones(HEADS)}, "qk_logits has layer 7"),
+    ({0: torch.ones(HEADS + 1)}, "qk_logits\\[0\\] has 5 values but layer 0's query weight has 4 heads"),
+    ({0: torch.ones(2, 2)}, "must be a 1-D tensor"),
+])
+def test_bad_qk_logits_change_nothing(logits, match, gen):
+    model = Model()
+    opt = HybridMuon(_groups(model), clip_config=CLIP)
+    _set_grads(model, gen)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        opt.step(qk_logits=logits)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert len(opt.state) == 0
+
+
+def test_max_attention_logits_helper(gen):
+    q = torch.randn(2, 4, 5, 3, generator=gen)
+    k = torch.randn(2, 2, 5, 3, generator=gen)
+    got = max_attention_logits(q, k, causal=True)
+    want = torch.full((4,), -math.inf)
+    for h in range(4):
+        s = q[:, h] @ k[:, h // 2].transpose(-1, -2) / math.sqrt(3)
+        s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), -math.inf)
+        want[h] = s.max()
+    torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------ the qk_clip_ op
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qk_clip_op_scales_row_blocks(device, dtype, gen):
+    shapes, blocks = [(12, 7), (6, 1), (1, 9), (35, 3)], [3, 2, 1, 7]
+    weights = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    factors = [torch.rand(s[0] // b, generator=gen).to(device) for s, b in zip(shapes, blocks)]
+    want = [(w.float() * f.repeat_interleave(b)[:, None]).to(dtype) for w, f, b in zip(weights, factors, blocks)]
+    me.qk_clip_(weights, factors, blocks)
+    for w, r in zip(weights, want):
+        assert torch.equal(w, r)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qk_clip_op_opcheck(device, gen):
+    weights = [torch.randn(6, 4, generator=gen).to(device), torch.randn(4, 5, generator=gen).to(device)]
+    factors = [torch.rand(2, generator=gen).to(device), torch.rand(4, generator=gen).to(device)]
+    torch.library.opcheck(torch.ops.megatron_eopt.qk_clip_.default, (weights, factors, [3, 1]))
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    (([torch.zeros(6, 4)], [torch.ones(3)], [3]), ValueError, "factors\\[0\\] must be 1-D with 2 values"),
+    (([torch.zeros(6, 4)], [torch.ones(2)], [4]), ValueError, "block_rows\\[0\\] = 4 must be positive and divide"),
+    (([torch.zeros(6, 4)], [torch.ones(2, dtype=torch.float64)], [3]), TypeError, "factors\\[0\\] must be float32"),
+    (([torch.zeros(6, 4, dtype=torch.int32)], [torch.ones(2)], [3]), TypeError, "weights\\[0\\] is Int"),
+    (([torch.zeros(6, 4), torch.zeros(2, 2)], [torch.ones(2)], [3]), ValueError, "factors has 1 tensors"),
+    (([torch.zeros(4, 6).t()], [torch.ones(2)], [3]), ValueError, "must have contiguous rows"),
+])
+def test_qk_clip_op_bad_input(args, exc, match):
+    before = [w.clone() for w in args[0]]
+    with pytest.raises(exc, match=match):
+        torch.ops.megatron_eopt.qk_clip_(*args)
+    assert all(torch.equal(a, b) for a, b in zip(before, args[0]))
+
+
+# ------------------------------------------------------------------ CPU offload
+def test_offload_is_bitwise_invisible_and_guards_state_dict(gen):
+    model = Model()
+    ref = _clone(model)
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", cpu_offload=True)
+    plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
+    assert opt.cpu_offload
+    for t in range(3):
+        _set_grads(model, gen)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        plain.step()
+        if t == 0:
+            with pytest.raises(RuntimeError, match="turn_off_cpu_offload\\(\\) first"):
+                opt.state_dict()
+            with pytest.raises(RuntimeError, match="turn_off_cpu_offload\\(\\) first"):
+                opt.load_state_dict(plain.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    # Between steps the state lives in one flat host buffer per dtype.
+    bases = {v.untyped_storage().data_ptr() for s in opt.state.values() for v in s.values()}
+    assert len(bases) == 1
+    opt.turn_off_cpu_offload()
+    sd, ref_sd = opt.state_dict(), plain.state_dict()
+    for i, s in sd["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, ref_sd["state"][i][k]), (i, k)
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_uses_pinned_host_memory(gen):
+    model = Model().cuda()
+    ref = _clone(model)
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", cpu_offload=True)
+    plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        _set_grads(model, gen)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        with torch.cuda.stream(side):  # transfers ordered on the current stream, whichever it is
+            opt.step()
+        side.synchronize()
+        plain.step()
+    torch.cuda.synchronize()
+    states = [v for s in opt.state.values() for v in s.values() if v.numel() > 1]
+    assert states and all(v.device.type == "cpu" and v.is_pinned() for v in states)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+# ------------------------------------------------------------------ legacy names
+def _ns_ref(x, steps=5):
+    x = x.double()
+    tall = x.shape[0] > x.shape[1]
+    w = x.T if tall else x
+    w = w / w.norm().clamp_min(1e-7)
+    for a, b, c in get_coefficients("simple", steps):
+        g = w @ w.T
+        w = a * w + (b * g + c * g @ g) @ w
+    return w.T if tall else w
+
+
+def test_motif_muon_matches_its_semantics(gen):
+    model = Model()
+    ref_params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    groups = legacy.get_default_muon_param_groups(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = legacy.Muon(groups, lr=0.01, momentum=0.9, weight_decay=0.1, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
+                          none_grad=False)
+    assert isinstance(opt, HybridMuon)
+    muon_names = set(groups[0]["names"])
+    assert "embed.weight" not in muon_names and "lm_head.weight" not in muon_names
+    assert "layers.0.q_proj.weight" in muon_names
+    bufs, m1, m2 = {}, {}, {}
+    for t in range(1, 3):
+        _set_grads(model, gen)
+        grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
+        opt.step()
+        for n, g in grads.items():
+            p = ref_params[n]
+            if n in muon_names:  # Moonlight / Motif: SGD momentum, Nesterov, 0.2 sqrt(max(m, n))
+                bufs[n] = bufs.get(n, torch.zeros_like(g)) * 0.9 + g
+                u = _ns_ref(g + 0.9 * bufs[n])
+                p.mul_(1 - 0.01 * 0.1).add_(u, alpha=-0.01 * 0.2 * math.sqrt(max(p.shape)))
+            else:  # AdamW
+                m1[n] = m1.get(n, torch.zeros_like(g)) * 0.9 + 0.1 * g
+                m2[n] = m2.get(n, torch.zeros_like(g)) * 0.95 + 0.05 * g * g
+                p.mul_(1 - 0.01 * 0.1)
+                p.add_((m1[n] / (1 - 0.9**t)) / ((m2[n] / (1 - 0.95**t)).sqrt() + 1e-8), alpha=-0.01)
+    for n, p in model.named_parameters():
+        tol = TOLERANCE["medium"] if n in muon_names else 1e-5
+        start_err = rel_err(p.detach().double(), ref_params[n])
+        assert start_err <= tol, (n, start_err)
+
+
+def test_motif_none_grad_and_step_signature(gen):
+    model = Model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = legacy.Muon(legacy.get_default_muon_param_groups(model), clip_config=CLIP)
+    _set_grads(model, gen)
+    opt.step(None, qk_logits={0: torch.full((HEADS,), 100.0)})
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_muon_with_aux_adam_matches_keller_jordan(gen):
+    model = Model(layers=1)
+    w = model.layers[0].q_proj.weight
+    b = model.layers[0].o_proj.bias
+    w0, b0 = w.detach().double().clone(), b.detach().double().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = legacy.SingleDeviceMuonWithAuxAdam([dict(params=[w], use_muon=True, lr=0.05, weight_decay=0.1),
+                                                 dict(params=[b], use_muon=False, lr=0.01)])
+    buf = torch.zeros_like(w0)
+    m1, m2 = torch.zeros_like(b0), torch.zeros_like(b0)
+    for t in range(1, 3):
+        gw, gb = torch.randn(w.shape, generator=gen), torch.randn(b.shape, generator=gen)
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()
+        buf = buf.lerp(gw.double(), 0.05)
+        u = _ns_ref(gw.double().lerp(buf, 0.95)) * max(1, w.shape[0] / w.shape[1]) ** 0.5
+        w0 = w0 * (1 - 0.05 * 0.1) - 0.05 * u
+        m1 = m1.lerp(gb.double(), 0.1)
+        m2 = m2.lerp(gb.double().square(), 0.05)
+        b0 = b0 - 0.01 * (m1 / (1 - 0.9**t)) / ((m2 / (1 - 0.95**t)).sqrt() + 1e-10)
+    assert rel_err(w.detach().double(), w0) <= TOLERANCE["medium"]
+    assert rel_err(b.detach().double(), b0) <= 1e-5
+    assert set(opt.state[w]) == {"momentum_buffer"} and {"exp_avg", "exp_avg_sq", "step"} <= set(opt.state[b])
+
+
+def test_expert_keys_batch_3d_experts(gen):
+    experts = torch.nn.Parameter(torch.randn(3, 6, 4, generator=gen) * 0.1)
+    dense = torch.nn.Parameter(torch.randn(6, 4, generator=gen) * 0.1)
+    groups = [dict(params=[experts, dense], names=["layers.0.mlp.experts.weight", "layers.0.mlp.up.weight"],
+                   use_muon=True)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        opt = legacy.Muon(groups, lr=0.01, weight_decay=0.0, expert_keys=["experts"], none_grad=False)
+    experts.grad = torch.randn(3, 6, 4, generator=gen)
+    dense.grad = experts.grad[1].clone()
+    start = experts.detach().clone(), dense.detach().clone()
+    opt.step()
+    # Expert 1 and the dense matrix had the same grad and the same start: the same step.
+    torch.testing.assert_close(experts[1] - start[0][1], dense - start[1], rtol=1e-3, atol=1e-6)
+
+
+def test_legacy_names_warn_once_naming_hybrid_muon():
+    legacy._warned.discard("MuonWithAuxAdam")
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.warns(DeprecationWarning, match="HybridMuon"):
+        legacy.MuonWithAuxAdam([dict(params=[p], use_muon=True)])
