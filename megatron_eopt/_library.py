@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import warnings
 
 import torch
 
@@ -12,7 +13,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _find_library() -> str:
-    candidates = sorted(glob.glob(os.path.join(_HERE, "_C*.so")))
+    candidates = [p for p in sorted(glob.glob(os.path.join(_HERE, "_C*.so")))
+                  if not os.path.basename(p).startswith("_C_cuda")]
     if not candidates:
         raise ImportError(
             "megatron_eopt: the compiled library _C.so is missing next to "
@@ -24,28 +26,71 @@ def _find_library() -> str:
 LIBRARY_PATH = _find_library()
 torch.ops.load_library(LIBRARY_PATH)
 _cdll = ctypes.CDLL(LIBRARY_PATH)
+_cdll.megatron_eopt_torch_version_built.restype = ctypes.c_char_p
+
+
+def _cuda_library_candidates() -> list[tuple[int, str]]:
+    """The CUDA libraries next to _C.so: (CUDA major version they were built for, path)."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(_HERE, "_C_cuda*.so"))):
+        digits = os.path.basename(path)[len("_C_cuda") :].split(".")[0]
+        if digits.isdigit():
+            found.append((int(digits), path))
+    return found
+
+
+def load_cuda_kernels(candidates=None, torch_cuda: str | None = None) -> tuple[ctypes.CDLL | None, str]:
+    """Loads the CUDA kernels when the running torch can host them: (its handle or None, why).
+
+    The library is loaded only when torch was built with CUDA of the major version the kernels
+    were built for; otherwise (a CPU-only torch, another CUDA major, a missing CUDA library) the
+    CPU ops keep working and the reason is returned (and warned about once at import).
+    """
+    candidates = _cuda_library_candidates() if candidates is None else candidates
+    if not candidates:
+        return None, "this build has no CUDA kernels (nvcc was not found, or MEGATRON_EOPT_CUDA=OFF, at build time)"
+    if torch_cuda is None:
+        return None, (f"torch {torch.__version__} is a CPU-only build; the CUDA kernels (built for CUDA "
+                      f"{', '.join(str(m) for m, _ in candidates)}) are not loaded")
+    major = int(str(torch_cuda).split(".")[0])
+    match = [path for m, path in candidates if m == major]
+    if not match:
+        return None, (f"torch {torch.__version__} uses CUDA {torch_cuda}, but the CUDA kernels were built for CUDA "
+                      f"{', '.join(str(m) for m, _ in candidates)}; rebuild the package against this torch")
+    try:
+        handle = ctypes.CDLL(match[0])  # resolves libcublas etc. first: a failure leaves no half-registered ops
+        torch.ops.load_library(match[0])
+    except OSError as e:
+        return None, f"the CUDA kernels could not be loaded ({e}); the CPU ops work"
+    return handle, "loaded"
+
+
+_cuda_cdll, CUDA_KERNELS_STATUS = load_cuda_kernels(torch_cuda=torch.version.cuda)
+if _cuda_cdll is None and _cuda_library_candidates():
+    warnings.warn(f"megatron_eopt: {CUDA_KERNELS_STATUS}", RuntimeWarning, stacklevel=2)
+if _cuda_cdll is not None:
+    _cuda_cdll.megatron_eopt_cuda_archs_built.restype = ctypes.c_char_p
+    _cuda_cdll.megatron_eopt_cuda_version_built.restype = ctypes.c_int
 
 
 def cuda_kernels_built() -> bool:
-    """True when the library was compiled with its CUDA kernels (nvcc was found at build time)."""
-    return bool(_cdll.megatron_eopt_cuda_kernels_built())
-
-
-_cdll.megatron_eopt_torch_version_built.restype = ctypes.c_char_p
-_cdll.megatron_eopt_cuda_archs_built.restype = ctypes.c_char_p
-_cdll.megatron_eopt_cuda_version_built.restype = ctypes.c_int
+    """True when the CUDA kernels are loaded (built, and compatible with the running torch);
+    ``CUDA_KERNELS_STATUS`` says why not otherwise."""
+    return _cuda_cdll is not None
 
 
 def build_info() -> dict:
-    """What the library was compiled against: torch version, CUDA runtime version (None for a
-    CPU-only build) and CMake's CUDA architecture list (e.g. ``["80-real", "90-real", "100"]``:
-    machine code for each, PTX for the last one, which newer GPUs compile at load time)."""
-    cuda = _cdll.megatron_eopt_cuda_version_built()
-    archs = _cdll.megatron_eopt_cuda_archs_built().decode()
+    """What the libraries were compiled against: torch version, CUDA runtime version and CMake's
+    CUDA architecture list of the loaded CUDA kernels (e.g. ``["80-real", "90-real", "100"]``:
+    machine code for each, PTX for the last one, which newer GPUs compile at load time; None and
+    [] without them), and ``cuda_status``: why the kernels are or are not loaded."""
+    cuda = _cuda_cdll.megatron_eopt_cuda_version_built() if _cuda_cdll is not None else 0
+    archs = _cuda_cdll.megatron_eopt_cuda_archs_built().decode() if _cuda_cdll is not None else ""
     return {
         "torch": _cdll.megatron_eopt_torch_version_built().decode(),
         "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None,
         "cuda_archs": [a for a in archs.split(",") if a],
+        "cuda_status": CUDA_KERNELS_STATUS,
     }
 
 

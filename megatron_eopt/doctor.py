@@ -306,7 +306,7 @@ def facts() -> tuple[list[str], bool]:
                  + ("" if same else "  [MISMATCH: rebuild the package against the running torch]"))
     ok &= same
     if not cuda_kernels_built():
-        lines.append("CUDA kernels: not built (CPU-only library)")
+        lines.append(f"CUDA kernels: not loaded: {info['cuda_status']}")
     else:
         lines.append(f"CUDA kernels: built with CUDA {info['cuda']} for {', '.join(info['cuda_archs'])}; "
                      f"torch's CUDA {torch.version.cuda}")

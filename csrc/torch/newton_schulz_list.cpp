@@ -58,9 +58,8 @@ std::vector<at::Tensor> newton_schulz_list(at::TensorList xs, c10::ArrayRef<doub
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("newton_schulz_list", &newton_schulz_list); }
-#ifdef MEGATRON_EOPT_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) { m.impl("newton_schulz_list", &newton_schulz_list); }
-#endif
+// Composed of newton_schulz calls through the dispatcher: one kernel serves every backend that
+// implements newton_schulz (the CUDA one lives in the separately loaded CUDA library).
+TORCH_LIBRARY_IMPL(megatron_eopt, CompositeExplicitAutograd, m) { m.impl("newton_schulz_list", &newton_schulz_list); }
 
 }  // namespace megatron_eopt

@@ -101,9 +101,8 @@ at::Tensor newton_schulz_split(const at::Tensor& x, at::IntArrayRef split_sizes,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("newton_schulz_split", &newton_schulz_split); }
-#ifdef MEGATRON_EOPT_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) { m.impl("newton_schulz_split", &newton_schulz_split); }
-#endif
+// Composed of newton_schulz calls through the dispatcher: one kernel serves every backend that
+// implements newton_schulz (the CUDA one lives in the separately loaded CUDA library).
+TORCH_LIBRARY_IMPL(megatron_eopt, CompositeExplicitAutograd, m) { m.impl("newton_schulz_split", &newton_schulz_split); }
 
 }  // namespace megatron_eopt

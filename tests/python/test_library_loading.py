@@ -1,0 +1,65 @@
+"""The op library loads on any build of its torch; the CUDA kernels (a second library) load only
+when torch has CUDA of the major version they were built for, with one warning saying why not."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import megatron_eopt as me
+from megatron_eopt import _library
+
+
+def test_no_cuda_library_means_cpu_only_build():
+    handle, why = _library.load_cuda_kernels(candidates=[], torch_cuda="13.0")
+    assert handle is None and "no CUDA kernels" in why
+
+
+def test_cpu_only_torch_does_not_load_the_cuda_kernels():
+    handle, why = _library.load_cuda_kernels(candidates=[(13, "/nonexistent/_C_cuda13.so")], torch_cuda=None)
+    assert handle is None and "CPU-only build" in why and "CUDA 13" in why
+
+
+def test_other_cuda_major_does_not_load_them():
+    handle, why = _library.load_cuda_kernels(candidates=[(12, "/nonexistent/_C_cuda12.so")], torch_cuda="13.0")
+    assert handle is None and "uses CUDA 13.0, but the CUDA kernels were built for CUDA 12" in why
+
+
+def test_a_library_that_cannot_load_is_reported(tmp_path):
+    broken = tmp_path / "_C_cuda13.so"
+    broken.write_bytes(b"not an ELF file")
+    handle, why = _library.load_cuda_kernels(candidates=[(13, str(broken))], torch_cuda="13.0")
+    assert handle is None and "could not be loaded" in why
+
+
+def test_status_matches_what_was_loaded():
+    info = _library.build_info()
+    assert me.cuda_kernels_built() == (info["cuda_status"] == "loaded") == (info["cuda"] is not None)
+    if _library._cuda_library_candidates() and torch.version.cuda is not None:
+        built = {m for m, _ in _library._cuda_library_candidates()}
+        assert me.cuda_kernels_built() == (int(torch.version.cuda.split(".")[0]) in built)
+
+
+def test_cpu_ops_work_under_a_cpu_only_torch_with_one_warning():
+    # torch.version.cuda = None is what a CPU build of torch reports.
+    code = (
+        "import warnings, torch\n"
+        "torch.version.cuda = None\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import megatron_eopt as me\n"
+        "msgs = [str(x.message) for x in w if 'megatron_eopt' in str(x.message)]\n"
+        "x = me.newton_schulz(torch.randn(8, 5), precision='highest')\n"
+        "print(len(msgs)); print(me.cuda_kernels_built()); print(tuple(x.shape)); print(msgs[0] if msgs else '')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert proc.returncode == 0, proc.stderr
+    count, built, shape, message = proc.stdout.splitlines()[:4]
+    assert built == "False" and shape == "(8, 5)"
+    if _library._cuda_library_candidates():
+        assert count == "1" and "CPU-only build" in message
+    else:
+        assert count == "0"
