@@ -12,3 +12,6 @@ ctest --test-dir build/cpp-tests --output-on-failure
 # Run from outside the checkout so `import megatron_eopt` is the installed package.
 cd "$(mktemp -d)"
 python3 -m pytest "$OLDPWD/tests/python" -q -rs "$@"
+
+# The release wheel: built, installed into a fresh venv, its op and optimizer tests run there.
+bash "$OLDPWD/scripts/test_wheel.sh"
