@@ -117,12 +117,24 @@ class HybridMuon(torch.optim.Optimizer):
             self._adamw.state = self.state
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "_muon", None) is not None or getattr(self, "_adamw", None) is not None:
-            if not hasattr(self, "_offload"):  # during construction: the inner optimizers own the defaults
-                super().add_param_group(param_group)
-                return
-            raise NotImplementedError("HybridMuon: add the group at construction (its Muon / AdamW side is fixed then)")
-        super().add_param_group(param_group)
+        if not hasattr(self, "_offload"):  # during construction: the inner optimizers filled the defaults
+            super().add_param_group(param_group)
+            return
+        group = self._check_groups([param_group])[0]
+        inner = self._muon if group["use_muon"] else self._adamw
+        if inner is None:
+            raise ValueError(f"HybridMuon was built without {'Muon' if group['use_muon'] else 'AdamW'} groups, so "
+                             "it has no side for this group: pass one such group at construction")
+        super().add_param_group(group)  # checks the params against every group of both sides
+        try:
+            inner.add_param_group(group)  # fills its defaults into the dict both hold
+        except Exception:
+            self.param_groups.pop()
+            raise
+        finally:
+            self._link()
+        if self.clip_config is not None:
+            self._clip_targets = self._find_clip_targets()
 
     def _find_clip_targets(self) -> list[ClipTarget]:
         targets = []

@@ -124,6 +124,28 @@ def test_state_dict_round_trip_continues_identically(gen):
             assert torch.equal(p, b * (1 - 0.0 * 0.05))
 
 
+def test_add_param_group_joins_its_side(gen):
+    model = Model(layers=2)
+    groups = _groups(model)
+    late = model.layers[1]
+    first = [dict(g, params=[p for p in g["params"] if all(p is not q for q in late.parameters())],
+                  names=[n for n, p in zip(g["names"], g["params"]) if all(p is not q for q in late.parameters())])
+             for g in groups]
+    opt = HybridMuon(first, lr=0.02, adamw_lr=1e-3, fp32_matmul_prec="highest")
+    opt.add_param_group({"params": [late.q_proj.weight, late.k_proj.weight], "use_muon": True})
+    opt.add_param_group({"params": [late.o_proj.bias], "use_muon": False})
+    assert opt.param_groups[-2]["momentum"] == 0.95 and opt.param_groups[-1]["betas"] == (0.9, 0.95)
+    _set_grads(model, gen)
+    opt.step()
+    assert set(opt.state[late.q_proj.weight]) == {"momentum_buffer"}
+    assert {"exp_avg", "exp_avg_sq"} <= set(opt.state[late.o_proj.bias])
+    count = len(opt.param_groups)
+    for params, use_muon in (([late.q_proj.weight], True), ([late.o_proj.bias], True)):
+        with pytest.raises(ValueError, match="appear in more than one"):
+            opt.add_param_group({"params": params, "use_muon": use_muon})
+        assert len(opt.param_groups) == count and len(opt._muon.param_groups) + len(opt._adamw.param_groups) == count
+
+
 def test_compile_fullgraph_equals_eager(gen):
     torch._dynamo.reset()
     model = Model(layers=1)
