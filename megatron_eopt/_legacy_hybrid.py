@@ -24,6 +24,10 @@ from .optim.hybrid import HybridMuon
 MOTIF_KEYS = ("adamw_betas", "adamw_eps", "none_grad", "debug", "clip_config", "warmup_step", "chunk_size",
               "use_distributed_muon", "expert_keys")
 _SIMPLE = "simple"
+# The snippets' Muon (Keller Jordan, nanochat) on the fused optimizer: decoupled decay, the original
+# quintic in bf16, update scaled by sqrt(max(1, m / n)).
+SNIPPET_MUON = dict(weight_decay_method="decoupled", fp32_matmul_prec="medium", coefficient_type=_SIMPLE,
+                    scale_mode="shape_scaling")
 
 # Names of parameters that stay with AdamW by default: embeddings, output heads, norms.
 _ADAMW_NAMES = re.compile(r"(?:^|\.)(?:embed|embedding|embeddings|wte|wpe|tok_embeddings|lm_head|output|head|"
@@ -136,12 +140,9 @@ class MuonWithAuxAdam(HybridMuon):
             momentum=0.95,
             weight_decay=0.0,
             nesterov=True,
-            weight_decay_method="decoupled",
-            fp32_matmul_prec="medium",
-            coefficient_type=_SIMPLE,
             num_ns_steps=5,
-            scale_mode="shape_scaling",
             nd_mode="flatten",
+            **SNIPPET_MUON,
         )
 
 

@@ -233,11 +233,8 @@ class Muon(torch.optim.Optimizer):
             momentum=0.0,
             weight_decay=0.0,
             nesterov=nesterov,
-            weight_decay_method="decoupled",
-            fp32_matmul_prec="medium",
-            coefficient_type=_SIMPLE,
             num_ns_steps=ns_steps,
-            scale_mode="shape_scaling",
+            **_legacy_hybrid.SNIPPET_MUON,
         )
         self._inner_settings = (nesterov, ns_steps)
         self._link_state()
