@@ -1,8 +1,8 @@
 // The one schema block of the megatron_eopt operator library. Implementations register per
 // backend (CPU in csrc/cpu, CUDA in csrc/torch/cuda); fake kernels live in megatron_eopt/ops.py.
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
-TORCH_LIBRARY(megatron_eopt, m) {
+STABLE_TORCH_LIBRARY(megatron_eopt, m) {
   // ---- Newton–Schulz orthogonalization (DESIGN §4.1) ----
   // x: fp32 (m, n) or (batch, m, n). coefficients: the (a, b, c) table flattened row by row;
   // `steps` rows are consumed, cycling through the table or, with repeat_last, repeating its last

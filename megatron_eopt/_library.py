@@ -1,4 +1,9 @@
-"""Loads the compiled operator library (``_C.so``) into ``torch.ops.megatron_eopt``."""
+"""Loads the compiled operator library (``_C.so``) into ``torch.ops.megatron_eopt``.
+
+Both libraries use only the LibTorch stable ABI (compiled for the stable-ABI version of their
+torch floor, 2.11 by default), so one build loads on that torch and every later one; an older
+torch lacks the stable C functions they call and cannot load them.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +28,23 @@ def _find_library() -> str:
     return candidates[0]
 
 
+def _load_op_library(path: str) -> ctypes.CDLL:
+    try:
+        torch.ops.load_library(path)
+    except OSError as e:
+        raise ImportError(
+            f"megatron_eopt: {os.path.basename(path)} does not load into torch {torch.__version__} ({e}). "
+            "The package needs a torch at least as new as the stable-ABI floor it was built for "
+            "(2.11 for the released wheels); install a newer torch or rebuild the package against this one."
+        ) from e
+    cdll = ctypes.CDLL(path)
+    cdll.megatron_eopt_torch_version_built.restype = ctypes.c_char_p
+    cdll.megatron_eopt_torch_floor.restype = ctypes.c_char_p
+    return cdll
+
+
 LIBRARY_PATH = _find_library()
-torch.ops.load_library(LIBRARY_PATH)
-_cdll = ctypes.CDLL(LIBRARY_PATH)
-_cdll.megatron_eopt_torch_version_built.restype = ctypes.c_char_p
+_cdll = _load_op_library(LIBRARY_PATH)
 
 
 def _cuda_library_candidates() -> list[tuple[int, str]]:
@@ -80,7 +98,8 @@ def cuda_kernels_built() -> bool:
 
 
 def build_info() -> dict:
-    """What the libraries were compiled against: torch version, CUDA runtime version and CMake's
+    """What the libraries were compiled against: torch version (``torch``, the headers) and the oldest
+    torch they load on (``torch_floor``, their stable-ABI target), CUDA runtime version and CMake's
     CUDA architecture list of the loaded CUDA kernels (e.g. ``["80-real", "90-real", "100"]``:
     machine code for each, PTX for the last one, which newer GPUs compile at load time; None and
     [] without them), and ``cuda_status``: why the kernels are or are not loaded."""
@@ -88,6 +107,7 @@ def build_info() -> dict:
     archs = _cuda_cdll.megatron_eopt_cuda_archs_built().decode() if _cuda_cdll is not None else ""
     return {
         "torch": _cdll.megatron_eopt_torch_version_built().decode(),
+        "torch_floor": _cdll.megatron_eopt_torch_floor().decode(),
         "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None,
         "cuda_archs": [a for a in archs.split(",") if a],
         "cuda_status": CUDA_KERNELS_STATUS,

@@ -300,11 +300,13 @@ def facts() -> tuple[list[str], bool]:
     info = build_info()
     ok = True
     lines = [f"megatron-eopt {me.__version__} ({LIBRARY_PATH})"]
-    running = torch.__version__.split("+")[0]
-    same = running.split(".")[:2] == info["torch"].split(".")[:2]
-    lines.append(f"torch: built against {info['torch']}, running {torch.__version__}"
-                 + ("" if same else "  [MISMATCH: rebuild the package against the running torch]"))
-    ok &= same
+    running = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    floor = tuple(int(v) for v in info["torch_floor"].split("."))
+    supported = running >= floor
+    lines.append(f"torch: built against {info['torch']} for torch >= {info['torch_floor']} (stable ABI), running "
+                 f"{torch.__version__}"
+                 + ("" if supported else f"  [UNSUPPORTED: needs torch >= {info['torch_floor']}]"))
+    ok &= supported
     if not cuda_kernels_built():
         lines.append(f"CUDA kernels: not loaded: {info['cuda_status']}")
     else:

@@ -1,7 +1,8 @@
 """Typed Python wrappers over ``torch.ops.megatron_eopt`` and the fake kernel of every op.
 
 The wrappers validate arguments with Python exceptions (TypeError / ValueError naming the
-argument) before anything runs; the ops check again in C++ for direct callers.
+argument) before anything runs; the ops check again in C++ for direct callers (whose errors the
+wrappers re-raise with the same Python types, see :mod:`megatron_eopt._errors`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Sequence, Union
 import torch
 
 from . import _library  # noqa: F401  (loads the op library)
+from ._errors import call_op
 from .newton_schulz import (
     MuonScaleT,
     NSAlgorithmT,
@@ -104,7 +106,7 @@ def newton_schulz(
         return _tensor_parallel_newton_schulz(
             x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
         )
-    return _ops.newton_schulz(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
+    return call_op(_ops.newton_schulz, x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
 
 
 def _tensor_parallel_newton_schulz(
@@ -161,7 +163,7 @@ def newton_schulz_list(
     if len(xs) == 0:
         return []
     return list(
-        _ops.newton_schulz_list(list(xs), coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
+        call_op(_ops.newton_schulz_list, list(xs), coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
     )
 
 
@@ -287,7 +289,7 @@ def adamuon_normalize_(
     updates, moment2, _ = _check_moment2_lists("adamuon", updates, moment2)
     if updates:
         b, e = _moment2_scalars(updates[0].device, beta2, eps)
-        _ops.adamuon_normalize_(updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
+        call_op(_ops.adamuon_normalize_, updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
 
 
 def normuon_normalize_(
@@ -307,7 +309,7 @@ def normuon_normalize_(
     updates, moment2, _ = _check_moment2_lists("normuon", updates, moment2)
     if updates:
         b, e = _moment2_scalars(updates[0].device, beta2, eps)
-        _ops.normuon_normalize_(updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
+        call_op(_ops.normuon_normalize_, updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
 
 
 def namo_normalize_(
@@ -332,7 +334,7 @@ def namo_normalize_(
     updates, moment2, extra = _check_moment2_lists("namo", updates, moment2, grads, ns_inputs)
     if updates:
         b, e = _moment2_scalars(updates[0].device, beta2, eps)
-        _ops.namo_normalize_(updates, moment2, extra["grads"], extra["ns_inputs"], b, e,
+        call_op(_ops.namo_normalize_, updates, moment2, extra["grads"], extra["ns_inputs"], b, e,
                              _optional_scalar("grad_scale", grad_scale), _optional_scalar("found_inf", found_inf))
 
 
@@ -412,7 +414,7 @@ def newton_schulz_split(
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
-    return _ops.newton_schulz_split(
+    return call_op(_ops.newton_schulz_split, 
         x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision, scale_mode,
         extra_scale_factor, algorithm,
     )
@@ -470,7 +472,7 @@ def foreach_momentum_(
         return
     mu = _step_scalar("momentum", momentum, device, _check_momentum)
     wd = _step_scalar("weight_decay", weight_decay, device)
-    _ops.foreach_momentum_(grads, momentum_buffers, ns_inputs, params, mu, bool(nesterov), wd, weight_decay_method,
+    call_op(_ops.foreach_momentum_, grads, momentum_buffers, ns_inputs, params, mu, bool(nesterov), wd, weight_decay_method,
                            _optional_scalar("grad_scale", grad_scale), _optional_scalar("found_inf", found_inf))
 
 
@@ -513,7 +515,7 @@ def foreach_update_(
         return
     lr_t = _step_scalar("lr", lr, device)
     wd = _step_scalar("weight_decay", weight_decay, device)
-    _ops.foreach_update_(params, updates, scale_values, lr_t, wd, weight_decay_method,
+    call_op(_ops.foreach_update_, params, updates, scale_values, lr_t, wd, weight_decay_method,
                          _optional_scalar("found_inf", found_inf))
 
 
@@ -536,7 +538,7 @@ def qk_clip_(weights: Sequence[torch.Tensor], factors: Sequence[torch.Tensor], b
             raise TypeError(f"block_rows[{i}] must be an int, got {type(b).__name__}")
         rows.append(b)
     if weights or factors or rows:
-        _ops.qk_clip_(weights, factors, rows)
+        call_op(_ops.qk_clip_, weights, factors, rows)
 
 
 @torch.library.register_fake("megatron_eopt::qk_clip_")

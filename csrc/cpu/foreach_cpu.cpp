@@ -1,11 +1,6 @@
 // foreach_momentum_ and foreach_update_ on the CPU: the same chunk plan as the CUDA launcher
-// (one at::parallel_for task per chunk) and simple loops over momentum_element / update_element
+// (one parallel_for task per chunk) and simple loops over momentum_element / update_element
 // (momentum_math.h), so both backends compute identical values.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
-
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -51,7 +46,7 @@ void for_each_chunk(const std::vector<int64_t>& numels, const Body& body) {
   for (const ChunkLaunch& launch : launches) {
     std::vector<uint32_t> first_block(launch.entries.size());
     for (std::size_t e = 0; e < launch.entries.size(); ++e) first_block[e] = launch.entries[e].first_block;
-    at::parallel_for(0, launch.blocks, 1, [&](int64_t block_begin, int64_t block_end) {
+    torch::stable::parallel_for(0, launch.blocks, 1, [&](int64_t block_begin, int64_t block_end) {
       for (int64_t b = block_begin; b < block_end; ++b) {
         const auto block = static_cast<uint32_t>(b);
         const ChunkEntry& entry =
@@ -63,13 +58,13 @@ void for_each_chunk(const std::vector<int64_t>& numels, const Body& body) {
   }
 }
 
-void foreach_momentum_cpu(at::TensorList grads, at::TensorList momentum_buffers, at::TensorList ns_inputs,
-                          at::TensorList params, const at::Tensor& momentum, bool nesterov,
-                          const at::Tensor& weight_decay, c10::string_view weight_decay_method,
-                          const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+void foreach_momentum_cpu(const TensorList& grads, const TensorList& momentum_buffers, const TensorList& ns_inputs,
+                          const TensorList& params, const Tensor& momentum, bool nesterov,
+                          const Tensor& weight_decay, const std::string& weight_decay_method,
+                          const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf) {
   const ForeachCall<ForeachMomentumArgs> call =
       parse_foreach_momentum(grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay,
-                             weight_decay_method, grad_scale, found_inf, c10::kCPU);
+                             weight_decay_method, grad_scale, found_inf, kCPU);
   const ForeachMomentumArgs& args = call.args;
   if (args.numels.empty() || step_skipped(args.found_inf)) return;
   const MomentumCoefficients coefficients =
@@ -91,11 +86,11 @@ void foreach_momentum_cpu(at::TensorList grads, at::TensorList momentum_buffers,
   call.finish();
 }
 
-void foreach_update_cpu(at::TensorList params, at::TensorList updates, c10::ArrayRef<double> scales,
-                        const at::Tensor& lr, const at::Tensor& weight_decay, c10::string_view weight_decay_method,
-                        const std::optional<at::Tensor>& found_inf) {
+void foreach_update_cpu(const TensorList& params, const TensorList& updates, const std::vector<double>& scales,
+                        const Tensor& lr, const Tensor& weight_decay, const std::string& weight_decay_method,
+                        const std::optional<Tensor>& found_inf) {
   const ForeachCall<ForeachUpdateArgs> call =
-      parse_foreach_update(params, updates, scales, lr, weight_decay, weight_decay_method, found_inf, c10::kCPU);
+      parse_foreach_update(params, updates, scales, lr, weight_decay, weight_decay_method, found_inf, kCPU);
   const ForeachUpdateArgs& args = call.args;
   if (args.numels.empty() || step_skipped(args.found_inf)) return;
   const double lr_value = args.lr.load();
@@ -114,9 +109,9 @@ void foreach_update_cpu(at::TensorList params, at::TensorList updates, c10::Arra
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
-  m.impl("foreach_momentum_", &foreach_momentum_cpu);
-  m.impl("foreach_update_", &foreach_update_cpu);
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
+  m.impl("foreach_momentum_", TORCH_BOX(&foreach_momentum_cpu));
+  m.impl("foreach_update_", TORCH_BOX(&foreach_update_cpu));
 }
 
 }  // namespace megatron_eopt

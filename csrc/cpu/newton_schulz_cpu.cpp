@@ -1,12 +1,7 @@
 // Newton–Schulz on the CPU: argument checks, the algorithm choice, and the batch loop around the
 // executors (newton_schulz_standard_cpu.cpp, newton_schulz_gram_cpu.cpp).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <torch/library.h>
-
 #include "cpu/newton_schulz_gram_cpu.h"
+#include "torch/aten_ops.h"
 #include "torch/newton_schulz_args.h"
 
 namespace megatron_eopt {
@@ -18,34 +13,34 @@ namespace {
 // memory for every product (12 x 3072 x 768 on the development CPU: 10% faster).
 constexpr int64_t kPerMatrixMacs = int64_t{1} << 24;
 
-at::Tensor newton_schulz_cpu(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
-                             bool repeat_last, double eps, std::optional<bool> transpose,
-                             c10::string_view precision, c10::string_view algorithm) {
-  TORCH_CHECK(x.device().is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
+Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                         double eps, std::optional<bool> transpose, const std::string& precision,
+                         const std::string& algorithm) {
+  MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
   const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
-  if (x.numel() == 0) return at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (x.numel() == 0) return aten::empty_like(x);
 
-  const at::Tensor w = x.dim() == 2 ? x.unsqueeze(0) : x;
-  at::Tensor out = at::empty({opts.batch, opts.rows, opts.cols}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const Tensor w = x.dim() == 2 ? aten::unsqueeze(x, 0) : x;
+  Tensor out = aten::empty({opts.batch, opts.rows, opts.cols}, kFloat, x.device());
   const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCpu);
-  const auto run = [&](const at::Tensor& part, at::Tensor& part_out) {
+  const auto run = [&](const Tensor& part, Tensor& part_out) {
     if (choice.algorithm == NsAlgorithm::kGram) gram_newton_schulz_cpu(part, part_out, opts, choice.program);
     else standard_newton_schulz_cpu(part, part_out, opts);
   };
   const int64_t side = opts.transpose ? opts.cols : opts.rows;
   if (opts.batch > 1 && side * side * (opts.rows * opts.cols / side) >= kPerMatrixMacs) {
     for (int64_t i = 0; i < opts.batch; ++i) {
-      at::Tensor part_out = out.narrow(0, i, 1);
-      run(w.narrow(0, i, 1), part_out);
+      Tensor part_out = aten::narrow(out, 0, i, 1);
+      run(aten::narrow(w, 0, i, 1), part_out);
     }
   } else {
     run(w, out);
   }
-  return x.dim() == 2 ? out.squeeze(0) : out;
+  return x.dim() == 2 ? aten::squeeze(out, 0) : out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("newton_schulz", &newton_schulz_cpu); }
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cpu)); }
 
 }  // namespace megatron_eopt

@@ -6,15 +6,12 @@
 // accumulation, and CPUs without native bf16 GEMMs run it several times faster than ATen's bf16
 // kernels. Results are rounded to bf16 where the CUDA path stores bf16 (W after a restart, Q
 // before a product with W).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "cpu/newton_schulz_gram_cpu.h"
 
 #include "cpu/batched_gemm.h"
 #include "megatron_eopt/ns_algorithm.h"
 
-#include <ATen/ops/div.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/linalg_vector_norm.h>
+#include "torch/aten_ops.h"
 
 #include <array>
 
@@ -23,53 +20,52 @@ namespace {
 
 bool is_x_buffer(GramBuf b) { return b == GramBuf::kX0 || b == GramBuf::kX1; }
 
-void round_bf16_(at::Tensor& t) { t.copy_(t.to(at::kBFloat16)); }
 
 }  // namespace
 
-void gram_newton_schulz_cpu(const at::Tensor& w, at::Tensor& out, const NsOptions& opts, const GramProgram& program) {
+void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts, const GramProgram& program) {
   const bool bf16 = opts.precision == NsPrecision::kMedium;
   const int64_t batch = w.size(0), m = w.size(1), n = w.size(2), s = program.gram_side;
   const bool transpose = opts.transpose;
 
-  std::array<at::Tensor, kGramBufCount> buf;
-  const auto matrices = w.options().dtype(at::kFloat);
+  std::array<Tensor, kGramBufCount> buf;
+
   buf[gram_buf_index(GramBuf::kOut)] = out;
   for (GramBuf b : {GramBuf::kX0, GramBuf::kX1}) {
-    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = at::empty({batch, m, n}, matrices);
+    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = aten::empty({batch, m, n}, kFloat, w.device());
   }
   for (GramBuf b : {GramBuf::kS0, GramBuf::kS1, GramBuf::kS2, GramBuf::kS3, GramBuf::kQx}) {
-    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = at::empty({batch, s, s}, matrices);
+    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = aten::empty({batch, s, s}, kFloat, w.device());
   }
-  const auto at_ = [&buf](GramBuf b) -> at::Tensor& { return buf[gram_buf_index(b)]; };
+  const auto at_ = [&buf](GramBuf b) -> Tensor& { return buf[gram_buf_index(b)]; };
   const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
-  const at::Tensor none;
+  const Tensor none;
 
   // W0 = x / max(||x||_F, eps) per matrix, in x's own layout (the Gram side is a choice of
   // product, not of storage).
-  at::Tensor& x0 = at_(program.x_first);
-  const at::Tensor norm = at::linalg_vector_norm(w, 2, at::IntArrayRef{-2, -1}, /*keepdim=*/true).clamp_min(opts.eps);
-  at::div_out(x0, w, norm);
+  Tensor& x0 = at_(program.x_first);
+  const Tensor norm = clamped_matrix_norms(w, opts.eps);
+  aten::div_out(x0, w, norm);
   if (bf16) round_bf16_(x0);
 
   for (const GramOp& op : program.ops) {
     switch (op.kind) {
       case GramOpKind::kAddDiag:
-        at_(op.d).diagonal(0, -2, -1).add_(op.alpha);
+        add_to_diagonal_(at_(op.d), op.alpha);
         break;
       case GramOpKind::kRound:
-        at_(op.d).copy_(at_(op.a).to(at::kBFloat16));
+        aten::copy_(at_(op.d), aten::to_dtype(at_(op.a), kBFloat16));
         break;
       case GramOpKind::kGemm: {
-        at::Tensor& d = at_(op.d);
+        Tensor& d = at_(op.d);
         if (op.gemm == GramGemm::kGram) {
-          const at::Tensor& x = at_(op.a);
-          if (transpose) symmetric_gemm_out(d, x.mT(), x, 1.0, none, 0.0, blocks);  // X^T X
-          else symmetric_gemm_out(d, x, x.mT(), 1.0, none, 0.0, blocks);            // X X^T
+          const Tensor& x = at_(op.a);
+          if (transpose) symmetric_gemm_out(d, aten::mT(x), x, 1.0, none, 0.0, blocks);  // X^T X
+          else symmetric_gemm_out(d, x, aten::mT(x), 1.0, none, 0.0, blocks);            // X X^T
         } else if (op.gemm == GramGemm::kApply) {
           // Operands as the column-major plan orders them: (X, Q) wide, (Q, X) tall.
-          const at::Tensor& x = transpose ? at_(op.b) : at_(op.a);
-          const at::Tensor& q = transpose ? at_(op.a) : at_(op.b);
+          const Tensor& x = transpose ? at_(op.b) : at_(op.a);
+          const Tensor& q = transpose ? at_(op.a) : at_(op.b);
           if (transpose) gemm_out(d, x, q, 1.0, none, 0.0);  // X Q = (Q X^T)^T
           else gemm_out(d, q, x, 1.0, none, 0.0);            // Q X
           if (bf16 && is_x_buffer(op.d)) round_bf16_(d);

@@ -1,10 +1,6 @@
 // qk_clip_ on the CPU: rows spread over the threads, each row scaled by its block's factor with
 // the same per-element math as the CUDA kernel (qk_clip.h).
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
-#include <ATen/Parallel.h>
 #include <algorithm>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
 
 #include "cpu/cpu_clones.h"
 #include "megatron_eopt/qk_clip.h"
@@ -22,13 +18,13 @@ template <typename T>
 void scale_weight(const QkClipWeight& w) {
   T* data = static_cast<T*>(w.data);
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, w.cols));
-  at::parallel_for(0, w.rows, grain, [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, w.rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) scale_row(data + r * w.row_stride, w.cols, w.factors[r / w.block_rows]);
   });
 }
 
-void qk_clip_cpu(at::TensorList weights, at::TensorList factors, at::IntArrayRef block_rows) {
-  const QkClipCall call = parse_qk_clip(weights, factors, block_rows, c10::kCPU);
+void qk_clip_cpu(const TensorList& weights, const TensorList& factors, const std::vector<int64_t>& block_rows) {
+  const QkClipCall call = parse_qk_clip(weights, factors, block_rows, kCPU);
   for (const QkClipWeight& w : call.weights) {
     switch (call.type) {
       case StorageType::kFloat32: scale_weight<float>(w); break;
@@ -40,6 +36,6 @@ void qk_clip_cpu(at::TensorList weights, at::TensorList factors, at::IntArrayRef
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("qk_clip_", &qk_clip_cpu); }
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("qk_clip_", TORCH_BOX(&qk_clip_cpu)); }
 
 }  // namespace megatron_eopt

@@ -1,11 +1,6 @@
 // Second-moment normalizations on the CPU: the same per-element / per-slice / per-matrix math as
 // the CUDA kernels (megatron_eopt/second_moment_math.h), reductions accumulated in double,
-// parallelized with at::parallel_for.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
+// parallelized with torch's parallel_for.
 
 #include <algorithm>
 #include <optional>
@@ -13,6 +8,8 @@
 
 #include "cpu/cpu_clones.h"
 #include "megatron_eopt/second_moment_math.h"
+#include "megatron_eopt/storage_types.h"
+#include "torch/aten_ops.h"
 #include "torch/second_moment_args.h"
 
 namespace megatron_eopt {
@@ -34,13 +31,13 @@ MEGATRON_EOPT_CPU_CLONES double sum_squares_range(const T* p, int64_t begin, int
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      const double x = static_cast<float>(p[i + l]);
+      const double x = to_float(p[i + l]);
       lanes[l] += x * x;
     }
   }
   double total = 0.0;
   for (; i < end; ++i) {
-    const double x = static_cast<float>(p[i]);
+    const double x = to_float(p[i]);
     total += x * x;
   }
   for (int l = 0; l < kLanes; ++l) total += lanes[l];
@@ -53,7 +50,7 @@ MEGATRON_EOPT_CPU_CLONES void adamuon_range(float* __restrict__ o, float* __rest
 }
 
 void adamuon_one(float* o, float* v, int64_t numel, float weight, float eps) {
-  at::parallel_for(0, numel, kGrainElements,
+  torch::stable::parallel_for(0, numel, kGrainElements,
                    [&](int64_t begin, int64_t end) { adamuon_range(o, v, begin, end, weight, eps); });
 }
 
@@ -64,11 +61,11 @@ void normuon_one(float* o, float* v, int64_t rows, int64_t cols, float weight, f
   const int64_t slice_len = by_row ? cols : rows;
   std::vector<double> sums(static_cast<std::size_t>(slices), 0.0);
   if (by_row) {
-    at::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
+    torch::stable::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) sums[r] = sum_squares_range(o + r * cols, 0, cols);
     });
   } else {  // column sums, row by row over a block of columns (cache friendly)
-    at::parallel_for(0, cols, grain_for(rows), [&](int64_t begin, int64_t end) {
+    torch::stable::parallel_for(0, cols, grain_for(rows), [&](int64_t begin, int64_t end) {
       for (int64_t r = 0; r < rows; ++r) {
         const float* row = o + r * cols;
         for (int64_t c = begin; c < end; ++c) sums[c] += static_cast<double>(row[c]) * row[c];
@@ -85,69 +82,82 @@ void normuon_one(float* o, float* v, int64_t rows, int64_t cols, float weight, f
     sum_u += static_cast<double>(step) * step * sums[j];
   }
   const float ratio = normuon_norm_ratio(static_cast<float>(sum_o), static_cast<float>(sum_u), eps);
-  at::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
+  torch::stable::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t c = 0; c < cols; ++c) o[r * cols + c] = o[r * cols + c] * steps[by_row ? r : c] * ratio;
     }
   });
 }
 
-double sum_squares(const at::Tensor& t) {
-  const at::Tensor x = t.contiguous();
-  double total = 0.0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "namo_normalize_", [&] {
-    const scalar_t* p = x.const_data_ptr<scalar_t>();
-    total = at::parallel_reduce(
-        0, x.numel(), kGrainElements, 0.0,
-        [&](int64_t begin, int64_t end, double acc) { return acc + sum_squares_range(p, begin, end); },
-        [](double a, double b) { return a + b; });
+// Fixed chunks of kGrainElements, summed in order: the result does not depend on the thread count.
+template <typename T>
+double sum_squares_of(const T* p, int64_t numel) {
+  const int64_t chunks = (numel + kGrainElements - 1) / kGrainElements;
+  std::vector<double> partial(static_cast<std::size_t>(chunks), 0.0);
+  torch::stable::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      partial[c] = sum_squares_range(p, c * kGrainElements, std::min(numel, (c + 1) * kGrainElements));
+    }
   });
+  double total = 0.0;
+  for (double v : partial) total += v;
   return total;
 }
 
-void adamuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
-                           const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+// grads / ns_inputs of NAMO: float32, bfloat16 or float16 (the checks admit no other dtype).
+double sum_squares(const Tensor& t) {
+  const Tensor x = aten::contiguous(t);
+  const void* p = x.const_data_ptr();
+  switch (x.scalar_type()) {
+    case kBFloat16: return sum_squares_of(static_cast<const Bf16*>(p), x.numel());
+    case kHalf: return sum_squares_of(static_cast<const Fp16*>(p), x.numel());
+    default: return sum_squares_of(static_cast<const float*>(p), x.numel());
+  }
+}
+
+void adamuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2,
+                           const Tensor& eps, const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps,
-                                                    std::nullopt, found_inf, c10::kCPU);
+                                                    std::nullopt, found_inf, kCPU);
   if (step_skipped(scalars.found_inf)) return;
   const Moment2Step h = moment2_step(scalars);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    adamuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].numel(), h.weight, h.eps);
+    adamuon_one(o[i].mutable_data_ptr<float>(), v[i].mutable_data_ptr<float>(), o[i].numel(), h.weight, h.eps);
   }
   o.write_back();
   v.write_back();
 }
 
-void normuon_normalize_cpu(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
-                           const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+void normuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2,
+                           const Tensor& eps, const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps,
-                                                    std::nullopt, found_inf, c10::kCPU);
+                                                    std::nullopt, found_inf, kCPU);
   if (step_skipped(scalars.found_inf)) return;
   const Moment2Step h = moment2_step(scalars);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    normuon_one(o[i].data_ptr<float>(), v[i].data_ptr<float>(), o[i].size(0), o[i].size(1), h.weight, h.eps);
+    normuon_one(o[i].mutable_data_ptr<float>(), v[i].mutable_data_ptr<float>(), o[i].size(0), o[i].size(1), h.weight, h.eps);
   }
   o.write_back();
   v.write_back();
 }
 
-void namo_normalize_cpu(at::TensorList updates, at::TensorList moment2, at::TensorList grads,
-                        at::TensorList ns_inputs, const at::Tensor& beta2, const at::Tensor& eps,
-                        const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+void namo_normalize_cpu(const TensorList& updates, const TensorList& moment2, const TensorList& grads,
+                        const TensorList& ns_inputs, const Tensor& beta2, const Tensor& eps,
+                        const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2,
-                                                    eps, grad_scale, found_inf, c10::kCPU);
+                                                    eps, grad_scale, found_inf, kCPU);
   if (step_skipped(scalars.found_inf)) return;
   const Moment2Step h = moment2_step(scalars);
   const double scale = scalars.grad_scale.load_or(1.0);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
     const float grad_sum_sq = namo_grad_sum_sq(static_cast<float>(sum_squares(grads[i])), scale);
-    const float factor = namo_scale(*v[i].data_ptr<float>(), grad_sum_sq, static_cast<float>(sum_squares(ns_inputs[i])),
+    const float factor = namo_scale(*v[i].mutable_data_ptr<float>(), grad_sum_sq, static_cast<float>(sum_squares(ns_inputs[i])),
                                     h.weight, h.eps);
-    float* out = o[i].data_ptr<float>();
-    at::parallel_for(0, o[i].numel(), kGrainElements, [&](int64_t begin, int64_t end) {
+    float* out = o[i].mutable_data_ptr<float>();
+    torch::stable::parallel_for(0, o[i].numel(), kGrainElements, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) out[j] *= factor;
     });
   }
@@ -157,10 +167,10 @@ void namo_normalize_cpu(at::TensorList updates, at::TensorList moment2, at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
-  m.impl("adamuon_normalize_", &adamuon_normalize_cpu);
-  m.impl("normuon_normalize_", &normuon_normalize_cpu);
-  m.impl("namo_normalize_", &namo_normalize_cpu);
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
+  m.impl("adamuon_normalize_", TORCH_BOX(&adamuon_normalize_cpu));
+  m.impl("normuon_normalize_", TORCH_BOX(&normuon_normalize_cpu));
+  m.impl("namo_normalize_", TORCH_BOX(&namo_normalize_cpu));
 }
 
 }  // namespace megatron_eopt

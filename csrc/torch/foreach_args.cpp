@@ -1,4 +1,3 @@
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "torch/foreach_args.h"
 
 #include <cmath>
@@ -6,8 +5,7 @@
 #include <stdexcept>
 #include <string>
 
-#include <ATen/MemoryOverlap.h>
-#include <c10/util/Exception.h>
+#include "megatron_eopt/strided_layout.h"
 
 namespace megatron_eopt {
 namespace {
@@ -15,72 +13,75 @@ namespace {
 // A named list of an op call, for messages like "foreach_update_: updates[3] ...".
 struct NamedList {
   const char* name;
-  at::TensorList tensors;
+  const TensorList& tensors;
   bool written;  // the op writes it (a working copy must be copied back, so it must not overlap)
 };
 
-StorageType storage_type(at::ScalarType t) {
+StorageType storage_type(ScalarType t) {
   switch (t) {
-    case at::kBFloat16: return StorageType::kBFloat16;
-    case at::kHalf: return StorageType::kFloat16;
+    case kBFloat16: return StorageType::kBFloat16;
+    case kHalf: return StorageType::kFloat16;
     default: return StorageType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
   }
 }
 
-bool is_param_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+bool is_param_dtype(ScalarType t) { return t == kFloat || t == kBFloat16 || t == kHalf; }
 
-WeightDecayMethod parse_method(const char* op, c10::string_view name) {
+WeightDecayMethod parse_method(const char* op, const std::string& name) {
   try {
     return parse_weight_decay_method(std::string_view(name.data(), name.size()));
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, op, ": ", e.what());
+    MEGATRON_EOPT_CHECK_VALUE(false, op, ": ", e.what());
   }
 }
 
 // All tensors of `list` share one dtype, admitted by `allowed`; returns it (nullopt: empty list).
 template <typename Allowed>
-std::optional<at::ScalarType> list_dtype(const char* op, const NamedList& list, const char* rule,
+std::optional<ScalarType> list_dtype(const char* op, const NamedList& list, const char* rule,
                                          const Allowed& allowed) {
-  std::optional<at::ScalarType> dtype;
+  std::optional<ScalarType> dtype;
   for (std::size_t i = 0; i < list.tensors.size(); ++i) {
-    const at::ScalarType t = list.tensors[i].scalar_type();
-    TORCH_CHECK_TYPE(allowed(t), op, ": ", list.name, "[", i, "] is ", t, "; ", rule);
+    const ScalarType t = list.tensors[i].scalar_type();
+    MEGATRON_EOPT_CHECK_TYPE(allowed(t), op, ": ", list.name, "[", i, "] is ", t, "; ", rule);
     if (!dtype) dtype = t;
-    TORCH_CHECK_TYPE(t == *dtype, op, ": ", list.name, "[", i, "] is ", t, " but ", list.name, "[0] is ", *dtype,
+    MEGATRON_EOPT_CHECK_TYPE(t == *dtype, op, ": ", list.name, "[", i, "] is ", t, " but ", list.name, "[0] is ", *dtype,
                      "; all ", list.name, " must share one dtype");
   }
   return dtype;
 }
 
 void check_length(const char* op, const NamedList& list, const NamedList& reference) {
-  TORCH_CHECK_VALUE(list.tensors.size() == reference.tensors.size(), op, ": ", list.name, " has ",
+  MEGATRON_EOPT_CHECK_VALUE(list.tensors.size() == reference.tensors.size(), op, ": ", list.name, " has ",
                     list.tensors.size(), " tensors but ", reference.tensors.size(), " ", reference.name,
                     " were given");
 }
 
 // Same device for every tensor, of the backend's type; returns that device (nullopt: no tensor).
-std::optional<at::Device> common_device(const char* op, std::initializer_list<NamedList> lists,
-                                        c10::DeviceType backend) {
-  std::optional<at::Device> device;
+std::optional<Device> common_device(const char* op, std::initializer_list<NamedList> lists,
+                                        DeviceType backend) {
+  std::optional<Device> device;
   const char* first_name = nullptr;
   for (const NamedList& list : lists) {
     for (std::size_t i = 0; i < list.tensors.size(); ++i) {
-      const at::Device d = list.tensors[i].device();
+      const Device d = list.tensors[i].device();
       if (!device) {
         device = d;
         first_name = list.name;
-        TORCH_CHECK_VALUE(d.type() == backend, op, ": ", list.name, "[", i, "] is on ", d, ", expected a ",
-                          c10::DeviceTypeName(backend, /*lower_case=*/true), " tensor");
+        MEGATRON_EOPT_CHECK_VALUE(d.type() == backend, op, ": ", list.name, "[", i, "] is on ", d, ", expected a ",
+                          device_type_name(backend), " tensor");
       }
-      TORCH_CHECK_VALUE(d == *device, op, ": ", list.name, "[", i, "] is on ", d, " but ", first_name,
+      MEGATRON_EOPT_CHECK_VALUE(d == *device, op, ": ", list.name, "[", i, "] is on ", d, " but ", first_name,
                         "[0] is on ", *device, "; all tensors must be on one device");
     }
   }
   return device;
 }
 
-bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.is_non_overlapping_and_dense() || !b.is_non_overlapping_and_dense()) return false;
+bool same_dense_layout(const Tensor& a, const Tensor& b) {
+  if (!non_overlapping_and_dense(aten::sizes_of(a), aten::strides_of(a)) ||
+      !non_overlapping_and_dense(aten::sizes_of(b), aten::strides_of(b))) {
+    return false;
+  }
   for (int64_t d = 0; d < a.dim(); ++d) {
     if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
   }
@@ -89,13 +90,13 @@ bool same_dense_layout(const at::Tensor& a, const at::Tensor& b) {
 
 // Index i of every list: the reference's shape; written tensors must not overlap themselves.
 void check_index(const char* op, std::size_t i, const NamedList& reference, std::initializer_list<NamedList> lists) {
-  const at::Tensor& ref = reference.tensors[i];
+  const Tensor& ref = reference.tensors[i];
   for (const NamedList& list : lists) {
     if (list.tensors.empty()) continue;
-    const at::Tensor& t = list.tensors[i];
-    TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", list.name, "[", i, "] has shape ", t.sizes(), " but ",
+    const Tensor& t = list.tensors[i];
+    MEGATRON_EOPT_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", list.name, "[", i, "] has shape ", t.sizes(), " but ",
                       reference.name, "[", i, "] has shape ", ref.sizes());
-    TORCH_CHECK_VALUE(!list.written || t.numel() == 0 || at::has_internal_overlap(t) != at::MemOverlap::Yes, op,
+    MEGATRON_EOPT_CHECK_VALUE(!list.written || t.numel() == 0 || !has_internal_overlap(aten::sizes_of(t), aten::strides_of(t)), op,
                       ": ", list.name, "[", i, "] has overlapping memory (strides ", t.strides(),
                       ") and cannot be written in place");
   }
@@ -105,18 +106,18 @@ void check_index(const char* op, std::size_t i, const NamedList& reference, std:
 // every tensor of the index shares one dense layout they are used as they are; otherwise each
 // non-contiguous one is replaced by a contiguous working copy (written ones are copied back).
 template <typename Args>
-std::vector<at::Tensor> working_tensors(ForeachCall<Args>& call, std::size_t i,
+std::vector<Tensor> working_tensors(ForeachCall<Args>& call, std::size_t i,
                                         std::initializer_list<NamedList> lists) {
-  std::vector<at::Tensor> tensors;
-  for (const NamedList& list : lists) tensors.push_back(list.tensors.empty() ? at::Tensor() : list.tensors[i]);
+  std::vector<Tensor> tensors;
+  for (const NamedList& list : lists) tensors.push_back(list.tensors.empty() ? Tensor() : list.tensors[i]);
   bool shared = true;
-  const at::Tensor& first = tensors.front();
-  for (const at::Tensor& t : tensors) shared = shared && (!t.defined() || same_dense_layout(first, t));
+  const Tensor& first = tensors.front();
+  for (const Tensor& t : tensors) shared = shared && (!t.defined() || same_dense_layout(first, t));
   if (shared) return tensors;
   auto list = lists.begin();
-  for (at::Tensor& t : tensors) {
+  for (Tensor& t : tensors) {
     if (t.defined() && !t.is_contiguous()) {
-      at::Tensor work = t.contiguous();
+      Tensor work = aten::contiguous(t);
       if (list->written) {
         call.outputs.emplace_back(t, work);
       } else {
@@ -132,41 +133,41 @@ std::vector<at::Tensor> working_tensors(ForeachCall<Args>& call, std::size_t i,
 // On the CPU the scalars are host memory, so their values are checked too (on CUDA reading
 // them would synchronize: the Python front checks Python numbers, device tensors are the caller's).
 // `in_range` (nullptr: any finite value) states the rule spelled out in `rule`.
-void check_host_value(const char* op, const char* name, const StepScalar& s, c10::DeviceType backend,
+void check_host_value(const char* op, const char* name, const StepScalar& s, DeviceType backend,
                       bool (*in_range)(double), const char* rule) {
-  if (backend != c10::kCPU || !s.present()) return;
+  if (backend != kCPU || !s.present()) return;
   const double v = s.load();
   const bool ok = std::isfinite(v) && (in_range == nullptr || in_range(v));
-  TORCH_CHECK_VALUE(ok, op, ": ", name, " must be ", rule, ", got ", v);
+  MEGATRON_EOPT_CHECK_VALUE(ok, op, ": ", name, " must be ", rule, ", got ", v);
 }
 
 }  // namespace
 
-StepScalar step_scalar(const char* op, const char* name, const std::optional<at::Tensor>& t,
-                       std::optional<at::Device> device, c10::DeviceType backend, bool required) {
+StepScalar step_scalar(const char* op, const char* name, const std::optional<Tensor>& t,
+                       const std::optional<Device>& device, DeviceType backend, bool required) {
   if (!t.has_value() || !t->defined()) {
-    TORCH_CHECK_VALUE(!required, op, ": ", name, " must be a 0-dim float32 or float64 tensor, got None");
+    MEGATRON_EOPT_CHECK_VALUE(!required, op, ": ", name, " must be a 0-dim float32 or float64 tensor, got None");
     return {};
   }
-  TORCH_CHECK_VALUE(t->dim() == 0, op, ": ", name, " must be a 0-dim float32 or float64 tensor, got shape ",
+  MEGATRON_EOPT_CHECK_VALUE(t->dim() == 0, op, ": ", name, " must be a 0-dim float32 or float64 tensor, got shape ",
                     t->sizes());
-  TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat || t->scalar_type() == at::kDouble, op, ": ", name,
+  MEGATRON_EOPT_CHECK_TYPE(t->scalar_type() == kFloat || t->scalar_type() == kDouble, op, ": ", name,
                    " must be a 0-dim float32 or float64 tensor, got ", t->scalar_type());
   if (device) {
-    TORCH_CHECK_VALUE(t->device() == *device, op, ": ", name, " is on ", t->device(),
+    MEGATRON_EOPT_CHECK_VALUE(t->device() == *device, op, ": ", name, " is on ", t->device(),
                       " but the tensor lists are on ", *device, "; pass it as a 0-dim tensor on their device");
   } else {
-    TORCH_CHECK_VALUE(t->device().type() == backend, op, ": ", name, " is on ", t->device(), ", expected a ",
-                      c10::DeviceTypeName(backend, /*lower_case=*/true), " tensor");
+    MEGATRON_EOPT_CHECK_VALUE(t->device().type() == backend, op, ": ", name, " is on ", t->device(), ", expected a ",
+                      device_type_name(backend), " tensor");
   }
-  return StepScalar{t->const_data_ptr(), t->scalar_type() == at::kDouble};
+  return StepScalar{t->const_data_ptr(), t->scalar_type() == kDouble};
 }
 
 ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
-    at::TensorList grads, at::TensorList momentum_buffers, at::TensorList ns_inputs, at::TensorList params,
-    const at::Tensor& momentum, bool nesterov, const at::Tensor& weight_decay, c10::string_view weight_decay_method,
-    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf,
-    c10::DeviceType backend) {
+    const TensorList& grads, const TensorList& momentum_buffers, const TensorList& ns_inputs, const TensorList& params,
+    const Tensor& momentum, bool nesterov, const Tensor& weight_decay, const std::string& weight_decay_method,
+    const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf,
+    DeviceType backend) {
   constexpr const char* op = "foreach_momentum_";
   const NamedList g{"grads", grads, false}, m{"momentum_buffers", momentum_buffers, true},
       n{"ns_inputs", ns_inputs, true}, p{"params", params, false};
@@ -174,7 +175,7 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
   check_length(op, m, g);
   check_length(op, n, g);
   if (method == WeightDecayMethod::kL2) {
-    TORCH_CHECK_VALUE(params.size() == grads.size(), op,
+    MEGATRON_EOPT_CHECK_VALUE(params.size() == grads.size(), op,
                       ": weight_decay_method 'l2' reads the parameters: params must have one tensor per "
                       "gradient, got ",
                       params.size(), " for ", grads.size(), " grads");
@@ -184,13 +185,13 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
 
   const auto grad_dtype = list_dtype(op, g, "grads must be float32, bfloat16 or float16", is_param_dtype);
   if (grad_dtype) {
-    const at::ScalarType gd = *grad_dtype;
-    list_dtype(op, p, "params must have the gradients' dtype", [&](at::ScalarType t) { return t == gd; });
+    const ScalarType gd = *grad_dtype;
+    list_dtype(op, p, "params must have the gradients' dtype", [&](ScalarType t) { return t == gd; });
     list_dtype(op, m, "momentum buffers must be float32 or the gradients' dtype",
-               [&](at::ScalarType t) { return t == gd || t == at::kFloat; });
+               [&](ScalarType t) { return t == gd || t == kFloat; });
   }
   const auto ns_dtype = list_dtype(op, n, "ns_inputs must be float32 or bfloat16",
-                                   [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; });
+                                   [](ScalarType t) { return t == kFloat || t == kBFloat16; });
   const auto device = common_device(op, {g, m, n, p}, backend);
 
   ForeachCall<ForeachMomentumArgs> call;
@@ -204,14 +205,14 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
   check_host_value(op, "weight_decay", args.weight_decay, backend, nullptr, "finite");
   for (std::size_t i = 0; i < grads.size(); ++i) check_index(op, i, g, {m, n, p});
 
-  args.grad_type = storage_type(grad_dtype.value_or(at::kFloat));
-  args.buffer_type = storage_type(momentum_buffers.empty() ? at::kFloat : momentum_buffers[0].scalar_type());
-  args.ns_type = storage_type(ns_dtype.value_or(at::kFloat));
+  args.grad_type = storage_type(grad_dtype.value_or(kFloat));
+  args.buffer_type = storage_type(momentum_buffers.empty() ? kFloat : momentum_buffers[0].scalar_type());
+  args.ns_type = storage_type(ns_dtype.value_or(kFloat));
   args.nesterov = nesterov;
   args.l2 = method == WeightDecayMethod::kL2;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].numel() == 0) continue;
-    const std::vector<at::Tensor> t =
+    const std::vector<Tensor> t =
         args.l2 ? working_tensors(call, i, {g, m, n, p}) : working_tensors(call, i, {g, m, n});
     args.grads.push_back(t[0].const_data_ptr());
     args.buffers.push_back(t[1].data_ptr());
@@ -222,27 +223,27 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
   return call;
 }
 
-ForeachCall<ForeachUpdateArgs> parse_foreach_update(at::TensorList params, at::TensorList updates,
-                                                    c10::ArrayRef<double> scales, const at::Tensor& lr,
-                                                    const at::Tensor& weight_decay,
-                                                    c10::string_view weight_decay_method,
-                                                    const std::optional<at::Tensor>& found_inf,
-                                                    c10::DeviceType backend) {
+ForeachCall<ForeachUpdateArgs> parse_foreach_update(const TensorList& params, const TensorList& updates,
+                                                    const std::vector<double>& scales, const Tensor& lr,
+                                                    const Tensor& weight_decay,
+                                                    const std::string& weight_decay_method,
+                                                    const std::optional<Tensor>& found_inf,
+                                                    DeviceType backend) {
   constexpr const char* op = "foreach_update_";
   const NamedList p{"params", params, true}, u{"updates", updates, false};
   const WeightDecayMethod method = parse_method(op, weight_decay_method);
   check_length(op, u, p);
-  TORCH_CHECK_VALUE(scales.size() == params.size(), op, ": scales has ", scales.size(), " values but ",
+  MEGATRON_EOPT_CHECK_VALUE(scales.size() == params.size(), op, ": scales has ", scales.size(), " values but ",
                     params.size(), " params were given");
   for (std::size_t i = 0; i < scales.size(); ++i) {
-    TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scales[i])), op, ": scales[", i,
+    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(static_cast<float>(scales[i])), op, ": scales[", i,
                       "] must be finite in float32, got ", scales[i]);
   }
   const auto param_dtype = list_dtype(op, p, "params must be float32, bfloat16 or float16", is_param_dtype);
   if (param_dtype) {
-    const at::ScalarType pd = *param_dtype;
+    const ScalarType pd = *param_dtype;
     list_dtype(op, u, "updates must be float32 or the parameters' dtype",
-               [&](at::ScalarType t) { return t == pd || t == at::kFloat; });
+               [&](ScalarType t) { return t == pd || t == kFloat; });
   }
   const auto device = common_device(op, {p, u}, backend);
 
@@ -255,12 +256,12 @@ ForeachCall<ForeachUpdateArgs> parse_foreach_update(at::TensorList params, at::T
   check_host_value(op, "weight_decay", args.weight_decay, backend, nullptr, "finite");
   for (std::size_t i = 0; i < params.size(); ++i) check_index(op, i, p, {u});
 
-  args.param_type = storage_type(param_dtype.value_or(at::kFloat));
-  args.update_type = storage_type(updates.empty() ? at::kFloat : updates[0].scalar_type());
+  args.param_type = storage_type(param_dtype.value_or(kFloat));
+  args.update_type = storage_type(updates.empty() ? kFloat : updates[0].scalar_type());
   args.method = method;
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (params[i].numel() == 0) continue;
-    const std::vector<at::Tensor> t = working_tensors(call, i, {p, u});
+    const std::vector<Tensor> t = working_tensors(call, i, {p, u});
     args.params.push_back(t[0].data_ptr());
     args.updates.push_back(t[1].const_data_ptr());
     args.scales.push_back(static_cast<float>(scales[i]));

@@ -1,24 +1,22 @@
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "torch/newton_schulz_args.h"
 
 #include <cmath>
 #include <stdexcept>
 #include <string>
 
-#include <c10/util/Exception.h>
 
 namespace megatron_eopt {
 
-NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
+NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps,
                            bool repeat_last, double eps, std::optional<bool> transpose,
-                           c10::string_view precision, c10::string_view algorithm) {
-  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat,
+                           const std::string& precision, const std::string& algorithm) {
+  MEGATRON_EOPT_CHECK_TYPE(x.scalar_type() == kFloat,
                    "newton_schulz: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
+  MEGATRON_EOPT_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
                     "newton_schulz: x must be 2-D (m, n) or 3-D (batch, m, n), got ", x.dim(), "-D");
-  TORCH_CHECK_VALUE(steps >= 1, "newton_schulz: steps must be at least 1, got ", steps);
+  MEGATRON_EOPT_CHECK_VALUE(steps >= 1, "newton_schulz: steps must be at least 1, got ", steps);
   // The kernels use eps in fp32: below ~1e-45 it would become 0 (NaN on a zero input), above 3.4e38 inf.
-  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(eps)) && static_cast<float>(eps) > 0.f,
+  MEGATRON_EOPT_CHECK_VALUE(std::isfinite(static_cast<float>(eps)) && static_cast<float>(eps) > 0.f,
                     "newton_schulz: eps must be finite and positive in float32, got ", eps);
   NsOptions opts{};
   try {
@@ -27,7 +25,7 @@ NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficien
     opts.precision = parse_ns_precision(std::string(precision.data(), precision.size()));
     opts.algorithm = parse_ns_algorithm(std::string(algorithm.data(), algorithm.size()));
   } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, "newton_schulz: ", e.what());
+    MEGATRON_EOPT_CHECK_VALUE(false, "newton_schulz: ", e.what());
   }
   opts.eps = static_cast<float>(eps);
   opts.batch = x.dim() == 3 ? x.size(0) : 1;

@@ -4,9 +4,9 @@
 #include <optional>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/ArrayRef.h>
-#include <c10/util/string_view.h>
+#include <string>
+
+#include "torch/stable.h"
 
 #include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/ns_precision.h"
@@ -24,9 +24,9 @@ struct NsOptions {
 };
 
 // Validates x (fp32, 2-D or 3-D) and the hyper-parameters; every failure names its argument.
-NsOptions parse_ns_options(const at::Tensor& x, c10::ArrayRef<double> coefficients, int64_t steps,
+NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps,
                            bool repeat_last, double eps, std::optional<bool> transpose,
-                           c10::string_view precision, c10::string_view algorithm);
+                           const std::string& precision, const std::string& algorithm);
 
 // The algorithm that runs on `device` (auto resolved) and, for Gram, its program.
 NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device);

@@ -7,10 +7,12 @@
 
 #include "megatron_eopt/ns_algorithm.h"
 
+#include "torch/c_export.h"
+
 // coefficients: `values` doubles, (a, b, c) rows; precision 0 medium, 1 high, 2 highest;
 // algorithm 0 auto, 1 standard, 2 gram; device 0 CPU, 1 CUDA. Writes restart[k] (0 or 1) for the
 // `steps` steps and returns 1 for the Gram iteration, 0 for the standard one, -1 on bad input.
-extern "C" int megatron_eopt_ns_plan(const double* coefficients, int64_t values, int64_t steps, int repeat_last,
+MEGATRON_EOPT_C_EXPORT int megatron_eopt_ns_plan(const double* coefficients, int64_t values, int64_t steps, int repeat_last,
                                      int64_t m, int64_t n, int transpose, int precision, int algorithm, int device,
                                      int8_t* restart) {
   using namespace megatron_eopt;

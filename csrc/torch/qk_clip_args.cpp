@@ -1,52 +1,51 @@
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include "torch/qk_clip_args.h"
 
-#include <ATen/MemoryOverlap.h>
-#include <c10/util/Exception.h>
+#include "megatron_eopt/strided_layout.h"
+#include "torch/aten_ops.h"
 
 namespace megatron_eopt {
 
-QkClipCall parse_qk_clip(at::TensorList weights, at::TensorList factors, at::IntArrayRef block_rows,
-                         c10::DeviceType backend) {
+QkClipCall parse_qk_clip(const TensorList& weights, const TensorList& factors, const std::vector<int64_t>& block_rows,
+                         DeviceType backend) {
   constexpr const char* op = "qk_clip_";
-  TORCH_CHECK_VALUE(factors.size() == weights.size(), op, ": factors has ", factors.size(), " tensors but ",
+  MEGATRON_EOPT_CHECK_VALUE(factors.size() == weights.size(), op, ": factors has ", factors.size(), " tensors but ",
                     weights.size(), " weights were given");
-  TORCH_CHECK_VALUE(block_rows.size() == weights.size(), op, ": block_rows has ", block_rows.size(),
+  MEGATRON_EOPT_CHECK_VALUE(block_rows.size() == weights.size(), op, ": block_rows has ", block_rows.size(),
                     " values but ", weights.size(), " weights were given");
   QkClipCall call;
   for (std::size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
-    const at::Tensor& f = factors[i];
-    const at::ScalarType t = w.scalar_type();
-    TORCH_CHECK_TYPE(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf, op, ": weights[", i, "] is ", t,
+    const Tensor& w = weights[i];
+    const Tensor& f = factors[i];
+    const ScalarType t = w.scalar_type();
+    MEGATRON_EOPT_CHECK_TYPE(t == kFloat || t == kBFloat16 || t == kHalf, op, ": weights[", i, "] is ", t,
                      "; weights must be float32, bfloat16 or float16");
-    TORCH_CHECK_TYPE(t == weights[0].scalar_type(), op, ": weights[", i, "] is ", t, " but weights[0] is ",
+    MEGATRON_EOPT_CHECK_TYPE(t == weights[0].scalar_type(), op, ": weights[", i, "] is ", t, " but weights[0] is ",
                      weights[0].scalar_type(), "; all weights must share one dtype");
-    TORCH_CHECK_VALUE(w.dim() == 2, op, ": weights[", i, "] must be 2-D, got ", w.dim(), "-D");
-    TORCH_CHECK_VALUE(w.device().type() == backend && w.device() == weights[0].device(), op, ": weights[", i,
+    MEGATRON_EOPT_CHECK_VALUE(w.dim() == 2, op, ": weights[", i, "] must be 2-D, got ", w.dim(), "-D");
+    MEGATRON_EOPT_CHECK_VALUE(w.device().type() == backend && w.device() == weights[0].device(), op, ": weights[", i,
                       "] is on ", w.device(), "; all weights must be on one ",
-                      c10::DeviceTypeName(backend, /*lower_case=*/true), " device");
-    TORCH_CHECK_VALUE(w.size(1) <= 1 || w.stride(1) == 1, op, ": weights[", i,
+                      device_type_name(backend), " device");
+    MEGATRON_EOPT_CHECK_VALUE(w.size(1) <= 1 || w.stride(1) == 1, op, ": weights[", i,
                       "] must have contiguous rows (stride 1 along dim 1), got strides ", w.strides());
-    TORCH_CHECK_VALUE(w.numel() == 0 || at::has_internal_overlap(w) != at::MemOverlap::Yes, op, ": weights[", i,
+    MEGATRON_EOPT_CHECK_VALUE(w.numel() == 0 || !has_internal_overlap(aten::sizes_of(w), aten::strides_of(w)), op, ": weights[", i,
                       "] has overlapping memory and cannot be written in place");
     const int64_t b = block_rows[i];
-    TORCH_CHECK_VALUE(b >= 1 && w.size(0) % b == 0, op, ": block_rows[", i, "] = ", b,
+    MEGATRON_EOPT_CHECK_VALUE(b >= 1 && w.size(0) % b == 0, op, ": block_rows[", i, "] = ", b,
                       " must be positive and divide the ", w.size(0), " rows of weights[", i, "]");
-    TORCH_CHECK_TYPE(f.scalar_type() == at::kFloat, op, ": factors[", i, "] must be float32, got ", f.scalar_type());
-    TORCH_CHECK_VALUE(f.dim() == 1 && f.size(0) == w.size(0) / b, op, ": factors[", i, "] must be 1-D with ",
+    MEGATRON_EOPT_CHECK_TYPE(f.scalar_type() == kFloat, op, ": factors[", i, "] must be float32, got ", f.scalar_type());
+    MEGATRON_EOPT_CHECK_VALUE(f.dim() == 1 && f.size(0) == w.size(0) / b, op, ": factors[", i, "] must be 1-D with ",
                       w.size(0) / b, " values (one per block of ", b, " rows), got shape ", f.sizes());
-    TORCH_CHECK_VALUE(f.device() == w.device(), op, ": factors[", i, "] is on ", f.device(), " but weights[", i,
+    MEGATRON_EOPT_CHECK_VALUE(f.device() == w.device(), op, ": factors[", i, "] is on ", f.device(), " but weights[", i,
                       "] is on ", w.device());
-    TORCH_CHECK_VALUE(f.is_contiguous(), op, ": factors[", i, "] must be contiguous");
+    MEGATRON_EOPT_CHECK_VALUE(f.is_contiguous(), op, ": factors[", i, "] must be contiguous");
   }
   if (!weights.empty()) {
-    const at::ScalarType t = weights[0].scalar_type();
-    call.type = t == at::kBFloat16 ? StorageType::kBFloat16 : t == at::kHalf ? StorageType::kFloat16
+    const ScalarType t = weights[0].scalar_type();
+    call.type = t == kBFloat16 ? StorageType::kBFloat16 : t == kHalf ? StorageType::kFloat16
                                                                                : StorageType::kFloat32;
   }
   for (std::size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
+    const Tensor& w = weights[i];
     if (w.numel() == 0) continue;
     call.weights.push_back(QkClipWeight{w.data_ptr(), factors[i].const_data_ptr<float>(), w.size(0), w.size(1),
                                         w.size(0) > 1 ? w.stride(0) : w.size(1), block_rows[i]});

@@ -3,8 +3,7 @@
 
 #include <vector>
 
-#include <ATen/core/Tensor.h>
-#include <c10/core/DeviceType.h>
+#include "torch/stable.h"
 
 #include "megatron_eopt/qk_clip.h"
 
@@ -18,7 +17,7 @@ struct QkClipCall {
 // Validates (ValueError / TypeError naming the argument, before anything is written) and returns
 // the descriptors: weights 2-D float32 / bfloat16 / float16 of one dtype with contiguous rows;
 // factors[i] 1-D float32 with rows_i / block_rows[i] values; one device of the backend's type.
-QkClipCall parse_qk_clip(at::TensorList weights, at::TensorList factors, at::IntArrayRef block_rows,
-                         c10::DeviceType backend);
+QkClipCall parse_qk_clip(const TensorList& weights, const TensorList& factors, const std::vector<int64_t>& block_rows,
+                         DeviceType backend);
 
 }  // namespace megatron_eopt

@@ -7,8 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include <ATen/core/Tensor.h>
-#include <c10/core/ScalarType.h>
+#include "torch/stable.h"
 
 #include "megatron_eopt/second_moment_math.h"
 
@@ -25,22 +24,23 @@ std::vector<int64_t> moment2_shape(Moment2Method method, int64_t rows, int64_t c
 // 0-dim fp32 / fp64 tensors on that device (on the CPU also their values: beta2 in [0, 1], eps
 // finite and positive in fp32; device values are the caller's to check, reading them would sync).
 // `grads` / `ns_inputs` / `grad_scale` are only checked for NAMO. Failures name the argument.
-Moment2Scalars check_moment2_args(Moment2Method method, at::TensorList updates, at::TensorList moment2,
-                                  at::TensorList grads, at::TensorList ns_inputs, const at::Tensor& beta2,
-                                  const at::Tensor& eps, const std::optional<at::Tensor>& grad_scale,
-                                  const std::optional<at::Tensor>& found_inf, c10::DeviceType backend);
+Moment2Scalars check_moment2_args(Moment2Method method, const TensorList& updates, const TensorList& moment2,
+                                  const TensorList& grads, const TensorList& ns_inputs, const Tensor& beta2,
+                                  const Tensor& eps, const std::optional<Tensor>& grad_scale,
+                                  const std::optional<Tensor>& found_inf, DeviceType backend);
 
 // Contiguous working tensors of an in-place list argument: the originals where they are contiguous,
 // copies otherwise; write_back() copies the results into the non-contiguous originals.
 class InPlaceList {
  public:
-  explicit InPlaceList(at::TensorList targets);
-  const at::Tensor& operator[](std::size_t i) const { return work_[i]; }
+  explicit InPlaceList(const TensorList& targets);
+  const Tensor& operator[](std::size_t i) const { return work_[i]; }
   void write_back() const;
 
  private:
-  std::vector<at::Tensor> targets_;
-  std::vector<at::Tensor> work_;
+  std::vector<Tensor> targets_;
+  std::vector<Tensor> work_;
+  std::vector<bool> copied_;  // work_[i] is a contiguous copy of a non-contiguous targets_[i]
 };
 
 }  // namespace megatron_eopt

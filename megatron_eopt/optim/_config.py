@@ -12,6 +12,7 @@ from typing import Literal, Sequence
 
 import torch
 
+from .._errors import call_op
 from ..newton_schulz import (
     NS_ALGORITHMS,
     coefficient_table,
@@ -53,14 +54,14 @@ class OrthogonalizationConfig:
 
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled)."""
-        return torch.ops.megatron_eopt.newton_schulz(
-            x, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision, self.algorithm
+        return call_op(
+            torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision, self.algorithm
         )
 
     def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
         """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``."""
-        return torch.ops.megatron_eopt.newton_schulz_split(
-            x, list(sizes), num_groups, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision,
+        return call_op(
+            torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision,
             self.scale_mode if scaled else None, self.extra_scale_factor if scaled else 1.0, self.algorithm,
         )
 

@@ -49,6 +49,26 @@ def max_delta_err(params, ref_params, start):
     return worst
 
 
+def max_delta_err_without_flips(params, ref_params, start, max_flip_fraction=0.005):
+    """max_delta_err over the elements whose change agrees with the reference to within half of it.
+
+    For elementwise-normalized updates (AdaMuon: O / sqrt(v), whose first step is sign(O) /
+    sqrt(1 - beta2)), two bf16 implementations round a near-zero entry of O to opposite signs now
+    and then, which moves that element by a full step while the rest agree to bf16 accuracy. At
+    most `max_flip_fraction` of each param's elements may be such flips.
+    """
+    worst = 0.0
+    for p, r, s in zip(params, ref_params, start):
+        d, dr = p.detach().double() - s.double(), r.detach().double() - s.double()
+        flips = (d - dr).abs() > 0.5 * dr.abs()
+        assert flips.sum().item() <= max(1, max_flip_fraction * d.numel()), f"{int(flips.sum())} of {d.numel()} differ"
+        keep = ~flips
+        if dr[keep].norm() == 0:
+            continue
+        worst = max(worst, rel_err(d[keep], dr[keep]))
+    return worst
+
+
 def continued_delta_err(opt, params, ref_opt, ref_params, grads_per_step):
     """Runs both optimizers on the same grads; the worst relative error of their param changes."""
     start = [p.detach().clone() for p in params]

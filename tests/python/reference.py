@@ -105,3 +105,17 @@ def bf16_input_tolerance(x, coefficient_type="quintic", steps=5, custom=None):
     times the input's amplification (ns_amplification) where the schedule magnifies it more
     (polar_express on a 1 x n input: 238)."""
     return max(TOLERANCE["medium"], BF16_UNIT_ROUNDOFF * ns_amplification(x, coefficient_type, steps, custom))
+
+
+def op_raises(kind, match: str):
+    """pytest.raises for a direct ``torch.ops.megatron_eopt`` call that fails its argument checks.
+
+    The op library uses the LibTorch stable ABI, which carries every C++ error to Python as a
+    RuntimeError; the message leads with the Python type the wrappers re-raise it as
+    ("ValueError: ..."), and that type (or one of a tuple of types) is checked here too.
+    """
+    import pytest
+
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    names = "|".join(k.__name__ for k in kinds)
+    return pytest.raises(RuntimeError, match=rf"^(?:{names}): (?s:.*){match}")

@@ -3,7 +3,7 @@ import torch
 
 import megatron_eopt as me
 from megatron_eopt.newton_schulz import COEFFICIENT_SETS, get_coefficients
-from reference import TOLERANCE, newton_schulz_ref, ns_tolerance, rel_err
+from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, ns_tolerance, op_raises, rel_err
 
 SHAPES = [(1, 64), (64, 1), (97, 37), (37, 97), (48, 48), (3, 97, 37), (1, 20, 50), (4, 33, 33)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -44,13 +44,15 @@ def test_schedules_run_past_their_table(device, coefficient_type, gen):
 def test_parity_reduced_precision(device, precision, coefficient_type, shape, gen):
     # cans diverges in bf16 on rank-1 inputs by construction (first row 8.47, -25.1, 18.6):
     # tested in fp32 above. bf16 ("medium") is compared with the reference recipe in bf16: bf16
-    # storage alone moves a 5-step result 1-6% from the exact one, the reference packages' too.
+    # storage alone moves a 5-step result 1-6% from the exact one, the reference packages' too,
+    # and two bf16 implementations (fp32 sums in another order) round some entries the other way,
+    # which the iteration magnifies like any rounding (bf16_input_tolerance).
     # TF32 ("high") is compared with float64 at the tolerance its rounding allows (ns_tolerance).
     x = _input(shape, gen, device)
     out = me.newton_schulz(x, coefficient_type=coefficient_type, precision=precision)
     if precision == "medium":
         ref = newton_schulz_ref(x.cpu(), coefficient_type=coefficient_type, dtype=torch.bfloat16)
-        tol = TOLERANCE["medium"]
+        tol = bf16_input_tolerance(x, coefficient_type)
     else:
         ref = newton_schulz_ref(x.cpu(), coefficient_type=coefficient_type)
         tol = ns_tolerance(x, precision, device, coefficient_type)
@@ -196,13 +198,13 @@ def test_positional_call_in_emerging_optimizers_order(gen):
 
 def test_op_checks_arguments_in_cpp():
     op = torch.ops.megatron_eopt.newton_schulz
-    with pytest.raises(ValueError, match="steps must be at least 1"):
+    with op_raises(ValueError, "steps must be at least 1"):
         op(torch.randn(3, 4), [1.0, 2.0, 3.0], 0, False, 1e-7, None, "medium", "auto")
-    with pytest.raises(ValueError, match="coefficients"):
+    with op_raises(ValueError, "coefficients"):
         op(torch.randn(3, 4), [1.0, 2.0], 1, False, 1e-7, None, "medium", "auto")
-    with pytest.raises(ValueError, match="precision"):
+    with op_raises(ValueError, "precision"):
         op(torch.randn(3, 4), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "bf16", "auto")
-    with pytest.raises(TypeError, match="float32"):
+    with op_raises(TypeError, "float32"):
         op(torch.randn(3, 4).half(), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "medium", "auto")
 
 

@@ -11,6 +11,7 @@ from optim_helpers import (
     make_grads,
     make_params,
     max_delta_err,
+    max_delta_err_without_flips,
     max_state_err,
     run_steps,
 )
@@ -39,6 +40,7 @@ def _compare(
     tol=TOLERANCE["highest"],
     state_keys=("momentum_buffer",),
     device="cpu",
+    delta_err=max_delta_err,
 ):
     # Small weights: the fp32 rounding of p itself stays far below the compared change of p.
     params = make_params(shapes, gen, scale=0.1, device=device)
@@ -49,7 +51,7 @@ def _compare(
     ref = eo_cls(ref_params, **kwargs)
     run_steps(ours, params, grads)
     run_steps(ref, ref_params, grads)
-    assert max_delta_err(params, ref_params, start) <= tol
+    assert delta_err(params, ref_params, start) <= tol
     assert max_state_err(ours, params, ref, ref_params, state_keys) <= tol
 
 
@@ -167,6 +169,8 @@ def test_adaptive_muon_medium_precision(moment2_method, gen):
         gen,
         tol=TOLERANCE["medium"],
         state_keys=("momentum_buffer", "moment2_buffer"),
+        # AdaMuon divides elementwise: bf16 sign flips of near-zero entries (see the helper).
+        delta_err=max_delta_err_without_flips if moment2_method == "adamuon" else max_delta_err,
     )
 
 

@@ -1,9 +1,11 @@
 // Build facts of the CUDA library (read with ctypes by megatron_eopt._library and the doctor).
 #include <cuda_runtime_api.h>
 
+#include "torch/c_export.h"
+
 // CUDA runtime version of the build, e.g. 13000.
-extern "C" int megatron_eopt_cuda_version_built() { return CUDART_VERSION; }
+MEGATRON_EOPT_C_EXPORT int megatron_eopt_cuda_version_built() { return CUDART_VERSION; }
 
 // CMake's CUDA architecture list of the build, comma-separated ("80-real,90-real,100": machine
 // code for 80 and 90, PTX and machine code for 100).
-extern "C" const char* megatron_eopt_cuda_archs_built() { return MEGATRON_EOPT_CUDA_ARCH_LIST; }
+MEGATRON_EOPT_C_EXPORT const char* megatron_eopt_cuda_archs_built() { return MEGATRON_EOPT_CUDA_ARCH_LIST; }

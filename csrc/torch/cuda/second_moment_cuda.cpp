@@ -1,26 +1,21 @@
 // CUDA glue of the second-moment normalizations: checks, device guard, contiguous working tensors,
 // scratch from the caching allocator, current stream; the work is in kernels/*_normalize.cu.
-#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <optional>
 #include <vector>
 
 #include "megatron_eopt/second_moment_cuda.h"
+#include "torch/aten_ops.h"
+#include "torch/cuda/cuda_context.h"
 #include "torch/second_moment_args.h"
 
 namespace megatron_eopt {
 namespace {
 
-StorageType element_type(at::ScalarType t) {
+StorageType element_type(ScalarType t) {
   switch (t) {
-    case at::kBFloat16: return StorageType::kBFloat16;
-    case at::kHalf: return StorageType::kFloat16;
+    case kBFloat16: return StorageType::kBFloat16;
+    case kHalf: return StorageType::kFloat16;
     default: return StorageType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
   }
 }
@@ -28,75 +23,78 @@ StorageType element_type(at::ScalarType t) {
 std::vector<Moment2Tensor> describe(const InPlaceList& o, const InPlaceList& v, std::size_t count) {
   std::vector<Moment2Tensor> list(count);
   for (std::size_t i = 0; i < count; ++i) {
-    list[i].update = o[i].data_ptr<float>();
-    list[i].moment2 = v[i].data_ptr<float>();
+    list[i].update = o[i].mutable_data_ptr<float>();
+    list[i].moment2 = v[i].mutable_data_ptr<float>();
     list[i].rows = o[i].size(0);
     list[i].cols = o[i].size(1);
   }
   return list;
 }
 
-at::Tensor scratch_floats(std::size_t count, const at::Tensor& like) {
-  return at::empty({static_cast<int64_t>(std::max<std::size_t>(count, 1))}, like.options().dtype(at::kFloat));
+Tensor scratch_floats(std::size_t count, const Tensor& like) {
+  return aten::empty({static_cast<int64_t>(std::max<std::size_t>(count, 1))}, kFloat, like.device());
 }
 
-void adamuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
-                               const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+void adamuon_normalize_cuda_op(const TensorList& updates, const TensorList& moment2, const Tensor& beta2,
+                               const Tensor& eps, const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps,
-                                                    std::nullopt, found_inf, c10::kCUDA);
+                                                    std::nullopt, found_inf, kCUDA);
   if (updates.empty()) return;
-  const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
+  const int device = cuda::device_of(updates[0]);
+  const cuda::DeviceGuard guard(device);
   const InPlaceList o(updates), v(moment2);
-  adamuon_normalize_cuda(describe(o, v, updates.size()), scalars, c10::cuda::getCurrentCUDAStream());
+  adamuon_normalize_cuda(describe(o, v, updates.size()), scalars, cuda::current_stream(device));
   o.write_back();
   v.write_back();
 }
 
-void normuon_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, const at::Tensor& beta2,
-                               const at::Tensor& eps, const std::optional<at::Tensor>& found_inf) {
+void normuon_normalize_cuda_op(const TensorList& updates, const TensorList& moment2, const Tensor& beta2,
+                               const Tensor& eps, const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps,
-                                                    std::nullopt, found_inf, c10::kCUDA);
+                                                    std::nullopt, found_inf, kCUDA);
   if (updates.empty()) return;
-  const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
+  const int device = cuda::device_of(updates[0]);
+  const cuda::DeviceGuard guard(device);
   const InPlaceList o(updates), v(moment2);
   const std::vector<Moment2Tensor> list = describe(o, v, updates.size());
-  const at::Tensor scratch = scratch_floats(normuon_scratch_floats(list), o[0]);
-  normuon_normalize_cuda(list, scalars, scratch.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  const Tensor scratch = scratch_floats(normuon_scratch_floats(list), o[0]);
+  normuon_normalize_cuda(list, scalars, scratch.mutable_data_ptr<float>(), cuda::current_stream(device));
   o.write_back();
   v.write_back();
 }
 
-void namo_normalize_cuda_op(at::TensorList updates, at::TensorList moment2, at::TensorList grads,
-                            at::TensorList ns_inputs, const at::Tensor& beta2, const at::Tensor& eps,
-                            const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
+void namo_normalize_cuda_op(const TensorList& updates, const TensorList& moment2, const TensorList& grads,
+                            const TensorList& ns_inputs, const Tensor& beta2, const Tensor& eps,
+                            const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNamo, updates, moment2, grads, ns_inputs, beta2,
-                                                    eps, grad_scale, found_inf, c10::kCUDA);
+                                                    eps, grad_scale, found_inf, kCUDA);
   if (updates.empty()) return;
-  const c10::cuda::OptionalCUDAGuard guard(updates[0].device());
+  const int device = cuda::device_of(updates[0]);
+  const cuda::DeviceGuard guard(device);
   const InPlaceList o(updates), v(moment2);
-  std::vector<at::Tensor> inputs;  // keeps contiguous copies of the read-only inputs alive
+  std::vector<Tensor> inputs;  // keeps contiguous copies of the read-only inputs alive
   inputs.reserve(2 * updates.size());
   std::vector<Moment2Tensor> list = describe(o, v, updates.size());
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    inputs.push_back(grads[i].contiguous());
+    inputs.push_back(aten::contiguous(grads[i]));
     list[i].grad = inputs.back().const_data_ptr();
     list[i].grad_type = element_type(grads[i].scalar_type());
-    inputs.push_back(ns_inputs[i].contiguous());
+    inputs.push_back(aten::contiguous(ns_inputs[i]));
     list[i].ns_input = inputs.back().const_data_ptr();
     list[i].ns_input_type = element_type(ns_inputs[i].scalar_type());
   }
-  const at::Tensor scratch = scratch_floats(namo_scratch_floats(list), o[0]);
-  namo_normalize_cuda(list, scalars, scratch.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
+  const Tensor scratch = scratch_floats(namo_scratch_floats(list), o[0]);
+  namo_normalize_cuda(list, scalars, scratch.mutable_data_ptr<float>(), cuda::current_stream(device));
   o.write_back();
   v.write_back();
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) {
-  m.impl("adamuon_normalize_", &adamuon_normalize_cuda_op);
-  m.impl("normuon_normalize_", &normuon_normalize_cuda_op);
-  m.impl("namo_normalize_", &namo_normalize_cuda_op);
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) {
+  m.impl("adamuon_normalize_", TORCH_BOX(&adamuon_normalize_cuda_op));
+  m.impl("normuon_normalize_", TORCH_BOX(&normuon_normalize_cuda_op));
+  m.impl("namo_normalize_", TORCH_BOX(&namo_normalize_cuda_op));
 }
 
 }  // namespace megatron_eopt
