@@ -49,9 +49,6 @@ inline Tensor reshape(const Tensor& t, const std::vector<int64_t>& sizes) {
 }
 inline Tensor unsqueeze(const Tensor& t, int64_t dim) { return torch::stable::unsqueeze(t, dim); }
 inline Tensor squeeze(const Tensor& t, int64_t dim) { return torch::stable::squeeze(t, dim); }
-inline Tensor diagonal(const Tensor& t, int64_t offset, int64_t dim1, int64_t dim2) {
-  return detail::call("aten::diagonal", "", t, offset, dim1, dim2);
-}
 inline Tensor stack(const TensorList& tensors, int64_t dim) { return detail::call("aten::stack", "", tensors, dim); }
 
 // ---- arithmetic ----

@@ -578,10 +578,12 @@ def _capturing_cuda_graph(plan: Plan) -> bool:
 
 
 def _write_scalar(buf: torch.Tensor, value) -> None:
+    # Compiled writes go through a 1-element view: torch 2.13's inductor drops in-place writes to
+    # a 0-dim float64 tensor (the step would run with lr = 0).
     if isinstance(value, torch.Tensor):
-        buf.copy_(value)  # a device tensor keeps the step capturable in a CUDA graph
+        buf.view(1).copy_(value.reshape(1))  # a device tensor keeps the step capturable in a CUDA graph
     elif torch.compiler.is_compiling():
-        buf.zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
+        buf.view(1).zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
     else:
         buf.fill_(value)
 
