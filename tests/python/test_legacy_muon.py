@@ -145,8 +145,9 @@ def test_muon_matches_the_snippet_including_conv_filters(gen, weight_decay, nest
         opt.step()
         snippet_muon_step(ref, states, lr, mom, weight_decay, nesterov)
     for po, pr, p0 in zip(ours, ref, start):
-        # same bf16 Newton–Schulz recipe on both sides: only rounding-order differences remain
-        assert rel_err(po.detach() - p0, pr.detach() - p0) <= 5e-3, tuple(po.shape)
+        # the same bf16 Newton–Schulz recipe up to where each side rounds (the snippet rounds every
+        # elementwise op to bf16, ours each stored product): DESIGN's bf16 tolerance
+        assert rel_err(po.detach() - p0, pr.detach() - p0) <= TOLERANCE["medium"], tuple(po.shape)
         # the state is shaped like the parameter, as in the snippets' checkpoints
         assert opt.state[po]["momentum_buffer"].shape == po.shape
         assert rel_err(opt.state[po]["momentum_buffer"], states[pr]) <= 1e-6

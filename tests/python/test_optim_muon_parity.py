@@ -15,7 +15,7 @@ from optim_helpers import (
     max_state_err,
     run_steps,
 )
-from reference import TOLERANCE
+from reference import TOLERANCE, ns_tolerance
 
 eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers")
 
@@ -85,7 +85,12 @@ def test_muon_coefficient_types(coefficient_type, num_ns_steps, gen):
     # Rank-1 inputs under expanding schedules amplify fp32 rounding itself (see reference.py), so
     # those two compare on full-rank shapes only.
     shapes = [s for s in SHAPES if min(s) > 1] if coefficient_type in ("polar_express", "cans") else SHAPES
-    _compare(Muon, eo.Muon, kwargs, gen, shapes=shapes)
+    # Even full-rank, cans magnifies fp32 rounding by up to ~5e3 (polar_express ~90): the two
+    # implementations round their products differently (ours: BLAS product, then the fused scalar
+    # step; theirs: baddbmm), so the tolerance follows the amplification of gradient-like inputs.
+    tol = max(ns_tolerance(torch.randn(s, generator=gen), "highest", "cpu", coefficient_type, num_ns_steps)
+              for s in shapes)
+    _compare(Muon, eo.Muon, kwargs, gen, shapes=shapes, tol=tol)
 
 
 @pytest.mark.parametrize(
