@@ -333,12 +333,15 @@ class OwnerExchange:
     def run(self) -> int:
         """Runs every chunk; returns the bytes this rank sent to other ranks."""
         size, me = self.route.size, self.route.me
+        # all_to_all_single lays out both buffers by rank in the group, which is not member order
+        # when the mesh does not list its ranks row-major: pieces are packed and read in this order.
+        order = sorted(range(size), key=lambda m: self.route.peers[m])
         sent = 0
 
         def forward(chunk):
             nonlocal sent
             by_owner = [[k for k in chunk if self.owners[k] == m] for m in range(size)]
-            parts = [self.send(k).reshape(-1) for m in range(size) for k in by_owner[m]]
+            parts = [self.send(k).reshape(-1) for m in order for k in by_owner[m]]
             in_counts = [sum(self.to_owner(k, me) for k in by_owner[m]) for m in range(size)]
             out_counts = [sum(self.to_owner(k, s) for k in by_owner[me]) for s in range(size)]
             work, recv, n = self._all_to_all(parts, in_counts, out_counts)
@@ -353,13 +356,13 @@ class OwnerExchange:
             nxt = forward(self.chunks[ci + 1]) if ci + 1 < len(self.chunks) else None
             work.wait()
             owned = by_owner[me]
-            flat = iter(recv.split([self.to_owner(k, s) for s in range(size) for k in owned]))
+            flat = iter(recv.split([self.to_owner(k, s) for s in order for k in owned]))
             pieces = [[None] * size for _ in owned]
-            for s in range(size):
+            for s in order:
                 for j in range(len(owned)):
                     pieces[j][s] = next(flat)
             results = self.compute(owned, pieces)
-            parts = [self.back(k, results[j], s).reshape(-1) for s in range(size) for j, k in enumerate(owned)]
+            parts = [self.back(k, results[j], s).reshape(-1) for s in order for j, k in enumerate(owned)]
             back_counts = [sum(self.from_owner(k, s) for k in owned) for s in range(size)]
             recv_counts = [sum(self.from_owner(k, me) for k in by_owner[m]) for m in range(size)]
             w, got, n = self._all_to_all(parts, back_counts, recv_counts)
@@ -367,8 +370,8 @@ class OwnerExchange:
             pending_back.append((w, got, by_owner))
         for w, got, by_owner in pending_back:
             w.wait()
-            flat = iter(got.split([self.from_owner(k, me) for m in range(size) for k in by_owner[m]]))
-            for m in range(size):
+            flat = iter(got.split([self.from_owner(k, me) for m in order for k in by_owner[m]]))
+            for m in order:
                 for k in by_owner[m]:
                     self.deliver(k, next(flat))
         return sent

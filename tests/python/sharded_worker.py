@@ -151,6 +151,19 @@ def check_placements(world, grid, cube, pair, single, seed):
           expect={"all_to_all_single": 2 * 2 * STEPS}, label="2x2 owner collectives", ran="owner")
 
 
+def check_transposed_grid(seed):
+    """A 2 x 2 mesh whose ranks are laid out column-major: the owners' boxes come from the mesh's
+    coordinates of each rank, not from rank arithmetic."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = DeviceMesh("cpu", torch.arange(4).view(2, 2).T.contiguous(), mesh_dim_names=("x", "y"))
+    shapes = [(37, 24), (24, 37), (3, 8)]
+    for placements in ([Shard(0), Shard(1)], [Shard(1), Shard(0)]):
+        for cls, extra in (OPTIMIZERS[0], OPTIMIZERS[2]):
+            check(grid, [(s, placements) for s in shapes], cls, extra, seed, label=f"column-major 2x2 {placements}",
+                  ran="owner")
+
+
 def check_each_matrix_once(world, seed):
     """Owner mode orthogonalizes every matrix on exactly one rank, work balanced across ranks."""
     gen = torch.Generator().manual_seed(seed)
@@ -364,6 +377,7 @@ def worker(rank, world_size, init_file, seed):
         single = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("a", "b"))["b"]
         cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
         check_placements(world, grid, cube, pair, single, seed)
+        check_transposed_grid(seed)
         check_each_matrix_once(world, seed)
         check_moe(world, grid, seed)
         check_bad_input(world, pair, seed)

@@ -315,10 +315,10 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
     for r, result in enumerate(results):
         for i, (got, want) in enumerate(zip(result["params"], params)):
             assert torch.allclose(got, want.detach(), rtol=1e-6, atol=1e-7), (r, i, shapes[i])
-            # nanochat's algorithm (its own reduce-scatter averaging, the same bf16 Newton–Schulz
-            # recipe, bf16 rounding of the snippet's output): the 5e-3 of the snippet test above
+            # nanochat's algorithm (its own reduce-scatter averaging, the same Newton–Schulz recipe)
+            # rounds every update to bf16, as its zeropower returns bf16: DESIGN's bf16 tolerance
             nano = result["nanochat"][i]
-            assert rel_err(got - start[i], nano - start[i]) <= 5e-3, (r, i, shapes[i])
+            assert rel_err(got - start[i], nano - start[i]) <= 2e-2, (r, i, shapes[i])
     # every parameter is owned (and has momentum state) on exactly one rank; the momentum is that
     # of the averaged grads (the step itself is blind to a grad's scale, the momentum is not)
     owned = sorted(i for r in results for i in r["owned"])
