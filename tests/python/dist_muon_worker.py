@@ -21,19 +21,26 @@ CASES = {
     # dwarfs the others: a round-robin owner per shape run would leave the ranks unbalanced
     "many": [(64, 48)] * 3 + [(48, 64)] + [(8, 8)] * 5 + [(33, 17)] * 2 + [(17, 33)] + [(1, 24)] + [(24, 1)]
     + [(6, 2, 3, 3)] + [(96, 96)] * 3,
+    # fp32 and bf16 params: one exchange per dtype
+    "mixed": [(16, 8)] * 3 + [(8, 16)] * 2 + [(12, 12)],
 }
+BF16 = {"mixed": {3, 4, 5}}  # indices of bf16 params per case
 STEPS = 3
 LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 0.1
 
 
+def _dtype(case, i):
+    return torch.bfloat16 if i in BF16.get(case, ()) else torch.float32
+
+
 def initial_params(seed, case):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in CASES[case]]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(_dtype(case, i))) for i, s in enumerate(CASES[case])]
 
 
 def grads(seed, rank, step, case):
     g = torch.Generator().manual_seed(seed * 1000 + rank * 100 + step)
-    return [torch.randn(s, generator=g) for s in CASES[case]]
+    return [torch.randn(s, generator=g).to(_dtype(case, i)) for i, s in enumerate(CASES[case])]
 
 
 def nanochat_dist_muon_step(params, states, lr, momentum, weight_decay, zeropower, nesterov=True, ns_steps=5):
