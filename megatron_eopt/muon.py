@@ -330,7 +330,8 @@ class DistMuon(Muon):
             raise RuntimeError("DistMuon needs torch.distributed to be initialized (init_process_group)")
         if process_group is not None and dist.get_rank(process_group) < 0:
             raise ValueError(
-                f"process_group does not contain this rank ({dist.get_rank()}): DistMuon runs on every rank of its group"
+                f"process_group does not contain this rank ({dist.get_rank()}): DistMuon runs on every rank of "
+                "its group"
             )
         self._pg = process_group
         self._exchanges = None

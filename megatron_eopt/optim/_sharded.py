@@ -14,12 +14,13 @@ local tensor) and orthogonalizes the sharded matrices in one of two modes:
   collectives run on NCCL's own stream (the side stream), and ``wait()`` only orders the current
   stream after them, so the host never blocks; on CPU gloo runs them on its own threads. The
   all-to-alls run over the mesh dim's group when one mesh dim shards the matrix, and over the
-  world when several do (FSDP x TP, HSDP x TP): there every replica exchanges among its own ranks
-  in the same collective (see ``OwnerRoute``).
+  world when several do (FSDP x TP, HSDP x TP) and the mesh spans it: there every replica
+  exchanges among its own ranks in the same collective. On a smaller mesh (one pipeline stage's)
+  no process group holds those ranks: the pieces hop over the mesh dims' groups, one all-to-all
+  per dim (see ``OwnerRoute`` and ``_Transfer``).
 - ``gather``: the reference. Each matrix is all-gathered by DTensor (``full_tensor``), every
   rank orthogonalizes it and keeps its part. Also the fallback for placements without a
-  rectangular box per rank (e.g. FSDP2's strided shards over tensor parallelism) and for a matrix
-  sharded over several dims of a mesh smaller than the world (no process group holds its ranks).
+  rectangular box per rank (e.g. FSDP2's strided shards over tensor parallelism).
 
 ``assign_owners`` and ``OwnerExchange`` are the owner machinery on their own; the legacy
 ``DistMuon`` (replicated params, per-rank grads) runs its data-parallel step on them.
@@ -30,6 +31,7 @@ Matrices whose matrix dims are not sharded (Replicate, or MoE experts sharded on
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,8 +127,9 @@ class OwnerRoute:
     Owners are *member* indices; ``peers[m]`` is member m's rank in ``group``, the process group
     of the all-to-alls. The group may be larger than the members (the world over a 2-D slice of a
     mesh): the other ranks of the group exchange their own slices' matrices in the same
-    collectives, with nothing sent between slices. ``key`` is equal on every rank for routes of
-    the same structure, so every rank batches the same matrices into the same collectives.
+    collectives, with nothing sent between slices. A relay route has no group: ``hops`` (see
+    ``_Transfer``). ``key`` is equal on every rank for routes of the same structure, so every
+    rank batches the same matrices into the same collectives.
     """
 
     group: Any
@@ -134,6 +137,11 @@ class OwnerRoute:
     me: int
     key: tuple
     coordinates: tuple[tuple[int, ...], ...] = ()  # mesh coordinates of the members (DTensor layouts)
+    # Relay routes (group None): per hop, a mesh dim's group and each member's rank in it (-1 off
+    # this rank's line); each member's coordinates over the hop dims, and the member at each.
+    hops: tuple = ()
+    grid: tuple[tuple[int, ...], ...] = ()
+    member_at: dict = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -157,8 +165,7 @@ def _coordinates_of(mesh, ranks) -> tuple[tuple[int, ...], ...]:
 def _route_of(mesh, mesh_dims: tuple[int, ...], cache: dict | None) -> OwnerRoute | None:
     """The route over the ranks that share this rank's coordinates on the mesh dims not in
     ``mesh_dims``: that mesh dim's group for one dim; for several (HSDP x TP, FSDP x TP) the
-    world, when the mesh covers it. None when no process group holds those ranks (a multi-dim
-    slice of a mesh smaller than the world): such layouts take gather mode.
+    world when the mesh covers it, else a relay over the groups of ``mesh_dims``.
 
     ``cache`` lives for one plan build (a module-level cache would keep process groups alive
     past destroy_process_group).
@@ -180,9 +187,32 @@ def _route_of(mesh, mesh_dims: tuple[int, ...], cache: dict | None) -> OwnerRout
         structure = ("world", tuple(layout.shape), tuple(layout.flatten().tolist()), mesh_dims)
         route = OwnerRoute(dist.group.WORLD, ranks, ranks.index(dist.get_rank()), structure,
                            _coordinates_of(mesh, ranks))
+    else:
+        route = _relay_route(mesh, mesh_dims)
     if cache is not None:
         cache[key] = route
     return route
+
+
+def _relay_route(mesh, mesh_dims: tuple[int, ...]) -> OwnerRoute:
+    """A route over a multi-dim slice of a mesh smaller than the world: no process group holds
+    its ranks, so pieces hop over the groups of ``mesh_dims`` one dim at a time (``_Transfer``)."""
+    layout = mesh.mesh
+    mine = mesh.get_coordinate()
+    index = tuple(slice(None) if d in mesh_dims else mine[d] for d in range(mesh.ndim))
+    ranks = tuple(int(r) for r in layout[index].flatten().tolist())
+    grid = tuple(itertools.product(*(range(mesh.size(d)) for d in mesh_dims)))  # the order of `ranks`
+    me = ranks.index(dist.get_rank())
+    hops = []
+    for h, d in enumerate(mesh_dims):
+        group = mesh.get_group(d)
+        # Only the members on this rank's line along dim d share its group for this hop.
+        on_line = [all(a == b for i, (a, b) in enumerate(zip(c, grid[me])) if i != h) for c in grid]
+        line = tuple(dist.get_group_rank(group, r) if ok else -1 for r, ok in zip(ranks, on_line))
+        hops.append((group, line))
+    structure = ("relay", tuple(layout.shape), tuple(layout.flatten().tolist()), mesh_dims)
+    return OwnerRoute(None, ranks, me, structure, _coordinates_of(mesh, ranks), tuple(hops), grid,
+                      {c: m for m, c in enumerate(grid)})
 
 
 def describe(
@@ -289,6 +319,76 @@ def assign_owners(costs: list[float], size: int, per_chunk: int) -> tuple[list[l
     return chunks, owners
 
 
+class _Transfer:
+    """Pieces keyed (source member, destination member, item) in flight over a route.
+
+    ``meta`` lists every piece of the collective as (src, dst, item, numel), the same on every
+    rank; ``mine`` holds the flat pieces this rank sends. Over one group this is one asynchronous
+    all-to-all. A relay route (no process group holds the members) moves the pieces one mesh dim
+    at a time: after hop h a piece sits on the member with the destination's coordinates on the
+    first h dims and the source's on the rest, so every hop stays within one mesh dim's group.
+    The first hop is asynchronous; ``wait()`` runs the others and returns the pieces addressed to
+    this rank.
+    """
+
+    def __init__(self, route: OwnerRoute, meta, mine: dict, like: torch.Tensor) -> None:
+        self.route, self.meta, self.like = route, meta, like
+        self.sent = 0
+        self.held = mine
+        self.hop = 0
+        self.pending = self._start_hop()
+
+    def _position(self, piece, hop: int) -> int:
+        # The member a piece sits on after `hop` hops (the direct route has one hop).
+        route = self.route
+        if not route.hops:
+            return piece[0] if hop == 0 else piece[1]
+        src, dst = route.grid[piece[0]], route.grid[piece[1]]
+        return route.member_at[dst[:hop] + src[hop:]]
+
+    def _group_rank(self, member: int) -> int:
+        route = self.route
+        if not route.hops:
+            return route.peers[member]
+        return route.hops[self.hop][1][member]
+
+    def _start_hop(self):
+        route, me, hop = self.route, self.route.me, self.hop
+        group = route.group if not route.hops else route.hops[hop][0]
+        size = dist.get_world_size(group)
+        here = [m for m in self.meta if self._position(m, hop) == me]
+        there = [m for m in self.meta if self._position(m, hop + 1) == me]
+        # all_to_all_single lays both buffers out by rank in the group; within one pair of ranks
+        # both sides order the pieces by their key.
+        here.sort(key=lambda m: (self._group_rank(self._position(m, hop + 1)), m[:3]))
+        there.sort(key=lambda m: (self._group_rank(self._position(m, hop)), m[:3]))
+        in_splits, out_splits = [0] * size, [0] * size
+        for m in here:
+            in_splits[self._group_rank(self._position(m, hop + 1))] += m[3]
+        for m in there:
+            out_splits[self._group_rank(self._position(m, hop))] += m[3]
+        parts = [self.held[m[:3]].reshape(-1) for m in here]
+        buf = torch.cat(parts) if parts else self.like.new_empty(0)
+        recv = buf.new_empty(sum(out_splits))
+        work = dist.all_to_all_single(recv, buf, out_splits, in_splits, group=group, async_op=True)
+        mine = self._group_rank(me)
+        self.sent += (buf.numel() - in_splits[mine]) * buf.element_size()
+        return work, recv, there
+
+    def _finish_hop(self) -> None:
+        work, recv, there = self.pending
+        work.wait()
+        self.held = {m[:3]: t for m, t in zip(there, recv.split([m[3] for m in there]))}
+        self.hop += 1
+
+    def wait(self) -> dict:
+        self._finish_hop()
+        while self.hop < len(self.route.hops):
+            self.pending = self._start_hop()
+            self._finish_hop()
+        return self.held
+
+
 @dataclass
 class OwnerExchange:
     """One pipelined owner exchange over a route (see the module docstring).
@@ -301,7 +401,8 @@ class OwnerExchange:
     - ``from_owner(k, s)``: elements k's owner sends back to member s; ``back(k, result, s)`` gives it;
     - ``deliver(k, piece)``: this rank's piece of item k's result, after every chunk is computed.
 
-    All pieces have ``like``'s dtype and device (one buffer per collective).
+    Every rank must be able to compute ``to_owner`` and ``from_owner`` for any member (a relay
+    route forwards other members' pieces). All pieces have ``like``'s dtype and device.
     """
 
     route: OwnerRoute
@@ -315,66 +416,34 @@ class OwnerExchange:
     deliver: Any
     like: torch.Tensor
 
-    def _splits(self, counts: list[int]) -> list[int]:
-        # Per member -> per rank of the group; ranks outside the route's members get nothing.
-        out = [0] * dist.get_world_size(self.route.group)
-        for peer, count in zip(self.route.peers, counts):
-            out[peer] = count
-        return out
-
-    def _all_to_all(self, parts, in_counts, out_counts):
-        buf = torch.cat(parts) if parts else self.like.new_empty(0)
-        recv = buf.new_empty(sum(out_counts))
-        work = dist.all_to_all_single(recv, buf, self._splits(out_counts), self._splits(in_counts),
-                                      group=self.route.group, async_op=True)
-        sent = (buf.numel() - in_counts[self.route.me]) * buf.element_size()
-        return work, recv, sent
-
     def run(self) -> int:
         """Runs every chunk; returns the bytes this rank sent to other ranks."""
-        size, me = self.route.size, self.route.me
-        # all_to_all_single lays out both buffers by rank in the group, which is not member order
-        # when the mesh does not list its ranks row-major: pieces are packed and read in this order.
-        order = sorted(range(size), key=lambda m: self.route.peers[m])
-        sent = 0
+        members, me = range(self.route.size), self.route.me
 
         def forward(chunk):
-            nonlocal sent
-            by_owner = [[k for k in chunk if self.owners[k] == m] for m in range(size)]
-            parts = [self.send(k).reshape(-1) for m in order for k in by_owner[m]]
-            in_counts = [sum(self.to_owner(k, me) for k in by_owner[m]) for m in range(size)]
-            out_counts = [sum(self.to_owner(k, s) for k in by_owner[me]) for s in range(size)]
-            work, recv, n = self._all_to_all(parts, in_counts, out_counts)
-            sent += n
-            return work, recv, by_owner
+            meta = [(s, self.owners[k], k, self.to_owner(k, s)) for k in chunk for s in members]
+            mine = {(me, self.owners[k], k): self.send(k) for k in chunk}
+            return _Transfer(self.route, meta, mine, self.like)
 
-        pending_back = []
+        transfers, pending_back = [], []
         nxt = forward(self.chunks[0]) if self.chunks else None
-        for ci in range(len(self.chunks)):
-            work, recv, by_owner = nxt
+        for ci, chunk in enumerate(self.chunks):
+            transfer = nxt
             # The next chunk's pieces travel while this chunk is computed.
             nxt = forward(self.chunks[ci + 1]) if ci + 1 < len(self.chunks) else None
-            work.wait()
-            owned = by_owner[me]
-            flat = iter(recv.split([self.to_owner(k, s) for s in order for k in owned]))
-            pieces = [[None] * size for _ in owned]
-            for s in order:
-                for j in range(len(owned)):
-                    pieces[j][s] = next(flat)
-            results = self.compute(owned, pieces)
-            parts = [self.back(k, results[j], s).reshape(-1) for s in order for j, k in enumerate(owned)]
-            back_counts = [sum(self.from_owner(k, s) for k in owned) for s in range(size)]
-            recv_counts = [sum(self.from_owner(k, me) for k in by_owner[m]) for m in range(size)]
-            w, got, n = self._all_to_all(parts, back_counts, recv_counts)
-            sent += n
-            pending_back.append((w, got, by_owner))
-        for w, got, by_owner in pending_back:
-            w.wait()
-            flat = iter(got.split([self.from_owner(k, me) for m in order for k in by_owner[m]]))
-            for m in order:
-                for k in by_owner[m]:
-                    self.deliver(k, next(flat))
-        return sent
+            got = transfer.wait()
+            transfers.append(transfer)
+            owned = [k for k in chunk if self.owners[k] == me]
+            results = self.compute(owned, [[got[(s, me, k)] for s in members] for k in owned])
+            meta = [(self.owners[k], s, k, self.from_owner(k, s)) for k in chunk for s in members]
+            mine = {(me, s, k): self.back(k, result, s) for k, result in zip(owned, results) for s in members}
+            pending_back.append((chunk, _Transfer(self.route, meta, mine, self.like)))
+        for chunk, transfer in pending_back:
+            got = transfer.wait()
+            transfers.append(transfer)
+            for k in chunk:
+                self.deliver(k, got[(self.owners[k], me, k)])
+        return sum(t.sent for t in transfers)
 
 
 def _slices(box):

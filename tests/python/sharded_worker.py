@@ -4,7 +4,8 @@ Every rank builds the same full parameters and gradients (one seed), distributes
 placements under test, steps the optimizer on the DTensors and compares with the unsharded
 optimizer stepping the full tensors on this rank. Meshes: the world (4 ranks), a 2 x 2 mesh
 (FSDP x TP, HSDP), a 1 x 2 x 2 mesh (HSDP x TP), its rows (2 ranks) and a 4 x 1 mesh whose second
-dim is a 1-rank mesh; a world of 8 ranks holds a 2 x 2 x 2 mesh (HSDP x TP with two replicas).
+dim is a 1-rank mesh; a world of 8 ranks holds a 2 x 2 x 2 mesh (HSDP x TP with two replicas, and
+pipeline stages with a 2 x 2 FSDP x TP mesh each).
 """
 
 from __future__ import annotations
@@ -450,5 +451,38 @@ def hsdp_tp_worker(rank, world_size, init_file, seed):
             dist.all_to_all_single = original
         check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in shapes], Muon, {}, seed, sharded_mode="gather",
               label="2x2x2 gather", ran="gather")
+        check_stage_mesh(seed)
     finally:
         dist.destroy_process_group()
+
+
+def _no_world_collectives():
+    """Wraps dist.all_to_all_single to check that it never runs over the world."""
+    original = dist.all_to_all_single
+
+    def call(*args, group=None, **kwargs):
+        assert group is not None and group is not dist.group.WORLD, "an all-to-all over the world"
+        return original(*args, group=group, **kwargs)
+
+    dist.all_to_all_single = call
+    return original
+
+
+def check_stage_mesh(seed):
+    """Pipeline parallel x FSDP x TP: a (pp, dp, tp) = 2 x 2 x 2 mesh whose params live on each
+    stage's 2 x 2 (dp, tp) mesh, smaller than the world. No process group holds a matrix's 4
+    ranks: the pieces hop over the dp and tp groups (two all-to-alls each way per chunk), and each
+    stage runs only its own collectives."""
+    root = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    stage = root["dp", "tp"]
+    shapes = [(37, 24), (24, 37), (3, 8), (37, 24)]
+    original = _no_world_collectives()
+    try:
+        for cls, extra in OPTIMIZERS:
+            for placements in ([Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)]):
+                check(stage, [(s, placements) for s in shapes], cls, extra, seed, label=f"stage 2x2 {placements}",
+                      ran="owner")
+        check(stage, [(s, [Shard(0), Shard(1)]) for s in [(37, 24)] * 9 + [(16, 16)]], Muon, {}, seed,
+              expect={"all_to_all_single": 2 * 2 * 2 * STEPS}, label="stage 2x2 owner collectives", ran="owner")
+    finally:
+        dist.all_to_all_single = original
