@@ -294,16 +294,20 @@ def _view(t: torch.Tensor, shape) -> torch.Tensor:
 class DistMuon(Muon):
     """nanochat's data-parallel Muon: every rank holds all parameters and its own grads.
 
+    Built on the owner machinery of the sharded optimizers: every matrix gets one owner rank,
+    balanced by Newton–Schulz FLOPs (not "the r-th of each run of world_size same-shape
+    params"). Per chunk of matrices (same shapes next to each other), one all-to-all carries every
+    rank's grads to the owners, which average them (a reduce-scatter: each owner receives only
+    the grads of what it owns, summed in rank order and divided by the world size), run one fused
+    Muon step over their matrices and send the new values to every rank in one all-to-all back.
+    The collectives are asynchronous, so chunk i+1's grads travel while chunk i is stepped. The
+    update equals :class:`Muon` on the averaged grads; momentum lives on the owner only. Every
+    parameter needs a grad on every rank. Parameters are regrouped by shape (within the given
+    groups), as in nanochat. ``process_group`` defaults to the world.
+
     DTensor parameters (FSDP2, already reduce-scattered grads) take the sharded path of
     :class:`megatron_eopt.optim.Muon` instead: each matrix is orthogonalized once, by its owner
     rank (all-to-all of the shards), with the same numbers as :class:`Muon` on the full tensors.
-
-    Per step, for each run of ``world_size`` same-shape parameters: one reduce-scatter averages
-    their grads so that rank r receives the average for the r-th; each rank updates the
-    parameters it owns (one fused Muon step over all of them); one all-gather per run sends the
-    new values to every rank. Every parameter needs a grad on every rank. Parameters are
-    regrouped by shape (within the given groups); the update equals :class:`Muon` on the
-    averaged grads. ``process_group`` defaults to the world.
     """
 
     _legacy_name = "DistMuon"
@@ -324,8 +328,13 @@ class DistMuon(Muon):
         _warn_once("DistMuon")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistMuon needs torch.distributed to be initialized (init_process_group)")
+        if process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError(
+                f"process_group does not contain this rank ({dist.get_rank()}): DistMuon runs on every rank of "
+                "its group"
+            )
         self._pg = process_group
-        self._zero_buffers: dict[int, torch.Tensor] = {}
+        self._exchanges = None
         super().__init__(
             _groups_by_shape(params),
             lr=lr,
@@ -337,10 +346,43 @@ class DistMuon(Muon):
             backend_steps=backend_steps,
         )
 
-    def _zero_buffer(self, gi: int) -> torch.Tensor:
-        if gi not in self._zero_buffers:
-            self._zero_buffers[gi] = torch.zeros_like(self.param_groups[gi]["params"][0])
-        return self._zero_buffers[gi]
+    def _build_inner(self) -> None:
+        super()._build_inner()
+        self._exchanges = None  # the parameters changed: owners are assigned again at the next step
+
+    def _owner_plan(self):
+        """(route, [(items, chunks, owners)] per dtype and device): built once per parameter set.
+
+        Items index ``self._handles``; one bucket per dtype and device because each all-to-all
+        moves one buffer. Deterministic from the parameter list, so every rank agrees.
+        """
+        if self._exchanges is None:
+            from .optim._sharded import ITEMS_PER_RANK, OwnerRoute, assign_owners, ns_flops
+
+            group = self._pg if self._pg is not None else dist.group.WORLD
+            size = dist.get_world_size(group)
+            route = OwnerRoute(group, tuple(range(size)), dist.get_rank(group), ("dist_muon", id(group)))
+            buckets: dict[tuple, list[int]] = {}
+            for i, (p, _, _) in enumerate(self._handles):
+                buckets.setdefault((p.dtype, p.device), []).append(i)
+            plans = []
+            for items in buckets.values():
+                # Same-shape matrices next to each other: an owner's matrices of a chunk batch.
+                items = sorted(items, key=lambda i: (tuple(self._handles[i][1].shape), i))
+                costs = [ns_flops(tuple(self._handles[i][1].shape)) for i in items]
+                chunks, owners = assign_owners(costs, size, ITEMS_PER_RANK * size)
+                plans.append((items, chunks, owners))
+            self._exchanges = (route, plans)
+        return self._exchanges
+
+    def owner_of(self, p: torch.Tensor) -> int:
+        """The rank (in ``process_group``) that steps ``p`` and keeps its momentum."""
+        route, plans = self._owner_plan()
+        for items, _, owners in plans:
+            for item, owner in zip(items, owners):
+                if self._handles[item][0] is p:
+                    return route.peers[owner]
+        raise ValueError("owner_of: p is not a parameter of this optimizer")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -360,55 +402,63 @@ class DistMuon(Muon):
             # the shards to one owner per matrix and back.
             super().step()
             return loss
-        world = dist.get_world_size(self._pg)
-        rank = dist.get_rank(self._pg)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:
                     raise RuntimeError(
                         f"DistMuon needs a grad for every parameter on every rank (all ranks join the same "
-                        f"reduce-scatters); param_groups[{gi}]['params'][{pi}] has none"
+                        f"all-to-alls); param_groups[{gi}]['params'][{pi}] has none"
                     )
-        # 1. average grads: the owner of params[base + r] is rank r
-        owned: set[int] = set()
-        pending = []
-        for gi, group in enumerate(self.param_groups):
-            params, zero = group["params"], self._zero_buffer(gi)
-            for base in range(0, len(params), world):
-                chunk = params[base:base + world]
-                inputs = [p.grad for p in chunk] + [zero] * (world - len(chunk))
-                mine = base + rank
-                output = params[mine].grad if mine < len(params) else torch.empty_like(zero)
-                if mine < len(params):
-                    owned.add(id(params[mine]))
-                pending.append(dist.reduce_scatter(output, inputs, op=dist.ReduceOp.AVG, group=self._pg, async_op=True))
-        for work in pending:
-            work.wait()
-        # 2. update the owned parameters in one fused step (the others' grads are set aside)
-        set_aside = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in owned:
-                    set_aside[p] = p.grad
-                    p.grad = None
-        try:
-            super().step()
-        finally:
-            for p, g in set_aside.items():
-                p.grad = g
-        # 3. share the new values
-        pending = []
-        for gi, group in enumerate(self.param_groups):
-            params, zero = group["params"], self._zero_buffer(gi)
-            for base in range(0, len(params), world):
-                chunk = list(params[base:base + world])
-                outputs = [p.data for p in chunk] + [torch.empty_like(zero) for _ in range(world - len(chunk))]
-                mine = base + rank
-                source = params[mine].data if mine < len(params) else zero
-                pending.append(dist.all_gather(outputs, source, group=self._pg, async_op=True))
-        for work in pending:
-            work.wait()
+        self._sync_hyperparameters()
+        route, plans = self._owner_plan()
+        for _, handle, _ in self._handles:
+            handle.grad = None
+        for items, chunks, owners in plans:
+            self._exchange(route, items, chunks, owners)
+        self._link_state()
         return loss
+
+    def _exchange(self, route, items, chunks, owners) -> None:
+        """Grads to the owners, the owners' fused step, new values back (one dtype and device)."""
+        from .optim._sharded import OwnerExchange
+
+        handles = [self._handles[i][1] for i in items]
+        grads = [self._handles[i][0].grad for i in items]
+
+        def step_owned(owned, pieces):
+            for j, parts in zip(owned, pieces):
+                handles[j].grad = _mean_in_rank_order(parts).view(handles[j].shape)
+            try:
+                self._inner.step()  # only the handles with a grad: this chunk's owned matrices
+            finally:
+                for j in owned:
+                    handles[j].grad = None
+            return [handles[j] for j in owned]
+
+        def deliver(j, value):
+            if owners[j] != route.me:  # the owner updated its copy in place
+                handles[j].copy_(value.view(handles[j].shape))
+
+        OwnerExchange(
+            route, chunks, owners,
+            to_owner=lambda j, s: handles[j].numel(),
+            send=lambda j: grads[j].to(handles[j].dtype),
+            compute=step_owned,
+            from_owner=lambda j, s: 0 if s == owners[j] else handles[j].numel(),
+            back=lambda j, value, s: value[:0] if s == owners[j] else value,
+            deliver=deliver,
+            like=handles[0],
+        ).run()
+
+
+def _mean_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of the ranks' flat grads, summed in rank order (the same on every run and owner),
+    accumulated in at least fp32 and returned in the grads' dtype."""
+    acc = parts[0].to(torch.promote_types(parts[0].dtype, torch.float32), copy=True)
+    for part in parts[1:]:
+        acc += part
+    acc /= len(parts)
+    return acc.to(parts[0].dtype)
 
 
 def _groups_by_shape(params: Iterable[Any]) -> list[dict[str, Any]]:

@@ -1,7 +1,10 @@
-"""One rank of the DistMuon test: python dist_muon_worker.py RANK WORLD PORT SEED OUT.
+"""One rank of the DistMuon test: python dist_muon_worker.py RANK WORLD PORT SEED OUT CASE.
 
 Every rank starts from the same parameters, computes its own grads each step (seeded by rank
-and step), runs DistMuon and saves the final parameters to OUT.
+and step), runs DistMuon and, on copies of the same parameters, nanochat's DistMuon algorithm
+written out in plain PyTorch (round-robin reduce-scatter of each run of world-size same-shape
+params, owner step, all-gather). It saves both final parameters, which parameters it owns and
+the Newton–Schulz FLOPs of what it stepped and the momentum of what it owns to OUT.
 """
 
 import os
@@ -11,40 +14,113 @@ import warnings
 import torch
 import torch.distributed as dist
 
-SHAPES = [(8, 4)] * 3 + [(4, 8)] * 2 + [(5, 5)] + [(16, 2, 3, 1)]
+CASES = {
+    # nanochat-sized: runs of same-shape params shorter and longer than the world, a conv filter
+    "basic": [(8, 4)] * 3 + [(4, 8)] * 2 + [(5, 5)] + [(16, 2, 3, 1)],
+    # many shapes, uneven counts per shape (1 to 5), 1 x n and n x 1, a large matrix whose cost
+    # dwarfs the others: a round-robin owner per shape run would leave the ranks unbalanced
+    "many": [(64, 48)] * 3 + [(48, 64)] + [(8, 8)] * 5 + [(33, 17)] * 2 + [(17, 33)] + [(1, 24)] + [(24, 1)]
+    + [(6, 2, 3, 3)] + [(96, 96)] * 3,
+    # fp32 and bf16 params: one exchange per dtype
+    "mixed": [(16, 8)] * 3 + [(8, 16)] * 2 + [(12, 12)],
+}
+BF16 = {"mixed": {3, 4, 5}}  # indices of bf16 params per case
 STEPS = 3
+LR, MOMENTUM, WEIGHT_DECAY = 0.05, 0.9, 0.1
 
 
-def initial_params(seed):
+def _dtype(case, i):
+    return torch.bfloat16 if i in BF16.get(case, ()) else torch.float32
+
+
+def initial_params(seed, case):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(_dtype(case, i))) for i, s in enumerate(CASES[case])]
 
 
-def grads(seed, rank, step):
+def grads(seed, rank, step, case):
     g = torch.Generator().manual_seed(seed * 1000 + rank * 100 + step)
-    return [torch.randn(s, generator=g) for s in SHAPES]
+    return [torch.randn(s, generator=g).to(_dtype(case, i)) for i, s in enumerate(CASES[case])]
+
+
+def nanochat_dist_muon_step(params, states, lr, momentum, weight_decay, zeropower, nesterov=True, ns_steps=5):
+    """nanochat's DistMuon.step: params grouped by shape (sorted), each run of world-size params
+    reduce-scattered with AVG (rank r gets the r-th), the owner steps it, all-gather shares it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for shape in sorted({tuple(p.shape) for p in params}):
+        group = [p for p in params if tuple(p.shape) == shape]
+        zero = torch.zeros_like(group[0])
+        for base in range(0, len(group), world):
+            run = group[base : base + world]
+            inputs = [p.grad for p in run] + [zero] * (world - len(run))
+            mine = base + rank
+            output = run[rank].grad.clone() if mine < len(group) else torch.empty_like(zero)
+            dist.reduce_scatter(output, inputs, op=dist.ReduceOp.AVG)
+            if mine < len(group):
+                p, g = run[rank], output
+                buf = states.setdefault(p, torch.zeros_like(p))
+                buf.lerp_(g, 1 - momentum)
+                g = g.lerp(buf, momentum) if nesterov else buf
+                update = zeropower(g.view(len(g), -1), ns_steps).float().view(p.shape)
+                p.data.mul_(1 - lr * weight_decay)
+                p.data.add_(update, alpha=-lr * max(1, p.size(-2) / p.size(-1)) ** 0.5)
+            outputs = [p.data for p in run] + [torch.empty_like(zero) for _ in range(world - len(run))]
+            source = run[rank].data if mine < len(group) else zero
+            dist.all_gather(outputs, source.clone())
 
 
 def main():
-    rank, world, port, seed, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+    rank, world, port, seed, out, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
+                                          sys.argv[5], sys.argv[6])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from megatron_eopt.muon import DistMuon
+    torch.set_num_threads(1)
+    from megatron_eopt.muon import DistMuon, zeropower_via_newtonschulz5
+    from megatron_eopt.optim._sharded import ns_flops
 
-    params = initial_params(seed)
+    params = initial_params(seed, case)
+    nanochat = initial_params(seed, case)
+    if world > 1:  # a process group without this rank is named in the error
+        others = dist.new_group([0])
+        if rank != 0:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    DistMuon(params, process_group=others)
+            except ValueError as e:
+                assert "process_group" in str(e), e
+            else:
+                raise AssertionError("DistMuon accepted a process_group without this rank")
+    nanochat_states = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        opt = DistMuon(params, lr=0.05, momentum=0.9, weight_decay=0.1)
-    for step in range(STEPS):
-        for p, g in zip(params, grads(seed, rank, step)):
-            p.grad = g
-        opt.step()
-        for group in opt.param_groups:
-            group["lr"] *= 0.5  # a schedule: read at every step
-    owned_state = sum(1 for p in params if "momentum_buffer" in opt.state[p])
-    torch.save({"params": [p.detach() for p in params], "owned_state": owned_state}, out)
+        opt = DistMuon(params, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
+        lr = LR
+        for step in range(STEPS):
+            step_grads = grads(seed, rank, step, case)
+            for p, q, g in zip(params, nanochat, step_grads):
+                p.grad, q.grad = g, g.clone()
+            before = [g.clone() for g in step_grads]
+            opt.step()
+            # the step reads the grads and leaves them as they were
+            assert all(torch.equal(p.grad, g) for p, g in zip(params, before))
+            nanochat_dist_muon_step(nanochat, nanochat_states, lr, MOMENTUM, WEIGHT_DECAY, zeropower_via_newtonschulz5)
+            for group in opt.param_groups:
+                group["lr"] *= 0.5  # a schedule: read at every step
+            lr *= 0.5
+    owned = [i for i, p in enumerate(params) if "momentum_buffer" in opt.state[p]]
+    assert owned == [i for i, p in enumerate(params) if opt.owner_of(p) == rank], "momentum off its owner"
+    flops = sum(ns_flops((p.shape[0], p.numel() // p.shape[0])) for p in (params[i] for i in owned))
+    torch.save({"params": [p.detach() for p in params], "nanochat": [p.detach() for p in nanochat],
+                "owned": owned, "flops": flops,
+                "momentum": {i: opt.state[params[i]]["momentum_buffer"] for i in owned}}, out)
     dist.destroy_process_group()
+    # Everything is checked and saved: skip the interpreter's teardown, where gloo's threads
+    # occasionally abort the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

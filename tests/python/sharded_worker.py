@@ -3,7 +3,9 @@
 Every rank builds the same full parameters and gradients (one seed), distributes them with the
 placements under test, steps the optimizer on the DTensors and compares with the unsharded
 optimizer stepping the full tensors on this rank. Meshes: the world (4 ranks), a 2 x 2 mesh
-(FSDP x TP, HSDP), its rows (2 ranks) and a 4 x 1 mesh whose second dim is a 1-rank mesh.
+(FSDP x TP, HSDP), a 1 x 2 x 2 mesh (HSDP x TP), its rows (2 ranks) and a 4 x 1 mesh whose second
+dim is a 1-rank mesh; a world of 8 ranks holds a 2 x 2 x 2 mesh (HSDP x TP with two replicas, and
+pipeline stages with a 2 x 2 FSDP x TP mesh each).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ def _dist(t, mesh, placements):
     return distribute_tensor(t, mesh, placements, src_data_rank=None)  # every rank holds the same full tensor
 
 
-def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner", expect=None, label=""):
-    """layout: [(shape, placements)]. Steps sharded and unsharded; compares params and state."""
+def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner", expect=None, label="", ran=None):
+    """layout: [(shape, placements)]. Steps sharded and unsharded; compares params and state.
+    ran: the only mode ("owner" | "gather") that may have orthogonalized the sharded matrices."""
     gen = torch.Generator().manual_seed(seed)
     full = [torch.randn(shape, generator=gen) * 0.1 for shape, _ in layout]
     grads = [[torch.randn(shape, generator=gen) for shape, _ in layout] for _ in range(STEPS)]
@@ -64,6 +67,9 @@ def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner",
     if expect is not None:
         assert got == expect, f"{label}: collectives {got}, expected {expect}"
     where = f"{label} {cls.__name__} {extra} {sharded_mode}"
+    if ran is not None:
+        modes = {mode: n for mode, n in opt._sharded.matrices.items() if n}
+        assert list(modes) == [ran], f"{where}: matrices orthogonalized per mode {modes}, expected {ran} only"
     for i, (p, r, t, (shape, pl)) in enumerate(zip(params, ref, full, layout)):
         assert isinstance(p, DTensor) and p.placements == tuple(pl), f"{where} param {i} lost its placements"
         err = rel_err(p.full_tensor() - t, r.detach() - t)
@@ -103,20 +109,27 @@ def _restore_collectives(state):
     return {k: v for k, v in calls.items() if v}
 
 
-def check_placements(world, grid, pair, single, seed):
+def check_placements(world, grid, cube, pair, single, seed):
     shapes = [(37, 24), (24, 37), (3, 8), (37, 24)]  # uneven rows, wide, fewer rows than ranks, a repeat
     for sharded_mode in ("owner", "gather"):
         # The statistics' reductions do not depend on the mode: gather runs Muon and NorMuon only.
         optimizers = OPTIMIZERS if sharded_mode == "owner" else OPTIMIZERS[::2]
         for cls, extra in optimizers:
-            for placements in ([Shard(0)], [Shard(1)], [Replicate()]):
+            for placements in ([Shard(0)], [Shard(1)]):
                 check(world, [(s, placements) for s in shapes], cls, extra, seed, sharded_mode=sharded_mode,
-                      label=f"world {placements}")
-            # 2-D meshes: FSDP x TP (rows and columns, rows twice), HSDP (replicate x shard)
+                      label=f"world {placements}", ran=sharded_mode)
+            check(world, [(s, [Replicate()]) for s in shapes], cls, extra, seed, sharded_mode=sharded_mode,
+                  label="world replicated")
+            # 2-D meshes: FSDP x TP (rows and columns, rows twice: each rank's shard a box spanning
+            # both mesh dims), HSDP (replicate x shard); owner mode must not fall back to gather
             for placements in ([Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(0)],
                                [Shard(1), Replicate()]):
                 check(grid, [(s, placements) for s in shapes], cls, extra, seed, sharded_mode=sharded_mode,
-                      label=f"2x2 {placements}")
+                      label=f"2x2 {placements}", ran=sharded_mode)
+            # HSDP x TP on a 3-D mesh: the matrix spans 2 of its 3 dims, no mesh dim's group holds
+            # those ranks, the all-to-alls run over the world
+            check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in shapes], cls, extra, seed,
+                  sharded_mode=sharded_mode, label="1x2x2 HSDP x TP", ran=sharded_mode)
         try:  # FSDP2 over tensor parallelism shards dim 0 twice with a strided dp shard: gather path
             from torch.distributed.tensor.placement_types import _StridedShard
         except ImportError:
@@ -124,7 +137,7 @@ def check_placements(world, grid, pair, single, seed):
         if _StridedShard is not None:
             for cls, extra in optimizers:
                 check(grid, [(s, [_StridedShard(0, split_factor=2), Shard(0)]) for s in shapes[:2]], cls, extra,
-                      seed, sharded_mode=sharded_mode, label="FSDP x TP strided")
+                      seed, sharded_mode=sharded_mode, label="FSDP x TP strided", ran="gather")
         for placements in ([Shard(0)], [Shard(1)]):
             check(pair, [(s, placements) for s in shapes], Muon, {}, seed, sharded_mode=sharded_mode,
                   label=f"2 ranks {placements}")
@@ -134,6 +147,22 @@ def check_placements(world, grid, pair, single, seed):
     shapes = [(37, 24)] * 9 + [(16, 16)]
     check(world, [(s, [Shard(0)]) for s in shapes], Muon, {}, seed, expect={"all_to_all_single": 2 * 2 * STEPS},
           label="owner collectives")
+    # The same over a 2 x 2 mesh (FSDP x TP): one all-to-all over the world each way per chunk.
+    check(grid, [(s, [Shard(0), Shard(1)]) for s in shapes], Muon, {}, seed,
+          expect={"all_to_all_single": 2 * 2 * STEPS}, label="2x2 owner collectives", ran="owner")
+
+
+def check_transposed_grid(seed):
+    """A 2 x 2 mesh whose ranks are laid out column-major: the owners' boxes come from the mesh's
+    coordinates of each rank, not from rank arithmetic."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = DeviceMesh("cpu", torch.arange(4).view(2, 2).T.contiguous(), mesh_dim_names=("x", "y"))
+    shapes = [(37, 24), (24, 37), (3, 8)]
+    for placements in ([Shard(0), Shard(1)], [Shard(1), Shard(0)]):
+        for cls, extra in (OPTIMIZERS[0], OPTIMIZERS[2]):
+            check(grid, [(s, placements) for s in shapes], cls, extra, seed, label=f"column-major 2x2 {placements}",
+                  ran="owner")
 
 
 def check_each_matrix_once(world, seed):
@@ -347,7 +376,9 @@ def worker(rank, world_size, init_file, seed):
         grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         pair = grid["tp"]
         single = init_device_mesh("cpu", (world_size, 1), mesh_dim_names=("a", "b"))["b"]
-        check_placements(world, grid, pair, single, seed)
+        cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        check_placements(world, grid, cube, pair, single, seed)
+        check_transposed_grid(seed)
         check_each_matrix_once(world, seed)
         check_moe(world, grid, seed)
         check_bad_input(world, pair, seed)
@@ -379,3 +410,79 @@ def small_worker(rank, world_size, init_file, seed):
                       seed, nd_mode="batch", label=f"world of {world_size} {placements}")
     finally:
         dist.destroy_process_group()
+
+
+def _replica_splits_only(replica: set[int]):
+    """Wraps dist.all_to_all_single to check that no split reaches a rank outside `replica`."""
+    original = dist.all_to_all_single
+
+    def call(output, input, output_split_sizes=None, input_split_sizes=None, *args, **kwargs):
+        for name, splits in (("output", output_split_sizes), ("input", input_split_sizes)):
+            crossing = [r for r, n in enumerate(splits or []) if n and r not in replica]
+            assert not crossing, f"{name} splits {splits} move data between replicas (ranks {crossing})"
+        return original(output, input, output_split_sizes, input_split_sizes, *args, **kwargs)
+
+    dist.all_to_all_single = call
+    return original
+
+
+def hsdp_tp_worker(rank, world_size, init_file, seed):
+    """8 ranks, a 2 x 2 x 2 mesh (replicate, shard, tp): every matrix is split over the 4 ranks of
+    its replica (2 mesh dims, no process group of their own). Owner mode runs over the world, each
+    replica exchanging only among its own ranks, and equals the unsharded optimizer."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        torch.set_float32_matmul_precision("highest")
+        cube = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        replica = set(cube["shard", "tp"].mesh.flatten().tolist())
+        shapes = [(37, 24), (24, 37), (3, 8), (37, 24)]
+        original = _replica_splits_only(replica)
+        try:
+            for cls, extra in OPTIMIZERS:
+                for placements in ([Replicate(), Shard(0), Shard(1)], [Replicate(), Shard(1), Shard(0)],
+                                   [Replicate(), Shard(0), Shard(0)]):
+                    check(cube, [(s, placements) for s in shapes], cls, extra, seed, label=f"2x2x2 {placements}",
+                          ran="owner")
+            # per chunk of 2 x 4 matrices one all-to-all there and one back
+            check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in [(37, 24)] * 9 + [(16, 16)]], Muon, {},
+                  seed, expect={"all_to_all_single": 2 * 2 * STEPS}, label="2x2x2 owner collectives", ran="owner")
+        finally:
+            dist.all_to_all_single = original
+        check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in shapes], Muon, {}, seed, sharded_mode="gather",
+              label="2x2x2 gather", ran="gather")
+        check_stage_mesh(seed)
+    finally:
+        dist.destroy_process_group()
+
+
+def _no_world_collectives():
+    """Wraps dist.all_to_all_single to check that it never runs over the world."""
+    original = dist.all_to_all_single
+
+    def call(*args, group=None, **kwargs):
+        assert group is not None and group is not dist.group.WORLD, "an all-to-all over the world"
+        return original(*args, group=group, **kwargs)
+
+    dist.all_to_all_single = call
+    return original
+
+
+def check_stage_mesh(seed):
+    """Pipeline parallel x FSDP x TP: a (pp, dp, tp) = 2 x 2 x 2 mesh whose params live on each
+    stage's 2 x 2 (dp, tp) mesh, smaller than the world. No process group holds a matrix's 4
+    ranks: the pieces hop over the dp and tp groups (two all-to-alls each way per chunk), and each
+    stage runs only its own collectives."""
+    root = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    stage = root["dp", "tp"]
+    shapes = [(37, 24), (24, 37), (3, 8), (37, 24)]
+    original = _no_world_collectives()
+    try:
+        for cls, extra in OPTIMIZERS:
+            for placements in ([Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)]):
+                check(stage, [(s, placements) for s in shapes], cls, extra, seed, label=f"stage 2x2 {placements}",
+                      ran="owner")
+        check(stage, [(s, [Shard(0), Shard(1)]) for s in [(37, 24)] * 9 + [(16, 16)]], Muon, {}, seed,
+              expect={"all_to_all_single": 2 * 2 * 2 * STEPS}, label="stage 2x2 owner collectives", ran="owner")
+    finally:
+        dist.all_to_all_single = original

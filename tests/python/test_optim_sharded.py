@@ -22,3 +22,10 @@ def test_fsdp2_and_dtensor_params_on_a_world_of_1_and_2_processes(tmp_path, gen,
     seed = gen.initial_seed() % (2**31)
     mp.spawn(sharded_worker.small_worker, args=(world_size, os.path.join(tmp_path, "rendezvous"), seed),
              nprocs=world_size, join=True)
+
+
+@pytest.mark.distributed
+def test_hsdp_x_tp_and_pipeline_stage_meshes_of_8_processes_run_owner_mode(tmp_path, gen):
+    seed = gen.initial_seed() % (2**31)
+    mp.spawn(sharded_worker.hsdp_tp_worker, args=(8, os.path.join(tmp_path, "rendezvous"), seed), nprocs=8,
+             join=True)
