@@ -1,7 +1,9 @@
 """The op library loads on any build of its torch; the CUDA kernels (a second library) load only
 when torch has CUDA of the major version they were built for, with one warning saying why not."""
 
+import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -63,3 +65,23 @@ def test_cpu_ops_work_under_a_cpu_only_torch_with_one_warning():
         assert count == "1" and "CPU-only build" in message
     else:
         assert count == "0"
+
+
+# Mangled-name prefixes of torch's C++ namespaces (c10::, at::, torch::, caffe2::): a library on the
+# stable ABI imports none of them, only torch's C shim (aoti_torch_*, torch_*).
+_TORCH_CXX_PREFIXES = ("_ZN3c10", "_ZNK3c10", "_ZN2at", "_ZNK2at", "_ZN5torch", "_ZNK5torch", "_ZN6caffe2")
+
+
+@pytest.mark.skipif(shutil.which("nm") is None or shutil.which("readelf") is None, reason="needs binutils")
+def test_libraries_use_only_the_stable_abi():
+    libraries = glob.glob(os.path.join(os.path.dirname(me.__file__), "_C*.so"))
+    assert libraries
+    for path in libraries:
+        undefined = subprocess.run(["nm", "-D", "--undefined-only", path], capture_output=True, text=True,
+                                   check=True).stdout.split()
+        cxx = [name for name in undefined if name.startswith(_TORCH_CXX_PREFIXES)]
+        assert not cxx, f"{os.path.basename(path)} imports torch C++ symbols: {cxx[:5]}"
+        assert any(name.startswith("aoti_torch_") for name in undefined), "not linked to torch's C shim"
+        needed = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+        for lib in ("libc10.so", "libtorch_python.so", "libtorch.so]"):
+            assert lib not in needed, f"{os.path.basename(path)} needs {lib}"
