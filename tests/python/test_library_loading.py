@@ -85,3 +85,26 @@ def test_libraries_use_only_the_stable_abi():
         needed = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
         for lib in ("libc10.so", "libtorch_python.so", "libtorch.so]"):
             assert lib not in needed, f"{os.path.basename(path)} needs {lib}"
+
+
+def test_call_op_raises_the_checks_python_type_without_the_call_site():
+    from megatron_eopt._errors import call_op
+
+    x = torch.randn(8, 4)
+    split = torch.ops.megatron_eopt.newton_schulz_split
+    # steps=0 fails in newton_schulz, which split reaches through the dispatcher: the message then
+    # carries the stable ABI's note of the nested call, which the typed error leaves out.
+    with pytest.raises(RuntimeError, match="^ValueError: newton_schulz: steps must be at least 1"):
+        split(x, [4, 4], 1, [1.0, 2.0, 3.0], 0, False, 1e-7, None, "highest", None, 1.0, "auto")
+    with pytest.raises(ValueError) as info:
+        call_op(split, x, [4, 4], 1, [1.0, 2.0, 3.0], 0, False, 1e-7, None, "highest", None, 1.0, "auto")
+    assert str(info.value) == "newton_schulz: steps must be at least 1, got 0"
+    with pytest.raises(TypeError, match="^newton_schulz: x must be float32, got Half$"):
+        call_op(torch.ops.megatron_eopt.newton_schulz, x.half(), [1.0, 2.0, 3.0], 1, False, 1e-7, None, "highest",
+                "auto")
+
+    def failing():
+        raise RuntimeError("CUDA error: out of memory")
+
+    with pytest.raises(RuntimeError, match="^CUDA error: out of memory$"):  # other errors pass unchanged
+        call_op(failing)
