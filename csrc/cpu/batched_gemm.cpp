@@ -128,7 +128,13 @@ Tensor clamped_matrix_norms(const Tensor& w, float eps) {
   return norms;
 }
 
-void round_bf16_(Tensor& t) { aten::copy_(t, aten::to_dtype(t, kBFloat16)); }
+void round_bf16_(Tensor& t) {
+  // One pass in place, rounding to nearest even as torch's conversion does (storage_types.h).
+  float* p = t.mutable_data_ptr<float>();
+  torch::stable::parallel_for(0, t.numel(), kGrainElements, [p](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) p[i] = to_float(from_float<Bf16>(p[i]));
+  });
+}
 
 void add_to_diagonal_(Tensor& d, float alpha) {
   const int64_t batch = d.size(0), s = d.size(1);

@@ -25,7 +25,7 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, double alph
 // (NaN stays NaN, as in torch.clamp_min).
 Tensor clamped_matrix_norms(const Tensor& w, float eps);
 
-// Rounds an fp32 tensor's values to bf16 in place (they stay fp32 tensors: a bf16 value is exact
+// Rounds a contiguous fp32 tensor's values to bf16 in place (they stay fp32 tensors: a bf16 value is exact
 // in fp32, so fp32 products of such values are bf16 products with fp32 accumulation, which CPUs
 // without native bf16 GEMMs run several times faster than ATen's bf16 kernels).
 void round_bf16_(Tensor& t);
