@@ -20,6 +20,7 @@ from megatron_eopt.optim._config import make_config  # noqa: E402
 from megatron_eopt.optim._distributed import _gram_restarts, distributed_newton_schulz  # noqa: E402
 from megatron_eopt.optim._plan import TPLayout  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
 
 
 def _config(precision, algorithm):
@@ -28,6 +29,7 @@ def _config(precision, algorithm):
                        scale_mode="spectral", extra_scale_factor=1.0, ns_algorithm=algorithm)
 
 
+@exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:

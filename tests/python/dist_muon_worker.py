@@ -13,6 +13,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from worker_exit import exit_without_teardown
 
 CASES = {
     # nanochat-sized: runs of same-shape params shorter and longer than the world, a conv filter
@@ -116,11 +117,7 @@ def main():
                 "owned": owned, "flops": flops,
                 "momentum": {i: opt.state[params[i]]["momentum_buffer"] for i in owned}}, out)
     dist.destroy_process_group()
-    # Everything is checked and saved: skip the interpreter's teardown, where gloo's threads
-    # occasionally abort the process ("terminate called without an active exception").
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # everything is checked and saved
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
 
 # (global shape, partition_dim, is_qkv, expert). Shapes divide by 4; they cover row and column
 # sharding of tall and wide matrices (NorMuon statistics reduced across shards or not), a shard
@@ -194,6 +195,7 @@ def check_collectives(group, seed):
         assert calls == expected, f"{tp_mode}: {calls} collectives, expected {expected}"
 
 
+@exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     """4 ranks: TP 4 over all of them, then TP 2 in two groups of 2 (one spawn for both sizes)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)

@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
 from reference import rel_err  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
 
 TOL = 1e-6  # fp32, precision "highest": the sharded step must equal the unsharded one
 STEPS = 2
@@ -367,6 +368,7 @@ def check_legacy_dist_muon(mesh, seed):
         assert isinstance(opt.state[p]["momentum_buffer"], DTensor)
 
 
+@exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
@@ -395,6 +397,7 @@ def worker(rank, world_size, init_file, seed):
         dist.destroy_process_group()
 
 
+@exits_without_teardown
 def small_worker(rank, world_size, init_file, seed):
     """A world of 1 or 2 processes: FSDP2 on the whole world, Shard(0) / Shard(1) matrices and experts."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -426,6 +429,7 @@ def _replica_splits_only(replica: set[int]):
     return original
 
 
+@exits_without_teardown
 def hsdp_tp_worker(rank, world_size, init_file, seed):
     """8 ranks, a 2 x 2 x 2 mesh (replicate, shard, tp): every matrix is split over the 4 ranks of
     its replica (2 mesh dims, no process group of their own). Owner mode runs over the world, each
