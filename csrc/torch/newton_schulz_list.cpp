@@ -6,6 +6,7 @@
 
 #include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/shape_groups.h"
+#include "torch/newton_schulz_args.h"
 #include "torch/newton_schulz_op.h"
 
 namespace megatron_eopt {
@@ -22,11 +23,16 @@ std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<d
   std::vector<std::vector<int64_t>> shapes;
   shapes.reserve(xs.size());
   for (std::size_t i = 0; i < xs.size(); ++i) {
+    MEGATRON_EOPT_CHECK_TYPE(xs[i].scalar_type() == kFloat, "newton_schulz_list: xs[", i, "] must be float32, got ",
+                             xs[i].scalar_type());
     MEGATRON_EOPT_CHECK_VALUE(xs[i].dim() == 2, "newton_schulz_list: xs[", i, "] must be 2-D, got ", xs[i].dim(), "-D");
     MEGATRON_EOPT_CHECK_VALUE(xs[i].device() == xs[0].device(), "newton_schulz_list: xs[", i, "] is on ",
                       xs[i].device(), " but xs[0] is on ", xs[0].device());
     shapes.push_back(aten::sizes_of(xs[i]));
   }
+  // The hyper-parameters are checked here, before the nested newton_schulz calls: torch 2.11 and
+  // 2.12 pass an error raised inside a nested dispatcher call on without its message.
+  if (!xs.empty()) parse_ns_options(xs[0], coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
   std::vector<Tensor> out(xs.size());
   for (const auto& group : group_by_shape(shapes)) {
     std::vector<Tensor> members;

@@ -12,6 +12,7 @@
 #include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/scale.h"
 #include "megatron_eopt/split_layout.h"
+#include "torch/newton_schulz_args.h"
 #include "torch/newton_schulz_op.h"
 
 namespace megatron_eopt {
@@ -39,6 +40,9 @@ Tensor newton_schulz_split(const Tensor& x, const std::vector<int64_t>& split_si
   } catch (const std::invalid_argument& e) {
     MEGATRON_EOPT_CHECK_VALUE(false, "newton_schulz_split: ", e.what());
   }
+  // The Newton–Schulz arguments are checked here, before the nested newton_schulz calls: torch
+  // 2.11 and 2.12 pass an error raised inside a nested dispatcher call on without its message.
+  parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
 
   const int64_t n = x.size(-1);
   const int64_t batch = x.dim() == 3 ? x.size(0) : 1;
