@@ -15,19 +15,18 @@ constexpr int64_t kPerMatrixLoopMacs = int64_t{1} << 21;
 // Elements per parallel task of the element loop.
 constexpr int64_t kGrainElements = 32768;
 
-template <typename T>
-void scale_add_rows(T* d, const T* c, const std::vector<int64_t>& size, const std::vector<int64_t>& d_stride,
+void scale_add_rows(float* d, const float* c, const std::vector<int64_t>& size, const std::vector<int64_t>& d_stride,
                     const std::vector<int64_t>& c_stride, float alpha, float beta) {
   const int64_t rows = size[0] * size[1], cols = size[2];
   torch::stable::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1)),
                               [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t i = r / size[1], j = r % size[1];
-      T* dr = d + i * d_stride[0] + j * d_stride[1];
-      const T* cr = c == nullptr ? nullptr : c + i * c_stride[0] + j * c_stride[1];
+      float* dr = d + i * d_stride[0] + j * d_stride[1];
+      const float* cr = c == nullptr ? nullptr : c + i * c_stride[0] + j * c_stride[1];
       for (int64_t k = 0; k < cols; ++k) {
-        const float scaled = alpha * to_float(dr[k * d_stride[2]]);
-        dr[k * d_stride[2]] = from_float<T>(cr == nullptr ? scaled : scaled + beta * to_float(cr[k * c_stride[2]]));
+        const float scaled = alpha * dr[k * d_stride[2]];
+        dr[k * d_stride[2]] = cr == nullptr ? scaled : scaled + beta * cr[k * c_stride[2]];
       }
     }
   });
@@ -43,22 +42,16 @@ void as_3d(const Tensor& t, std::vector<int64_t>& size, std::vector<int64_t>& st
   }
 }
 
-// d <- alpha * d + beta * c element by element in fp32, one rounding to d's dtype (c unused when
-// beta == 0): the scalar part of d = alpha * a . b + beta * c after the product. CPU float32 or
-// bfloat16 tensors of one shape and dtype, any strides.
+// d <- alpha * d + beta * c element by element in fp32 (c unused when beta == 0): the scalar part
+// of d = alpha * a . b + beta * c after the product. CPU float32 tensors of one shape, any strides
+// (every product of the CPU iterations is fp32; "medium" rounds values, not storage).
 void scale_add_(Tensor& d, double alpha, const Tensor& c, double beta) {
   std::vector<int64_t> size, d_stride, c_size, c_stride;
   as_3d(d, size, d_stride);
   const bool add_c = beta != 0.0;
   if (add_c) as_3d(c, c_size, c_stride);
-  const float a = static_cast<float>(alpha), b = static_cast<float>(beta);
-  if (d.scalar_type() == kBFloat16) {
-    scale_add_rows(static_cast<Bf16*>(d.data_ptr()), add_c ? static_cast<const Bf16*>(c.data_ptr()) : nullptr, size,
-                   d_stride, c_stride, a, b);
-  } else {
-    scale_add_rows(static_cast<float*>(d.data_ptr()), add_c ? static_cast<const float*>(c.data_ptr()) : nullptr,
-                   size, d_stride, c_stride, a, b);
-  }
+  scale_add_rows(d.mutable_data_ptr<float>(), add_c ? c.const_data_ptr<float>() : nullptr, size, d_stride, c_stride,
+                 static_cast<float>(alpha), static_cast<float>(beta));
 }
 
 // d = a . b (2-D, or batched 3-D), then the scalars. ATen's addmm / baddbmm would fuse them, but

@@ -17,14 +17,6 @@ struct NamedList {
   bool written;  // the op writes it (a working copy must be copied back, so it must not overlap)
 };
 
-StorageType storage_type(ScalarType t) {
-  switch (t) {
-    case kBFloat16: return StorageType::kBFloat16;
-    case kHalf: return StorageType::kFloat16;
-    default: return StorageType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
-  }
-}
-
 bool is_param_dtype(ScalarType t) { return t == kFloat || t == kBFloat16 || t == kHalf; }
 
 WeightDecayMethod parse_method(const char* op, const std::string& name) {

@@ -39,11 +39,7 @@ QkClipCall parse_qk_clip(const TensorList& weights, const TensorList& factors, c
                       "] is on ", w.device());
     MEGATRON_EOPT_CHECK_VALUE(f.is_contiguous(), op, ": factors[", i, "] must be contiguous");
   }
-  if (!weights.empty()) {
-    const ScalarType t = weights[0].scalar_type();
-    call.type = t == kBFloat16 ? StorageType::kBFloat16 : t == kHalf ? StorageType::kFloat16
-                                                                               : StorageType::kFloat32;
-  }
+  if (!weights.empty()) call.type = storage_type(weights[0].scalar_type());
   for (std::size_t i = 0; i < weights.size(); ++i) {
     const Tensor& w = weights[i];
     if (w.numel() == 0) continue;

@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "megatron_eopt/storage_types.h"
+
 namespace megatron_eopt {
 
 using Tensor = torch::stable::Tensor;
@@ -32,6 +34,15 @@ constexpr ScalarType kHalf = ScalarType::Half;
 constexpr ScalarType kByte = ScalarType::Byte;
 constexpr DeviceType kCPU = DeviceType::CPU;
 constexpr DeviceType kCUDA = DeviceType::CUDA;
+
+// The kernels' element type of a float32, bfloat16 or float16 dtype (the ops' checks admit no other).
+inline StorageType storage_type(ScalarType t) {
+  switch (t) {
+    case ScalarType::BFloat16: return StorageType::kBFloat16;
+    case ScalarType::Half: return StorageType::kFloat16;
+    default: return StorageType::kFloat32;
+  }
+}
 
 // ---- messages ----
 // "cpu" / "cuda", as torch names device types.

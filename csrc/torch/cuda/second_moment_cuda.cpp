@@ -12,14 +12,6 @@
 namespace megatron_eopt {
 namespace {
 
-StorageType element_type(ScalarType t) {
-  switch (t) {
-    case kBFloat16: return StorageType::kBFloat16;
-    case kHalf: return StorageType::kFloat16;
-    default: return StorageType::kFloat32;  // the checks admit float32, bfloat16 and float16 only
-  }
-}
-
 std::vector<Moment2Tensor> describe(const InPlaceList& o, const InPlaceList& v, std::size_t count) {
   std::vector<Moment2Tensor> list(count);
   for (std::size_t i = 0; i < count; ++i) {
@@ -78,10 +70,10 @@ void namo_normalize_cuda_op(const TensorList& updates, const TensorList& moment2
   for (std::size_t i = 0; i < updates.size(); ++i) {
     inputs.push_back(aten::contiguous(grads[i]));
     list[i].grad = inputs.back().const_data_ptr();
-    list[i].grad_type = element_type(grads[i].scalar_type());
+    list[i].grad_type = storage_type(grads[i].scalar_type());
     inputs.push_back(aten::contiguous(ns_inputs[i]));
     list[i].ns_input = inputs.back().const_data_ptr();
-    list[i].ns_input_type = element_type(ns_inputs[i].scalar_type());
+    list[i].ns_input_type = storage_type(ns_inputs[i].scalar_type());
   }
   const Tensor scratch = scratch_floats(namo_scratch_floats(list), o[0]);
   namo_normalize_cuda(list, scalars, scratch.mutable_data_ptr<float>(), cuda::current_stream(device));
