@@ -17,7 +17,7 @@ namespace detail {
 template <typename... Args>
 Tensor call(const char* name, const char* overload, const Args&... args) {
   std::array<StableIValue, sizeof...(Args)> stack{torch::stable::detail::from(args)...};
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  MEGATRON_EOPT_SHIM_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
   return torch::stable::detail::to<Tensor>(stack[0]);
 }
 }  // namespace detail

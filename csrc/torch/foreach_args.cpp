@@ -86,7 +86,7 @@ void check_index(const char* op, std::size_t i, const NamedList& reference, std:
   for (const NamedList& list : lists) {
     if (list.tensors.empty()) continue;
     const Tensor& t = list.tensors[i];
-    MEGATRON_EOPT_CHECK_VALUE(t.sizes() == ref.sizes(), op, ": ", list.name, "[", i, "] has shape ", t.sizes(), " but ",
+    MEGATRON_EOPT_CHECK_VALUE(same_values(t.sizes(), ref.sizes()), op, ": ", list.name, "[", i, "] has shape ", t.sizes(), " but ",
                       reference.name, "[", i, "] has shape ", ref.sizes());
     MEGATRON_EOPT_CHECK_VALUE(!list.written || t.numel() == 0 || !has_internal_overlap(aten::sizes_of(t), aten::strides_of(t)), op,
                       ": ", list.name, "[", i, "] has overlapping memory (strides ", t.strides(),

@@ -36,7 +36,7 @@ bool is_supported_input_dtype(ScalarType t) {
 void check_namo_input(const char* op, const char* name, std::size_t i, const Tensor& t, const Tensor& update) {
   MEGATRON_EOPT_CHECK_TYPE(is_supported_input_dtype(t.scalar_type()), op, ": ", name, "[", i,
                    "] must be float32, bfloat16 or float16, got ", t.scalar_type());
-  MEGATRON_EOPT_CHECK_VALUE(t.sizes() == update.sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(),
+  MEGATRON_EOPT_CHECK_VALUE(same_values(t.sizes(), update.sizes()), op, ": ", name, "[", i, "] has shape ", t.sizes(),
                     " but updates[", i, "] has shape ", update.sizes());
   MEGATRON_EOPT_CHECK_VALUE(t.device() == update.device(), op, ": ", name, "[", i, "] is on ", t.device(),
                     " but updates[", i, "] is on ", update.device());
@@ -90,7 +90,7 @@ Moment2Scalars check_moment2_args(Moment2Method method, const TensorList& update
     const std::vector<int64_t> expected = moment2_shape(method, u.size(0), u.size(1));
     // NAMO's scalar state may also be 0-D.
     const bool scalar_ok = method == Moment2Method::kNamo && v.dim() == 0;
-    MEGATRON_EOPT_CHECK_VALUE(scalar_ok || v.sizes() == IntList(expected), op, ": moment2[", i, "] has shape ",
+    MEGATRON_EOPT_CHECK_VALUE(scalar_ok || same_values(v.sizes(), IntList(expected)), op, ": moment2[", i, "] has shape ",
                       v.sizes(), " but an update of shape ", u.sizes(), " needs ", expected);
     if (method == Moment2Method::kNamo) {
       check_namo_input(op, "grads", i, grads[i], u);

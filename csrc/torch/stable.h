@@ -44,6 +44,16 @@ inline StorageType storage_type(ScalarType t) {
   }
 }
 
+// Element-wise equality of two size (or stride) lists; torch 2.11's headers define no operator==
+// for IntHeaderOnlyArrayRef.
+inline bool same_values(IntList a, IntList b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return false;
+  }
+  return true;
+}
+
 // ---- messages ----
 // "cpu" / "cuda", as torch names device types.
 const char* device_type_name(DeviceType type);
@@ -68,6 +78,15 @@ std::string cat(const Args&... args) {
 }
 
 // ---- errors ----
+// Checks a C shim call's status and throws on failure. Torch 2.13+ headers name the macro
+// STABLE_TORCH_ERROR_CODE_CHECK (it carries the failed call's message where the running torch
+// provides it); 2.11 and 2.12 headers have only TORCH_ERROR_CODE_CHECK.
+#ifdef STABLE_TORCH_ERROR_CODE_CHECK
+#define MEGATRON_EOPT_SHIM_CHECK(call) STABLE_TORCH_ERROR_CODE_CHECK(call)
+#else
+#define MEGATRON_EOPT_SHIM_CHECK(call) TORCH_ERROR_CODE_CHECK(call)
+#endif
+
 // The stable ABI carries one exception type across the library boundary, std::runtime_error,
 // which Python sees as RuntimeError. The kind of error (ValueError or TypeError, as the Python
 // front raises for the same mistake) leads the message: "ValueError: newton_schulz: ...", and

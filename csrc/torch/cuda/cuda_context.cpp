@@ -16,7 +16,7 @@ constexpr int kMaxDevices = 64;
 
 cudaStream_t current_stream(int device) {
   void* stream = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
+  MEGATRON_EOPT_SHIM_CHECK(aoti_torch_get_current_cuda_stream(device, &stream));
   return static_cast<cudaStream_t>(stream);
 }
 
@@ -40,7 +40,7 @@ cublasLtHandle_t lt_handle(int device) {
 
 cublasHandle_t blas_handle() {
   void* handle = nullptr;
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_get_current_cuda_blas_handle(&handle));
+  MEGATRON_EOPT_SHIM_CHECK(torch_get_current_cuda_blas_handle(&handle));
   return static_cast<cublasHandle_t>(handle);
 }
 
