@@ -115,11 +115,16 @@ def measure(case: Case, plan: Plan, device: torch.device) -> dict[str, dict]:
     impl_flops = {impl.name: impl.flops if impl.flops is not None else case.flops for impl in case.impls}
     for impl in case.impls:
         try:
+            # Earlier implementations' garbage is freed first, so it cannot be counted against
+            # this one (a collection during its first call made the difference negative).
+            _release(device)
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             fn = impl.make()
             call(fn, 0)  # compilation, lazy state: never timed
             _sync(device)
-            state_bytes = torch.cuda.memory_allocated(device) - before if device.type == "cuda" else None
+            # What the first call left allocated: the implementation's state. A first call that
+            # frees memory allocated before it (an input it replaces) keeps nothing: 0.
+            state_bytes = max(0, torch.cuda.memory_allocated(device) - before) if device.type == "cuda" else None
             start = time.perf_counter()
             for w in range(plan.warmup):
                 call(fn, w + 1)

@@ -7,6 +7,7 @@ torch lacks the stable C functions they call and cannot load them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -89,6 +90,28 @@ if _cuda_cdll is None and _cuda_library_candidates():
 if _cuda_cdll is not None:
     _cuda_cdll.megatron_eopt_cuda_archs_built.restype = ctypes.c_char_p
     _cuda_cdll.megatron_eopt_cuda_version_built.restype = ctypes.c_int
+
+
+def gemm_counts() -> tuple[int, int]:
+    """(cuBLASLt GEMMs, cuBLAS fallback GEMMs) the CUDA kernels have run in this process."""
+    if _cuda_cdll is None:
+        return 0, 0
+    lt, fallback = ctypes.c_int64(), ctypes.c_int64()
+    _cuda_cdll.megatron_eopt_gemm_counts(ctypes.byref(lt), ctypes.byref(fallback))
+    return lt.value, fallback.value
+
+
+@contextlib.contextmanager
+def forced_blas_fallback():
+    """Within the block, every Newton-Schulz GEMM on CUDA runs through the cuBLAS fallback that
+    serves the problems cuBLASLt has no algorithm for (a self-test of that path)."""
+    if _cuda_cdll is None:
+        raise RuntimeError(f"the CUDA kernels are not loaded: {CUDA_KERNELS_STATUS}")
+    _cuda_cdll.megatron_eopt_force_blas_fallback(1)
+    try:
+        yield
+    finally:
+        _cuda_cdll.megatron_eopt_force_blas_fallback(0)
 
 
 def cuda_kernels_built() -> bool:

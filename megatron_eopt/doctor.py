@@ -5,7 +5,8 @@ and CUDA versions the library was built against next to the running ones, the co
 architectures next to each device's capability, and then runs every op, a Muon step and an
 AdaptiveMuon step on small awkward shapes (1 x n, n x 1, primes, tall, wide, batches) on every
 device. On a GPU each result is compared with the CPU path; on the CPU with plain-PyTorch float64
-references. Every check prints pass or fail with its max error; the exit status is 1 when any
+references. On a GPU it also forces the cuBLAS GEMM fallback (what serves the problems cuBLASLt
+has no algorithm for) and replays Newton-Schulz and a whole Muon step from CUDA graphs. Every check prints pass or fail with its max error; the exit status is 1 when any
 check fails.
 """
 
@@ -21,7 +22,7 @@ from typing import Callable
 import torch
 
 import megatron_eopt as me
-from megatron_eopt._library import LIBRARY_PATH, build_info, cuda_kernels_built
+from megatron_eopt._library import LIBRARY_PATH, build_info, cuda_kernels_built, forced_blas_fallback, gemm_counts
 from megatron_eopt.newton_schulz import get_coefficients, get_muon_scale_factor
 
 # Awkward shapes (row / column vectors, primes both ways, square) and a batch.
@@ -257,7 +258,102 @@ def check_optimizers(device: str, seed: int) -> list[Result]:
     return out
 
 
-CHECKS = [check_newton_schulz, check_split, check_foreach, check_second_moment, check_optimizers]
+def check_blas_fallback(device: str, seed: int) -> list[Result]:
+    """The cuBLAS GEMM path that serves problems cuBLASLt has no algorithm for, forced on every
+    GEMM, against the CPU path; and that it really ran."""
+    if device == "cpu":
+        return []
+    out = []
+    gen = _gen(seed + 1)
+    for shape in MATRICES + [BATCH]:
+        x = _randn(shape, gen)
+        for precision in ("highest", "high", "medium"):
+            for algorithm in ("standard", "gram"):
+                before = gemm_counts()[1]
+                with forced_blas_fallback():
+                    got = me.newton_schulz(_on(x, device), precision=precision, algorithm=algorithm)
+                    torch.cuda.synchronize(device)
+                ran = gemm_counts()[1] - before
+                want = me.newton_schulz(x, precision="highest", algorithm=algorithm)
+                tol = {"highest": 2e-3, "high": 1e-2, "medium": 5e-2}[precision]
+                out.append(Result(device, f"fallback GEMM {precision} {algorithm} {tuple(shape)}",
+                                  rel_err(got, want) if ran > 0 else math.inf, tol,
+                                  "" if ran > 0 else "the fallback did not run"))
+    return out
+
+
+def check_graph_capture(device: str, seed: int) -> list[Result]:
+    """Newton-Schulz and a whole Muon step captured in a CUDA graph after a warm-up, replayed on
+    new inputs: equal to the same calls run eagerly."""
+    if device == "cpu":
+        return []
+    out = []
+    gen = _gen(seed + 2)
+    dev = torch.device(device)
+    for shape, precision, algorithm in (((97, 37), "medium", "standard"), ((3, 24, 40), "medium", "gram"),
+                                        ((1, 37), "highest", "standard"), ((64, 256), "high", "gram")):
+        static = _randn(shape, gen, device=device)
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: plans, handles, allocations
+            me.newton_schulz(static, precision=precision, algorithm=algorithm)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            result = me.newton_schulz(static, precision=precision, algorithm=algorithm)
+        worst = 0.0
+        for _ in range(2):
+            fresh = _randn(shape, gen, device=device)
+            static.copy_(fresh)
+            graph.replay()
+            eager = me.newton_schulz(fresh, precision=precision, algorithm=algorithm)
+            torch.cuda.synchronize(dev)
+            worst = max(worst, 0.0 if torch.equal(result, eager) else max(rel_err(result, eager), 1e-30))
+        out.append(Result(device, f"graph replay newton_schulz {precision} {algorithm} {shape}", worst, 0.0))
+
+    shapes = [(24, 40), (40, 24), (1, 37)]
+    start = [_randn(s, gen, device=device) * 0.1 for s in shapes]
+    steps = [[_randn(s, gen, device=device) for s in shapes] for _ in range(3)]
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    eager_params = [torch.nn.Parameter(p.clone()) for p in start]
+    lr = torch.tensor(0.02, device=device)
+    opt = me.optim.Muon(params, lr=lr, weight_decay=0.1, nesterov=True, fp32_matmul_prec="highest")
+    eager = me.optim.Muon(eager_params, lr=0.02, weight_decay=0.1, nesterov=True, fp32_matmul_prec="highest")
+    static_grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, static_grads):
+        p.grad = g
+    opt.init_state()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up (plans, device scalars), then params and state restored
+        saved = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+        opt.step()
+        for p, s0 in zip(params, start):
+            p.data.copy_(s0)
+            for k, v in saved[p].items():
+                opt.state[p][k].copy_(v)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for t, grads in enumerate(steps):
+        for s, g in zip(static_grads, grads):
+            s.copy_(g)
+        lr.fill_(0.02 / (t + 1))
+        graph.replay()
+        for p, g in zip(eager_params, grads):
+            p.grad = g.clone()
+        eager.param_groups[0]["lr"] = 0.02 / (t + 1)
+        eager.step()
+    torch.cuda.synchronize(dev)
+    got = torch.cat([(p.detach() - s).flatten() for p, s in zip(params, start)])
+    want = torch.cat([(p.detach() - s).flatten() for p, s in zip(eager_params, start)])
+    out.append(Result(device, "graph replay Muon step (tensor lr)", rel_err(got, want), 1e-6))
+    return out
+
+
+CHECKS = [check_newton_schulz, check_split, check_foreach, check_second_moment, check_optimizers,
+          check_blas_fallback, check_graph_capture]
 
 
 def run_checks(devices: list[str], seed: int = 0) -> list[Result]:

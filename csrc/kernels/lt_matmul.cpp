@@ -1,5 +1,6 @@
 #include "lt_matmul.h"
 
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -12,6 +13,10 @@
 
 namespace megatron_eopt {
 namespace {
+
+std::atomic<int64_t> g_lt_calls{0};
+std::atomic<int64_t> g_fallback_calls{0};
+std::atomic<bool> g_force_fallback{false};
 
 // The heuristic may pick algorithms that use up to this much workspace; each call then allocates
 // what its algorithm reports (often nothing).
@@ -31,9 +36,17 @@ std::string shape_text(const GemmShape& s, int64_t batch) {
 
 using Alignments = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>;  // A, B, C, D in bytes
 
-// Everything that determines the descriptors and the heuristic's choice.
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t, int, int, int, Alignments>;
+// The problem: everything but the operands' addresses that determines the descriptors.
+using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
+                              int64_t, int64_t, int64_t, int64_t, int, int, int>;
+// A plan is chosen for a problem and the alignments its operands guarantee; it serves every call
+// of that problem whose operands are at least as aligned.
+using PlanKey = std::pair<ProblemKey, Alignments>;
+
+bool serves(const Alignments& planned, const Alignments& actual) {
+  return std::get<0>(planned) <= std::get<0>(actual) && std::get<1>(planned) <= std::get<1>(actual) &&
+         std::get<2>(planned) <= std::get<2>(actual) && std::get<3>(planned) <= std::get<3>(actual);
+}
 
 cudaDataType_t lt_data_type(LtElement e) { return e == LtElement::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
 
@@ -105,6 +118,15 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   const uint64_t ws = kMaxWorkspaceBytes;
   check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)),
            "set max workspace");
+  if (args.types.cd == LtElement::kBFloat16) {
+    // Split-K may otherwise reduce its partial sums in the output type (in place in D, or in a
+    // bf16 workspace): bf16 partials would break the fp32 accumulation of "medium" products.
+    // Only no split or a reduction in the fp32 compute type is allowed.
+    const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+    check_lt(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes,
+                                                  sizeof(schemes)),
+             "set reduction scheme mask");
+  }
   const uint32_t aligns[4] = {std::get<0>(align), std::get<1>(align), std::get<2>(align), std::get<3>(align)};
   const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -117,11 +139,13 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && found == 0)) {
-    plan->fallback = true;  // e.g. 97 x 37 bf16: no Lt kernel for these alignments
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
+    // No Lt algorithm: NOT_SUPPORTED (e.g. 97 x 37 bf16 at these alignments), INVALID_VALUE for
+    // layouts the heuristic refuses (degenerate 37 x 1 ones), or none found. The cuBLAS GEMM runs
+    // the problem instead, and reports its own error if it cannot either.
+    plan->fallback = true;
     return plan;
   }
-  check_lt(status, "MatmulAlgoGetHeuristic");
   plan->algo = result.algo;
   plan->workspace_bytes = result.workspaceSize;
   return plan;
@@ -136,17 +160,22 @@ void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   const std::size_t cd = lt_element_bytes(args.types.cd);
   if (args.beta != 0.f && args.c != args.d) {
     const std::size_t span = static_cast<std::size_t>((args.batch - 1) * s.stride_c + (s.cols - 1) * s.ldc + s.rows);
-    if (cudaMemcpyAsync(args.d, args.c, span * cd, cudaMemcpyDeviceToDevice, ctx.stream) != cudaSuccess) {
-      throw std::runtime_error("megatron_eopt: copying the GEMM addend failed: " +
-                               std::string(cudaGetErrorString(cudaGetLastError())));
-    }
+    MEGATRON_EOPT_CUDA_CHECK(cudaMemcpyAsync(args.d, args.c, span * cd, cudaMemcpyDeviceToDevice, ctx.stream));
   }
-  // The handle is torch's: its math mode may allow TF32 for fp32 products. The compute type says
-  // what this problem wants, so the default math mode is set for the call and restored after.
+  // The handle is torch's, already bound by torch's getter to the current stream and to that
+  // stream's workspace from torch's caching allocator. cublasSetStream is not called: it would
+  // reset the handle's workspace to cuBLAS's default pool, shared by all streams.
+  cudaStream_t bound = nullptr;
+  check_lt(cublasGetStream(ctx.blas, &bound), "GetStream");
+  if (bound != ctx.stream) {
+    throw std::runtime_error("megatron_eopt: torch's cuBLAS handle is bound to another stream than the op's "
+                             "current stream");
+  }
+  // Its math mode may allow TF32 for fp32 products. The compute type says what this problem
+  // wants, so the default math mode is set for the call and restored after.
   cublasMath_t previous = CUBLAS_DEFAULT_MATH;
   check_lt(cublasGetMathMode(ctx.blas, &previous), "GetMathMode");
   check_lt(cublasSetMathMode(ctx.blas, CUBLAS_DEFAULT_MATH), "SetMathMode");
-  check_lt(cublasSetStream(ctx.blas, ctx.stream), "SetStream");
   const cublasComputeType_t compute =
       args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   const cublasStatus_t status = cublasGemmStridedBatchedEx(
@@ -159,18 +188,32 @@ void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   check_lt(status, "GemmStridedBatchedEx");
 }
 
-bool capturing(cudaStream_t stream) {
+}  // namespace
+
+bool stream_is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
-    cudaGetLastError();  // not capturable (e.g. the legacy stream): treat as not capturing
-    return false;
+  const cudaError_t error = cudaStreamIsCapturing(stream, &status);
+  if (error == cudaErrorStreamCaptureImplicit) {
+    // The legacy stream while another stream captures in global mode: a capture is under way.
+    // The failed query recorded this error as the thread's last error, overwriting whatever was
+    // there; reset it so that the next launch check does not report it.
+    cudaGetLastError();
+    return true;
   }
+  MEGATRON_EOPT_CUDA_CHECK(error);
   return status != cudaStreamCaptureStatusNone;
 }
 
-}  // namespace
+LtGemmCounts lt_gemm_counts() { return {g_lt_calls.load(), g_fallback_calls.load()}; }
+
+void lt_force_fallback(bool on) { g_force_fallback.store(on); }
 
 void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx) {
+  if (g_force_fallback.load(std::memory_order_relaxed)) {
+    blas_gemm(args, ctx);
+    g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
   // Process-wide and intentionally leaked: destroying the descriptors at static destruction
   // would call into cuBLASLt after the CUDA context may already be gone.
   static auto* const mutex = new std::mutex;
@@ -179,28 +222,37 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   const std::size_t ab = lt_element_bytes(args.types.ab), cd = lt_element_bytes(args.types.cd);
   const Alignments align{alignment_of(args.a, s.stride_a, ab), alignment_of(args.b, s.stride_b, ab),
                          alignment_of(args.c, s.stride_c, cd), alignment_of(args.d, s.stride_c, cd)};
-  const PlanKey key{ctx.device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
-                    s.stride_a, s.stride_b, s.stride_c, args.batch,
-                    static_cast<int>(args.types.ab), static_cast<int>(args.types.cd),
-                    static_cast<int>(args.types.compute), align};
+  const ProblemKey problem{ctx.device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
+                           s.stride_a, s.stride_b, s.stride_c, args.batch,
+                           static_cast<int>(args.types.ab), static_cast<int>(args.types.cd),
+                           static_cast<int>(args.types.compute)};
+  const PlanKey key{problem, align};
   LtPlan* plan = nullptr;
   {
     std::lock_guard<std::mutex> lock(*mutex);
     auto it = cache->find(key);
-    if (it == cache->end()) {
-      if (capturing(ctx.stream)) {
+    if (it == cache->end() && stream_is_capturing(ctx.stream)) {
+      // A warm-up on differently aligned operands (another view, another allocation) planned the
+      // same problem: a plan chosen for alignments no larger than these serves.
+      for (auto c = cache->lower_bound(PlanKey{problem, Alignments{}}); c != cache->end() && c->first.first == problem;
+           ++c) {
+        if (serves(c->first.second, align)) it = c;
+      }
+      if (it == cache->end()) {
         throw std::runtime_error(
             "megatron_eopt: a Newton-Schulz GEMM of shape " + shape_text(s, args.batch) +
             " is met for the first time while a CUDA graph is being captured; its cuBLASLt algorithm must be "
             "chosen outside capture. Run the same step (or op) once before capturing it (a warm-up iteration on a "
             "side stream, as torch.cuda.graphs recommends).");
       }
+    } else if (it == cache->end()) {
       it = cache->emplace(key, make_plan(args, ctx.lt, align)).first;
     }
     plan = it->second.get();
   }
   if (plan->fallback) {
     blas_gemm(args, ctx);
+    g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   void* workspace = plan->workspace_bytes == 0 ? nullptr : ctx.workspace.get(ctx.workspace.context, plan->workspace_bytes);
@@ -208,6 +260,7 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx) {
                           args.c, plan->c, args.d, plan->c, &plan->algo, workspace, plan->workspace_bytes,
                           ctx.stream),
            "LtMatmul");
+  g_lt_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace megatron_eopt

@@ -51,8 +51,25 @@ struct LtGemmArgs {
   void* d;
 };
 
-// Throws when a problem's plan does not exist yet and `stream` is capturing a CUDA graph: the
+// Whether `stream` is capturing a CUDA graph (the legacy stream counts as capturing while another
+// stream captures in global mode). Throws on any other error of the query.
+bool stream_is_capturing(cudaStream_t stream);
+
+// Runs the GEMM with the plan chosen for its problem. During capture a plan chosen for the same
+// problem on less aligned operands serves. Throws when a problem's plan does not exist yet and `stream` is capturing a CUDA graph: the
 // algorithm query must run before capture (a warm-up call on the same shapes).
 void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx);
+
+// GEMMs run so far in this process (all devices): through cuBLASLt and through the cuBLAS
+// fallback. Read by the doctor and the tests to see which path served a problem.
+struct LtGemmCounts {
+  int64_t lt_calls;
+  int64_t fallback_calls;
+};
+LtGemmCounts lt_gemm_counts();
+
+// While on, every GEMM takes the cuBLAS fallback (the doctor and the tests exercise that path on
+// shapes cuBLASLt would serve). Off by default.
+void lt_force_fallback(bool on);
 
 }  // namespace megatron_eopt

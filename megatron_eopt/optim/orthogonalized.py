@@ -271,15 +271,18 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             for key in keys:
                 check_step_value(key, group[key], f"param_groups[{gi}]")
         if not torch.compiler.is_compiling() and _capturing_cuda_graph(plan):
+            # A host value (Python number or CPU tensor) is written into the graph as a constant.
+            # That is what a constant momentum or weight decay wants, but a learning rate is
+            # scheduled: a captured host lr would replay its capture-time value forever.
             for gi in sorted(groups_used):
-                for key in keys:
-                    if not isinstance(self.param_groups[gi][key], torch.Tensor):
-                        raise RuntimeError(
-                            f"param_groups[{gi}]['{key}'] is a Python number while a CUDA graph is being captured: "
-                            "the graph would replay the value it had at capture time. Store it as a 0-dim tensor "
-                            f"on the device (param_groups[{gi}]['{key}'] = torch.tensor(value, device='cuda')) and "
-                            "update it in place between replays."
-                        )
+                if _host_value(self.param_groups[gi]["lr"]) is not None:
+                    raise RuntimeError(
+                        f"param_groups[{gi}]['lr'] is a Python number while a CUDA graph is being captured: "
+                        "the graph would replay the value it had at capture time. Store it as a 0-dim tensor "
+                        f"on the device (param_groups[{gi}]['lr'] = torch.tensor(value, device='cuda')) and "
+                        "update it in place between replays (other per-step values given as numbers are "
+                        "captured as constants)."
+                    )
         for (gi, _device), tensors in self._hyper.items():
             if gi in groups_used:
                 group = self.param_groups[gi]
@@ -577,15 +580,26 @@ def _capturing_cuda_graph(plan: Plan) -> bool:
     return any(b.device.type == "cuda" for b in plan.buckets) and torch.cuda.is_current_stream_capturing()
 
 
+def _host_value(value) -> float | None:
+    """The value of a per-step hyper-parameter held on the host (a Python number or a CPU tensor,
+    read without touching any device), or None for a tensor on a device."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.device.type == "cpu" else None
+    return float(value)
+
+
 def _write_scalar(buf: torch.Tensor, value) -> None:
     # Compiled writes go through a 1-element view: torch 2.13's inductor drops in-place writes to
     # a 0-dim float64 tensor (the step would run with lr = 0).
-    if isinstance(value, torch.Tensor):
+    host_tensor = isinstance(value, torch.Tensor) and value.device.type == "cpu" and buf.device.type != "cpu"
+    if isinstance(value, torch.Tensor) and (not host_tensor or torch.compiler.is_compiling()):
         buf.view(1).copy_(value.reshape(1))  # a device tensor keeps the step capturable in a CUDA graph
     elif torch.compiler.is_compiling():
         buf.view(1).zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
     else:
-        buf.fill_(value)
+        # A Python number, or a CPU tensor for a device buffer: read on the host and written by a
+        # fill kernel (a copy_ from pageable host memory would synchronize with the device).
+        buf.fill_(_host_value(value))
 
 
 def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:

@@ -124,3 +124,126 @@ def test_python_float_lr_during_cuda_graph_capture_is_refused(gen):
     with pytest.raises(RuntimeError, match="lr'\\] is a Python number while a CUDA graph is being captured"):
         with torch.cuda.graph(graph):
             opt.step()
+
+
+@pytest.mark.gpu
+def test_cpu_tensor_lr_is_refused_during_capture_and_never_synchronizes(gen):
+    # A CPU tensor lr is a host value: read on the host (no pageable copy, which would synchronize
+    # with the device on every step) and, like a Python number, refused during capture.
+    params = [torch.nn.Parameter(p.detach().cuda()) for p in make_params(SHAPES, gen, scale=0.1)]
+    ref_params = clone_params(params)
+    lr = torch.tensor(0.02)  # float32: the reference gets the same value
+    opt = CASES["muon"](params, lr)
+    ref = CASES["muon"](ref_params, float(lr))
+    for p, r in zip(params, ref_params):
+        p.grad = torch.randn(p.shape, generator=gen).cuda()
+        r.grad = p.grad.clone()
+    opt.step()  # warm-up: plans and state
+    ref.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref.step()
+    for p, r in zip(params, ref_params):
+        assert torch.equal(p, r)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="lr'\\] is a Python number while a CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            opt.step()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_of_a_gradscaler_step_with_fp16_params_and_an_overflow(gen):
+    # scaler.step + scaler.update captured once and replayed: a replay whose gradients hold an inf
+    # leaves params and momentum untouched and halves the scale, the others step as eager does.
+    shapes = [(64, 96), (96, 64), (1, 33)]
+    params = [torch.nn.Parameter(p.detach().cuda().half()) for p in make_params(shapes, gen, scale=0.1)]
+    eager_params = clone_params(params)
+    lr = torch.tensor(0.02, device="cuda")
+    opt = CASES["muon"](params, lr)
+    eager = CASES["muon"](eager_params, 0.02)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=1000)
+    eager_scaler = torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=1000)
+    for s in (scaler, eager_scaler):
+        s.scale(torch.ones((), device="cuda"))  # creates the scale tensor (a loss would be scaled here)
+    static_grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, static_grads):
+        p.grad = g
+    steps = [[(torch.randn(p.shape, generator=gen) * 1024.0).cuda().half() for p in params] for _ in range(4)]
+    steps[2][0][3, 5] = float("inf")  # the overflow step
+    # Warm-up outside capture on a side stream, then restore params, state and scaler.
+    opt.init_state()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        saved_p = [p.detach().clone() for p in params]
+        saved_s = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+        for s, g in zip(static_grads, steps[0]):
+            s.copy_(g)
+        scaler.step(opt)
+        scaler.update()
+        for p, v in zip(params, saved_p):
+            p.data.copy_(v)
+        for p in params:
+            for k, v in saved_s[p].items():
+                opt.state[p][k].copy_(v)
+        scaler._scale.fill_(1024.0)
+        scaler._growth_tracker.zero_()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scaler.step(opt)
+        scaler.update()
+    for t, grads in enumerate(steps):
+        before = [p.detach().clone() for p in params]
+        state_before = [opt.state[p]["momentum_buffer"].clone() for p in params]
+        for s, g in zip(static_grads, grads):
+            s.copy_(g)
+        graph.replay()
+        for p, g in zip(eager_params, grads):
+            p.grad = g.clone()
+        eager_scaler.step(eager)
+        eager_scaler.update()
+        torch.cuda.synchronize()
+        assert float(scaler._scale) == float(eager_scaler._scale)
+        if t == 2:
+            assert float(scaler._scale) == 512.0
+            for p, b, s_b in zip(params, before, state_before):
+                assert torch.equal(p, b) and torch.equal(opt.state[p]["momentum_buffer"], s_b)
+        for p, r in zip(params, eager_params):
+            assert torch.isfinite(p).all()
+            assert torch.equal(p, r), f"step {t}"
+
+
+def test_host_values_reach_a_device_buffer_by_a_fill_not_a_host_copy():
+    # A Python number or CPU tensor is read on the host and filled in; a copy_ from pageable host
+    # memory would synchronize with the device on every step. (A meta buffer stands in for a GPU.)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_eopt.optim.orthogonalized import _host_value, _write_scalar
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    buf = torch.empty((), dtype=torch.float64, device="meta")
+    for value in (0.5, torch.tensor(0.5), torch.tensor(0.5, dtype=torch.float64)):
+        with Ops() as ops:
+            _write_scalar(buf, value)
+        assert "fill_" in ops.names and "copy_" not in ops.names, ops.names
+    with Ops() as ops:
+        _write_scalar(buf, torch.tensor(0.5, device="meta"))  # a device tensor: copied on the device
+    assert "copy_" in ops.names
+    cpu_buf = torch.empty((), dtype=torch.float64)
+    _write_scalar(cpu_buf, torch.tensor(0.25))
+    assert float(cpu_buf) == 0.25
+    assert _host_value(3) == 3.0 and _host_value(torch.tensor(0.5)) == 0.5
+    assert _host_value(torch.tensor(0.5, device="meta")) is None

@@ -108,7 +108,13 @@ def test_stack_of_projections_equals_per_matrix_calls_in_one_batch_per_size(devi
     out = me.newton_schulz_split(stack, sizes, groups, **kw)
     assert out.shape == stack.shape
     for k in range(3):
-        torch.testing.assert_close(out[k], me.newton_schulz_split(stack[k], sizes, groups, **kw), rtol=1e-5, atol=1e-6)
+        single = me.newton_schulz_split(stack[k], sizes, groups, **kw)
+        if device == "cpu":
+            torch.testing.assert_close(out[k], single, rtol=1e-5, atol=1e-6)
+        else:
+            # cuBLAS runs a batch of 3 with other kernels (summation orders) than a batch of 1:
+            # the same math within fp32 rounding as amplified by 5 Newton-Schulz steps.
+            assert rel_err(out[k], single) <= TOLERANCE["highest"]
     if device == "cpu":
         assert _ns_calls(lambda: me.newton_schulz_split(stack, sizes, groups)) == len(set(sizes))
 

@@ -19,6 +19,9 @@ inline void check_cuda(cudaError_t status, const char* what, const char* file, i
 }  // namespace megatron_eopt
 
 #define MEGATRON_EOPT_CUDA_CHECK(expr) ::megatron_eopt::check_cuda((expr), #expr, __FILE__, __LINE__)
-// After every kernel launch: reports bad launch configurations at the launch site.
+// After every kernel launch: reports bad launch configurations at the launch site. As torch's
+// C10_CUDA_KERNEL_LAUNCH_CHECK, it reads (and resets) the thread's last error, which may also be
+// an earlier launch's that nobody checked: that failure is reported here rather than lost.
 #define MEGATRON_EOPT_KERNEL_LAUNCH_CHECK() \
-  ::megatron_eopt::check_cuda(cudaGetLastError(), "kernel launch", __FILE__, __LINE__)
+  ::megatron_eopt::check_cuda(cudaGetLastError(), "kernel launch (or an earlier unchecked launch on this thread)", \
+                              __FILE__, __LINE__)

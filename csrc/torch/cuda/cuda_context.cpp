@@ -1,5 +1,7 @@
 #include "torch/cuda/cuda_context.h"
 
+#include "kernels/lt_matmul.h"
+
 #include <array>
 #include <mutex>
 #include <string>
@@ -20,7 +22,7 @@ cudaStream_t current_stream(int device) {
   return static_cast<cudaStream_t>(stream);
 }
 
-cublasLtHandle_t lt_handle(int device) {
+cublasLtHandle_t lt_handle(int device, cudaStream_t stream) {
   MEGATRON_EOPT_CHECK_VALUE(device >= 0 && device < kMaxDevices, "CUDA device index ", device, " out of range");
   // One handle per device, never destroyed: cuBLASLt handles are thread-safe, and destroying them
   // at exit would race the CUDA runtime's own teardown.
@@ -28,6 +30,13 @@ cublasLtHandle_t lt_handle(int device) {
   static std::mutex mutex;
   const std::lock_guard<std::mutex> lock(mutex);
   if (handles[device] == nullptr) {
+    if (stream_is_capturing(stream)) {
+      // cublasLtCreate allocates and queries the device: not work to record into a graph.
+      throw std::runtime_error("megatron_eopt: the first Newton-Schulz call on cuda:" + std::to_string(device) +
+                               " is made while a CUDA graph is being captured. Run the same step (or op) once "
+                               "before capturing it (a warm-up iteration on a side stream, as torch.cuda.graphs "
+                               "recommends).");
+    }
     const cublasStatus_t status = cublasLtCreate(&handles[device]);
     if (status != CUBLAS_STATUS_SUCCESS) {
       handles[device] = nullptr;

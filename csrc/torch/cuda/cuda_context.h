@@ -19,8 +19,9 @@ using DeviceGuard = torch::stable::accelerator::DeviceGuard;
 // torch's current stream of `device` (what the caller's `with torch.cuda.stream(...)` selected).
 cudaStream_t current_stream(int device);
 
-// This library's cuBLASLt handle of `device`, created on first use and kept for the process.
-cublasLtHandle_t lt_handle(int device);
+// This library's cuBLASLt handle of `device`, created on first use and kept for the process. The
+// first use must not be made while `stream` (the caller's current stream) captures a CUDA graph.
+cublasLtHandle_t lt_handle(int device, cudaStream_t stream);
 
 // torch's cuBLAS handle of the current device.
 cublasHandle_t blas_handle();
@@ -30,7 +31,8 @@ inline int device_of(const Tensor& t) { return static_cast<int>(t.get_device_ind
 
 // The GEMM context of an op call on `device` with its workspace provider.
 inline LtContext blas_context(int device, LtWorkspace workspace) {
-  return LtContext{device, lt_handle(device), blas_handle(), workspace, current_stream(device)};
+  const cudaStream_t stream = current_stream(device);
+  return LtContext{device, lt_handle(device, stream), blas_handle(), workspace, stream};
 }
 
 }  // namespace megatron_eopt::cuda
