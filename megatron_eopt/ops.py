@@ -523,10 +523,11 @@ def foreach_update_(
 def qk_clip_(weights: Sequence[torch.Tensor], factors: Sequence[torch.Tensor], block_rows: Sequence[int]) -> None:
     """Scales row blocks of attention weights in place, every weight in one pass (QK-clip).
 
-    ``weights[i]`` (``(rows, cols)``, float32 / bfloat16 / float16, one dtype, rows contiguous) is cut
-    into blocks of ``block_rows[i]`` rows (one attention head each); block ``b`` is multiplied by
-    ``factors[i][b]`` (a float32 vector of ``rows // block_rows[i]`` values on the weight's device),
-    in fp32 and stored in the weight's dtype. See ``megatron_eopt.optim.qk_clip`` for the factors.
+    ``weights[i]`` (``(rows, cols)``, float32 / bfloat16 / float16, rows contiguous; one dtype and one
+    device for all) is cut into blocks of ``block_rows[i]`` rows (one attention head each); block
+    ``b`` is multiplied by ``factors[i][b]`` (a float32 vector of ``rows // block_rows[i]`` values on
+    the weight's device), in fp32 and stored in the weight's dtype. See ``megatron_eopt.optim.qk_clip``
+    for the factors.
     """
     weights = _tensor_list("weights", weights)
     factors = _tensor_list("factors", factors)

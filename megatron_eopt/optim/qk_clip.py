@@ -11,8 +11,10 @@ exactly ``gamma_h`` (and an unclipped head's logits are unchanged). Megatron's f
 (per query group: the group's q heads, then its k head, then its v head, ``head_dim`` rows each) is
 handled the same way, its v rows untouched.
 
-The factors are computed with a few small tensor ops per layer; the rows of every weight of every
-layer are then scaled by one fused :func:`megatron_eopt.qk_clip_` call per dtype.
+The factors are computed with a few small tensor ops per layer, on the device of the weight they
+scale; the rows of every weight of every layer are then scaled by one fused
+:func:`megatron_eopt.qk_clip_` call per (device, dtype) (the op takes tensors of one device and one
+dtype, and a model may spread its layers over several GPUs of one process).
 """
 
 from __future__ import annotations
@@ -172,19 +174,27 @@ def plan_clip(targets: Sequence[ClipTarget], qk_logits: Mapping[int, torch.Tenso
             raise ValueError(f"layer {layer}: {heads} query heads do not split over {kv_heads} key heads")
         q, k = _factors(_gammas(logits.to(wq.device), config), kv_heads)
         weights += [wq, wk]
-        factors += [q.contiguous(), k.to(wk.device).contiguous()]
+        factors += [q.to(wq.device).contiguous(), k.to(wk.device).contiguous()]
         blocks += [d, d]
     return weights, factors, blocks
 
 
+def op_groups(keys: Sequence[tuple[torch.device, torch.dtype]]) -> list[list[int]]:
+    """The indices of ``keys`` (each weight's ``(device, dtype)``) grouped by equal key, groups in
+    order of first appearance and indices ascending within a group: one ``qk_clip_`` call each,
+    since the op takes tensors of one device and one dtype."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (device, dtype) in enumerate(keys):
+        groups.setdefault((torch.device(device), dtype), []).append(i)
+    return list(groups.values())
+
+
 @torch.no_grad()
 def apply_qk_clip(targets: Sequence[ClipTarget], qk_logits: Mapping[int, torch.Tensor], config: ClipConfig) -> None:
-    """Scales the q / k rows of every clipped head (see the module docstring); one fused call per dtype."""
+    """Scales the q / k rows of every clipped head (see the module docstring); one fused call per
+    (device, dtype) of the weights, each weight's factors on its own device (no host sync)."""
     weights, factors, blocks = plan_clip(targets, qk_logits, config)
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, w in enumerate(weights):
-        by_dtype.setdefault(w.dtype, []).append(i)
-    for idx in by_dtype.values():
+    for idx in op_groups([(w.device, w.dtype) for w in weights]):
         ops.qk_clip_([weights[i].detach() for i in idx], [factors[i] for i in idx], [blocks[i] for i in idx])
 
 
