@@ -37,7 +37,8 @@ class HybridMuon(torch.optim.Optimizer):
     ``adamw_lr`` (default: ``lr``), ``adamw_betas``, ``adamw_eps`` and ``adamw_weight_decay`` the
     AdamW groups' defaults. ``clip_config`` (Motif's dict: ``threshold``, ``head_dim``,
     optionally ``q_indices`` / ``k_indices``) turns on QK-clip: ``step(qk_logits={layer: (heads,)
-    max logits})``. ``cpu_offload=True`` keeps the state in (pinned) host memory between steps.
+    max logits})``. ``cpu_offload=True`` keeps the state in (pinned) host memory between steps
+    (see ``_offload``: ``opt.state`` waits for the step's copies to the host before it is read).
     """
 
     def __init__(
@@ -152,6 +153,26 @@ class HybridMuon(torch.optim.Optimizer):
         return targets
 
     # ------------------------------------------------------------------ state
+    @property
+    def state(self):
+        """The per-parameter state. With CPU offload on, the host copies of a step may still be in
+        flight when ``step()`` returns; reaching the state here waits for them first (a no-op when
+        none are pending), so host reads after a step see complete values."""
+        offload = getattr(self, "_offload", None)
+        if offload is not None and offload.pending:
+            offload.wait()
+        return self._state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._state = value
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if "state" in state:  # torch's __setstate__ writes __dict__ directly: through the setter instead
+            self.state = state.pop("state")
+        super().__setstate__(state)
+
     def turn_on_cpu_offload(self) -> None:
         """Keeps the optimizer state in (pinned) host memory between steps."""
         self._offload.turn_on()

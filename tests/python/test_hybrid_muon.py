@@ -7,6 +7,8 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import megatron_eopt as me
 from megatron_eopt import muon as legacy
@@ -334,6 +336,293 @@ def test_offload_on_cuda_uses_pinned_host_memory(gen):
     states = [v for s in opt.state.values() for v in s.values() if v.numel() > 1]
     assert states and all(v.device.type == "cpu" and v.is_pinned() for v in states)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+class _NewStorages(TorchDispatchMode):
+    """Records the bytes of every tensor storage an op creates (outputs sharing no input's storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.created = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.created.append((str(func), t.untyped_storage().nbytes()))
+        return out
+
+
+class Mixed(torch.nn.Module):
+    """Odd shapes and several dtypes: fp32 Muon matrices (one stored transposed), AdamW params in
+    fp32 (a channels-last conv weight, a 1-element bias), bf16 and fp64."""
+
+    def __init__(self, gen):
+        super().__init__()
+        r = lambda *shape, dtype=torch.float32: torch.randn(shape, generator=gen).to(dtype)  # noqa: E731
+        self.a = torch.nn.Parameter(r(7, 5))
+        self.b = torch.nn.Parameter(r(13, 3))
+        self.t = torch.nn.Parameter(r(9, 6).t())  # (6, 9) with strides (1, 6)
+        self.conv = torch.nn.Parameter(r(4, 3, 3, 2).to(memory_format=torch.channels_last))
+        self.one = torch.nn.Parameter(r(1))
+        self.low = torch.nn.Parameter(r(11, dtype=torch.bfloat16))
+        self.wide = torch.nn.Parameter(r(3, 5, dtype=torch.float64))
+
+    def groups(self):
+        return [{"params": [self.a, self.b, self.t], "use_muon": True},
+                {"params": [self.conv, self.one, self.low, self.wide], "use_muon": False, "lr": 3e-3}]
+
+
+def _tensor_state(opt):
+    return [v for s in opt.state.values() for v in s.values() if type(v) is torch.Tensor]
+
+
+def _by_kind(tensors):
+    kinds = {}
+    for v in tensors:
+        kinds.setdefault((v.device, v.dtype), []).append(v)
+    return kinds
+
+
+def _storages(opt):
+    """The storages the state tensors live in, by (device, dtype)."""
+    return {k: {v.untyped_storage().data_ptr() for v in vs} for k, vs in _by_kind(_tensor_state(opt)).items()}
+
+
+def _same_grads(model, ref, gen, skip=()):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        g = None if name in skip else torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+        p.grad, q.grad = g, None if g is None else g.clone()
+
+
+def _assert_same_state(opt, plain):
+    for (p, s), (q, r) in zip(opt.state.items(), plain.state.items()):
+        assert s.keys() == r.keys()
+        for k, v in s.items():
+            assert torch.equal(v.cpu(), r[k].cpu()), k
+            assert v.stride() == r[k].stride(), k
+
+
+@pytest.mark.parametrize("moment2_method", [None, "normuon"])
+def test_offload_mixed_dtypes_and_shapes_is_bitwise_invisible(moment2_method, gen):
+    model = Mixed(gen)
+    ref = copy.deepcopy(model)
+    kw = dict(fp32_matmul_prec="highest", moment2_method=moment2_method)
+    opt = HybridMuon(model.groups(), cpu_offload=True, **kw)
+    plain = HybridMuon(ref.groups(), **kw)
+    for t in range(4):
+        # `b` and `wide` get their first grad, hence their state, only at the second step.
+        _same_grads(model, ref, gen, skip=("b", "wide") if t == 0 else ())
+        opt.step()
+        plain.step()
+        _assert_same_state(opt, plain)  # a host read between steps, with strides kept
+        storages = _storages(opt)  # one host buffer per dtype
+        assert {d for _, d in storages} == {torch.float32, torch.bfloat16} | ({torch.float64} if t else set())
+        assert all(len(b) == 1 for b in storages.values())
+    for (name, p), q in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, q[1]) and p.stride() == q[1].stride(), name
+    opt.turn_off_cpu_offload()
+    _assert_same_state(opt, plain)
+
+
+def test_offload_views_start_256_byte_aligned(gen):
+    model = Mixed(gen)
+    opt = HybridMuon(model.groups(), fp32_matmul_prec="highest", moment2_method="normuon", cpu_offload=True)
+    for _ in range(2):
+        _set_grads(model, gen)
+        opt.step()
+    for phase in ("out", "in"):
+        if phase == "in":
+            opt._offload.bring_in()
+        states = _tensor_state(opt)
+        assert len(states) == 3 * 2 + 4 * 3  # Muon: momentum, moment2; AdamW: exp_avg, exp_avg_sq, step
+        for v in states:
+            offset = v.data_ptr() - v.untyped_storage().data_ptr()
+            assert offset % 256 == 0, (phase, v.dtype, tuple(v.shape), offset)
+        # one buffer per dtype, so the offsets are those inside it
+        assert all(len(b) == 1 for b in _storages(opt).values())
+
+
+def test_offload_sends_the_brought_in_buffer_without_a_second_copy(gen):
+    model = Mixed(gen)
+    opt = HybridMuon(model.groups(), fp32_matmul_prec="highest", cpu_offload=True)
+    offload = opt._offload
+    real_send_out = offload.send_out
+    spy = {}
+
+    def send_out():
+        spy["before"] = _storages(opt)
+        with _NewStorages() as mode:
+            real_send_out()
+        spy["created"] = mode.created
+
+    offload.send_out = send_out
+    hosts = None
+    for t in range(3):
+        _set_grads(model, gen)
+        opt.step()
+        host_now = _storages(opt)
+        if t == 0:  # the first layout: one host buffer per dtype, written tensor by tensor
+            assert all(len(b) == 1 for b in host_now.values())
+            hosts = host_now
+            continue
+        # During the step the state was views of one device buffer per dtype (what bring_in made) ...
+        assert all(len(b) == 1 for b in spy["before"].values()), spy["before"]
+        # ... which went to the host buffers as it was: no op in send_out made a new buffer ...
+        assert spy["created"] == [], spy["created"]
+        # ... and the host buffers are those of the first layout.
+        assert host_now == hosts
+
+
+def test_offload_takes_state_replaced_between_steps(gen):
+    model = Mixed(gen)
+    ref, other = copy.deepcopy(model), copy.deepcopy(model)
+    opt = HybridMuon(model.groups(), fp32_matmul_prec="highest", cpu_offload=True)
+    plain = HybridMuon(ref.groups(), fp32_matmul_prec="highest")
+    donor = HybridMuon(other.groups(), fp32_matmul_prec="highest")
+    for _ in range(3):
+        _set_grads(other, gen)
+        donor.step()
+    for t in range(5):
+        _same_grads(model, ref, gen)
+        opt.step()
+        plain.step()
+        if t == 1:  # a checkpoint's state, loaded into both (a copy each: torch shares same-device tensors)
+            opt.turn_off_cpu_offload()
+            opt.load_state_dict(copy.deepcopy(donor.state_dict()))
+            opt.turn_on_cpu_offload()
+            plain.load_state_dict(copy.deepcopy(donor.state_dict()))
+            _assert_same_state(opt, plain)
+        if t == 3:  # state tensors replaced by hand while the state is out
+            for p, q in ((model.a, ref.a), (model.conv, ref.conv)):
+                key = "momentum_buffer" if p is model.a else "exp_avg"
+                new = torch.randn(p.shape, generator=gen)
+                opt.state[p][key] = new.clone()
+                plain.state[q][key] = new.clone()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    _assert_same_state(opt, plain)
+
+
+def _delay_send_out(opt, cycles=int(2e8)):
+    """Keeps the current stream busy (about 0.1 s) before each copy to the host, so that a host or
+    stream that did not wait for that copy would read the previous step's values."""
+    real = opt._offload.send_out
+
+    def send_out():
+        torch.cuda._sleep(cycles)
+        real()
+
+    opt._offload.send_out = send_out
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_host_read_after_step_sees_the_step(gen):
+    model = Model().cuda()
+    ref = _clone(model)
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", cpu_offload=True)
+    plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
+    _delay_send_out(opt)
+    for _ in range(3):
+        _set_grads(model, gen)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()
+        # Right away, while the copy to the host is still queued behind the delay: opt.state waits for it.
+        seen = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+        assert all(v.device.type == "cpu" and (v.numel() <= 1 or v.is_pinned()) for s in opt.state.values()
+                   for v in s.values())
+        plain.step()
+        for s, r in zip(seen, plain.state.values()):
+            assert s.keys() == r.keys()
+            for k, v in s.items():
+                assert torch.equal(v, r[k].cpu()), k
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_bring_in_on_a_side_stream(gen):
+    model = Model().cuda()
+    ref = _clone(model)
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", cpu_offload=True)
+    plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
+    _delay_send_out(opt)
+    side = torch.cuda.Stream()
+    seen, expected = [], []
+    for t in range(4):
+        _set_grads(model, gen)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.clone()
+        opt.step()  # on the default stream; its copy to the host waits behind the delay
+        snapshot = t % 2 == 0
+        with torch.cuda.stream(side):  # nothing here blocks the host (bring_in leaves nothing pending)
+            if not snapshot:
+                # Delay the copy back instead: the next step, on the default stream, must wait for it.
+                # (3x the delay above: the next _set_grads blocks the host until the default stream
+                # is idle, and the side stream must still be busy then.)
+                torch.cuda._sleep(int(6e8))
+            opt._offload.bring_in()  # the side stream waits for the copy to the host, then copies back
+            states = list(opt.state.values())
+            assert all(v.is_cuda and v.data_ptr() % 256 == 0 for s in states for v in s.values())
+            if snapshot:
+                seen.append([{k: v.clone() for k, v in s.items()} for s in states])  # ordered on the side stream
+        if snapshot:
+            # The snapshot is the test's own work on the side stream: the next step must not overwrite
+            # the state before it is read. (On the other steps nothing orders the streams but offload.)
+            torch.cuda.current_stream().wait_stream(side)
+        plain.step()
+        if snapshot:
+            expected.append([{k: v.clone() for k, v in s.items()} for s in plain.state.values()])
+    torch.cuda.synchronize()
+    for got, want in zip(seen, expected):
+        for s, r in zip(got, want):
+            assert s.keys() == r.keys()
+            for k, v in s.items():
+                assert torch.equal(v, r[k]), k
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_holds_one_device_copy_of_the_state(gen):
+    # Mostly AdamW state (2 x 64 MiB for one 64 MiB param) and a small Muon matrix: the state S is
+    # far larger than what a step allocates for itself (NS buffers of a 128 x 128 matrix and the
+    # cuBLASLt workspace its algorithm asks for, at most 32 MiB).
+    init = torch.randn(8192, 2048, generator=gen), torch.randn(128, 128, generator=gen)
+
+    def build(offload):
+        big, w = (torch.nn.Parameter(t.cuda()) for t in init)
+        groups = [{"params": [w], "use_muon": True}, {"params": [big], "use_muon": False}]
+        return [w, big], HybridMuon(groups, fp32_matmul_prec="highest", cpu_offload=offload)
+
+    def step(params, opt):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        opt.step()
+        torch.cuda.synchronize()
+        return base, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+
+    (params_off, off), (params_plain, plain) = build(True), build(False)
+    for _ in range(2):  # first layouts, cuBLAS workspaces, lazily made scalars
+        step(params_plain, plain)
+        step(params_off, off)
+    _, extra_plain, _ = step(params_plain, plain)  # plain: the state is resident before and after
+    _, extra_off, left_off = step(params_off, off)
+    state = sum(-(-v.nbytes // 512) * 512 for s in plain.state.values() for v in s.values())  # as allocated
+    # Offloaded, the state is off the device before the step, so the step's peak above its start is
+    # the one device copy bring_in makes (S, plus under 256 bytes of padding per tensor) plus what a
+    # plain step needs above its start. A second full-size device copy (packing the state again to
+    # send it out) would make it 2 S. The state is much larger than a step's own needs, so the bound
+    # 1.1 (S + plain step) tells the two apart: 2 S > 1.1 (S + S / 2).
+    assert state > 2 * extra_plain, (state, extra_plain)
+    assert extra_off <= 1.1 * (state + extra_plain), (extra_off, state, extra_plain)
+    assert extra_off >= 0.9 * state  # the state did come onto the device for the step
+    assert left_off <= 0.05 * state, left_off  # and left it after
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(params_off, params_plain))
 
 
 # ------------------------------------------------------------------ legacy names
