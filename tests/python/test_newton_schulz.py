@@ -124,7 +124,9 @@ def test_list_form_equals_per_matrix_calls(device, gen):
     for x, out in zip(xs, outs):
         single = me.newton_schulz(x, precision="highest")
         assert out.shape == x.shape
-        assert rel_err(out.cpu(), single.cpu()) <= 1e-6
+        # Batched and single GEMMs may sum in other orders (cuBLAS picks kernels per batch size):
+        # fp32 rounding, as amplified by the iteration (an H100 measured 1.3e-6 on a (7, 3) input).
+        assert rel_err(out.cpu(), single.cpu()) <= ns_tolerance(x, "highest", device)
     assert me.newton_schulz_list([]) == []
 
 
