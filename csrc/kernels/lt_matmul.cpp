@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "megatron_eopt/cuda_check.h"
+#include "megatron_eopt/gemm_alignment.h"
 
 namespace megatron_eopt {
 namespace {
@@ -34,28 +35,22 @@ std::string shape_text(const GemmShape& s, int64_t batch) {
          std::to_string(s.depth) + "x" + std::to_string(s.cols) + ")";
 }
 
-using Alignments = std::tuple<uint32_t, uint32_t, uint32_t, uint32_t>;  // A, B, C, D in bytes
+using Alignments = GemmAlignments;
 
 // The problem: everything but the operands' addresses that determines the descriptors.
 using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
                               int64_t, int64_t, int64_t, int64_t, int, int, int>;
 // A plan is chosen for a problem and the alignments its operands guarantee; it serves every call
-// of that problem whose operands are at least as aligned.
+// of that problem whose operands are at least as aligned (gemm_alignment.h).
 using PlanKey = std::pair<ProblemKey, Alignments>;
-
-bool serves(const Alignments& planned, const Alignments& actual) {
-  return std::get<0>(planned) <= std::get<0>(actual) && std::get<1>(planned) <= std::get<1>(actual) &&
-         std::get<2>(planned) <= std::get<2>(actual) && std::get<3>(planned) <= std::get<3>(actual);
-}
 
 cudaDataType_t lt_data_type(LtElement e) { return e == LtElement::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
 
-// Largest power of two (at most 256) dividing the address and every batch stride in bytes: the
-// heuristic then only offers kernels that work for every matrix of the batch (its default
-// assumes 256-byte alignment, which odd shapes such as 97 x 37 bf16 do not have).
+// The heuristic is told each operand's alignment (gemm_alignment), so it only offers kernels that
+// work for every matrix of the batch (its default assumes 256-byte alignment, which odd shapes such
+// as 97 x 37 bf16 do not have).
 uint32_t alignment_of(const void* ptr, int64_t stride_elems, std::size_t elem_bytes) {
-  uint64_t bits = reinterpret_cast<uintptr_t>(ptr) | static_cast<uint64_t>(stride_elems) * elem_bytes | 256u;
-  return static_cast<uint32_t>(bits & (~bits + 1));
+  return gemm_alignment(reinterpret_cast<uintptr_t>(ptr), stride_elems, elem_bytes);
 }
 
 // Descriptors and algorithm of one problem, created once and reused by every later call.
@@ -127,7 +122,7 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
                                                   sizeof(schemes)),
              "set reduction scheme mask");
   }
-  const uint32_t aligns[4] = {std::get<0>(align), std::get<1>(align), std::get<2>(align), std::get<3>(align)};
+  const Alignments& aligns = align;
   const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -234,11 +229,11 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx) {
     if (it == cache->end() && stream_is_capturing(ctx.stream)) {
       // A warm-up on differently aligned operands (another view, another allocation) planned the
       // same problem: a plan chosen for alignments no larger than these serves.
-      for (auto c = cache->lower_bound(PlanKey{problem, Alignments{}}); c != cache->end() && c->first.first == problem;
-           ++c) {
-        if (serves(c->first.second, align)) it = c;
-      }
-      if (it == cache->end()) {
+      auto first = cache->lower_bound(PlanKey{problem, Alignments{}});
+      auto last = first;
+      while (last != cache->end() && last->first.first == problem) ++last;
+      it = find_serving_plan(first, last, align, [](const auto& entry) { return entry.first.second; });
+      if (it == last) {
         throw std::runtime_error(
             "megatron_eopt: a Newton-Schulz GEMM of shape " + shape_text(s, args.batch) +
             " is met for the first time while a CUDA graph is being captured; its cuBLASLt algorithm must be "
