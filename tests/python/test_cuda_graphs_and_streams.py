@@ -11,7 +11,7 @@ import torch
 
 import megatron_eopt as me
 from megatron_eopt._library import forced_blas_fallback, gemm_counts
-from reference import TOLERANCE, bf16_input_tolerance, ns_tolerance, rel_err
+from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, ns_tolerance, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -128,26 +128,13 @@ def test_forced_blas_fallback_matches_cublaslt(shape, precision, gen):
         assert rel_err(out.cpu(), ref) <= tol and rel_err(lt_out.cpu(), ref) <= tol
 
 
-def _ns_float64(x, coefficient_type="quintic", steps=5):
-    from megatron_eopt.newton_schulz import get_coefficients
-
-    x = x.double()
-    tall = x.shape[-2] > x.shape[-1]
-    w = x.mT if tall else x
-    w = w / w.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-7)
-    for a, b, c in get_coefficients(coefficient_type, steps):
-        g = w @ w.mT
-        w = a * w + (b * g + c * g @ g) @ w
-    return (w.mT if tall else w).float()
-
-
 @pytest.mark.parametrize("shape,precisions", [((16, 1024, 4096), PRECISIONS), ((4, 4096, 14336), ["medium"])],
                          ids=["16x1024x4096", "4x4096x14336"])
 def test_production_sizes_against_float64(shape, precisions, gen):
     # The default coefficient set and precision as users get them, on the GPU's float64 reference.
     # At 4096 x 14336 a "medium" split-K reduction with bf16 partial sums would show here.
     x = torch.randn(shape, generator=gen).cuda()
-    ref = _ns_float64(x)
+    ref = newton_schulz_ref(x)  # float64, on the GPU
     # Tolerances from the input's amplification where its SVD is cheap, else DESIGN's figure.
     tolerance = _tolerance if shape[-2] * shape[-1] <= 2**22 else (lambda _x, p: TOLERANCE[p])
     for precision in precisions:
