@@ -82,8 +82,10 @@ def test_install_replaces_registry_entries_idempotently(stock_registry):
     assert table["muon"].optimizer_cls is TensorParallelMuon
     assert table["adaptive_muon"].optimizer_cls is TensorParallelAdaptiveMuon
     assert isinstance(table["muon"], mcore_optimizer.emerging_optimizers.EmergingOptimizerEntry)
-    (key,) = table["muon"].default_param_overrides
-    assert isinstance(key, mcore_optimizer.ParamKey)
+    keys = list(table["muon"].default_param_overrides)
+    assert keys and all(isinstance(key, mcore_optimizer.ParamKey) for key in keys)
+    # Megatron's own routing keys, unchanged (plus use_muon = False where Megatron ignores it)
+    assert set(stock["muon"].default_param_overrides) <= set(keys)
     assert integration.install() == {}  # idempotent
     assert integration.installed() == sorted(megatron_eopt.registry.names())
     integration.uninstall()
@@ -247,6 +249,95 @@ def test_own_names_registered_here_reach_megatron(stock_registry, megatron_env, 
     assert isinstance(owner["output_layer.weight"], torch.optim.AdamW)  # the default overrides apply
     integration.uninstall()
     assert "normuon" not in stock_registry
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_routing_is_megatrons_own_and_honours_use_muon_false(stock_registry, megatron_env, name, cls):
+    """The installed entry routes by Megatron's own overrides (whatever they are) plus use_muon = False."""
+    model = megatron_env.build_gpt(seed=6)
+    params = dict(model.named_parameters())
+    excluded = "decoder.layers.0.mlp.linear_fc1.weight"
+    params[excluded].use_muon = False  # Megatron-LM's flag (set e.g. on Mamba input projections)
+    try:
+        # Megatron's rule, extended here by one name pattern, is what the installed entry must follow.
+        stock = stock_registry[name]
+        ParamKey = mcore_optimizer.ParamKey
+        patched = dict(stock.default_param_overrides)
+        patched[ParamKey(name="*.linear_proj.weight")] = {"optimizer": "adam"}
+        stock_registry[name] = type(stock)(stock.optimizer_cls, stock.init_state_fn, stock.config_to_kwargs, patched)
+        integration.install([name])
+        stock_registry_entry = integration._REPLACED[name]
+        assert stock_registry_entry.default_param_overrides is patched
+        with megatron_env.megatron_optimizer_on_cpu():
+            chained = mcore_optimizer.get_megatron_optimizer(_config(name), [model])
+            megatron_env.forward_backward(model, seed=2)
+            assert chained.step()[0]
+    finally:
+        del params[excluded].use_muon
+    owner = _inner_by_param_name(model, chained)
+    ours = {n for n, opt in owner.items() if isinstance(opt, cls)}
+    expected = {
+        n for n, p in params.items()
+        if p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+        and not n.endswith(".linear_proj.weight") and n != excluded
+    }
+    assert ours == expected
+    assert isinstance(owner[excluded], torch.optim.AdamW)
+    assert isinstance(owner["decoder.layers.0.self_attention.linear_proj.weight"], torch.optim.AdamW)
+    integration.uninstall()
+    assert stock_registry[name] is not stock  # uninstall put back what install replaced
+    stock_registry[name] = stock
+
+
+@needs_megatron
+def test_entry_with_own_overrides_keeps_them(stock_registry, megatron_env, monkeypatch):
+    registry = megatron_eopt.registry
+    registry.names()
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    rule = registry.ParamRule("only_fc2", lambda p: p.dim() != 2 or p.shape == (64, 96))
+    entry = registry.EmergingOptimizerEntry(
+        TensorParallelMuon, config_to_kwargs=registry.muon_config_to_kwargs,
+        default_param_overrides={rule: {"optimizer": "adam"}},
+    )
+    registry.register("muon", entry, replace=True)
+    integration.install(["muon"])
+    (key,) = stock_registry["muon"].default_param_overrides
+    assert key.predicate.name == "only_fc2"
+
+
+@needs_megatron
+def test_replace_classes_binds_megatrons_class_names(stock_registry, megatron_env):
+    emerging = mcore_optimizer.emerging_optimizers
+    stock_classes = (emerging.TensorParallelMuon, emerging.TensorParallelAdaptiveMuon)
+    integration.install()
+    assert (emerging.TensorParallelMuon, emerging.TensorParallelAdaptiveMuon) == stock_classes  # opt-in only
+    assert not integration.classes_replaced()
+    integration.uninstall()
+    with pytest.raises(ValueError, match="adaptive_muon"):
+        integration.install(["muon"], replace_classes=True)
+    assert emerging.TensorParallelMuon is stock_classes[0]
+    integration.install(replace_classes=True)
+    integration.install(replace_classes=True)  # idempotent
+    assert emerging.TensorParallelMuon is TensorParallelMuon
+    assert emerging.TensorParallelAdaptiveMuon is TensorParallelAdaptiveMuon
+    assert integration.classes_replaced()
+    # Code that builds Megatron's class by name, with Megatron's own config mapping, gets ours.
+    model = megatron_env.build_gpt(seed=8)
+    config = _config("muon")
+    weights = [p for p in model.parameters() if p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)]
+    built = emerging.TensorParallelMuon(weights, **emerging._muon_config_to_kwargs(config, [model], None))
+    assert type(built) is TensorParallelMuon
+    adaptive = emerging.TensorParallelAdaptiveMuon(
+        weights, **emerging._adaptive_muon_config_to_kwargs(config, [model], None)
+    )
+    assert type(adaptive) is TensorParallelAdaptiveMuon
+    megatron_env.forward_backward(model, seed=3)
+    built.step()
+    adaptive.step()
+    integration.uninstall()
+    assert (emerging.TensorParallelMuon, emerging.TensorParallelAdaptiveMuon) == stock_classes
+    assert not integration.classes_replaced()
 
 
 @needs_megatron
