@@ -139,3 +139,25 @@ def megatron_optimizer_on_cpu():
     finally:
         for m, t in zip(modules, saved):
             m.torch = t
+
+
+@contextlib.contextmanager
+def dist_checkpointing_on_cpu():
+    """Lets megatron.core.dist_checkpointing's torch_dist save run on the CPU.
+
+    Its writer calls torch.cuda.synchronize() after the (host) copies, puts a failure flag on
+    torch.cuda.current_device(), and logs the process memory with psutil (not a dependency of
+    megatron-core); on a machine without CUDA those become a no-op, the CPU and 0.
+    """
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    saved = (torch.cuda.synchronize, torch.cuda.current_device, filesystem_async._process_memory)
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        torch.cuda.current_device = lambda: "cpu"
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+        filesystem_async._process_memory = lambda: 0
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device, filesystem_async._process_memory = saved

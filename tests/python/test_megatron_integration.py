@@ -340,6 +340,99 @@ def test_replace_classes_binds_megatrons_class_names(stock_registry, megatron_en
     assert not integration.classes_replaced()
 
 
+def _assert_same(a, b, where="state_dict"):
+    """Equal nested state dicts: same keys, same types, tensors equal in dtype, shape and values."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(a, key=str), sorted(b, key=str))
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def _muon_param_groups(state_dict):
+    """The param groups (without params) of each optimizer in a ChainedOptimizer state dict."""
+    return [[{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]] for sd in state_dict]
+
+
+def _trained_optimizer(megatron_env, name, seed, steps=1):
+    model = megatron_env.build_gpt(seed=seed)
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(_config(name), [model])
+        for step in range(steps):
+            megatron_env.forward_backward(model, seed=seed * 10 + step)
+            assert chained.step()[0]
+    return model, chained
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_factory_optimizer_state_dict_round_trip_keeps_param_groups(stock_registry, megatron_env, name, cls):
+    integration.install()
+    _, chained = _trained_optimizer(megatron_env, name, seed=11)
+    assert any(isinstance(w.optimizer, cls) for w in chained.chained_optimizers)
+    before = chained.state_dict()
+    chained.load_state_dict(before)
+    after = chained.state_dict()
+    _assert_same(before, after)
+    for groups in _muon_param_groups(after):
+        assert all("differentiable" not in g for g in groups if "optimizer" not in g)
+
+
+def _save_and_load(megatron_env, source, target, tmp_path):
+    """torch_dist save of source's optimizer (model, optimizer); load into target's; both state dicts."""
+    from megatron.core import dist_checkpointing
+
+    (model_a, opt_a), (model_b, opt_b) = source, target
+    with megatron_env.dist_checkpointing_on_cpu():
+        dist_checkpointing.save(opt_a.sharded_state_dict(model_a.sharded_state_dict()), str(tmp_path))
+        loaded = dist_checkpointing.load(opt_b.sharded_state_dict(model_b.sharded_state_dict(), is_loading=True),
+                                         str(tmp_path))
+    opt_b.load_state_dict(loaded)
+    return opt_a.state_dict(), opt_b.state_dict()
+
+
+@needs_megatron
+@pytest.mark.parametrize("name", ["muon", "adaptive_muon"])
+def test_torch_dist_checkpoint_round_trip(stock_registry, megatron_env, tmp_path, name):
+    """Megatron's dist_checkpointing (torch_dist) save, then load into a fresh optimizer: the same
+    state dict (param groups with the same keys and values, same state tensors)."""
+    integration.install()
+    saved, loaded = _save_and_load(
+        megatron_env, _trained_optimizer(megatron_env, name, seed=12, steps=2),
+        _trained_optimizer(megatron_env, name, seed=13), tmp_path,
+    )
+    _assert_same(saved, loaded)
+
+
+@needs_megatron
+@pytest.mark.parametrize("direction", ["stock_to_plug", "plug_to_stock"])
+def test_torch_dist_checkpoint_cross_load_with_megatrons_own_muon(stock_registry, megatron_env, tmp_path, direction):
+    """A checkpoint of Megatron's own TensorParallelMuon (Emerging-Optimizers) loads into ours and back."""
+    if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("Megatron's own TensorParallelMuon needs emerging-optimizers")
+
+    def build(plug, seed, steps):
+        integration.install() if plug else integration.uninstall()
+        built = _trained_optimizer(megatron_env, "muon", seed=seed, steps=steps)
+        ours = any(isinstance(w.optimizer, TensorParallelMuon) for w in built[1].chained_optimizers)
+        assert ours == plug
+        return built
+
+    source_plug = direction == "plug_to_stock"
+    source = build(source_plug, seed=14, steps=2)
+    target = build(not source_plug, seed=15, steps=1)
+    saved, loaded = _save_and_load(megatron_env, source, target, tmp_path)
+    _assert_same(saved, loaded)
+
+
 @needs_megatron
 def test_legacy_get_megatron_muon_optimizer(stock_registry, megatron_env):
     from megatron_eopt import muon as legacy
