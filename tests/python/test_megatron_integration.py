@@ -434,6 +434,22 @@ def test_torch_dist_checkpoint_cross_load_with_megatrons_own_muon(stock_registry
 
 
 @needs_megatron
+@pytest.mark.distributed
+def test_torch_dist_checkpoint_at_tensor_parallel_2(tmp_path):
+    """Two ranks (gloo), TP = 2: torch_dist save / load of ours into ours (muon, adaptive_muon),
+    Megatron's own TensorParallelMuon into ours and ours into Megatron's: same state dict per rank."""
+    if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("the cross-loads need Megatron's own TensorParallelMuon (emerging-optimizers)")
+    import torch.multiprocessing as mp
+
+    import megatron_ckpt_worker
+
+    ckpt_root = tmp_path / "checkpoints"
+    ckpt_root.mkdir()
+    mp.spawn(megatron_ckpt_worker.worker, args=(2, str(tmp_path / "rendezvous"), str(ckpt_root)), nprocs=2, join=True)
+
+
+@needs_megatron
 def test_legacy_get_megatron_muon_optimizer(stock_registry, megatron_env):
     from megatron_eopt import muon as legacy
 
