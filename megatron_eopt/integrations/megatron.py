@@ -222,9 +222,10 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
     ``TensorParallelMuon`` and ``TensorParallelAdaptiveMuon`` of
     ``megatron.core.optimizer.emerging_optimizers`` to megatron-eopt's classes, so code that
     builds Megatron's classes by name (``emerging_optimizers.TensorParallelMuon(...)``, looked
-    up at call time) gets ours. It needs both "muon" and "adaptive_muon" installed: Megatron's
-    own TensorParallelAdaptiveMuon calls ``TensorParallelMuon.__init__`` by that name. A
-    ``from ... import TensorParallelMuon`` done before install() keeps the name it bound.
+    up at call time) gets ours. It needs both "muon" and "adaptive_muon" installed (by this call
+    or an earlier one), else ValueError: Megatron's own TensorParallelAdaptiveMuon calls
+    ``TensorParallelMuon.__init__`` by that name. A ``from ... import TensorParallelMuon`` done
+    before install() keeps the name it bound.
     :func:`uninstall` restores the names.
 
     Raises ImportError with the reason when megatron-core is missing, older than 0.18, or fails
@@ -233,10 +234,11 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
     factory, emerging = _megatron_modules()
     optimizer_config = importlib.import_module("megatron.core.optimizer.optimizer_config")
     selected = registry.names() if names is None else list(names)
-    if replace_classes and not {"muon", "adaptive_muon"} <= set(selected):
+    missing = {"muon", "adaptive_muon"} - set(selected) - set(installed())
+    if replace_classes and missing:
         raise ValueError(
             "install(replace_classes=True) needs both 'muon' and 'adaptive_muon' installed (Megatron's "
-            f"TensorParallelAdaptiveMuon calls TensorParallelMuon by name); names={selected}"
+            f"TensorParallelAdaptiveMuon calls TensorParallelMuon by name); not installed: {sorted(missing)}"
         )
     entries = {name: registry.get(name) for name in selected}  # KeyError for unknown names first
     replaced: dict[str, Any] = {}

@@ -317,7 +317,8 @@ def test_replace_classes_binds_megatrons_class_names(stock_registry, megatron_en
     with pytest.raises(ValueError, match="adaptive_muon"):
         integration.install(["muon"], replace_classes=True)
     assert emerging.TensorParallelMuon is stock_classes[0]
-    integration.install(replace_classes=True)
+    integration.install(["muon", "adaptive_muon"])
+    integration.install([], replace_classes=True)  # both already installed
     integration.install(replace_classes=True)  # idempotent
     assert emerging.TensorParallelMuon is TensorParallelMuon
     assert emerging.TensorParallelAdaptiveMuon is TensorParallelAdaptiveMuon
