@@ -3,9 +3,9 @@
 An :class:`EmergingOptimizerEntry` carries the optimizer class, a function that creates every
 state tensor up front (checkpoint formats need the state before the first step), a function
 mapping a Megatron-LM ``OptimizerConfig`` to constructor arguments, and per-parameter overrides
-(by default: non-matrix and embedding/output parameters go to Adam). The entries have the
-same fields as Megatron-LM's registry, so :mod:`megatron_eopt.integrations.megatron` can put
-them into ``megatron.core.optimizer`` unchanged; nothing here imports megatron-core.
+(by default: non-matrix, embedding/output and ``use_muon = False`` parameters go to Adam). The
+entries have the same fields as Megatron-LM's registry, so :mod:`megatron_eopt.integrations.megatron`
+can put them into ``megatron.core.optimizer``; nothing here imports megatron-core.
 
 Built-in entries: ``"muon"`` (:class:`~megatron_eopt.optim.TensorParallelMuon`) and
 ``"adaptive_muon"`` (:class:`~megatron_eopt.optim.TensorParallelAdaptiveMuon`).
@@ -25,6 +25,7 @@ __all__ = [
     "ParamRule",
     "get",
     "init_optimizer_state",
+    "is_muon_excluded",
     "is_nonlinear_or_embedding",
     "names",
     "qkv_split_shapes_from_model_config",
@@ -54,8 +55,33 @@ def is_nonlinear_or_embedding(param: torch.Tensor) -> bool:
     return bool(getattr(param, "is_embedding_or_output_parameter", False)) or param.dim() != 2
 
 
+def is_muon_excluded(param: torch.Tensor) -> bool:
+    """True for parameters the scalar optimizer (Adam) takes instead of Muon.
+
+    Megatron-LM's rule: a parameter marked ``use_muon = False`` (Megatron-LM sets it on e.g. the
+    Mamba / gated-delta input projections), and every parameter
+    :func:`is_nonlinear_or_embedding` matches.
+    """
+    return getattr(param, "use_muon", True) is False or is_nonlinear_or_embedding(param)
+
+
+# The predicates of the built-in routing rule (Megatron-LM's own rule). An entry whose overrides
+# use only these defers to Megatron-LM's rule once installed there (see integrations.megatron).
+DEFAULT_ROUTING_FNS = (is_muon_excluded, is_nonlinear_or_embedding)
+
+
 def _route_nonlinear_to_adam() -> dict[Any, dict[str, Any]]:
-    return {ParamRule("nonlinear_or_embedding", is_nonlinear_or_embedding): {"optimizer": "adam"}}
+    return {ParamRule("muon_excluded", is_muon_excluded): {"optimizer": "adam"}}
+
+
+def uses_default_routing(entry: "EmergingOptimizerEntry") -> bool:
+    """Whether ``entry`` routes parameters by the built-in rule only (and so, inside
+    Megatron-LM, by Megatron-LM's own rule)."""
+    overrides = entry.default_param_overrides
+    return bool(overrides) and all(
+        isinstance(rule, ParamRule) and rule.fn in DEFAULT_ROUTING_FNS and value == {"optimizer": "adam"}
+        for rule, value in overrides.items()
+    )
 
 
 @torch.no_grad()

@@ -4,9 +4,17 @@ After :func:`install`, ``megatron.core.optimizer.get_megatron_optimizer`` with
 ``OptimizerConfig(optimizer="muon")`` (or ``"adaptive_muon"``, or any name registered in
 :mod:`megatron_eopt.registry`) builds megatron-eopt's classes from the usual ``muon_*`` /
 ``adaptive_muon_*`` config fields. Megatron's own parameter routing stays in charge: its factory
-tags fused QKV weights, applies each entry's ``default_param_overrides`` (non-matrix and
-embedding/output parameters → Adam, or Lion via ``muon_scalar_optimizer``) and wraps the result
-in its mixed-precision / chained / layer-wise optimizers.
+tags fused QKV weights, applies the entry's ``default_param_overrides`` and wraps the result in
+its mixed-precision / chained / layer-wise optimizers. For a name Megatron-LM registers itself
+("muon", "adaptive_muon") and an entry with the built-in routing rule, the installed entry keeps
+Megatron-LM's own overrides (its ``_is_nonlinear_or_embedding`` in 0.18/0.19, its
+``_is_muon_excluded`` in later releases), so whatever Megatron-LM sends to the scalar optimizer
+(Adam, or Lion via ``muon_scalar_optimizer``) goes there; a parameter marked ``use_muon = False``
+goes there too, also with a megatron-core that does not know that flag yet.
+
+``install(replace_classes=True)`` also binds Megatron-LM's module-level names
+``megatron.core.optimizer.emerging_optimizers.TensorParallelMuon`` /
+``TensorParallelAdaptiveMuon`` to megatron-eopt's classes, for code that builds them by name.
 
 Works with megatron-core >= 0.18 (the release that introduced the emerging-optimizer registry)
 whether or not the ``emerging-optimizers`` package is installed: Megatron-LM refuses its
@@ -28,9 +36,11 @@ import sys
 import threading
 from typing import Any
 
+import torch
+
 from .. import registry
 
-__all__ = ["MIN_MEGATRON_CORE", "install", "installed", "megatron_core_version", "uninstall"]
+__all__ = ["MIN_MEGATRON_CORE", "classes_replaced", "install", "installed", "megatron_core_version", "uninstall"]
 
 MIN_MEGATRON_CORE = (0, 18)
 
@@ -123,12 +133,42 @@ def _to_megatron_overrides(overrides: dict[Any, dict[str, Any]], optimizer_confi
     return converted
 
 
-def _to_megatron_entry(entry: registry.EmergingOptimizerEntry, emerging: Any, optimizer_config: Any) -> Any:
+def _use_muon_false(param: Any) -> bool:
+    return getattr(param, "use_muon", True) is False
+
+
+def _megatron_routing(stock: Any, optimizer_config: Any) -> dict[Any, dict[str, Any]]:
+    """Megatron-LM's own overrides of ``stock`` (its registry entry), plus ``use_muon = False``.
+
+    The ParamKeys are Megatron's own (same predicates, looked up in Megatron's module), so the
+    routing is exactly Megatron's. A megatron-core whose rule ignores ``use_muon`` (0.18, 0.19)
+    gets one more key sending such parameters to the same scalar optimizer.
+    """
+    overrides = {key: dict(value) for key, value in stock.default_param_overrides.items()}
+    probe = torch.nn.Parameter(torch.zeros(2, 2))
+    probe.use_muon = False
+    honoured = any(key.matches(probe, "") for key, value in overrides.items() if "optimizer" in value)
+    if not honoured:
+        scalar = next((v["optimizer"] for v in overrides.values() if "optimizer" in v), "adam")
+        key = optimizer_config.ParamKey(
+            predicate=optimizer_config.ParamPredicate(name="use_muon_false", fn=_use_muon_false)
+        )
+        overrides[key] = {"optimizer": scalar}
+    return overrides
+
+
+def _to_megatron_entry(
+    entry: registry.EmergingOptimizerEntry, emerging: Any, optimizer_config: Any, stock: Any = None
+) -> Any:
+    if stock is not None and not _is_ours(stock) and registry.uses_default_routing(entry):
+        overrides = _megatron_routing(stock, optimizer_config)
+    else:
+        overrides = _to_megatron_overrides(entry.default_param_overrides, optimizer_config)
     return emerging.EmergingOptimizerEntry(
         optimizer_cls=entry.optimizer_cls,
         init_state_fn=entry.init_state_fn,
         config_to_kwargs=entry.config_to_kwargs,
-        default_param_overrides=_to_megatron_overrides(entry.default_param_overrides, optimizer_config),
+        default_param_overrides=overrides,
     )
 
 
@@ -142,7 +182,31 @@ def _set_global(module: Any, name: str, value: Any) -> None:
     setattr(module, name, value)
 
 
-def install(names: list[str] | None = None) -> dict[str, Any]:
+# Megatron-LM's module-level class names install(replace_classes=True) binds, and our classes.
+_CLASS_NAMES = ("TensorParallelMuon", "TensorParallelAdaptiveMuon")
+
+
+def _bind_classes(emerging: Any) -> None:
+    """Binds Megatron's TensorParallelMuon / TensorParallelAdaptiveMuon names to ours (once)."""
+    from .. import optim
+
+    for name in _CLASS_NAMES:
+        ours = getattr(optim, name)
+        if getattr(emerging, name, None) is not ours:
+            _set_global(emerging, name, ours)
+
+
+def classes_replaced() -> bool:
+    """Whether Megatron-LM's TensorParallelMuon / TensorParallelAdaptiveMuon names are ours."""
+    emerging = sys.modules.get("megatron.core.optimizer.emerging_optimizers")
+    if emerging is None:
+        return False
+    from .. import optim
+
+    return all(getattr(emerging, name, None) is getattr(optim, name) for name in _CLASS_NAMES)
+
+
+def install(names: list[str] | None = None, *, replace_classes: bool = False) -> dict[str, Any]:
     """Puts megatron-eopt's registry entries into Megatron-LM's emerging-optimizer registry.
 
     ``names`` selects entries of :mod:`megatron_eopt.registry` (default: all of them, i.e.
@@ -150,12 +214,32 @@ def install(names: list[str] | None = None) -> dict[str, Any]:
     already installed are left alone. Returns ``{name: Megatron's previous entry or None}`` for
     the names this call replaced (empty when everything was already installed).
 
+    Routing: an entry with the built-in rule, under a name Megatron-LM registers itself, keeps
+    Megatron-LM's own ``default_param_overrides`` (plus ``use_muon = False`` → scalar optimizer
+    where that megatron-core ignores the flag); other entries bring their own overrides.
+
+    ``replace_classes=True`` (off by default) also binds the module-level names
+    ``TensorParallelMuon`` and ``TensorParallelAdaptiveMuon`` of
+    ``megatron.core.optimizer.emerging_optimizers`` to megatron-eopt's classes, so code that
+    builds Megatron's classes by name (``emerging_optimizers.TensorParallelMuon(...)``, looked
+    up at call time) gets ours. It needs both "muon" and "adaptive_muon" installed (by this call
+    or an earlier one), else ValueError: Megatron's own TensorParallelAdaptiveMuon calls
+    ``TensorParallelMuon.__init__`` by that name. A ``from ... import TensorParallelMuon`` done
+    before install() keeps the name it bound.
+    :func:`uninstall` restores the names.
+
     Raises ImportError with the reason when megatron-core is missing, older than 0.18, or fails
     to import.
     """
     factory, emerging = _megatron_modules()
     optimizer_config = importlib.import_module("megatron.core.optimizer.optimizer_config")
     selected = registry.names() if names is None else list(names)
+    missing = {"muon", "adaptive_muon"} - set(selected) - set(installed())
+    if replace_classes and missing:
+        raise ValueError(
+            "install(replace_classes=True) needs both 'muon' and 'adaptive_muon' installed (Megatron's "
+            f"TensorParallelAdaptiveMuon calls TensorParallelMuon by name); not installed: {sorted(missing)}"
+        )
     entries = {name: registry.get(name) for name in selected}  # KeyError for unknown names first
     replaced: dict[str, Any] = {}
     with _LOCK:
@@ -164,12 +248,15 @@ def install(names: list[str] | None = None) -> dict[str, Any]:
             current = table.get(name)
             if current is not None and _is_ours(current) and current.optimizer_cls is entry.optimizer_cls:
                 continue
-            megatron_entry = _to_megatron_entry(entry, emerging, optimizer_config)
+            stock = _REPLACED.get(name, current)
+            megatron_entry = _to_megatron_entry(entry, emerging, optimizer_config, stock)
             megatron_entry._megatron_eopt = True
             if name not in _REPLACED:
                 _REPLACED[name] = current
             replaced[name] = current
             table[name] = megatron_entry
+        if replace_classes:
+            _bind_classes(emerging)
         # Megatron refuses its emerging-optimizer path without Emerging-Optimizers installed;
         # ours do not need it. Keep Lion (which does) failing with a clear ImportError.
         if not getattr(factory, "HAVE_EMERGING_OPTIMIZERS", True):
@@ -188,7 +275,7 @@ def installed() -> list[str]:
 
 
 def uninstall() -> None:
-    """Restores the Megatron-LM registry and module flags as they were before :func:`install`."""
+    """Restores the Megatron-LM registry, module flags and class names as they were before :func:`install`."""
     if "megatron.core.optimizer.emerging_optimizers" not in sys.modules:
         return
     table = sys.modules["megatron.core.optimizer.emerging_optimizers"]._EMERGING_OPTIMIZERS

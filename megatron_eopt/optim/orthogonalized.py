@@ -156,10 +156,16 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self._batched = None
         self._sharded = ShardedOrthogonalizer(self._config)
+        # Param groups keep exactly the keys they were saved with (state_dict -> load_state_dict
+        # -> state_dict is the identity, as with Emerging-Optimizers' classes). Only a per-step
+        # value the step reads and the loaded group lacks (e.g. beta2 / eps in a group saved by a
+        # class without a second moment) is filled from our defaults. torch's own bookkeeping
+        # defaults (torch.optim.Optimizer.__setstate__ adds differentiable=False) never reach a group.
         defaults = getattr(self, "defaults", {})
         for group in self.param_groups:
-            for key, value in defaults.items():
-                group.setdefault(key, value)  # a reference class's groups may lack e.g. beta2 / eps
+            for key in self._step_keys():
+                if key not in group and key in defaults:
+                    group[key] = defaults[key]
         for param_state in self.state.values():
             # load_state_dict casts state to the param's dtype; the second moment stays fp32
             m2 = param_state.get("moment2_buffer") if isinstance(param_state, dict) else None

@@ -45,6 +45,13 @@ def init_megatron_single_rank() -> None:
         torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
+    use_cpu_scratch_and_rng()
+
+
+def use_cpu_scratch_and_rng() -> None:
+    """Megatron's scratch buffer on the CPU and its no-op RNG tracker (after initialize_model_parallel)."""
+    from megatron.core import parallel_state, tensor_parallel
+
     parallel_state._GLOBAL_MEMORY_BUFFER = _CpuScratchBuffer()
     # The no-op ("inference") RNG tracker: the CUDA one cannot seed without a GPU; dropout is 0.
     tensor_parallel.get_cuda_rng_tracker(inference_rng_tracker=True)
@@ -139,3 +146,35 @@ def megatron_optimizer_on_cpu():
     finally:
         for m, t in zip(modules, saved):
             m.torch = t
+
+
+@contextlib.contextmanager
+def dist_checkpointing_on_cpu():
+    """Lets megatron.core.dist_checkpointing's torch_dist save run on the CPU.
+
+    Its writer calls torch.cuda.synchronize() after the (host) copies, puts a failure flag on
+    torch.cuda.current_device(), and logs the process memory with psutil (not a dependency of
+    megatron-core); on a machine without CUDA those become a no-op, the CPU and 0.
+    """
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    saved = (torch.cuda.synchronize, torch.cuda.current_device, filesystem_async._process_memory)
+    had_queue = getattr(filesystem_async, "_results_queue", None) is not None
+    if not torch.cuda.is_available():
+        torch.cuda.synchronize = lambda *args, **kwargs: None
+        torch.cuda.current_device = lambda: "cpu"
+    if not getattr(filesystem_async, "HAVE_PSUTIL", True):
+        filesystem_async._process_memory = lambda: 0
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device, filesystem_async._process_memory = saved
+        # The writer keeps a multiprocessing Manager (a server process) for its results queue;
+        # stop the one started here, so that no process outlives the test or a worker that
+        # leaves with os._exit.
+        queue = getattr(filesystem_async, "_results_queue", None)
+        if queue is not None and not had_queue:
+            manager = getattr(queue, "_manager", None)
+            filesystem_async._results_queue = None
+            if manager is not None:
+                manager.shutdown()

@@ -82,8 +82,10 @@ def test_install_replaces_registry_entries_idempotently(stock_registry):
     assert table["muon"].optimizer_cls is TensorParallelMuon
     assert table["adaptive_muon"].optimizer_cls is TensorParallelAdaptiveMuon
     assert isinstance(table["muon"], mcore_optimizer.emerging_optimizers.EmergingOptimizerEntry)
-    (key,) = table["muon"].default_param_overrides
-    assert isinstance(key, mcore_optimizer.ParamKey)
+    keys = list(table["muon"].default_param_overrides)
+    assert keys and all(isinstance(key, mcore_optimizer.ParamKey) for key in keys)
+    # Megatron's own routing keys, unchanged (plus use_muon = False where Megatron ignores it)
+    assert set(stock["muon"].default_param_overrides) <= set(keys)
     assert integration.install() == {}  # idempotent
     assert integration.installed() == sorted(megatron_eopt.registry.names())
     integration.uninstall()
@@ -247,6 +249,205 @@ def test_own_names_registered_here_reach_megatron(stock_registry, megatron_env, 
     assert isinstance(owner["output_layer.weight"], torch.optim.AdamW)  # the default overrides apply
     integration.uninstall()
     assert "normuon" not in stock_registry
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_routing_is_megatrons_own_and_honours_use_muon_false(stock_registry, megatron_env, name, cls):
+    """The installed entry routes by Megatron's own overrides (whatever they are) plus use_muon = False."""
+    model = megatron_env.build_gpt(seed=6)
+    params = dict(model.named_parameters())
+    excluded = "decoder.layers.0.mlp.linear_fc1.weight"
+    params[excluded].use_muon = False  # Megatron-LM's flag (set e.g. on Mamba input projections)
+    try:
+        # Megatron's rule, extended here by one name pattern, is what the installed entry must follow.
+        stock = stock_registry[name]
+        ParamKey = mcore_optimizer.ParamKey
+        patched = dict(stock.default_param_overrides)
+        patched[ParamKey(name="*.linear_proj.weight")] = {"optimizer": "adam"}
+        stock_registry[name] = type(stock)(stock.optimizer_cls, stock.init_state_fn, stock.config_to_kwargs, patched)
+        integration.install([name])
+        stock_registry_entry = integration._REPLACED[name]
+        assert stock_registry_entry.default_param_overrides is patched
+        with megatron_env.megatron_optimizer_on_cpu():
+            chained = mcore_optimizer.get_megatron_optimizer(_config(name), [model])
+            megatron_env.forward_backward(model, seed=2)
+            assert chained.step()[0]
+    finally:
+        del params[excluded].use_muon
+    owner = _inner_by_param_name(model, chained)
+    ours = {n for n, opt in owner.items() if isinstance(opt, cls)}
+    expected = {
+        n for n, p in params.items()
+        if p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+        and not n.endswith(".linear_proj.weight") and n != excluded
+    }
+    assert ours == expected
+    assert isinstance(owner[excluded], torch.optim.AdamW)
+    assert isinstance(owner["decoder.layers.0.self_attention.linear_proj.weight"], torch.optim.AdamW)
+    integration.uninstall()
+    assert stock_registry[name] is not stock  # uninstall put back what install replaced
+    stock_registry[name] = stock
+
+
+@needs_megatron
+def test_entry_with_own_overrides_keeps_them(stock_registry, megatron_env, monkeypatch):
+    registry = megatron_eopt.registry
+    registry.names()
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    rule = registry.ParamRule("only_fc2", lambda p: p.dim() != 2 or p.shape == (64, 96))
+    entry = registry.EmergingOptimizerEntry(
+        TensorParallelMuon, config_to_kwargs=registry.muon_config_to_kwargs,
+        default_param_overrides={rule: {"optimizer": "adam"}},
+    )
+    registry.register("muon", entry, replace=True)
+    integration.install(["muon"])
+    (key,) = stock_registry["muon"].default_param_overrides
+    assert key.predicate.name == "only_fc2"
+
+
+@needs_megatron
+def test_replace_classes_binds_megatrons_class_names(stock_registry, megatron_env):
+    emerging = mcore_optimizer.emerging_optimizers
+    stock_classes = (emerging.TensorParallelMuon, emerging.TensorParallelAdaptiveMuon)
+    integration.install()
+    assert (emerging.TensorParallelMuon, emerging.TensorParallelAdaptiveMuon) == stock_classes  # opt-in only
+    assert not integration.classes_replaced()
+    integration.uninstall()
+    with pytest.raises(ValueError, match="adaptive_muon"):
+        integration.install(["muon"], replace_classes=True)
+    assert emerging.TensorParallelMuon is stock_classes[0]
+    integration.install(["muon", "adaptive_muon"])
+    integration.install([], replace_classes=True)  # both already installed
+    integration.install(replace_classes=True)  # idempotent
+    assert emerging.TensorParallelMuon is TensorParallelMuon
+    assert emerging.TensorParallelAdaptiveMuon is TensorParallelAdaptiveMuon
+    assert integration.classes_replaced()
+    # Code that builds Megatron's class by name, with Megatron's own config mapping, gets ours.
+    model = megatron_env.build_gpt(seed=8)
+    config = _config("muon")
+    weights = [p for p in model.parameters() if p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)]
+    built = emerging.TensorParallelMuon(weights, **emerging._muon_config_to_kwargs(config, [model], None))
+    assert type(built) is TensorParallelMuon
+    adaptive = emerging.TensorParallelAdaptiveMuon(
+        weights, **emerging._adaptive_muon_config_to_kwargs(config, [model], None)
+    )
+    assert type(adaptive) is TensorParallelAdaptiveMuon
+    megatron_env.forward_backward(model, seed=3)
+    built.step()
+    adaptive.step()
+    integration.uninstall()
+    assert (emerging.TensorParallelMuon, emerging.TensorParallelAdaptiveMuon) == stock_classes
+    assert not integration.classes_replaced()
+
+
+def _assert_same(a, b, where="state_dict"):
+    """Equal nested state dicts: same keys, same types, tensors equal in dtype, shape and values."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(a, key=str), sorted(b, key=str))
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def _muon_param_groups(state_dict):
+    """The param groups (without params) of each optimizer in a ChainedOptimizer state dict."""
+    return [[{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]] for sd in state_dict]
+
+
+def _trained_optimizer(megatron_env, name, seed, steps=1):
+    model = megatron_env.build_gpt(seed=seed)
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(_config(name), [model])
+        for step in range(steps):
+            megatron_env.forward_backward(model, seed=seed * 10 + step)
+            assert chained.step()[0]
+    return model, chained
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_factory_optimizer_state_dict_round_trip_keeps_param_groups(stock_registry, megatron_env, name, cls):
+    integration.install()
+    _, chained = _trained_optimizer(megatron_env, name, seed=11)
+    assert any(isinstance(w.optimizer, cls) for w in chained.chained_optimizers)
+    before = chained.state_dict()
+    chained.load_state_dict(before)
+    after = chained.state_dict()
+    _assert_same(before, after)
+    for groups in _muon_param_groups(after):
+        assert all("differentiable" not in g for g in groups if "optimizer" not in g)
+
+
+def _save_and_load(megatron_env, source, target, tmp_path):
+    """torch_dist save of source's optimizer (model, optimizer); load into target's; both state dicts."""
+    from megatron.core import dist_checkpointing
+
+    (model_a, opt_a), (model_b, opt_b) = source, target
+    with megatron_env.dist_checkpointing_on_cpu():
+        dist_checkpointing.save(opt_a.sharded_state_dict(model_a.sharded_state_dict()), str(tmp_path))
+        loaded = dist_checkpointing.load(opt_b.sharded_state_dict(model_b.sharded_state_dict(), is_loading=True),
+                                         str(tmp_path))
+    opt_b.load_state_dict(loaded)
+    return opt_a.state_dict(), opt_b.state_dict()
+
+
+@needs_megatron
+@pytest.mark.parametrize("name", ["muon", "adaptive_muon"])
+def test_torch_dist_checkpoint_round_trip(stock_registry, megatron_env, tmp_path, name):
+    """Megatron's dist_checkpointing (torch_dist) save, then load into a fresh optimizer: the same
+    state dict (param groups with the same keys and values, same state tensors)."""
+    integration.install()
+    saved, loaded = _save_and_load(
+        megatron_env, _trained_optimizer(megatron_env, name, seed=12, steps=2),
+        _trained_optimizer(megatron_env, name, seed=13), tmp_path,
+    )
+    _assert_same(saved, loaded)
+
+
+@needs_megatron
+@pytest.mark.parametrize("direction", ["stock_to_plug", "plug_to_stock"])
+def test_torch_dist_checkpoint_cross_load_with_megatrons_own_muon(stock_registry, megatron_env, tmp_path, direction):
+    """A checkpoint of Megatron's own TensorParallelMuon (Emerging-Optimizers) loads into ours and back."""
+    if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("Megatron's own TensorParallelMuon needs emerging-optimizers")
+
+    def build(plug, seed, steps):
+        integration.install() if plug else integration.uninstall()
+        built = _trained_optimizer(megatron_env, "muon", seed=seed, steps=steps)
+        ours = any(isinstance(w.optimizer, TensorParallelMuon) for w in built[1].chained_optimizers)
+        assert ours == plug
+        return built
+
+    source_plug = direction == "plug_to_stock"
+    source = build(source_plug, seed=14, steps=2)
+    target = build(not source_plug, seed=15, steps=1)
+    saved, loaded = _save_and_load(megatron_env, source, target, tmp_path)
+    _assert_same(saved, loaded)
+
+
+@needs_megatron
+@pytest.mark.distributed
+def test_torch_dist_checkpoint_at_tensor_parallel_2(tmp_path):
+    """Two ranks (gloo), TP = 2: torch_dist save / load of ours into ours (muon, adaptive_muon),
+    Megatron's own TensorParallelMuon into ours and ours into Megatron's: same state dict per rank."""
+    if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("the cross-loads need Megatron's own TensorParallelMuon (emerging-optimizers)")
+    import torch.multiprocessing as mp
+
+    import megatron_ckpt_worker
+
+    ckpt_root = tmp_path / "checkpoints"
+    ckpt_root.mkdir()
+    mp.spawn(megatron_ckpt_worker.worker, args=(2, str(tmp_path / "rendezvous"), str(ckpt_root)), nprocs=2, join=True)
 
 
 @needs_megatron

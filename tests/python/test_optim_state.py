@@ -300,3 +300,80 @@ def test_deepcopy_continues_like_the_original(case, gen):
     run_steps(twin, twin_params, grads)
     for p, q in zip(params, twin_params):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _megatron_tp_classes():
+    """Megatron-LM's TensorParallelMuon / TensorParallelAdaptiveMuon (on Emerging-Optimizers), or None."""
+    try:
+        import megatron.core.optimizer.emerging_optimizers as mcore_eo
+    except ImportError:
+        return None
+    if not getattr(mcore_eo, "HAVE_EMERGING_OPTIMIZERS", False):
+        return None
+    return mcore_eo.TensorParallelMuon, mcore_eo.TensorParallelAdaptiveMuon
+
+
+def _group_dicts(opt):
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
+
+
+def _reference_classes():
+    refs = {
+        "muon": (Muon, eo.Muon, {}),
+        "adaptive_muon": (AdaptiveMuon, eo.AdaptiveMuon, dict(momentum=0.9, moment2_method="adamuon")),
+    }
+    tp = _megatron_tp_classes()
+    if tp is not None:
+        refs["tp_muon"] = (TensorParallelMuon, tp[0], {})
+        refs["tp_adaptive_muon"] = (TensorParallelAdaptiveMuon, tp[1], {})
+    return refs
+
+
+@pytest.mark.parametrize("case", ["muon", "adaptive_muon", "tp_muon", "tp_adaptive_muon"])
+def test_param_group_keys_survive_load_state_dict_like_the_reference(case, gen):
+    # state_dict -> load_state_dict -> state_dict keeps every group's keys and values; the keys
+    # are those Emerging-Optimizers' class (Megatron-LM's TP classes for tp_*) gives for the
+    # same construction. torch's Optimizer.__setstate__ adds differentiable=False to defaults:
+    # it must not leak into the groups.
+    refs = _reference_classes()
+    if case not in refs:
+        pytest.skip("megatron-core with Emerging-Optimizers is not installed")
+    ours_cls, ref_cls, kwargs = refs[case]
+
+    def build(cls):
+        ps = make_params(SHAPES, gen, scale=0.1)
+        groups = [
+            {"params": ps[:2], "wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False},
+            {"params": ps[2:], "wd_mult": 0.0, "lr": 0.5},
+        ]
+        return cls(groups, lr=0.02, weight_decay=0.1, **kwargs), ps
+
+    ours, params = build(ours_cls)
+    ref, ref_params = build(ref_cls)
+    run_steps(ours, params, make_grads(params, gen, 1))
+    before = _group_dicts(ours)
+    assert [sorted(g) for g in before] == [sorted(g) for g in _group_dicts(ref)]
+    ours.load_state_dict(ours.state_dict())
+    assert _group_dicts(ours) == before
+    ours.load_state_dict(ours.state_dict())  # and again: nothing accumulates
+    assert _group_dicts(ours) == before
+    ref.load_state_dict(ref.state_dict())
+    assert [sorted(g) for g in _group_dicts(ours)] == [sorted(g) for g in _group_dicts(ref)]
+    import copy
+
+    assert _group_dicts(copy.deepcopy(ours)) == before
+
+
+def test_loaded_group_without_second_moment_values_gets_them_from_defaults(gen):
+    # A group saved without beta2 / eps (e.g. by a class without a second moment) is loaded:
+    # the per-step values the step reads come from the optimizer's defaults; nothing else is added.
+    params = make_params(SHAPES, gen, scale=0.1)
+    opt = AdaptiveMuon(params, lr=0.02, momentum=0.9, weight_decay=0.1, moment2_method="adamuon", beta2=0.8, eps=1e-6)
+    saved = opt.state_dict()
+    for g in saved["param_groups"]:
+        del g["beta2"], g["eps"]
+    opt.load_state_dict(saved)
+    group = opt.param_groups[0]
+    assert group["beta2"] == 0.8 and group["eps"] == 1e-6
+    assert "differentiable" not in group
+    run_steps(opt, params, make_grads(params, gen, 1))

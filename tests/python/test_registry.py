@@ -61,6 +61,14 @@ def test_default_rule_routes_like_megatron():
     tagged.is_embedding_or_output_parameter = True
     assert rule(torch.randn(4)) and rule(torch.randn(())) and rule(torch.randn(2, 3, 4)) and rule(tagged)
     assert not rule(torch.randn(8, 4))
+    flagged = torch.nn.Parameter(torch.randn(8, 4))
+    flagged.use_muon = False  # Megatron-LM's explicit exclusion
+    assert rule(flagged) and registry.is_muon_excluded(flagged)
+    flagged.use_muon = True
+    assert not rule(flagged)
+    assert registry.uses_default_routing(registry.get("muon"))
+    own = EmergingOptimizerEntry(TensorParallelMuon, default_param_overrides={ParamRule("x", lambda p: True): {"optimizer": "adam"}})
+    assert not registry.uses_default_routing(own)
 
 
 def test_unknown_name_lists_registered():
