@@ -57,22 +57,6 @@ def _trained(name, plug, seed, steps):
     return model, chained
 
 
-def _assert_same(a, b, where):
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, dict):
-        assert set(a) == set(b), (where, sorted(a, key=str), sorted(b, key=str))
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
-
-
 @exits_without_teardown
 def worker(rank, world_size, init_file, ckpt_root):
     from megatron.core import dist_checkpointing, parallel_state
@@ -98,7 +82,7 @@ def worker(rank, world_size, init_file, ckpt_root):
                     opt_b.sharded_state_dict(model_b.sharded_state_dict(), is_loading=True), ckpt_dir
                 )
             opt_b.load_state_dict(loaded)
-            _assert_same(opt_a.state_dict(), opt_b.state_dict(), f"rank {rank} case {CASES[i]}")
+            megatron_cpu.assert_same_state(opt_a.state_dict(), opt_b.state_dict(), f"rank {rank} case {CASES[i]}")
             dist.barrier()
     finally:
         from megatron_eopt.integrations import megatron as integration

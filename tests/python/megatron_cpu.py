@@ -178,3 +178,20 @@ def dist_checkpointing_on_cpu():
             filesystem_async._results_queue = None
             if manager is not None:
                 manager.shutdown()
+
+
+def assert_same_state(a, b, where="state_dict"):
+    """Equal nested state dicts: same keys, same types, tensors equal in dtype, shape and values."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(a, key=str), sorted(b, key=str))
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)

@@ -341,23 +341,6 @@ def test_replace_classes_binds_megatrons_class_names(stock_registry, megatron_en
     assert not integration.classes_replaced()
 
 
-def _assert_same(a, b, where="state_dict"):
-    """Equal nested state dicts: same keys, same types, tensors equal in dtype, shape and values."""
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, dict):
-        assert set(a) == set(b), (where, sorted(a, key=str), sorted(b, key=str))
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
-
-
 def _muon_param_groups(state_dict):
     """The param groups (without params) of each optimizer in a ChainedOptimizer state dict."""
     return [[{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]] for sd in state_dict]
@@ -382,7 +365,7 @@ def test_factory_optimizer_state_dict_round_trip_keeps_param_groups(stock_regist
     before = chained.state_dict()
     chained.load_state_dict(before)
     after = chained.state_dict()
-    _assert_same(before, after)
+    megatron_env.assert_same_state(before, after)
     for groups in _muon_param_groups(after):
         assert all("differentiable" not in g for g in groups if "optimizer" not in g)
 
@@ -410,7 +393,7 @@ def test_torch_dist_checkpoint_round_trip(stock_registry, megatron_env, tmp_path
         megatron_env, _trained_optimizer(megatron_env, name, seed=12, steps=2),
         _trained_optimizer(megatron_env, name, seed=13), tmp_path,
     )
-    _assert_same(saved, loaded)
+    megatron_env.assert_same_state(saved, loaded)
 
 
 @needs_megatron
@@ -431,7 +414,7 @@ def test_torch_dist_checkpoint_cross_load_with_megatrons_own_muon(stock_registry
     source = build(source_plug, seed=14, steps=2)
     target = build(not source_plug, seed=15, steps=1)
     saved, loaded = _save_and_load(megatron_env, source, target, tmp_path)
-    _assert_same(saved, loaded)
+    megatron_env.assert_same_state(saved, loaded)
 
 
 @needs_megatron
