@@ -122,12 +122,11 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
                                                   sizeof(schemes)),
              "set reduction scheme mask");
   }
-  const Alignments& aligns = align;
   const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i) {
-    check_lt(cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &aligns[i], sizeof(aligns[i])),
+    check_lt(cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &align[i], sizeof(align[i])),
              "set min alignment");
   }
   cublasLtMatmulHeuristicResult_t result{};
