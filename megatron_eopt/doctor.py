@@ -6,7 +6,8 @@ architectures next to each device's capability, and then runs every op, a Muon s
 AdaptiveMuon step on small awkward shapes (1 x n, n x 1, primes, tall, wide, batches) on every
 device. On a GPU each result is compared with the CPU path; on the CPU with plain-PyTorch float64
 references. On a GPU it also forces the cuBLAS GEMM fallback (what serves the problems cuBLASLt
-has no algorithm for) and replays Newton-Schulz and a whole Muon step from CUDA graphs. Every check prints pass or fail with its max error; the exit status is 1 when any
+has no algorithm for) and replays Newton-Schulz and a whole Muon step from CUDA graphs. Every
+check prints pass or fail with its max error; the exit status is 1 when any
 check fails.
 """
 
