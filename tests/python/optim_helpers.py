@@ -49,18 +49,21 @@ def max_delta_err(params, ref_params, start):
     return worst
 
 
-def max_delta_err_without_flips(params, ref_params, start, max_flip_fraction=0.005):
-    """max_delta_err over the elements whose change agrees with the reference to within half of it.
+def max_delta_err_without_flips(params, ref_params, start, max_flip_fraction=0.005, flip_threshold=0.5):
+    """max_delta_err over the elements whose change agrees with the reference to within
+    `flip_threshold` of it (half, by default).
 
     For elementwise-normalized updates (AdaMuon: O / sqrt(v), whose first step is sign(O) /
     sqrt(1 - beta2)), two bf16 implementations round a near-zero entry of O to opposite signs now
-    and then, which moves that element by a full step while the rest agree to bf16 accuracy. At
-    most `max_flip_fraction` of each param's elements may be such flips.
+    and then, which moves that element by a full step while the rest agree to bf16 accuracy. In
+    fp32 the same division turns an entry small in both O and v into one carrying a large share
+    of its own relative rounding error (seen: 6% of its step on one of 960 elements, while the
+    others agree to 1e-5). At most `max_flip_fraction` of each param's elements may be such flips.
     """
     worst = 0.0
     for p, r, s in zip(params, ref_params, start):
         d, dr = p.detach().double() - s.double(), r.detach().double() - s.double()
-        flips = (d - dr).abs() > 0.5 * dr.abs()
+        flips = (d - dr).abs() > flip_threshold * dr.abs()
         assert flips.sum().item() <= max(1, max_flip_fraction * d.numel()), f"{int(flips.sum())} of {d.numel()} differ"
         keep = ~flips
         if dr[keep].norm() == 0:

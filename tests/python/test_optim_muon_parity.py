@@ -1,5 +1,7 @@
 """Muon and AdaptiveMuon against Emerging-Optimizers 0.3.0 (the reference), over several steps."""
 
+import functools
+
 import pytest
 import torch
 
@@ -28,6 +30,16 @@ def _fp32_tolerance(moment2_method):
     # fp32 error of Newton–Schulz turns into an elementwise one. Emerging-Optimizers itself lands
     # up to 4e-4 away from the float64 result in these settings, as far as we do.
     return TOLERANCE["high"] if moment2_method == "adamuon" else TOLERANCE["highest"]
+
+
+def _delta_err(moment2_method, flip_threshold=0.5):
+    # AdaMuon divides elementwise: an entry small in both O and v takes a large share of its own
+    # rounding error (in bf16 even the sign of a near-zero entry of O, a whole step). Such
+    # elements are counted (at most 0.5% of a param's) and the others compared normwise. In fp32
+    # an element counts once it differs by 1% of its own change, 1e3 times fp32 Newton-Schulz error.
+    if moment2_method != "adamuon":
+        return max_delta_err
+    return functools.partial(max_delta_err_without_flips, flip_threshold=flip_threshold)
 
 
 def _compare(
@@ -127,6 +139,7 @@ def test_adaptive_muon_moment2_methods(moment2_method, nesterov, gen):
         gen,
         tol=_fp32_tolerance(moment2_method),
         state_keys=("momentum_buffer", "moment2_buffer"),
+        delta_err=_delta_err(moment2_method, flip_threshold=0.01),
     )
 
 
@@ -161,6 +174,7 @@ def test_adaptive_muon_configurations(moment2_method, weight_decay_method, scale
         shapes=[s for s in SHAPES if min(s) > 1],
         tol=_fp32_tolerance(moment2_method),
         state_keys=("momentum_buffer", "moment2_buffer"),
+        delta_err=_delta_err(moment2_method, flip_threshold=0.01),
     )
 
 
@@ -174,8 +188,7 @@ def test_adaptive_muon_medium_precision(moment2_method, gen):
         gen,
         tol=TOLERANCE["medium"],
         state_keys=("momentum_buffer", "moment2_buffer"),
-        # AdaMuon divides elementwise: bf16 sign flips of near-zero entries (see the helper).
-        delta_err=max_delta_err_without_flips if moment2_method == "adamuon" else max_delta_err,
+        delta_err=_delta_err(moment2_method),
     )
 
 
