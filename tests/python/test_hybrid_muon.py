@@ -59,6 +59,13 @@ def _set_grads(model, gen):
         p.grad = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
 
 
+def _set_twin_grads(model, ref, gen):
+    """Fresh gradients on `model`, the same on its copy `ref`."""
+    _set_grads(model, gen)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        q.grad = p.grad.clone()
+
+
 def _clone(model):
     return copy.deepcopy(model)
 
@@ -78,9 +85,7 @@ def test_muon_side_equals_muon_and_adamw_side_equals_torch_adamw(device, gen):
     impl = dict(fused=True) if device == "cuda" else dict(foreach=True)
     adamw = torch.optim.AdamW(g["params"], lr=3e-3, betas=(0.8, 0.9), eps=1e-7, weight_decay=0.05, **impl)
     for _ in range(3):
-        _set_grads(model, gen)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = p.grad.clone()
+        _set_twin_grads(model, ref, gen)
         opt.step()
         muon.step()
         adamw.step()
@@ -159,9 +164,7 @@ def test_compile_fullgraph_equals_eager(gen):
     eager = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
     step = torch.compile(opt.step, fullgraph=True)
     for _ in range(2):
-        _set_grads(model, gen)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = p.grad.clone()
+        _set_twin_grads(model, ref, gen)
         step()
         eager.step()
     for p, q in zip(model.parameters(), ref.parameters()):
@@ -178,9 +181,7 @@ def _clip_run(fused, gqa, logits, gen):
     ref = _clone(model)
     opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", clip_config=CLIP)
     plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
-    _set_grads(model, gen)
-    for p, q in zip(model.parameters(), ref.parameters()):
-        q.grad = p.grad.clone()
+    _set_twin_grads(model, ref, gen)
     opt.step(qk_logits=logits)
     plain.step()
     return model, ref
@@ -296,9 +297,7 @@ def test_offload_is_bitwise_invisible_and_guards_state_dict(gen):
     plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
     assert opt.cpu_offload
     for t in range(3):
-        _set_grads(model, gen)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = p.grad.clone()
+        _set_twin_grads(model, ref, gen)
         opt.step()
         plain.step()
         if t == 0:
@@ -325,9 +324,7 @@ def test_offload_on_cuda_uses_pinned_host_memory(gen):
     plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
     side = torch.cuda.Stream()
     for _ in range(3):
-        _set_grads(model, gen)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = p.grad.clone()
+        _set_twin_grads(model, ref, gen)
         with torch.cuda.stream(side):  # transfers ordered on the current stream, whichever it is
             opt.step()
         side.synchronize()
@@ -516,17 +513,22 @@ def _delay_send_out(opt, cycles=int(2e8)):
     opt._offload.send_out = send_out
 
 
-@pytest.mark.gpu
-def test_offload_on_cuda_host_read_after_step_sees_the_step(gen):
+def _offloaded_and_plain_on_cuda():
+    """A CUDA model and its copy, an offloaded HybridMuon whose copies to the host lag behind a
+    GPU delay, and a plain one."""
     model = Model().cuda()
     ref = _clone(model)
     opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", cpu_offload=True)
     plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
     _delay_send_out(opt)
+    return model, ref, opt, plain
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_host_read_after_step_sees_the_step(gen):
+    model, ref, opt, plain = _offloaded_and_plain_on_cuda()
     for _ in range(3):
-        _set_grads(model, gen)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = p.grad.clone()
+        _set_twin_grads(model, ref, gen)
         opt.step()
         # Right away, while the copy to the host is still queued behind the delay: opt.state waits for it.
         seen = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
@@ -543,17 +545,11 @@ def test_offload_on_cuda_host_read_after_step_sees_the_step(gen):
 
 @pytest.mark.gpu
 def test_offload_on_cuda_bring_in_on_a_side_stream(gen):
-    model = Model().cuda()
-    ref = _clone(model)
-    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest", cpu_offload=True)
-    plain = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
-    _delay_send_out(opt)
+    model, ref, opt, plain = _offloaded_and_plain_on_cuda()
     side = torch.cuda.Stream()
     seen, expected = [], []
     for t in range(4):
-        _set_grads(model, gen)
-        for p, q in zip(model.parameters(), ref.parameters()):
-            q.grad = p.grad.clone()
+        _set_twin_grads(model, ref, gen)
         opt.step()  # on the default stream; its copy to the host waits behind the delay
         snapshot = t % 2 == 0
         with torch.cuda.stream(side):  # nothing here blocks the host (bring_in leaves nothing pending)

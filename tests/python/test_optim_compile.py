@@ -112,6 +112,14 @@ def test_cuda_graph_capture_of_the_step(case, gen):
     assert max_delta_err(params, eager_params, start) <= TOLERANCE["highest"]
 
 
+def _assert_capture_refused(opt):
+    """Capturing opt.step() raises the clear host-lr error (after a warm-up outside capture)."""
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="lr'\\] is a Python number while a CUDA graph is being captured"):
+        with torch.cuda.graph(graph):
+            opt.step()
+
+
 @pytest.mark.gpu
 def test_python_float_lr_during_cuda_graph_capture_is_refused(gen):
     # A captured graph would replay the lr of capture time forever: refuse it with a clear error.
@@ -120,10 +128,7 @@ def test_python_float_lr_during_cuda_graph_capture_is_refused(gen):
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # warm-up outside capture (plans, state)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="lr'\\] is a Python number while a CUDA graph is being captured"):
-        with torch.cuda.graph(graph):
-            opt.step()
+    _assert_capture_refused(opt)
 
 
 @pytest.mark.gpu
@@ -149,10 +154,7 @@ def test_cpu_tensor_lr_is_refused_during_capture_and_never_synchronizes(gen):
     ref.step()
     for p, r in zip(params, ref_params):
         assert torch.equal(p, r)
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="lr'\\] is a Python number while a CUDA graph is being captured"):
-        with torch.cuda.graph(graph):
-            opt.step()
+    _assert_capture_refused(opt)
 
 
 @pytest.mark.gpu
