@@ -1,34 +1,26 @@
-"""The hybrid Muon + AdamW APIs of Motif's parallel Muon and Keller Jordan's ``MuonWithAuxAdam``,
-on :class:`megatron_eopt.optim.HybridMuon` (served by ``megatron_eopt.muon``).
+"""Motif's parallel Muon (Motif-Technologies/optimizer) on :class:`megatron_eopt.optim.HybridMuon`
+(served by ``megatron_eopt.muon``).
 
 Motif (the Moonlight rule): SGD-style momentum ``buf = momentum·buf + g`` (Nesterov
 ``g + momentum·buf``), Newton–Schulz with the original quintic in bf16, decoupled weight decay
 ``p *= 1 - lr·wd`` and ``p -= lr·0.2·√max(m, n)·update``; AdamW for the rest. Newton–Schulz
 normalizes its input, so the EMA momentum of the fused op (``(1 - momentum)`` times the SGD
 buffer, exactly, from a zero start) gives the same updates; ``momentum_buffer`` holds the EMA.
-
-Keller Jordan: EMA momentum with Nesterov, the original quintic in bf16, ``p *= 1 - lr·wd`` and
-``p -= lr·√max(1, m/n)·update``; Adam(W) with bias correction for the rest, group keys ``lr``,
-``betas``, ``eps``, ``weight_decay``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from .optim.hybrid import HybridMuon
+from ..optim.hybrid import HybridMuon
+from ._deprecation import _warn_once
 
 MOTIF_KEYS = ("adamw_betas", "adamw_eps", "none_grad", "debug", "clip_config", "warmup_step", "chunk_size",
               "use_distributed_muon", "expert_keys")
 _SIMPLE = "simple"
-# The snippets' Muon (Keller Jordan, nanochat) on the fused optimizer: decoupled decay, the original
-# quintic in bf16, update scaled by sqrt(max(1, m / n)).
-SNIPPET_MUON = dict(weight_decay_method="decoupled", fp32_matmul_prec="medium", coefficient_type=_SIMPLE,
-                    scale_mode="shape_scaling")
-
 # Names of parameters that stay with AdamW by default: embeddings, output heads, norms.
 _ADAMW_NAMES = re.compile(r"(?:^|\.)(?:embed|embedding|embeddings|wte|wpe|tok_embeddings|lm_head|output|head|"
                           r"classifier|norm|ln_f|ln_\d|layernorm|layer_norm)\b", re.IGNORECASE)
@@ -119,32 +111,9 @@ class MotifMuon(HybridMuon):
         return loss
 
 
-class MuonWithAuxAdam(HybridMuon):
-    """Keller Jordan's ``MuonWithAuxAdam(param_groups)``: groups with ``use_muon=True`` take ``lr``
-    (0.02), ``momentum`` (0.95) and ``weight_decay`` (0); the others ``lr`` (3e-4), ``betas``
-    ((0.9, 0.95)), ``eps`` (1e-10) and ``weight_decay`` (0)."""
-
-    def __init__(self, param_groups: Iterable[Mapping[str, Any]]) -> None:
-        groups = []
-        for g in param_groups:
-            g = dict(g)
-            if g.get("use_muon") is False:
-                g.setdefault("lr", 3e-4)
-                g.setdefault("betas", (0.9, 0.95))
-                g.setdefault("eps", 1e-10)
-                g.setdefault("weight_decay", 0.0)
-            groups.append(g)
-        super().__init__(
-            groups,
-            lr=0.02,
-            momentum=0.95,
-            weight_decay=0.0,
-            nesterov=True,
-            num_ns_steps=5,
-            nd_mode="flatten",
-            **SNIPPET_MUON,
-        )
-
-
-class SingleDeviceMuonWithAuxAdam(MuonWithAuxAdam):
-    """The single-device variant of :class:`MuonWithAuxAdam` (the same numbers)."""
+def get_default_muon_param_groups(model: torch.nn.Module, is_muon_func: Callable[[str, Any], bool] | None = None):
+    """Motif's default split: 2-D hidden matrices to Muon; embeddings, the output head, norms, biases
+    and scalars to AdamW (``is_muon_func(name, param)`` decides instead when given). Every group
+    gets ``names``."""
+    _warn_once("get_default_muon_param_groups")
+    return default_muon_param_groups(model, is_muon_func)

@@ -1,0 +1,9 @@
+"""One module per legacy lineage, each a thin layer over the fused optimizers and ops.
+
+- :mod:`.snippet` — Keller Jordan's Muon snippet and nanochat's ``muon.py`` up to January 2026;
+- :mod:`.motif` — Motif's parallel Muon (hybrid Muon + AdamW, QK-clip, CPU offload);
+- :mod:`.aux_adam` — Keller Jordan's ``MuonWithAuxAdam``;
+- :mod:`.megatron_legacy` — Megatron-LM's older ``muon.py`` names.
+
+``megatron_eopt.muon`` re-exports them (the one-import drop-in).
+"""

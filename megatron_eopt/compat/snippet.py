@@ -1,0 +1,417 @@
+"""Keller Jordan's Muon snippet and nanochat's ``muon.py`` up to January 2026 (served by
+``megatron_eopt.muon``): :func:`zeropower_via_newtonschulz5`, :class:`Muon` and :class:`DistMuon`
+on the fused :class:`megatron_eopt.optim.Muon`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from . import motif
+from ._deprecation import _warn_once
+
+# The snippets' Muon (Keller Jordan, nanochat) on the fused optimizer: decoupled decay, the original
+# quintic in bf16, update scaled by sqrt(max(1, m / n)).
+SNIPPET_MUON = dict(weight_decay_method="decoupled", fp32_matmul_prec="medium", coefficient_type="simple",
+                    scale_mode="shape_scaling")
+
+# Keller Jordan's quintic: fast to reach singular values in about [0.7, 1.2], not exactly 1.
+_SIMPLE = "simple"
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """Approximately orthogonalizes G (``..., m, n``; batched over leading dims) in bf16.
+
+    The popular snippet's semantics: ``steps`` iterations of the simple quintic, Frobenius
+    normalization (eps 1e-7), bf16 products accumulated in fp32, matrices with more rows than
+    columns iterated transposed; the result is bf16 with G's shape.
+    """
+    _warn_once("zeropower_via_newtonschulz5")
+    return _zeropower_bf16(G, steps)
+
+
+def _zeropower_bf16(G: torch.Tensor, steps: int) -> torch.Tensor:
+    from ..ops import newton_schulz
+
+    if not isinstance(G, torch.Tensor):
+        raise TypeError(f"G must be a torch.Tensor, got {type(G).__name__}")
+    if G.ndim < 2:
+        raise ValueError(f"G must have at least 2 dimensions (..., m, n), got shape {tuple(G.shape)}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    x = G.detach().float()
+    if x.ndim > 3:
+        x = x.reshape(-1, *x.shape[-2:])
+    out = newton_schulz(x.contiguous(), steps=steps, coefficient_type=_SIMPLE, eps=1e-7, precision="medium")
+    return out.reshape(G.shape).to(torch.bfloat16)
+
+
+def _resolve_steps(ns_steps: int, backend: str, backend_steps: int | None) -> int:
+    if backend != "newtonschulz5":
+        raise ValueError(f"backend must be 'newtonschulz5' (the only one the snippets define), got {backend!r}")
+    if backend_steps is not None:
+        if ns_steps != 5 and ns_steps != backend_steps:
+            raise ValueError(f"ns_steps={ns_steps} and backend_steps={backend_steps} disagree; give one of them")
+        ns_steps = backend_steps
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+        raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
+    return ns_steps
+
+
+def _legacy_scale(shape: torch.Size) -> float:
+    # The snippets scale by the parameter's own last two dims (a conv kernel's kh/kw).
+    return math.sqrt(max(1.0, shape[-2] / shape[-1]))
+
+
+class Muon(torch.optim.Optimizer):
+    """Keller Jordan's / nanochat's Muon on megatron-eopt's fused :class:`megatron_eopt.optim.Muon`.
+
+    Per parameter (2-D, or N-D flattened to ``(size(0), -1)`` like conv filters in the popular
+    snippet): decoupled weight decay ``p *= 1 - lr·wd``; momentum ``M ← lerp(M, g, 1-momentum)``;
+    Nesterov ``lerp(g, M, momentum)``; ``ns_steps`` simple-quintic Newton–Schulz iterations in
+    bf16; ``p -= lr·√max(1, p.size(-2)/p.size(-1))·update``.
+
+    Groups keep ``lr``, ``momentum``, ``nesterov``, ``ns_steps`` and ``weight_decay`` (read at
+    every step, so schedulers and momentum warmups work); ``nesterov`` and ``ns_steps`` must be
+    the same in every group. The state is ``momentum_buffer`` shaped like each parameter, so
+    checkpoints load into and from the snippets' ``Muon``.
+    """
+
+    _legacy_name = "Muon"
+
+    def __new__(cls, params: Iterable[Any] = (), *args: Any, **kwargs: Any):
+        # Motif's constructor (groups flagged use_muon, AdamW / QK-clip keywords): the hybrid class.
+        if cls is Muon:
+            params = list(params)
+            if motif.is_motif_call(params, kwargs):
+                _warn_once("MotifMuon")
+                obj = motif.MotifMuon.__new__(motif.MotifMuon)
+                obj.__init__(params, *args, **kwargs)
+                return obj
+            obj = super().__new__(cls)
+            obj._new_params = params  # a generator was consumed above: __init__ takes this list
+            return obj
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        *,
+        backend: str = "newtonschulz5",
+        backend_steps: int | None = None,
+    ) -> None:
+        if self._legacy_name == "Muon":  # DistMuon warns under its own name
+            _warn_once("Muon")
+        params = self.__dict__.pop("_new_params", params)
+        ns_steps = _resolve_steps(ns_steps, backend, backend_steps)
+        defaults = dict(lr=lr, momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps, weight_decay=weight_decay)
+        self._inner = None
+        super().__init__(params, defaults)
+        self._build_inner()
+
+    # ------------------------------------------------------------------ the fused optimizer
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        for pi, p in enumerate(self.param_groups[gi]["params"]):
+            problem = None
+            if p.ndim < 2:
+                problem = f"has shape {tuple(p.shape)}; Muon takes matrices (optimize 0-D/1-D tensors with AdamW)"
+            elif p.ndim > 2 and not p.is_contiguous():
+                problem = "is an N-D tensor that is not contiguous (it is flattened to (size(0), -1) by a view)"
+            if problem is not None:
+                self.param_groups.pop()
+                raise ValueError(f"param_groups[{gi}]['params'][{pi}] {problem}")
+        if self._inner is not None:
+            self._build_inner()
+
+    def _settings(self) -> tuple[bool, int]:
+        settings = {(bool(g["nesterov"]), int(g["ns_steps"])) for g in self.param_groups}
+        if len(settings) != 1:
+            raise ValueError(f"nesterov and ns_steps must be the same in every param group, got {sorted(settings)}")
+        return settings.pop()
+
+    def _build_inner(self) -> None:
+        """One fused Muon over 2-D handles of the parameters (views: updates land in place).
+
+        An N-D parameter is optimized through its (size(0), -1) view, in an inner group whose lr
+        carries the ratio of the snippet's scale to the flattened matrix's (and whose weight
+        decay the inverse ratio, so lr·wd is unchanged).
+        """
+        from ..optim import Muon as FusedMuon
+
+        nesterov, ns_steps = self._settings()
+        self._handles: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        inner_groups: list[dict[str, Any]] = []
+        self._inner_sources: list[tuple[int, float]] = []  # (outer group, lr ratio) per inner group
+        slot: dict[tuple[int, float], int] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                # A DTensor stays whole (the fused optimizer flattens it with nd_mode "flatten" on
+                # its local shard); a plain tensor is flattened here by a view.
+                sharded = _is_dtensor(p)
+                handle = p.detach() if p.ndim == 2 or sharded else p.detach().view(p.shape[0], -1)
+                ratio = 1.0
+                if p.ndim > 2:
+                    rows, cols = p.shape[0], p.numel() // p.shape[0]
+                    ratio = _legacy_scale(p.shape) / math.sqrt(max(1.0, rows / cols))
+                key = (gi, ratio, sharded)
+                if key not in slot:
+                    slot[key] = len(inner_groups)
+                    inner_groups.append({"params": [], "nd_mode": "flatten"})
+                    self._inner_sources.append((gi, ratio))
+                inner_groups[slot[key]]["params"].append(handle)
+                self._handles.append((p, handle, slot[key]))
+        self._inner = FusedMuon(
+            inner_groups,
+            lr=0.0,
+            momentum=0.0,
+            weight_decay=0.0,
+            nesterov=nesterov,
+            num_ns_steps=ns_steps,
+            **SNIPPET_MUON,
+        )
+        self._inner_settings = (nesterov, ns_steps)
+        self._link_state()
+
+    def _link_state(self) -> None:
+        # Both optimizers see the same momentum memory: ours shaped like p (checkpoint format
+        # of the snippets), the fused one's shaped like its 2-D handle.
+        for p, handle, _ in self._handles:
+            outer = self.state.get(p)
+            inner = self._inner.state.get(handle)
+            if outer and "momentum_buffer" in outer:
+                self._inner.state[handle]["momentum_buffer"] = _view(outer["momentum_buffer"], handle.shape)
+            elif inner and "momentum_buffer" in inner:
+                self.state[p]["momentum_buffer"] = _view(inner["momentum_buffer"], p.shape)
+
+    def _sync_hyperparameters(self) -> None:
+        if self._settings() != self._inner_settings:
+            self._build_inner()  # ns_steps or nesterov changed in the groups
+        for inner_group, (gi, ratio) in zip(self._inner.param_groups, self._inner_sources):
+            group = self.param_groups[gi]
+            inner_group["lr"] = group["lr"] * ratio
+            inner_group["weight_decay"] = group["weight_decay"] / ratio
+            inner_group["momentum"] = group["momentum"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._build_inner()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._sync_hyperparameters()
+        for p, handle, _ in self._handles:
+            handle.grad = None if p.grad is None else p.grad.view(handle.shape)
+        try:
+            self._inner.step()
+        finally:
+            for _, handle, _ in self._handles:
+                handle.grad = None
+        self._link_state()
+        return loss
+
+
+def _is_dtensor(t) -> bool:
+    from ..optim._sharded import is_dtensor
+
+    return is_dtensor(t)
+
+
+def _view(t: torch.Tensor, shape) -> torch.Tensor:
+    return t if tuple(t.shape) == tuple(shape) else t.view(shape)
+
+
+class DistMuon(Muon):
+    """nanochat's data-parallel Muon: every rank holds all parameters and its own grads.
+
+    Built on the owner machinery of the sharded optimizers: every matrix gets one owner rank,
+    balanced by Newton–Schulz FLOPs (not "the r-th of each run of world_size same-shape
+    params"). Per chunk of matrices (same shapes next to each other), one all-to-all carries every
+    rank's grads to the owners, which average them (a reduce-scatter: each owner receives only
+    the grads of what it owns, summed in rank order and divided by the world size), run one fused
+    Muon step over their matrices and send the new values to every rank in one all-to-all back.
+    The collectives are asynchronous, so chunk i+1's grads travel while chunk i is stepped. The
+    update equals :class:`Muon` on the averaged grads; momentum lives on the owner only. Every
+    parameter needs a grad on every rank. Parameters are regrouped by shape (within the given
+    groups), as in nanochat. ``process_group`` defaults to the world.
+
+    DTensor parameters (FSDP2, already reduce-scattered grads) take the sharded path of
+    :class:`megatron_eopt.optim.Muon` instead: each matrix is orthogonalized once, by its owner
+    rank (all-to-all of the shards), with the same numbers as :class:`Muon` on the full tensors.
+    """
+
+    _legacy_name = "DistMuon"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.0,
+        *,
+        backend: str = "newtonschulz5",
+        backend_steps: int | None = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        _warn_once("DistMuon")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistMuon needs torch.distributed to be initialized (init_process_group)")
+        if process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError(
+                f"process_group does not contain this rank ({dist.get_rank()}): DistMuon runs on every rank of "
+                "its group"
+            )
+        self._pg = process_group
+        self._exchanges = None
+        super().__init__(
+            _groups_by_shape(params),
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            weight_decay=weight_decay,
+            backend=backend,
+            backend_steps=backend_steps,
+        )
+
+    def _build_inner(self) -> None:
+        super()._build_inner()
+        self._exchanges = None  # the parameters changed: owners are assigned again at the next step
+
+    def _owner_plan(self):
+        """(route, [(items, chunks, owners)] per dtype and device): built once per parameter set.
+
+        Items index ``self._handles``; one bucket per dtype and device because each all-to-all
+        moves one buffer. Deterministic from the parameter list, so every rank agrees.
+        """
+        if self._exchanges is None:
+            from ..optim._sharded import ITEMS_PER_RANK, OwnerRoute, assign_owners, ns_flops
+
+            group = self._pg if self._pg is not None else dist.group.WORLD
+            size = dist.get_world_size(group)
+            route = OwnerRoute(group, tuple(range(size)), dist.get_rank(group), ("dist_muon", id(group)))
+            buckets: dict[tuple, list[int]] = {}
+            for i, (p, _, _) in enumerate(self._handles):
+                buckets.setdefault((p.dtype, p.device), []).append(i)
+            plans = []
+            for items in buckets.values():
+                # Same-shape matrices next to each other: an owner's matrices of a chunk batch.
+                items = sorted(items, key=lambda i: (tuple(self._handles[i][1].shape), i))
+                costs = [ns_flops(tuple(self._handles[i][1].shape)) for i in items]
+                chunks, owners = assign_owners(costs, size, ITEMS_PER_RANK * size)
+                plans.append((items, chunks, owners))
+            self._exchanges = (route, plans)
+        return self._exchanges
+
+    def owner_of(self, p: torch.Tensor) -> int:
+        """The rank (in ``process_group``) that steps ``p`` and keeps its momentum."""
+        route, plans = self._owner_plan()
+        for items, _, owners in plans:
+            for item, owner in zip(items, owners):
+                if self._handles[item][0] is p:
+                    return route.peers[owner]
+        raise ValueError("owner_of: p is not a parameter of this optimizer")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [p for group in self.param_groups for p in group["params"]]
+        sharded = [_is_dtensor(p) for p in params]
+        if any(sharded):
+            if not all(sharded):
+                raise ValueError(
+                    "DistMuon takes either plain replicated tensors (nanochat's data parallelism) or DTensor "
+                    "parameters (FSDP2 / tensor parallel), not both in one optimizer"
+                )
+            # The grads are reduced already (FSDP2's reduce-scatter); the fused optimizer moves
+            # the shards to one owner per matrix and back.
+            super().step()
+            return loss
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    raise RuntimeError(
+                        f"DistMuon needs a grad for every parameter on every rank (all ranks join the same "
+                        f"all-to-alls); param_groups[{gi}]['params'][{pi}] has none"
+                    )
+        self._sync_hyperparameters()
+        route, plans = self._owner_plan()
+        for _, handle, _ in self._handles:
+            handle.grad = None
+        for items, chunks, owners in plans:
+            self._exchange(route, items, chunks, owners)
+        self._link_state()
+        return loss
+
+    def _exchange(self, route, items, chunks, owners) -> None:
+        """Grads to the owners, the owners' fused step, new values back (one dtype and device)."""
+        from ..optim._sharded import OwnerExchange
+
+        handles = [self._handles[i][1] for i in items]
+        grads = [self._handles[i][0].grad for i in items]
+
+        def step_owned(owned, pieces):
+            for j, parts in zip(owned, pieces):
+                handles[j].grad = _mean_in_rank_order(parts).view(handles[j].shape)
+            try:
+                self._inner.step()  # only the handles with a grad: this chunk's owned matrices
+            finally:
+                for j in owned:
+                    handles[j].grad = None
+            return [handles[j] for j in owned]
+
+        def deliver(j, value):
+            if owners[j] != route.me:  # the owner updated its copy in place
+                handles[j].copy_(value.view(handles[j].shape))
+
+        OwnerExchange(
+            route, chunks, owners,
+            to_owner=lambda j, s: handles[j].numel(),
+            send=lambda j: grads[j].to(handles[j].dtype),
+            compute=step_owned,
+            from_owner=lambda j, s: 0 if s == owners[j] else handles[j].numel(),
+            back=lambda j, value, s: value[:0] if s == owners[j] else value,
+            deliver=deliver,
+            like=handles[0],
+        ).run()
+
+
+def _mean_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of the ranks' flat grads, summed in rank order (the same on every run and owner),
+    accumulated in at least fp32 and returned in the grads' dtype."""
+    acc = parts[0].to(torch.promote_types(parts[0].dtype, torch.float32), copy=True)
+    for part in parts[1:]:
+        acc += part
+    acc /= len(parts)
+    return acc.to(parts[0].dtype)
+
+
+def _groups_by_shape(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Splits the given params (or groups) into groups of one shape, shapes sorted (as nanochat)."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    out = []
+    for group in groups:
+        tensors = list(group["params"])
+        options = {k: v for k, v in group.items() if k != "params"}
+        for shape in sorted({tuple(p.shape) for p in tensors}):
+            out.append({"params": [p for p in tensors if tuple(p.shape) == shape], **options})
+    return out
