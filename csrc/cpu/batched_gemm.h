@@ -1,36 +1,51 @@
 // Batched products of the CPU Newton–Schulz paths (ATen BLAS calls through the dispatcher) and
-// their small element steps.
+// the small element steps that fold the iteration's scalars into operands, so that every product
+// is one plain GEMM (the stable dispatcher carries no Scalar, so addmm / baddbmm's alpha and beta
+// are out of reach, and a separate full-size pass after each product would cost a memory sweep).
 #pragma once
 
 #include "torch/stable.h"
 
 namespace megatron_eopt {
 
-// d = alpha * a . b + beta * c over a batch: d (batch, r, q) contiguous; a (batch, r, k) and
-// b (batch, k, q) with any strides (transposed views included); c like d, or undefined when
-// beta == 0. Large products run one matrix at a time with all threads on each GEMM: ATen's bmm
-// spreads the batch over the threads instead, which leaves a thread idle on the last matrices of
-// an odd batch (3 matrices on 2 threads: 1.45x slower on the development CPU). Small ones go
-// through one bmm. d must not alias a, b or c.
-void gemm_out(Tensor& d, const Tensor& a, const Tensor& b, double alpha, const Tensor& c, double beta);
+// d = a . b over a batch: d (batch, r, q) contiguous; a (batch, r, k) and b (batch, k, q) with any
+// strides (transposed views included); all fp32, or all bf16 (ATen's bf16 GEMM: fp32
+// accumulation, the result rounded to bf16 once). Whether the batch runs as one bmm or one GEMM
+// per matrix is gemm_loops_per_matrix's choice. d must not alias a or b.
+void gemm_out(Tensor& d, const Tensor& a, const Tensor& b);
 
-// The same for products whose exact result is symmetric (W W^T, A A, and the Gram iteration's
-// s x s products, all polynomials in one symmetric matrix), computed block by block: only the
-// `blocks` x `blocks` blocks on and above the diagonal are multiplied, the others are their
-// transposes (1: one full product).
-void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, double alpha, const Tensor& c,
-                        double beta, int64_t blocks);
+// The same for products whose exact result is symmetric (W W^T, and the polynomials in one
+// symmetric matrix of both iterations), computed block by block: only the `blocks` x `blocks`
+// blocks on and above the diagonal are multiplied, the others are their transposes (1: one full
+// product).
+void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blocks);
+
+// One GEMM per matrix (all threads on each) rather than one bmm over the batch, for `batch`
+// matrices of `macs` multiply-adds each in the given element size (2: bf16, 4: fp32).
+bool gemm_loops_per_matrix(int64_t batch, int64_t macs, int64_t element_bytes);
+
+// d = scale * g + shift * I for contiguous (batch, s, s) stacks, each fp32 or bf16 (they may
+// differ: the step that widens or rounds), computed in fp32 and rounded once: c G + b I, the factor
+// that turns b G + c G^2 into the one product G (c G + b I), and B + a I. d may be g when both
+// have one dtype. Rows run in parallel.
+void scaled_plus_identity_out(Tensor& d, const Tensor& g, float scale, float shift);
+
+// d[i, k, k] += alpha for a contiguous (batch, s, s) stack, fp32 or bf16 (computed in fp32,
+// rounded once).
+void add_to_diagonal_(Tensor& d, float alpha);
 
 // max(||w_i||_F, eps) of each matrix of a (batch, m, n) fp32 stack, as a (batch, 1, 1) tensor
 // (NaN stays NaN, as in torch.clamp_min).
 Tensor clamped_matrix_norms(const Tensor& w, float eps);
 
-// Rounds a contiguous fp32 tensor's values to bf16 in place (they stay fp32 tensors: a bf16 value is exact
-// in fp32, so fp32 products of such values are bf16 products with fp32 accumulation, which CPUs
-// without native bf16 GEMMs run several times faster than ATen's bf16 kernels).
-void round_bf16_(Tensor& t);
+// out = w / norms per matrix, written in out's dtype (fp32, or bf16 rounded to nearest even) in one
+// parallel pass; w (batch, m, n) fp32 with any strides, out contiguous, norms from
+// clamped_matrix_norms.
+void normalize_out(Tensor& out, const Tensor& w, const Tensor& norms);
 
-// d[i, k, k] += alpha for a contiguous fp32 (batch, s, s) stack.
-void add_to_diagonal_(Tensor& d, float alpha);
+// Rounds a contiguous fp32 tensor's values to bf16 in place (they stay fp32 tensors: a bf16 value
+// is exact in fp32, so an fp32 product of such values is the bf16 product with an fp32 result,
+// which the Gram iteration needs for R and which ATen's CPU bf16 GEMMs cannot write).
+void round_bf16_(Tensor& t);
 
 }  // namespace megatron_eopt

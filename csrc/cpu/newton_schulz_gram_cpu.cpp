@@ -1,11 +1,14 @@
 // Gram Newton–Schulz on the CPU: runs a GramProgram (megatron_eopt/ns_gram_plan.h) with ATen's
 // BLAS-backed batched products, op by op as the CUDA executor does.
 //
-// "medium" keeps W in bf16 values, as the CUDA path stores it, but holds them in fp32 tensors:
-// a bf16 value is exact in fp32, so an fp32 GEMM of them is the bf16 product with fp32
-// accumulation, and CPUs without native bf16 GEMMs run it several times faster than ATen's bf16
-// kernels. Results are rounded to bf16 where the CUDA path stores bf16 (W after a restart, Q
-// before a product with W).
+// "medium" keeps W in bf16 values, as the CUDA path stores it, but holds them in fp32 tensors
+// with fp32 products: the iteration needs R = W W^T with an fp32 result (a bf16-rounded R costs
+// the recursion far more than the standard iteration's bf16 rounding), and ATen's CPU bf16 GEMMs
+// only write bf16. A bf16 value is exact in fp32, so these are the bf16 products with fp32
+// accumulation. Results are rounded to bf16 where the CUDA path stores bf16 (W after a restart, Q
+// before a product with W). "auto" weighs that fp32 cost against the standard iteration's bf16
+// GEMMs (ns_algorithm.h). Scalars are folded into operands as in the standard iteration: the
+// program's P = c R^2 + b R runs as R (c R + b I).
 #include "cpu/newton_schulz_gram_cpu.h"
 
 #include "cpu/batched_gemm.h"
@@ -19,7 +22,6 @@ namespace megatron_eopt {
 namespace {
 
 bool is_x_buffer(GramBuf b) { return b == GramBuf::kX0 || b == GramBuf::kX1; }
-
 
 }  // namespace
 
@@ -39,14 +41,13 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
   }
   const auto at_ = [&buf](GramBuf b) -> Tensor& { return buf[gram_buf_index(b)]; };
   const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
-  const Tensor none;
 
   // W0 = x / max(||x||_F, eps) per matrix, in x's own layout (the Gram side is a choice of
   // product, not of storage).
   Tensor& x0 = at_(program.x_first);
-  const Tensor norm = clamped_matrix_norms(w, opts.eps);
-  aten::div_out(x0, w, norm);
+  normalize_out(x0, w, clamped_matrix_norms(w, opts.eps));
   if (bf16) round_bf16_(x0);
+  Tensor factor;  // c R + b I, for the program's one product with scalars
 
   for (const GramOp& op : program.ops) {
     switch (op.kind) {
@@ -60,18 +61,32 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
         Tensor& d = at_(op.d);
         if (op.gemm == GramGemm::kGram) {
           const Tensor& x = at_(op.a);
-          if (transpose) symmetric_gemm_out(d, aten::mT(x), x, 1.0, none, 0.0, blocks);  // X^T X
-          else symmetric_gemm_out(d, x, aten::mT(x), 1.0, none, 0.0, blocks);            // X X^T
+          if (transpose) symmetric_gemm_out(d, aten::mT(x), x, blocks);  // X^T X
+          else symmetric_gemm_out(d, x, aten::mT(x), blocks);            // X X^T
         } else if (op.gemm == GramGemm::kApply) {
           // Operands as the column-major plan orders them: (X, Q) wide, (Q, X) tall.
           const Tensor& x = transpose ? at_(op.b) : at_(op.a);
           const Tensor& q = transpose ? at_(op.a) : at_(op.b);
-          if (transpose) gemm_out(d, x, q, 1.0, none, 0.0);  // X Q = (Q X^T)^T
-          else gemm_out(d, q, x, 1.0, none, 0.0);            // Q X
+          if (transpose) gemm_out(d, x, q);  // X Q = (Q X^T)^T
+          else gemm_out(d, q, x);            // Q X
           if (bf16 && is_x_buffer(op.d)) round_bf16_(d);
         } else {
           // s x s: every such product of the program is a polynomial in one R, so symmetric.
-          symmetric_gemm_out(d, at_(op.a), at_(op.b), op.alpha, op.beta == 0.f ? none : at_(op.c), op.beta, blocks);
+          if (op.alpha == 1.f && op.beta == 0.f) {
+            symmetric_gemm_out(d, at_(op.a), at_(op.b), blocks);
+          } else {
+            // The one product with scalars, c R R + b R, as R (c R + b I): one plain GEMM.
+            MEGATRON_EOPT_CHECK_VALUE(op.a == op.b && op.a == op.c,
+                                      "gram program: a product with scalars must be c R R + b R");
+            const Tensor& r = at_(op.a);
+            if (op.alpha == 0.f) {
+              scaled_plus_identity_out(d, r, op.beta, 0.f);
+            } else {
+              if (!factor.defined()) factor = aten::empty_like(r);
+              scaled_plus_identity_out(factor, r, op.alpha, op.beta);
+              symmetric_gemm_out(d, r, factor, blocks);
+            }
+          }
         }
         break;
       }

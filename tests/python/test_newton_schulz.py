@@ -48,8 +48,18 @@ def test_parity_reduced_precision(device, precision, coefficient_type, shape, ge
     # and two bf16 implementations (fp32 sums in another order) round some entries the other way,
     # which the iteration magnifies like any rounding (bf16_input_tolerance).
     # TF32 ("high") is compared with float64 at the tolerance its rounding allows (ns_tolerance).
+    # On the CPU, "medium" runs the long products in bf16 and the s x s one in fp32 (rounding B + a I
+    # once): compared with float64 directly, at §6's bf16 tolerance, the input's bf16 amplification
+    # (aol and steep schedules on rank-1 inputs), or within 1.25x of the bf16 recipe's own error,
+    # whichever is largest (over 2,400 draws: at most 0.48 of this bound).
     x = _input(shape, gen, device)
     out = me.newton_schulz(x, coefficient_type=coefficient_type, precision=precision)
+    if precision == "medium" and device == "cpu":
+        exact = newton_schulz_ref(x, coefficient_type=coefficient_type)
+        recipe = newton_schulz_ref(x, coefficient_type=coefficient_type, dtype=torch.bfloat16)
+        bound = max(TOLERANCE["medium"], bf16_input_tolerance(x, coefficient_type), 1.25 * rel_err(recipe, exact))
+        assert rel_err(out, exact) <= bound
+        return
     if precision == "medium":
         ref = newton_schulz_ref(x.cpu(), coefficient_type=coefficient_type, dtype=torch.bfloat16)
         tol = bf16_input_tolerance(x, coefficient_type)

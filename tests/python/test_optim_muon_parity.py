@@ -32,14 +32,19 @@ def _fp32_tolerance(moment2_method):
     return TOLERANCE["high"] if moment2_method == "adamuon" else TOLERANCE["highest"]
 
 
-def _delta_err(moment2_method, flip_threshold=0.5):
+def _delta_err(moment2_method, flip_threshold=0.5, max_flip_fraction=0.005):
     # AdaMuon divides elementwise: an entry small in both O and v takes a large share of its own
     # rounding error (in bf16 even the sign of a near-zero entry of O, a whole step). Such
-    # elements are counted (at most 0.5% of a param's) and the others compared normwise. In fp32
-    # an element counts once it differs by 1% of its own change, 1e3 times fp32 Newton-Schulz error.
+    # elements are counted (at most 0.5% of a param's in fp32) and the others compared normwise.
+    # In fp32 an element counts once it differs by 1% of its own change, 1e3 times fp32
+    # Newton-Schulz error. In bf16 the two implementations round independently (ours: B + a I
+    # rounded once after an fp32 s x s product; theirs: fused bf16 baddbmm), each about 1% from
+    # the exact result, and a Gaussian-like O has about 0.8% of its entries within 1% of its scale
+    # of zero: up to 2% of the elements may flip, the rest must agree to bf16 accuracy.
     if moment2_method != "adamuon":
         return max_delta_err
-    return functools.partial(max_delta_err_without_flips, flip_threshold=flip_threshold)
+    return functools.partial(max_delta_err_without_flips, flip_threshold=flip_threshold,
+                             max_flip_fraction=max_flip_fraction)
 
 
 def _compare(
@@ -188,7 +193,7 @@ def test_adaptive_muon_medium_precision(moment2_method, gen):
         gen,
         tol=TOLERANCE["medium"],
         state_keys=("momentum_buffer", "moment2_buffer"),
-        delta_err=_delta_err(moment2_method),
+        delta_err=_delta_err(moment2_method, max_flip_fraction=0.02),
     )
 
 
