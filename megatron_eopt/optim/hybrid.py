@@ -226,8 +226,10 @@ class HybridMuon(torch.optim.Optimizer):
             )
 
     def _check_adamw_grads(self) -> None:
-        """The AdamW side's gradients, checked before the Muon side changes anything."""
-        if self._adamw is None:
+        """The AdamW side's gradients, checked before the Muon side changes anything. Skipped while
+        torch.compile traces the step: reading the grads before torch's AdamW ``_init_group`` changes
+        what Dynamo captures for them (wrong updates on the second compiled step, torch 2.14)."""
+        if self._adamw is None or torch.compiler.is_compiling():
             return
         # The AdamW side's own group list: under torch.compile its group dicts keep one source.
         for gi, group in enumerate(self._adamw.param_groups):
