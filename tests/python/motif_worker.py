@@ -4,7 +4,8 @@ CPU).
 Every rank builds the same full tensors and gradients (one seed), shards the parameters the way
 FSDP2 does (Shard(0) over the world; with 2 and 4 ranks the q / k rows split inside heads and the
 shards are uneven), steps the optimizer on the DTensors with QK-clip, and compares with the same
-optimizer stepping the full tensors in this process.
+optimizer stepping the full tensors in this process; a real FSDP2 model (``fully_shard``, forward,
+backward) does the same with reduce-scattered gradients.
 """
 
 from __future__ import annotations
@@ -150,6 +151,80 @@ def check_replicated_logits(world, seed):
     assert all(torch.equal(a[n].to_local(), b[n].to_local()) for n in SHAPES)
 
 
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Module()
+        self.attn.wq = torch.nn.Linear(HIDDEN, 3 * HEAD_DIM, bias=False)  # 15 rows: heads cut by the shards
+        self.attn.wk = torch.nn.Linear(HIDDEN, 3 * HEAD_DIM, bias=False)
+        self.attn.wo = torch.nn.Linear(3 * HEAD_DIM, HIDDEN, bias=False)
+
+    def forward(self, h):
+        return h + self.attn.wo(self.attn.wq(h) * self.attn.wk(h))
+
+
+class _Net(torch.nn.Module):
+    """Motif-style names: model.layers.0.attn.wq.weight, ..., model.norm.weight / bias."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([_Block()])
+        self.model.norm = torch.nn.LayerNorm(HIDDEN)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+    def forward(self, x):
+        for block in self.model.layers:
+            x = block(x)
+        return self.model.norm(x)
+
+
+def check_fsdp2(world, seed, motif: bool):
+    """A real FSDP2 model (fully_shard, forward, backward, reduce-scattered grads) stepped with
+    QK-clip, against the same optimizer on the full tensors with the same grads."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Net(seed)
+    for block in model.model.layers:
+        fully_shard(block, mesh=world)
+    fully_shard(model, mesh=world)
+    names = [n for n, _ in model.named_parameters()]
+    params = [p for _, p in model.named_parameters()]
+    ref = [torch.nn.Parameter(p.full_tensor()) for p in params]
+
+    def groups(ps):
+        muon = [i for i, n in enumerate(names) if ps[i].ndim == 2]
+        rest = [i for i in range(len(names)) if i not in muon]
+        return [{"params": [ps[i] for i in muon], "names": [names[i] for i in muon], "use_muon": True},
+                {"params": [ps[i] for i in rest], "use_muon": False}]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        if motif:
+            opt, ref_opt = (MotifMuon(groups(ps), lr=0.02, momentum=0.9, clip_config=MOTIF_CLIP) for ps in (params, ref))
+        else:
+            opt, ref_opt = (HybridMuon(groups(ps), lr=0.02, momentum=0.9, weight_decay=0.1, clip_config=HYBRID_CLIP,
+                                       fp32_matmul_prec="highest") for ps in (params, ref))
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    label = f"FSDP2 {type(opt).__name__} on {world.size()} ranks"
+    for step in range(STEPS):
+        model(torch.randn(3, HIDDEN, generator=gen)).square().mean().backward()
+        for p, r in zip(params, ref):
+            r.grad = p.grad.full_tensor()
+        # The same logits on every rank; some heads past the threshold.
+        logits = {0: torch.tensor([6.0, 3.0, 9.0, 5.0]) if motif else torch.tensor([6.0, 3.0, 9.0])}
+        opt.step(qk_logits=logits)
+        ref_opt.step(qk_logits=logits)
+        opt.zero_grad()
+        for n, p, r in zip(names, params, ref):
+            err = rel_err(p.full_tensor(), r.detach())
+            assert err <= 1e-6, f"{label} step {step} {n}: rel err {err:.2e}"
+            r.data.copy_(p.full_tensor())
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
@@ -162,5 +237,7 @@ def worker(rank, world_size, init_file, seed):
         check_bad_logits_change_nothing(world, seed, motif=False)
         check_bad_logits_change_nothing(world, seed, motif=True)
         check_replicated_logits(world, seed)
+        check_fsdp2(world, seed, motif=False)
+        check_fsdp2(world, seed, motif=True)
     finally:
         dist.destroy_process_group()
