@@ -95,7 +95,7 @@ def _check_muon_params(groups: list[dict], expert_keys) -> None:
         for pi, p in enumerate(g["params"]):
             if p.ndim <= 2:
                 continue
-            name = None if names is None else names[pi]
+            name = names[pi] if names is not None and pi < len(names) else None
             if name is None or not any(k in name for k in keys):
                 label = repr(name) if name is not None else f"param_groups[{gi}]['params'][{pi}] (no 'names')"
                 raise ValueError(
@@ -144,7 +144,10 @@ class MotifMuon(HybridMuon):
             if g.get("use_muon") is None:
                 raise ValueError(f"param_groups[{i}] has no 'use_muon' key: say True (Muon) or False (AdamW), e.g. "
                                  "with get_default_muon_param_groups(model)")
-            groups.append({**defaults, **g})
+            group = {**defaults, **g}
+            ps = group.get("params", ())
+            group["params"] = [ps] if isinstance(ps, torch.Tensor) else list(ps)  # a generator is read once
+            groups.append(group)
         for i, g in enumerate(groups):
             if len(tuple(g["adamw_betas"])) != 2:
                 raise ValueError(f"param_groups[{i}]['adamw_betas'] must be a pair, got {g['adamw_betas']!r}")

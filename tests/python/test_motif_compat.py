@@ -284,6 +284,29 @@ def test_qk_clip_is_motifs_positional_rule(q_indices, k_indices, gen):
     assert clipped > 0 or all((logits[l][: len(q_indices)] <= 5.0).all() for l in logits)
 
 
+def test_motif_names_without_a_layers_prefix_are_clipped(gen):
+    # Motif's own naming, model.<i>.attn.wq.weight, and AdamW params given as a generator.
+    names = [f"model.{i}.attn.{kind}.weight" for i in range(2) for kind in ("wq", "wk")]
+    weights = [torch.nn.Parameter(torch.randn(HEADS * HEAD_DIM, HIDDEN, generator=gen)) for _ in names]
+    twins = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    bias = torch.nn.Parameter(torch.randn(HIDDEN, generator=gen))
+    config = {"q_indices": [3, 1], "k_indices": [2], "head_dim": HEAD_DIM, "threshold": 2.0}
+    opt = _quiet(legacy.Muon, [{"params": weights, "names": names, "use_muon": True},
+                               {"params": (p for p in [bias]), "use_muon": False}], lr=0.01, clip_config=config)
+    plain = _quiet(legacy.Muon, [{"params": twins, "names": names, "use_muon": True}], lr=0.01)
+    assert opt.param_groups[1]["params"] == [bias]
+    for w, t in zip(weights, twins):
+        w.grad = torch.randn(w.shape, generator=gen)
+        t.grad = w.grad.clone()
+    logits = [torch.rand(HEADS, generator=gen) * 6 for _ in range(2)]
+    opt.step(qk_logits=logits)
+    plain.step()
+    for name, w, t in zip(names, weights, twins):
+        kind, layer = legacy.parse_qk_layer(name)
+        factors = clip_row_factors(w.shape[0], kind[1], False, logits[layer], config)
+        torch.testing.assert_close(w.double(), t.double() * factors[:, None], rtol=1e-6, atol=0)
+
+
 def test_qk_clip_mla_scales_nope_and_rope_rows(gen):
     config = {"q_indices": [0, 1, 2, 3], "k_indices": [0, 1, 2, 3], "threshold": 4.0, "qk_nope_head_dim": NOPE,
               "qk_rope_head_dim": ROPE, "v_head_dim": V_DIM}
