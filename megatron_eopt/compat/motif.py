@@ -202,6 +202,28 @@ class MotifMuon(HybridMuon):
             return
         super().add_param_group(param_group)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state_dict of this class or of Motif's optimizer (the same layout), after checking
+        every state tensor against its parameter: nothing changes when one cannot follow it."""
+        groups = state_dict.get("param_groups", [])
+        ids = [i for g in groups for i in g.get("params", [])]
+        params = [p for g in self.param_groups for p in g["params"]]
+        if len(ids) == len(params):  # otherwise torch's own check refuses the group structure
+            by_id = dict(zip(ids, params))
+            for key, entry in state_dict.get("state", {}).items():
+                p = by_id.get(key)
+                if p is None:
+                    raise ValueError(f"state_dict['state'] has an entry {key!r} that names no parameter")
+                for name, value in entry.items():
+                    if name == "step":
+                        ok = not isinstance(value, torch.Tensor) or value.numel() == 1
+                    else:
+                        ok = not isinstance(value, torch.Tensor) or tuple(value.shape) == tuple(p.shape)
+                    if not ok:
+                        raise ValueError(f"state_dict['state'][{key!r}][{name!r}] has shape {tuple(value.shape)}, "
+                                         f"its parameter {tuple(p.shape)}: it cannot follow that parameter")
+        super().load_state_dict(state_dict)
+
     # ------------------------------------------------------------------ AdamW with Motif's state keys
     def _adamw_step(self) -> None:
         """torch's AdamW kernel (fused, as Motif runs it) over Motif's state: ``step`` (fp32 0-dim

@@ -246,6 +246,18 @@ def test_checkpoints_interchange_with_motifs_layout(gen):
     _compare(opt, params, start, back, 1)
 
 
+def test_checkpoint_state_that_cannot_follow_its_param_is_refused(gen):
+    model = Model()
+    opt = _build(model, lr=0.02)
+    params, ref = _reference(model, opt)
+    ref.step({i: torch.randn(p.shape, generator=gen) for i, p in enumerate(params)})
+    sd = ref.state_dict()
+    sd["state"][0]["momentum_buffer"] = sd["state"][0]["momentum_buffer"].t().contiguous()
+    with pytest.raises(ValueError, match=r"state_dict\['state'\]\[0\]\['momentum_buffer'\] has shape"):
+        opt.load_state_dict(sd)
+    assert len(opt.state) == 0 and opt.param_groups[1]["adamw_betas"] == (0.9, 0.95)
+
+
 # ------------------------------------------------------------------ QK-clip, Motif's semantics
 def _clip_twins(clip_config, logits, gen, mla=False, logits_for_plain=None):
     """(model stepped with clip_config and qk_logits, its twin stepped without, same grads)."""
