@@ -204,7 +204,8 @@ def check_fsdp2(world, seed, motif: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         if motif:
-            opt, ref_opt = (MotifMuon(groups(ps), lr=0.02, momentum=0.9, clip_config=MOTIF_CLIP) for ps in (params, ref))
+            opt, ref_opt = (MotifMuon(groups(ps), lr=0.02, momentum=0.9, clip_config=MOTIF_CLIP)
+                            for ps in (params, ref))
         else:
             opt, ref_opt = (HybridMuon(groups(ps), lr=0.02, momentum=0.9, weight_decay=0.1, clip_config=HYBRID_CLIP,
                                        fp32_matmul_prec="highest") for ps in (params, ref))
