@@ -10,9 +10,11 @@ after changing its import to ``from megatron_eopt.muon import ...``, and runs on
 - :class:`DistMuon` — nanochat's data-parallel Muon (reduce-scatter, owner updates, all-gather);
 - :func:`get_megatron_muon_optimizer` — Megatron-LM's older factory, now
   ``get_megatron_optimizer`` after :func:`megatron_eopt.integrations.megatron.install`;
-- ``TensorParallelMuon`` — Megatron-LM's class, now :class:`megatron_eopt.optim.TensorParallelMuon`.
+- ``TensorParallelMuon`` — Megatron-LM's class, now :class:`megatron_eopt.optim.TensorParallelMuon`;
+- Motif's parallel Muon: ``Muon(groups flagged use_muon, ...)`` (its numbers, QK-clip semantics and
+  checkpoint layout), ``get_default_muon_param_groups``, ``default_is_muon``, ``parse_qk_layer``.
 
-Each name warns once per process with a ``DeprecationWarning`` naming its replacement.
+Each class and factory warns once per process with a ``DeprecationWarning`` naming its replacement.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 from .compat._deprecation import _warn_once, _warned  # noqa: F401  (tests reset the once-only warnings)
 from .compat.aux_adam import MuonWithAuxAdam, SingleDeviceMuonWithAuxAdam
 from .compat.megatron_legacy import get_megatron_muon_optimizer
-from .compat.motif import get_default_muon_param_groups
+from .compat.motif import default_is_muon, get_default_muon_param_groups, parse_qk_layer
 from .compat.snippet import DistMuon, Muon, zeropower_via_newtonschulz5
 
 # TensorParallelMuon is served by __getattr__ (it warns when used, not on `import *`).
@@ -31,8 +33,10 @@ __all__ = [
     "Muon",
     "MuonWithAuxAdam",
     "SingleDeviceMuonWithAuxAdam",
+    "default_is_muon",
     "get_default_muon_param_groups",
     "get_megatron_muon_optimizer",
+    "parse_qk_layer",
     "zeropower_via_newtonschulz5",
 ]
 

@@ -19,7 +19,8 @@ from torch.optim.adam import adam as adam_functional
 from ._offload import StateOffload
 from .adaptive_muon import AdaptiveMuon
 from .muon import Muon
-from .qk_clip import ClipConfig, ClipTarget, apply_qk_clip, parse_target
+from ._sharded import is_dtensor
+from .qk_clip import ClipConfig, ClipTarget, apply_qk_clip, parse_target, plan_clip
 
 # Keys that belong to the AdamW side of a group; the Muon side ignores them.
 ADAMW_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
@@ -39,7 +40,12 @@ class HybridMuon(torch.optim.Optimizer):
     optionally ``q_indices`` / ``k_indices``) turns on QK-clip: ``step(qk_logits={layer: (heads,)
     max logits})``. ``cpu_offload=True`` keeps the state in (pinned) host memory between steps
     (see ``_offload``: ``opt.state`` waits for the step's copies to the host before it is read).
+    Every check of a step's input (gradients of both sides, ``qk_logits``) runs before any
+    parameter or state changes.
     """
+
+    # The Muon side without a second moment (a subclass may change its momentum semantics).
+    _muon_class = Muon
 
     def __init__(
         self,
@@ -62,7 +68,7 @@ class HybridMuon(torch.optim.Optimizer):
         muon_groups = [g for g in groups if g["use_muon"]]
         adamw_groups = [g for g in groups if not g["use_muon"]]
         # The inner optimizers fill their defaults into the shared group dicts.
-        muon_cls = AdaptiveMuon if moment2_method is not None else Muon
+        muon_cls = AdaptiveMuon if moment2_method is not None else self._muon_class
         if moment2_method is not None:
             muon_kwargs["moment2_method"] = moment2_method
         self._muon = muon_cls(muon_groups, lr, momentum, weight_decay, **muon_kwargs) if muon_groups else None
@@ -219,24 +225,49 @@ class HybridMuon(torch.optim.Optimizer):
                 decoupled_weight_decay=True,
             )
 
+    def _check_adamw_grads(self) -> None:
+        """The AdamW side's gradients, checked before the Muon side changes anything. Skipped while
+        torch.compile traces the step: reading the grads before torch's AdamW ``_init_group`` changes
+        what Dynamo captures for them (wrong updates on the second compiled step, torch 2.14)."""
+        if self._adamw is None or torch.compiler.is_compiling():
+            return
+        # The AdamW side's own group list: under torch.compile its group dicts keep one source.
+        for gi, group in enumerate(self._adamw.param_groups):
+            for pi, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                where = f"AdamW param group {gi}, params[{pi}]"
+                if g.is_sparse:
+                    raise ValueError(f"{where}: AdamW does not support sparse gradients")
+                if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device or is_dtensor(g) != is_dtensor(p):
+                    raise ValueError(f"{where}: grad of a param of shape {tuple(p.shape)}, {p.dtype} on {p.device} "
+                                     f"must match it, got shape {tuple(g.shape)}, {g.dtype} on {g.device}")
+
+    def _check_step_input(self, qk_logits) -> None:
+        """Everything that can reject a step's input, run before anything changes."""
+        if qk_logits is not None and self.clip_config is None:
+            raise ValueError("qk_logits given but QK-clip is off: pass clip_config to the constructor")
+        if qk_logits is not None:
+            plan_clip(self._clip_targets, qk_logits, self.clip_config)
+        self._check_adamw_grads()
+
+    def _apply_qk_clip(self, qk_logits) -> None:
+        if qk_logits:
+            apply_qk_clip(self._clip_targets, qk_logits, self.clip_config)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, qk_logits: Mapping[int, torch.Tensor] | None = None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if qk_logits is not None and self.clip_config is None:
-            raise ValueError("qk_logits given but QK-clip is off: pass clip_config to the constructor")
-        if qk_logits is not None:
-            from .qk_clip import plan_clip
-
-            plan_clip(self._clip_targets, qk_logits, self.clip_config)  # bad logits: raise before any change
+        self._check_step_input(qk_logits)
         self._offload.bring_in()
         if self._muon is not None:
             self._muon.step()
         if self._adamw is not None:
             self._adamw_step()
         self._offload.send_out()
-        if qk_logits:
-            apply_qk_clip(self._clip_targets, qk_logits, self.clip_config)
+        self._apply_qk_clip(qk_logits)
         return loss

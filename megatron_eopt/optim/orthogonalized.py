@@ -295,6 +295,12 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 for key, buf in tensors.items():
                     _write_scalar(buf, group[key])
 
+    def _momentum_grad_divisor(self, hyper: dict[str, torch.Tensor], grad_scale: torch.Tensor | None):
+        """What the momentum op divides the gradients by: GradScaler's scale (None: nothing).
+        A subclass may fold a per-group factor in (``hyper`` holds the group's device scalars),
+        e.g. ``1 - momentum`` for an SGD-style buffer ``buf = momentum·buf + g``."""
+        return grad_scale
+
     def _grad_scaler_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """GradScaler's grad_scale and found_inf, set on the optimizer for the duration of step()."""
         return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
@@ -367,7 +373,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 nesterov=cfg.nesterov,
                 weight_decay=hyper["weight_decay"],
                 weight_decay_method=cfg.weight_decay_method,
-                grad_scale=scale_t,
+                grad_scale=self._momentum_grad_divisor(hyper, scale_t),
                 found_inf=inf_t,
             )
             launches.append((bucket, group, members, params, grads, states, hyper, scale_t, inf_t))

@@ -14,7 +14,10 @@ handled the same way, its v rows untouched.
 The factors are computed with a few small tensor ops per layer, on the device of the weight they
 scale; the rows of every weight of every layer are then scaled by one fused
 :func:`megatron_eopt.qk_clip_` call per (device, dtype) (the op takes tensors of one device and one
-dtype, and a model may spread its layers over several GPUs of one process).
+dtype, and a model may spread its layers over several GPUs of one process). A DTensor weight
+(FSDP2, tensor parallel) is scaled on its local shard: the factors of the rows the shard holds,
+head blocks cut by a shard boundary (uneven shards) included, so the result equals scaling the
+full weight.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .. import ops
+from ._sharded import is_dtensor
 
 # Parameter names: the layer index, and whether the weight is a query, key or fused QKV projection.
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
@@ -121,6 +125,8 @@ def _factors(gamma: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _check_logits(layer: int, logits, heads: int | None) -> torch.Tensor:
+    if is_dtensor(logits):  # per-head logits sharded by tensor parallelism: the full vector
+        logits = logits.full_tensor()
     if not isinstance(logits, torch.Tensor) or logits.dim() != 1:
         raise ValueError(f"qk_logits[{layer}] must be a 1-D tensor of per-head max logits, got "
                          f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
@@ -146,7 +152,9 @@ def plan_clip(targets: Sequence[ClipTarget], qk_logits: Mapping[int, torch.Tenso
         kinds = by_layer[layer]
         if "qkv" in kinds:
             w = kinds["qkv"].param
-            heads = _check_logits(layer, logits, None).shape[0]
+            check_row_layout(w, kinds["qkv"].name)
+            logits = _check_logits(layer, logits, None)
+            heads = logits.shape[0]
             rows = w.shape[0]
             if rows % d != 0 or (rows // d - heads) % 2 != 0 or rows // d <= heads:
                 raise ValueError(f"{kinds['qkv'].name}: {rows} rows do not hold {heads} query heads of "
@@ -166,10 +174,11 @@ def plan_clip(targets: Sequence[ClipTarget], qk_logits: Mapping[int, torch.Tenso
                              f"{sorted(kinds)}")
         wq, wk = kinds["q"].param, kinds["k"].param
         for t in (kinds["q"], kinds["k"]):
+            check_row_layout(t.param, t.name)
             if t.param.shape[0] % d != 0:
                 raise ValueError(f"{t.name}: {t.param.shape[0]} rows are not a multiple of head_dim {d}")
         heads, kv_heads = wq.shape[0] // d, wk.shape[0] // d
-        _check_logits(layer, logits, heads)
+        logits = _check_logits(layer, logits, heads)
         if heads % kv_heads != 0:
             raise ValueError(f"layer {layer}: {heads} query heads do not split over {kv_heads} key heads")
         q, k = _factors(_gammas(logits.to(wq.device), config), kv_heads)
@@ -189,13 +198,58 @@ def op_groups(keys: Sequence[tuple[torch.device, torch.dtype]]) -> list[list[int
     return list(groups.values())
 
 
+def check_row_layout(weight: torch.Tensor, name: str) -> None:
+    """Refuses, before anything changes, a weight whose local rows are not one contiguous range of
+    the full weight's rows (a DTensor strided-sharded along its rows)."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: QK-clip scales rows of 2-D weights, got shape {tuple(weight.shape)}")
+    if is_dtensor(weight):
+        for pl in weight.placements:
+            if type(pl).__name__ == "_StridedShard" and getattr(pl, "dim", None) == 0:
+                raise ValueError(f"{name}: rows strided-sharded ({pl}) hold no contiguous range of heads; "
+                                 "QK-clip needs Shard(0), Shard(1) or Replicate placements")
+
+
+def _local_rows(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the tensor holding this rank's rows, the index of its first row in the full weight)."""
+    if not is_dtensor(weight):
+        return weight, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(weight.shape, weight.device_mesh, weight.placements)
+    return weight.to_local(), offset[0]
+
+
+@torch.no_grad()
+def scale_row_blocks_(weights: Sequence[torch.Tensor], factors: Sequence[torch.Tensor], block_rows: Sequence[int]):
+    """``weights[i]`` (plain or DTensor) times ``factors[i]``, one fp32 value per block of
+    ``block_rows[i]`` rows of the full weight, in place; one fused op call per (device, dtype).
+
+    A shard whose rows start and end on block boundaries takes its slice of the factors; one cut
+    inside a block (uneven shards, heads split across ranks) takes per-row factors."""
+    locals_, local_factors, local_blocks = [], [], []
+    for w, f, b in zip(weights, factors, block_rows):
+        t, start = _local_rows(w.detach())
+        rows = t.shape[0]
+        if rows == 0 or t.numel() == 0:
+            continue
+        if start % b == 0 and rows % b == 0:
+            f, b = f[start // b:(start + rows) // b], b
+        else:
+            f, b = f.repeat_interleave(b)[start:start + rows], 1
+        locals_.append(t)
+        local_factors.append(f.to(t.device).contiguous())
+        local_blocks.append(b)
+    for idx in op_groups([(t.device, t.dtype) for t in locals_]):
+        ops.qk_clip_([locals_[i] for i in idx], [local_factors[i] for i in idx], [local_blocks[i] for i in idx])
+
+
 @torch.no_grad()
 def apply_qk_clip(targets: Sequence[ClipTarget], qk_logits: Mapping[int, torch.Tensor], config: ClipConfig) -> None:
     """Scales the q / k rows of every clipped head (see the module docstring); one fused call per
     (device, dtype) of the weights, each weight's factors on its own device (no host sync)."""
     weights, factors, blocks = plan_clip(targets, qk_logits, config)
-    for idx in op_groups([(w.device, w.dtype) for w in weights]):
-        ops.qk_clip_([weights[i].detach() for i in idx], [factors[i] for i in idx], [blocks[i] for i in idx])
+    scale_row_blocks_(weights, factors, blocks)
 
 
 def max_attention_logits(q: torch.Tensor, k: torch.Tensor, softmax_scale: float | None = None,

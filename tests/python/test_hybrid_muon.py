@@ -1,5 +1,5 @@
-"""HybridMuon (Muon + AdamW in one optimizer), QK-clip, CPU offload, and the Motif / Keller Jordan
-legacy names, against plain-PyTorch references of their semantics."""
+"""HybridMuon (Muon + AdamW in one optimizer), QK-clip, CPU offload, and Keller Jordan's legacy
+names, against plain-PyTorch references of their semantics (the Motif lineage: test_motif_compat.py)."""
 
 import copy
 import math
@@ -633,50 +633,6 @@ def _ns_ref(x, steps=5):
     return w.T if tall else w
 
 
-def test_motif_muon_matches_its_semantics(gen):
-    model = Model()
-    ref_params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-    groups = legacy.get_default_muon_param_groups(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        opt = legacy.Muon(groups, lr=0.01, momentum=0.9, weight_decay=0.1, adamw_betas=(0.9, 0.95), adamw_eps=1e-8,
-                          none_grad=False)
-    assert isinstance(opt, HybridMuon)
-    muon_names = set(groups[0]["names"])
-    assert "embed.weight" not in muon_names and "lm_head.weight" not in muon_names
-    assert "layers.0.q_proj.weight" in muon_names
-    bufs, m1, m2 = {}, {}, {}
-    for t in range(1, 3):
-        _set_grads(model, gen)
-        grads = {n: p.grad.double().clone() for n, p in model.named_parameters()}
-        opt.step()
-        for n, g in grads.items():
-            p = ref_params[n]
-            if n in muon_names:  # Moonlight / Motif: SGD momentum, Nesterov, 0.2 sqrt(max(m, n))
-                bufs[n] = bufs.get(n, torch.zeros_like(g)) * 0.9 + g
-                u = _ns_ref(g + 0.9 * bufs[n])
-                p.mul_(1 - 0.01 * 0.1).add_(u, alpha=-0.01 * 0.2 * math.sqrt(max(p.shape)))
-            else:  # AdamW
-                m1[n] = m1.get(n, torch.zeros_like(g)) * 0.9 + 0.1 * g
-                m2[n] = m2.get(n, torch.zeros_like(g)) * 0.95 + 0.05 * g * g
-                p.mul_(1 - 0.01 * 0.1)
-                p.add_((m1[n] / (1 - 0.9**t)) / ((m2[n] / (1 - 0.95**t)).sqrt() + 1e-8), alpha=-0.01)
-    for n, p in model.named_parameters():
-        tol = TOLERANCE["medium"] if n in muon_names else 1e-5
-        start_err = rel_err(p.detach().double(), ref_params[n])
-        assert start_err <= tol, (n, start_err)
-
-
-def test_motif_none_grad_and_step_signature(gen):
-    model = Model()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        opt = legacy.Muon(legacy.get_default_muon_param_groups(model), clip_config=CLIP)
-    _set_grads(model, gen)
-    opt.step(None, qk_logits={0: torch.full((HEADS,), 100.0)})
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_muon_with_aux_adam_matches_keller_jordan(gen):
     model = Model(layers=1)
     w = model.layers[0].q_proj.weight
@@ -701,22 +657,6 @@ def test_muon_with_aux_adam_matches_keller_jordan(gen):
     assert rel_err(w.detach().double(), w0) <= TOLERANCE["medium"]
     assert rel_err(b.detach().double(), b0) <= 1e-5
     assert set(opt.state[w]) == {"momentum_buffer"} and {"exp_avg", "exp_avg_sq", "step"} <= set(opt.state[b])
-
-
-def test_expert_keys_batch_3d_experts(gen):
-    experts = torch.nn.Parameter(torch.randn(3, 6, 4, generator=gen) * 0.1)
-    dense = torch.nn.Parameter(torch.randn(6, 4, generator=gen) * 0.1)
-    groups = [dict(params=[experts, dense], names=["layers.0.mlp.experts.weight", "layers.0.mlp.up.weight"],
-                   use_muon=True)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        opt = legacy.Muon(groups, lr=0.01, weight_decay=0.0, expert_keys=["experts"], none_grad=False)
-    experts.grad = torch.randn(3, 6, 4, generator=gen)
-    dense.grad = experts.grad[1].clone()
-    start = experts.detach().clone(), dense.detach().clone()
-    opt.step()
-    # Expert 1 and the dense matrix had the same grad and the same start: the same step.
-    torch.testing.assert_close(experts[1] - start[0][1], dense - start[1], rtol=1e-3, atol=1e-6)
 
 
 def test_legacy_names_warn_once_naming_hybrid_muon():
