@@ -66,8 +66,12 @@ def shutdown_megatron() -> None:
         torch.distributed.destroy_process_group()
 
 
-def build_gpt(seed: int):
-    """A 2-layer GPT: hidden 64, 4 heads in 2 query groups (GQA), untied output layer."""
+def build_gpt(seed: int, bf16: bool = False):
+    """A 2-layer GPT: hidden 64, 4 heads in 2 query groups (GQA), untied output layer.
+
+    ``bf16=True``: parameters in bfloat16, as Megatron's mixed-precision training keeps them
+    (its optimizer wrapper then holds fp32 main copies).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -82,15 +86,17 @@ def build_gpt(seed: int):
         use_cpu_initialization=True,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=False,
     )
+    return model.bfloat16() if bf16 else model
 
 
 def forward_backward(model, seed: int) -> float:
@@ -146,6 +152,38 @@ def megatron_optimizer_on_cpu():
     finally:
         for m, t in zip(modules, saved):
             m.torch = t
+
+
+# The names Tensor.type() gives CUDA tensors, which Megatron's mixed-precision wrappers require.
+_CUDA_TYPE_NAMES = {
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.float32: "torch.cuda.FloatTensor",
+}
+
+
+@contextlib.contextmanager
+def mixed_precision_wrapper_on_cpu():
+    """Lets Megatron's Float16OptimizerWithFloat16Params take CPU parameters.
+
+    The wrapper sorts parameters by ``param.type()`` and accepts only the CUDA type names
+    ("torch.cuda.BFloat16Tensor", ...), so on a CPU it refuses every parameter. Inside this
+    context a CPU tensor of those dtypes reports the CUDA name; nothing else changes. Megatron's
+    layer-wise distributed optimizer (``dist_muon``) wraps its optimizers only for bf16, so it
+    needs this (and megatron_optimizer_on_cpu) to run on a CPU at all.
+    """
+    original = torch.Tensor.type
+
+    def type_as_on_cuda(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_as_on_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 @contextlib.contextmanager
