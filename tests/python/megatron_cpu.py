@@ -114,6 +114,51 @@ def forward_backward(model, seed: int) -> float:
     return float(loss.detach())
 
 
+@contextlib.contextmanager
+def megatron_ddp_on_cpu():
+    """Lets Megatron's DistributedDataParallel run on the CPU.
+
+    It allocates its parameter / gradient buffers on torch.cuda.current_device() and, before each
+    gradient reduction, takes torch.cuda.current_stream() to wait on the CUDA-graph events of
+    parameters (there are none without CUDA graphs). Here the device is the CPU and the stream a
+    None that is never used.
+    """
+    saved = torch.cuda.current_device, torch.cuda.current_stream
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.current_stream = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.current_stream = saved
+
+
+def wrap_in_megatron_ddp(model):
+    """Megatron's DistributedDataParallel around ``model`` (default config: fp32 grads, no overlap)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    with megatron_ddp_on_cpu():
+        return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+
+
+def train_step_ddp(ddp_model, optimizer, seed: int) -> float:
+    """One training step as Megatron's training loop does it: zero the DDP grad buffers, forward /
+    backward, reduce the grads, optimizer.step(). Returns the loss before the update."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    causal_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
+    with megatron_ddp_on_cpu(), megatron_optimizer_on_cpu():
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp_model(tokens, position_ids, causal_mask, labels=labels).float().mean()
+        loss.backward()
+        ddp_model.finish_grad_sync()
+        assert optimizer.step()[0]
+    return float(loss.detach())
+
+
 class _TorchOnCpu(types.ModuleType):
     """``torch`` as seen by a Megatron module, with device="cuda" scalars made on the CPU."""
 
