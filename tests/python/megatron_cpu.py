@@ -116,21 +116,24 @@ def forward_backward(model, seed: int) -> float:
 
 @contextlib.contextmanager
 def megatron_ddp_on_cpu():
-    """Lets Megatron's DistributedDataParallel run on the CPU.
+    """Lets Megatron's DistributedDataParallel and DistributedOptimizer run on the CPU.
 
-    It allocates its parameter / gradient buffers on torch.cuda.current_device() and, before each
+    DDP allocates its parameter / gradient buffers on torch.cuda.current_device() and, before each
     gradient reduction, takes torch.cuda.current_stream() to wait on the CUDA-graph events of
-    parameters (there are none without CUDA graphs). Here the device is the CPU and the stream a
-    None that is never used.
+    parameters (there are none without CUDA graphs). The DistributedOptimizer's
+    ``fully_reshardable`` checkpoint gathers its state shards with ``tensor.cuda()`` before the
+    (NCCL) collective and ``.cpu()`` after. Here the device is the CPU, the stream a None that is
+    never used, and ``.cuda()`` leaves a tensor where it is (the gloo collective takes CPU tensors).
     """
-    saved = torch.cuda.current_device, torch.cuda.current_stream
+    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"
         torch.cuda.current_stream = lambda *args, **kwargs: None
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
         yield
     finally:
-        torch.cuda.current_device, torch.cuda.current_stream = saved
+        torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda = saved
 
 
 def wrap_in_megatron_ddp(model):

@@ -137,7 +137,14 @@ def torch_format_round_trip(source, target, path):
 
 
 def assert_param_group_keys_as_saved(saved, loaded, where):
-    """The check of Megatron's common-state-dict test, spelled out: same keys, same hyper-parameters."""
+    """The check of Megatron's common-state-dict test, spelled out: same keys, same hyper-parameters.
+
+    ``saved`` / ``loaded``: a ChainedOptimizer's state_dict(), a list (one dict per member) or,
+    with a single member, that member's dict.
+    """
+    if isinstance(saved, dict):
+        saved, loaded = [saved], [loaded]
+    assert len(saved) == len(loaded), where
     for i, (a, b) in enumerate(zip(saved, loaded)):
         for j, (group_a, group_b) in enumerate(zip(a["optimizer"]["param_groups"], b["optimizer"]["param_groups"])):
             assert list(group_a) == list(group_b), (where, i, j, list(group_a), list(group_b))

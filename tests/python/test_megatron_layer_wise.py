@@ -1,8 +1,11 @@
 """megatron-eopt inside Megatron-LM's layer-wise distributed optimizer (``dist_muon``): its
-checkpoints round-trip as Megatron's own do, on 1, 2 and 4 gloo ranks (CPU).
+checkpoints round-trip as Megatron's own do, on 1, 2 and 4 gloo ranks (CPU): alone (torch_dist
+and torch formats, resharding from TP = 2 x DP = 2 to TP = 1 x DP = 4) and chained with Megatron's
+DistributedOptimizer for Adam (dp_reshardable and fully_reshardable sharding).
 
 The checks are those of Megatron-LM's dist_checkpointing tests for this optimizer (save / load
-and the common-state-dict comparison), re-expressed in megatron_layer_wise_worker.py.
+and the common-state-dict comparisons), re-expressed in megatron_layer_wise_worker.py and
+megatron_hybrid_worker.py.
 """
 
 import os
@@ -57,3 +60,20 @@ def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path):
     ckpt_root.mkdir()
     rendezvous = os.path.join(str(tmp_path), "rendezvous")
     mp.spawn(lw.worker, args=(world_size, rendezvous, str(ckpt_root)), nprocs=world_size, join=True)
+
+
+@pytest.mark.distributed
+def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tmp_path):
+    """DP = 2, Megatron DDP with the layer-wise layout: Muon in the LayerWiseDistributedOptimizer,
+    Adam in a DistributedOptimizer; dp_reshardable (stock's checkpoint) and fully_reshardable (ours)
+    each loaded by stock and by ours (megatron_hybrid_worker.py)."""
+    import torch.multiprocessing as mp
+
+    import megatron_hybrid_worker
+
+    if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
+        pytest.skip("the cross-loads need Megatron's own TensorParallelMuon (emerging-optimizers)")
+    ckpt_root = tmp_path / "checkpoints"
+    ckpt_root.mkdir()
+    rendezvous = os.path.join(str(tmp_path), "rendezvous")
+    mp.spawn(megatron_hybrid_worker.worker, args=(2, rendezvous, str(ckpt_root)), nprocs=2, join=True)
