@@ -42,8 +42,8 @@ from worker_exit import exits_without_teardown  # noqa: E402
 # (optimizer name, the checkpoint's writer is ours, its reader is ours)
 CASES = (("muon", True, True), ("muon", False, True), ("muon", True, False), ("adaptive_muon", True, True))
 # Every case runs on one rank (in the test process). Four ranks run the muon cross-loads in the
-# torch_dist format and resharding (check_cross_load_and_resharding); the torch format writes one
-# file per rank with that rank's state alone, so its one-rank check covers it.
+# torch_dist format and resharding (write_and_cross_load, check_resharded_load); the torch format
+# writes one file per rank with that rank's state alone, so its one-rank check covers it.
 
 
 @contextlib.contextmanager
@@ -182,28 +182,32 @@ def _model_parallel(tensor_parallel):
     megatron_cpu.use_cpu_scratch_and_rng()
 
 
-def check_cross_load_and_resharding(ckpt_root, where):
-    """At TP = 2 x DP = 2, stock and ours each train and save (torch_dist); a fresh optimizer of
-    the other kind loads the checkpoint and must hold exactly the saved state (each rank owns a
-    different subset of the weights, and its state must come back to it). Then at TP = 1 x DP = 4
-    (the weights move to other owners, their TP shards are joined) both checkpoints are loaded by
-    stock and by ours: ours must end with exactly the state stock ends with."""
-    _model_parallel(2)
-    dirs = {}
+def writer_dir(ckpt_root, writer_plug):
+    return os.path.join(ckpt_root, f"written_by_{'plug' if writer_plug else 'stock'}")
+
+
+def write_and_cross_load(ckpt_root, where):
+    """Stock and ours each train and save (torch_dist) at the current parallel sizes; a fresh
+    optimizer of the other kind loads the checkpoint and must hold exactly the saved state (each
+    rank owns a different subset of the weights, and its state must come back to it)."""
     for writer_plug in (False, True):
-        dirs[writer_plug] = os.path.join(ckpt_root, f"written_by_{'plug' if writer_plug else 'stock'}")
         model, optimizer = build_layer_wise("muon", writer_plug, seed=41, steps=2)
-        save_torch_dist(model, optimizer, dirs[writer_plug])
-        loaded = load_torch_dist(*build_layer_wise("muon", not writer_plug, seed=42, steps=0), dirs[writer_plug])
+        save_torch_dist(model, optimizer, writer_dir(ckpt_root, writer_plug))
+        reader = build_layer_wise("muon", not writer_plug, seed=42, steps=0)
+        loaded = load_torch_dist(*reader, writer_dir(ckpt_root, writer_plug))
         saved = optimizer.state_dict()
-        assert_param_group_keys_as_saved(saved, loaded, f"{where} TP=2 written by plug={writer_plug}")
-        megatron_cpu.assert_same_state(saved, loaded, f"{where} TP=2 written by plug={writer_plug}")
-    dist.barrier()
-    _model_parallel(1)
-    for writer_plug, ckpt_dir in dirs.items():
-        by_stock = load_torch_dist(*build_layer_wise("muon", False, seed=43, steps=0), ckpt_dir)
-        by_plug = load_torch_dist(*build_layer_wise("muon", True, seed=43, steps=0), ckpt_dir)
-        megatron_cpu.assert_same_state(by_stock, by_plug, f"{where} TP=1 DP=4, written by plug={writer_plug}")
+        assert_param_group_keys_as_saved(saved, loaded, f"{where} written by plug={writer_plug}")
+        megatron_cpu.assert_same_state(saved, loaded, f"{where} written by plug={writer_plug}")
+
+
+def check_resharded_load(ckpt_root, where):
+    """write_and_cross_load's checkpoints, loaded at other parallel sizes (the weights move to
+    other owners, their TP shards are joined) by stock and by ours: ours must end with exactly
+    the state stock ends with."""
+    for writer_plug in (False, True):
+        by_stock = load_torch_dist(*build_layer_wise("muon", False, seed=43, steps=0), writer_dir(ckpt_root, writer_plug))
+        by_plug = load_torch_dist(*build_layer_wise("muon", True, seed=43, steps=0), writer_dir(ckpt_root, writer_plug))
+        megatron_cpu.assert_same_state(by_stock, by_plug, f"{where} written by plug={writer_plug}")
         assert any(state["optimizer"]["state"] for state in by_plug), where  # something was loaded
 
 
@@ -217,7 +221,11 @@ def worker(rank, world_size, init_file, ckpt_root):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        check_cross_load_and_resharding(ckpt_root, f"rank {rank}/{world_size}")
+        _model_parallel(2)
+        write_and_cross_load(ckpt_root, f"rank {rank}/{world_size} TP=2 DP=2")
+        dist.barrier()
+        _model_parallel(1)
+        check_resharded_load(ckpt_root, f"rank {rank}/{world_size} TP=1 DP=4")
     finally:
         integration.uninstall()
         parallel_state.destroy_model_parallel()

@@ -48,7 +48,8 @@ def test_layer_wise_checkpoints_on_one_rank(tmp_path):
 @pytest.mark.distributed
 def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path):
     """Four ranks, TP = 2 x DP = 2: stock into ours and ours into stock (torch_dist). Then both
-    checkpoints loaded at TP = 1 x DP = 4: ours loads exactly what stock loads."""
+    checkpoints loaded at TP = 1 x DP = 4, and in this process at TP = DP = 1: ours loads
+    exactly what stock loads."""
     import torch.multiprocessing as mp
 
     import megatron_layer_wise_worker as lw
@@ -60,6 +61,17 @@ def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path):
     ckpt_root.mkdir()
     rendezvous = os.path.join(str(tmp_path), "rendezvous")
     mp.spawn(lw.worker, args=(world_size, rendezvous, str(ckpt_root)), nprocs=world_size, join=True)
+
+    import megatron_cpu
+
+    from megatron_eopt.integrations import megatron as integration
+
+    megatron_cpu.init_megatron_single_rank()
+    try:
+        lw.check_resharded_load(str(ckpt_root), "rank 0/1 TP=1 DP=1")
+    finally:
+        integration.uninstall()
+        megatron_cpu.shutdown_megatron()
 
 
 @pytest.mark.distributed
