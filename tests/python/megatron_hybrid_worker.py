@@ -73,8 +73,9 @@ def adam_step_left_to_its_own_loader():
         DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
-def build_hybrid(plug, seed, steps):
-    """A bf16 GPT under Megatron DDP (layer-wise layout) and its hybrid optimizer, after ``steps`` steps."""
+def build_hybrid(plug, seed, steps, not_muon=()):
+    """A bf16 GPT under Megatron DDP (layer-wise layout) and its hybrid optimizer, after ``steps``
+    steps; the parameters named in ``not_muon`` are marked ``use_muon = False``."""
     import megatron.core.optimizer as mcore_optimizer
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
@@ -85,6 +86,8 @@ def build_hybrid(plug, seed, steps):
 
     integration.install() if plug else integration.uninstall()
     model = megatron_cpu.build_gpt(seed, bf16=True)
+    for name in not_muon:
+        dict(model.named_parameters())[name].use_muon = False
     config = mcore_optimizer.OptimizerConfig(
         optimizer="muon", use_layer_wise_distributed_optimizer=True, use_distributed_optimizer=True, lr=0.02,
         min_lr=0.0, weight_decay=0.1, clip_grad=0.0, bf16=True, params_dtype=torch.bfloat16,
@@ -150,6 +153,22 @@ def check_hybrid(ckpt_root, where):
         megatron_cpu.assert_same_state(loaded[False], loaded[True], f"{where} {sharding_type} stock and ours read alike")
 
 
+def check_use_muon_false_trains(where):
+    """A 2-D weight marked ``use_muon = False`` goes to Adam in the DistributedOptimizer, and
+    trains. (megatron-core 0.19.2's layer-wise buffer rule ignores the flag; install() aligns it
+    with the routing. Stock 0.19.2 ignores the flag altogether and gives the weight to Muon.)"""
+    excluded = "decoder.layers.0.mlp.linear_fc1.weight"
+    ddp_model, optimizer = build_hybrid(True, seed=53, steps=0, not_muon=[excluded])
+    params = dict(ddp_model.module.named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+    with layer_wise.on_cpu():
+        megatron_cpu.train_step_ddp(ddp_model, optimizer, seed=530)
+    assert params[excluded].is_managed_by_layer_wise_optimizer is False, where
+    assert params["decoder.layers.1.mlp.linear_fc1.weight"].is_managed_by_layer_wise_optimizer is True, where
+    frozen = [name for name, p in params.items() if torch.equal(p, before[name])]
+    assert not frozen, (where, frozen)
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, ckpt_root):
     from megatron.core import parallel_state
@@ -162,6 +181,7 @@ def worker(rank, world_size, init_file, ckpt_root):
     try:
         parallel_state.initialize_model_parallel(1, 1)
         megatron_cpu.use_cpu_scratch_and_rng()
+        check_use_muon_false_trains(f"rank {rank}/{world_size}")
         check_hybrid(ckpt_root, f"rank {rank}/{world_size}")
     finally:
         integration.uninstall()

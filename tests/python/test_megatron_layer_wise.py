@@ -78,7 +78,8 @@ def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path):
 def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tmp_path):
     """DP = 2, Megatron DDP with the layer-wise layout: Muon in the LayerWiseDistributedOptimizer,
     Adam in a DistributedOptimizer; dp_reshardable (stock's checkpoint) and fully_reshardable (ours)
-    each loaded by stock and by ours (megatron_hybrid_worker.py)."""
+    each loaded by stock and by ours; and every parameter, one marked use_muon = False included,
+    trains (megatron_hybrid_worker.py)."""
     import torch.multiprocessing as mp
 
     import megatron_hybrid_worker
@@ -89,3 +90,32 @@ def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tm
     ckpt_root.mkdir()
     rendezvous = os.path.join(str(tmp_path), "rendezvous")
     mp.spawn(megatron_hybrid_worker.worker, args=(2, rendezvous, str(ckpt_root)), nprocs=2, join=True)
+
+
+def test_install_aligns_layer_wise_ownership_with_use_muon():
+    """Where megatron-core's layer-wise ownership rule ignores use_muon = False (0.18, 0.19),
+    install() makes it leave such weights to the scalar optimizer, as the routing does, and
+    uninstall() puts Megatron's rule back."""
+    import torch
+
+    import megatron.core.optimizer.layer_wise_optimizer as layer_wise
+
+    from megatron_eopt.integrations import megatron as integration
+
+    integration.uninstall()
+    stock_rule = layer_wise.is_managed_by_layer_wise_optimizer
+    weight, excluded, vector = (torch.nn.Parameter(torch.zeros(shape)) for shape in ((3, 5), (5, 3), (5,)))
+    excluded.use_muon = False
+    honoured = not stock_rule(excluded)
+    integration.install()
+    try:
+        rule = layer_wise.is_managed_by_layer_wise_optimizer
+        assert (rule(weight), rule(excluded), rule(vector)) == (True, False, False)
+        assert mcore_optimizer.is_managed_by_layer_wise_optimizer is rule
+        assert (rule is stock_rule) == honoured  # replaced only where Megatron ignores the flag
+        integration.install()
+        assert layer_wise.is_managed_by_layer_wise_optimizer is rule  # idempotent
+    finally:
+        integration.uninstall()
+    assert layer_wise.is_managed_by_layer_wise_optimizer is stock_rule
+    assert mcore_optimizer.is_managed_by_layer_wise_optimizer is stock_rule
