@@ -109,13 +109,19 @@ def build_hybrid(plug, seed, steps, not_muon=()):
     return ddp_model, optimizer
 
 
+def checkpoint_metadata(sharding_type):
+    """The sharded-state-dict metadata Megatron-LM's save_checkpoint / load_checkpoint pass."""
+    return {"distrib_optim_sharding_type": sharding_type, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True}
+
+
 def save(ddp_model, optimizer, ckpt_dir, sharding_type):
     from megatron.core import dist_checkpointing
 
     if dist.get_rank() == 0:
         os.makedirs(ckpt_dir)
     dist.barrier()
-    metadata = {"distrib_optim_sharding_type": sharding_type}
+    metadata = checkpoint_metadata(sharding_type)
     with megatron_cpu.megatron_ddp_on_cpu(), layer_wise.on_cpu(), megatron_cpu.dist_checkpointing_on_cpu():
         sharded = optimizer.sharded_state_dict(ddp_model.module.sharded_state_dict(), metadata=metadata)
         dist_checkpointing.save(sharded, ckpt_dir)
@@ -125,7 +131,7 @@ def load(ddp_model, optimizer, ckpt_dir, sharding_type):
     """Loads as Megatron does; the optimizer's state_dict() after."""
     from megatron.core import dist_checkpointing
 
-    metadata = {"distrib_optim_sharding_type": sharding_type}
+    metadata = checkpoint_metadata(sharding_type)
     with megatron_cpu.megatron_ddp_on_cpu(), layer_wise.on_cpu(), megatron_cpu.dist_checkpointing_on_cpu(), \
             adam_step_left_to_its_own_loader():
         model_sharded = ddp_model.module.sharded_state_dict()
