@@ -175,6 +175,19 @@ def check_use_muon_false_trains(where):
     assert not frozen, (where, frozen)
 
 
+def check_resharded_load(ckpt_root, where):
+    """check_hybrid's checkpoints loaded at another DP size by stock and by ours: ours must end with
+    exactly the state stock ends with, and its Muon state must be the checkpoint's, not its own."""
+    for sharding_type in WRITER_IS_OURS:
+        ckpt_dir = os.path.join(ckpt_root, sharding_type)
+        by_stock = load(*build_hybrid(False, seed=54, steps=1), ckpt_dir, sharding_type)
+        reader = build_hybrid(True, seed=54, steps=1)
+        before = layer_wise.state_tensors(reader[1].chained_optimizers[0].state_dict())
+        by_plug = load(*reader, ckpt_dir, sharding_type)
+        layer_wise.assert_changed_by_load(before, reader[1].chained_optimizers[0].state_dict(), f"{where} {sharding_type}")
+        megatron_cpu.assert_same_state(by_stock, by_plug, f"{where} {sharding_type}")
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, ckpt_root):
     from megatron.core import parallel_state

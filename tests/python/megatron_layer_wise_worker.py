@@ -136,6 +136,25 @@ def torch_format_round_trip(source, target, path):
     return opt_a.state_dict(), opt_b.state_dict()
 
 
+def state_tensors(state_dict):
+    """The optimizer-state tensors of a (chained) Megatron optimizer's state_dict(), in order."""
+    members = state_dict if isinstance(state_dict, list) else [state_dict]
+    return [
+        tensor.clone()
+        for member in members
+        for param_state in member["optimizer"]["state"].values()
+        for tensor in param_state.values()
+        if torch.is_tensor(tensor) and tensor.dim() > 0
+    ]
+
+
+def assert_changed_by_load(before, after, where):
+    """The load brought state of its own: some state tensor differs from what the reader had."""
+    after = state_tensors(after)
+    assert after, where
+    assert len(before) != len(after) or any(not torch.equal(a, b) for a, b in zip(before, after)), where
+
+
 def assert_param_group_keys_as_saved(saved, loaded, where):
     """The check of Megatron's common-state-dict test, spelled out: same keys, same hyper-parameters.
 
@@ -203,12 +222,15 @@ def write_and_cross_load(ckpt_root, where):
 def check_resharded_load(ckpt_root, where):
     """write_and_cross_load's checkpoints, loaded at other parallel sizes (the weights move to
     other owners, their TP shards are joined) by stock and by ours: ours must end with exactly
-    the state stock ends with."""
+    the state stock ends with. Ours has stepped once before loading, so that state must come
+    from the checkpoint."""
     for writer_plug in (False, True):
         by_stock = load_torch_dist(*build_layer_wise("muon", False, seed=43, steps=0), writer_dir(ckpt_root, writer_plug))
-        by_plug = load_torch_dist(*build_layer_wise("muon", True, seed=43, steps=0), writer_dir(ckpt_root, writer_plug))
+        reader = build_layer_wise("muon", True, seed=43, steps=1)
+        before = state_tensors(reader[1].state_dict())
+        by_plug = load_torch_dist(*reader, writer_dir(ckpt_root, writer_plug))
+        assert_changed_by_load(before, by_plug, f"{where} written by plug={writer_plug}")
         megatron_cpu.assert_same_state(by_stock, by_plug, f"{where} written by plug={writer_plug}")
-        assert any(state["optimizer"]["state"] for state in by_plug), where  # something was loaded
 
 
 @exits_without_teardown

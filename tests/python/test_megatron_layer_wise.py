@@ -91,6 +91,17 @@ def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tm
     rendezvous = os.path.join(str(tmp_path), "rendezvous")
     mp.spawn(megatron_hybrid_worker.worker, args=(2, rendezvous, str(ckpt_root)), nprocs=2, join=True)
 
+    import megatron_cpu
+
+    from megatron_eopt.integrations import megatron as integration
+
+    megatron_cpu.init_megatron_single_rank()
+    try:
+        megatron_hybrid_worker.check_resharded_load(str(ckpt_root), "rank 0/1 DP=1")
+    finally:
+        integration.uninstall()
+        megatron_cpu.shutdown_megatron()
+
 
 def test_install_aligns_layer_wise_ownership_with_use_muon():
     """Where megatron-core's layer-wise ownership rule ignores use_muon = False (0.18, 0.19),
