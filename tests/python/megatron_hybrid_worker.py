@@ -156,7 +156,7 @@ def check_hybrid(ckpt_root, where):
             loaded_muon = reader[1].chained_optimizers[0].state_dict()
             layer_wise.assert_param_group_keys_as_saved(saved_muon, loaded_muon, case)
             megatron_cpu.assert_same_state(saved_muon, loaded_muon, case)
-        megatron_cpu.assert_same_state(loaded[False], loaded[True], f"{where} {sharding_type} stock and ours read alike")
+        megatron_cpu.assert_same_state(loaded[False], loaded[True], f"{where} {sharding_type} stock, ours alike")
 
 
 def check_use_muon_false_trains(where):
@@ -184,7 +184,8 @@ def check_resharded_load(ckpt_root, where):
         reader = build_hybrid(True, seed=54, steps=1)
         before = layer_wise.state_tensors(reader[1].chained_optimizers[0].state_dict())
         by_plug = load(*reader, ckpt_dir, sharding_type)
-        layer_wise.assert_changed_by_load(before, reader[1].chained_optimizers[0].state_dict(), f"{where} {sharding_type}")
+        after = reader[1].chained_optimizers[0].state_dict()
+        layer_wise.assert_changed_by_load(before, after, f"{where} {sharding_type}")
         megatron_cpu.assert_same_state(by_stock, by_plug, f"{where} {sharding_type}")
 
 

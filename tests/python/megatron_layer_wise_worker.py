@@ -82,8 +82,6 @@ def layer_wise_members(optimizer):
 
 def build_layer_wise(name, plug, seed, steps):
     """A bf16 GPT and its dist_<name> optimizer, after ``steps`` training steps."""
-    import warnings as _warnings
-
     import megatron.core.optimizer as mcore_optimizer
     from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
@@ -92,8 +90,8 @@ def build_layer_wise(name, plug, seed, steps):
 
     integration.install() if plug else integration.uninstall()
     model = megatron_cpu.build_gpt(seed, bf16=True)
-    with on_cpu(), _warnings.catch_warnings():
-        _warnings.simplefilter("ignore", DeprecationWarning)  # "dist_muon" is Megatron's older spelling
+    with on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "dist_muon" is Megatron's older spelling
         optimizer = mcore_optimizer.get_megatron_optimizer(layer_wise_config(name), [model])
         for step in range(steps):
             megatron_cpu.forward_backward(model, seed * 10 + step)
@@ -225,10 +223,11 @@ def check_resharded_load(ckpt_root, where):
     the state stock ends with. Ours has stepped once before loading, so that state must come
     from the checkpoint."""
     for writer_plug in (False, True):
-        by_stock = load_torch_dist(*build_layer_wise("muon", False, seed=43, steps=0), writer_dir(ckpt_root, writer_plug))
+        ckpt_dir = writer_dir(ckpt_root, writer_plug)
+        by_stock = load_torch_dist(*build_layer_wise("muon", False, seed=43, steps=0), ckpt_dir)
         reader = build_layer_wise("muon", True, seed=43, steps=1)
         before = state_tensors(reader[1].state_dict())
-        by_plug = load_torch_dist(*reader, writer_dir(ckpt_root, writer_plug))
+        by_plug = load_torch_dist(*reader, ckpt_dir)
         assert_changed_by_load(before, by_plug, f"{where} written by plug={writer_plug}")
         megatron_cpu.assert_same_state(by_stock, by_plug, f"{where} written by plug={writer_plug}")
 

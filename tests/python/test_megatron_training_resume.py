@@ -118,7 +118,9 @@ def _resume(megatron_env, plug, data_seed, ckpt_dir, fmt):
 def test_gpt_training_matches_stock_and_resumes_exactly(megatron_env, tmp_path, gen):
     data_seed = int(torch.randint(0, 2**31 - 1, (1,), generator=gen))
     formats = ("torch_dist", "torch")
-    dirs = {plug: {fmt: str(tmp_path / f"{'plug' if plug else 'stock'}_{fmt}") for fmt in formats} for plug in (False, True)}
+    dirs = {
+        plug: {fmt: str(tmp_path / f"{'plug' if plug else 'stock'}_{fmt}") for fmt in formats} for plug in (False, True)
+    }
     stock = _train_save_continue(megatron_env, False, data_seed, dirs[False])
     ours = _train_save_continue(megatron_env, True, data_seed, dirs[True])
 
