@@ -140,17 +140,17 @@ def load(ddp_model, optimizer, ckpt_dir, sharding_type):
     return optimizer.state_dict()
 
 
-def check_hybrid(ckpt_root, where):
+def check_hybrid(ckpt_root, where, seed):
     for sharding_type, writer_plug in WRITER_IS_OURS.items():
         ckpt_dir = os.path.join(ckpt_root, sharding_type)
-        ddp_model, optimizer = build_hybrid(writer_plug, seed=51, steps=2)
+        ddp_model, optimizer = build_hybrid(writer_plug, seed=seed, steps=2)
         save(ddp_model, optimizer, ckpt_dir, sharding_type)
         saved_muon = optimizer.chained_optimizers[0].state_dict()
         loaded = {}
         # The readers have stepped once: megatron-core's DistributedOptimizer gives a state dict
         # only once Adam has state (stock as well).
         for reader_plug in (False, True):
-            reader = build_hybrid(reader_plug, seed=52, steps=1)
+            reader = build_hybrid(reader_plug, seed=seed + 1, steps=1)
             loaded[reader_plug] = load(*reader, ckpt_dir, sharding_type)
             case = f"{where} {sharding_type} written by plug={writer_plug} read by plug={reader_plug}"
             loaded_muon = reader[1].chained_optimizers[0].state_dict()
@@ -159,29 +159,29 @@ def check_hybrid(ckpt_root, where):
         megatron_cpu.assert_same_state(loaded[False], loaded[True], f"{where} {sharding_type} stock, ours alike")
 
 
-def check_use_muon_false_trains(where):
+def check_use_muon_false_trains(where, seed):
     """A 2-D weight marked ``use_muon = False`` goes to Adam in the DistributedOptimizer, and
     trains. (megatron-core 0.19.2's layer-wise buffer rule ignores the flag; install() aligns it
     with the routing. Stock 0.19.2 ignores the flag altogether and gives the weight to Muon.)"""
     excluded = "decoder.layers.0.mlp.linear_fc1.weight"
-    ddp_model, optimizer = build_hybrid(True, seed=53, steps=0, not_muon=[excluded])
+    ddp_model, optimizer = build_hybrid(True, seed=seed + 3, steps=0, not_muon=[excluded])
     params = dict(ddp_model.module.named_parameters())
     before = {name: p.detach().clone() for name, p in params.items()}
     with layer_wise.on_cpu():
-        megatron_cpu.train_step_ddp(ddp_model, optimizer, seed=530)
+        megatron_cpu.train_step_ddp(ddp_model, optimizer, seed=seed + 4)
     assert params[excluded].is_managed_by_layer_wise_optimizer is False, where
     assert params["decoder.layers.1.mlp.linear_fc1.weight"].is_managed_by_layer_wise_optimizer is True, where
     frozen = [name for name, p in params.items() if torch.equal(p, before[name])]
     assert not frozen, (where, frozen)
 
 
-def check_resharded_load(ckpt_root, where):
+def check_resharded_load(ckpt_root, where, seed):
     """check_hybrid's checkpoints loaded at another DP size by stock and by ours: ours must end with
     exactly the state stock ends with, and its Muon state must be the checkpoint's, not its own."""
     for sharding_type in WRITER_IS_OURS:
         ckpt_dir = os.path.join(ckpt_root, sharding_type)
-        by_stock = load(*build_hybrid(False, seed=54, steps=1), ckpt_dir, sharding_type)
-        reader = build_hybrid(True, seed=54, steps=1)
+        by_stock = load(*build_hybrid(False, seed=seed + 2, steps=1), ckpt_dir, sharding_type)
+        reader = build_hybrid(True, seed=seed + 2, steps=1)
         before = layer_wise.state_tensors(reader[1].chained_optimizers[0].state_dict())
         by_plug = load(*reader, ckpt_dir, sharding_type)
         after = reader[1].chained_optimizers[0].state_dict()
@@ -190,7 +190,7 @@ def check_resharded_load(ckpt_root, where):
 
 
 @exits_without_teardown
-def worker(rank, world_size, init_file, ckpt_root):
+def worker(rank, world_size, init_file, ckpt_root, seed):
     from megatron.core import parallel_state
 
     from megatron_eopt.integrations import megatron as integration
@@ -201,8 +201,8 @@ def worker(rank, world_size, init_file, ckpt_root):
     try:
         parallel_state.initialize_model_parallel(1, 1)
         megatron_cpu.use_cpu_scratch_and_rng()
-        check_use_muon_false_trains(f"rank {rank}/{world_size}")
-        check_hybrid(ckpt_root, f"rank {rank}/{world_size}")
+        check_use_muon_false_trains(f"rank {rank}/{world_size}", seed)
+        check_hybrid(ckpt_root, f"rank {rank}/{world_size}", seed)
     finally:
         integration.uninstall()
         parallel_state.destroy_model_parallel()

@@ -170,24 +170,24 @@ def assert_param_group_keys_as_saved(saved, loaded, where):
             }, (where, i, j)
 
 
-def check_case(name, source_plug, target_plug, ckpt_dir, where):
+def check_case(name, source_plug, target_plug, ckpt_dir, where, seed):
     """One writer / reader pair: torch_dist, then torch format, each into a fresh optimizer (one
     that has not stepped, as when a job resumes; Megatron creates its state to load into)."""
-    source = build_layer_wise(name, source_plug, seed=31, steps=2)
+    source = build_layer_wise(name, source_plug, seed=seed, steps=2)
     save_torch_dist(*source, ckpt_dir)
-    loaded = load_torch_dist(*build_layer_wise(name, target_plug, seed=32, steps=0), ckpt_dir)
+    loaded = load_torch_dist(*build_layer_wise(name, target_plug, seed=seed + 1, steps=0), ckpt_dir)
     saved = source[1].state_dict()
     assert_param_group_keys_as_saved(saved, loaded, f"{where} torch_dist")
     megatron_cpu.assert_same_state(saved, loaded, f"{where} torch_dist")
     path = os.path.join(ckpt_dir, f"optimizer_rank{dist.get_rank()}.pt")
-    saved, loaded = torch_format_round_trip(source, build_layer_wise(name, target_plug, seed=33, steps=0), path)
+    saved, loaded = torch_format_round_trip(source, build_layer_wise(name, target_plug, seed=seed + 2, steps=0), path)
     assert_param_group_keys_as_saved(saved, loaded, f"{where} torch")
     megatron_cpu.assert_same_state(saved, loaded, f"{where} torch")
 
 
-def run_cases(cases, ckpt_root, where):
+def run_cases(cases, ckpt_root, where, seed):
     for i, case in enumerate(cases):
-        check_case(*case, os.path.join(ckpt_root, f"case{i}"), f"{where} case {case}")
+        check_case(*case, os.path.join(ckpt_root, f"case{i}"), f"{where} case {case}", seed + 10 * i)
 
 
 def _model_parallel(tensor_parallel):
@@ -203,29 +203,29 @@ def writer_dir(ckpt_root, writer_plug):
     return os.path.join(ckpt_root, f"written_by_{'plug' if writer_plug else 'stock'}")
 
 
-def write_and_cross_load(ckpt_root, where):
+def write_and_cross_load(ckpt_root, where, seed):
     """Stock and ours each train and save (torch_dist) at the current parallel sizes; a fresh
     optimizer of the other kind loads the checkpoint and must hold exactly the saved state (each
     rank owns a different subset of the weights, and its state must come back to it)."""
     for writer_plug in (False, True):
-        model, optimizer = build_layer_wise("muon", writer_plug, seed=41, steps=2)
+        model, optimizer = build_layer_wise("muon", writer_plug, seed=seed, steps=2)
         save_torch_dist(model, optimizer, writer_dir(ckpt_root, writer_plug))
-        reader = build_layer_wise("muon", not writer_plug, seed=42, steps=0)
+        reader = build_layer_wise("muon", not writer_plug, seed=seed + 1, steps=0)
         loaded = load_torch_dist(*reader, writer_dir(ckpt_root, writer_plug))
         saved = optimizer.state_dict()
         assert_param_group_keys_as_saved(saved, loaded, f"{where} written by plug={writer_plug}")
         megatron_cpu.assert_same_state(saved, loaded, f"{where} written by plug={writer_plug}")
 
 
-def check_resharded_load(ckpt_root, where):
+def check_resharded_load(ckpt_root, where, seed):
     """write_and_cross_load's checkpoints, loaded at other parallel sizes (the weights move to
     other owners, their TP shards are joined) by stock and by ours: ours must end with exactly
     the state stock ends with. Ours has stepped once before loading, so that state must come
     from the checkpoint."""
     for writer_plug in (False, True):
         ckpt_dir = writer_dir(ckpt_root, writer_plug)
-        by_stock = load_torch_dist(*build_layer_wise("muon", False, seed=43, steps=0), ckpt_dir)
-        reader = build_layer_wise("muon", True, seed=43, steps=1)
+        by_stock = load_torch_dist(*build_layer_wise("muon", False, seed=seed + 2, steps=0), ckpt_dir)
+        reader = build_layer_wise("muon", True, seed=seed + 2, steps=1)
         before = state_tensors(reader[1].state_dict())
         by_plug = load_torch_dist(*reader, ckpt_dir)
         assert_changed_by_load(before, by_plug, f"{where} written by plug={writer_plug}")
@@ -233,7 +233,7 @@ def check_resharded_load(ckpt_root, where):
 
 
 @exits_without_teardown
-def worker(rank, world_size, init_file, ckpt_root):
+def worker(rank, world_size, init_file, ckpt_root, seed):
     from megatron.core import parallel_state
 
     from megatron_eopt.integrations import megatron as integration
@@ -243,10 +243,10 @@ def worker(rank, world_size, init_file, ckpt_root):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         _model_parallel(2)
-        write_and_cross_load(ckpt_root, f"rank {rank}/{world_size} TP=2 DP=2")
+        write_and_cross_load(ckpt_root, f"rank {rank}/{world_size} TP=2 DP=2", seed)
         dist.barrier()
         _model_parallel(1)
-        check_resharded_load(ckpt_root, f"rank {rank}/{world_size} TP=1 DP=4")
+        check_resharded_load(ckpt_root, f"rank {rank}/{world_size} TP=1 DP=4", seed)
     finally:
         integration.uninstall()
         parallel_state.destroy_model_parallel()

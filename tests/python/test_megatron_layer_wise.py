@@ -11,6 +11,7 @@ megatron_hybrid_worker.py.
 import os
 
 import pytest
+import torch
 
 try:
     import megatron.core.optimizer as mcore_optimizer
@@ -28,7 +29,12 @@ def _needs_emerging_optimizers(cases):
         pytest.skip("the cross-loads need Megatron's own TensorParallelMuon (emerging-optimizers)")
 
 
-def test_layer_wise_checkpoints_on_one_rank(tmp_path):
+def _seed(gen):
+    """A fresh base seed for a test's models and data (from the gen fixture, which prints its seed)."""
+    return int(torch.randint(0, 2**20, (1,), generator=gen))
+
+
+def test_layer_wise_checkpoints_on_one_rank(tmp_path, gen):
     """Every case (ours into ours for muon and adaptive_muon, stock into ours, ours into stock),
     torch_dist and torch formats, in this process on a one-rank gloo group."""
     import megatron_cpu
@@ -39,14 +45,14 @@ def test_layer_wise_checkpoints_on_one_rank(tmp_path):
     _needs_emerging_optimizers(lw.CASES)
     megatron_cpu.init_megatron_single_rank()
     try:
-        lw.run_cases(lw.CASES, str(tmp_path), "rank 0/1")
+        lw.run_cases(lw.CASES, str(tmp_path), "rank 0/1", _seed(gen))
     finally:
         integration.uninstall()
         megatron_cpu.shutdown_megatron()
 
 
 @pytest.mark.distributed
-def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path):
+def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path, gen):
     """Four ranks, TP = 2 x DP = 2: stock into ours and ours into stock (torch_dist). Then both
     checkpoints loaded at TP = 1 x DP = 4, and in this process at TP = DP = 1: ours loads
     exactly what stock loads."""
@@ -60,7 +66,8 @@ def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path):
     ckpt_root = tmp_path / "checkpoints"
     ckpt_root.mkdir()
     rendezvous = os.path.join(str(tmp_path), "rendezvous")
-    mp.spawn(lw.worker, args=(world_size, rendezvous, str(ckpt_root)), nprocs=world_size, join=True)
+    seed = _seed(gen)
+    mp.spawn(lw.worker, args=(world_size, rendezvous, str(ckpt_root), seed), nprocs=world_size, join=True)
 
     import megatron_cpu
 
@@ -68,14 +75,14 @@ def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path):
 
     megatron_cpu.init_megatron_single_rank()
     try:
-        lw.check_resharded_load(str(ckpt_root), "rank 0/1 TP=1 DP=1")
+        lw.check_resharded_load(str(ckpt_root), "rank 0/1 TP=1 DP=1", seed)
     finally:
         integration.uninstall()
         megatron_cpu.shutdown_megatron()
 
 
 @pytest.mark.distributed
-def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tmp_path):
+def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tmp_path, gen):
     """DP = 2, Megatron DDP with the layer-wise layout: Muon in the LayerWiseDistributedOptimizer,
     Adam in a DistributedOptimizer; dp_reshardable (stock's checkpoint) and fully_reshardable (ours)
     each loaded by stock and by ours; and every parameter, one marked use_muon = False included,
@@ -89,7 +96,8 @@ def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tm
     ckpt_root = tmp_path / "checkpoints"
     ckpt_root.mkdir()
     rendezvous = os.path.join(str(tmp_path), "rendezvous")
-    mp.spawn(megatron_hybrid_worker.worker, args=(2, rendezvous, str(ckpt_root)), nprocs=2, join=True)
+    seed = _seed(gen)
+    mp.spawn(megatron_hybrid_worker.worker, args=(2, rendezvous, str(ckpt_root), seed), nprocs=2, join=True)
 
     import megatron_cpu
 
@@ -97,7 +105,7 @@ def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tm
 
     megatron_cpu.init_megatron_single_rank()
     try:
-        megatron_hybrid_worker.check_resharded_load(str(ckpt_root), "rank 0/1 DP=1")
+        megatron_hybrid_worker.check_resharded_load(str(ckpt_root), "rank 0/1 DP=1", seed)
     finally:
         integration.uninstall()
         megatron_cpu.shutdown_megatron()
