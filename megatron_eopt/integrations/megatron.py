@@ -204,16 +204,19 @@ def _align_layer_wise_ownership(factory: Any) -> None:
 def _to_megatron_entry(
     entry: registry.EmergingOptimizerEntry, emerging: Any, optimizer_config: Any, stock: Any = None
 ) -> Any:
-    if stock is not None and not _is_ours(stock) and registry.uses_default_routing(entry):
+    megatrons_routing = stock is not None and not _is_ours(stock) and registry.uses_default_routing(entry)
+    if megatrons_routing:
         overrides = _megatron_routing(stock, optimizer_config)
     else:
         overrides = _to_megatron_overrides(entry.default_param_overrides, optimizer_config)
-    return emerging.EmergingOptimizerEntry(
+    megatron_entry = emerging.EmergingOptimizerEntry(
         optimizer_cls=entry.optimizer_cls,
         init_state_fn=entry.init_state_fn,
         config_to_kwargs=entry.config_to_kwargs,
         default_param_overrides=overrides,
     )
+    megatron_entry._megatrons_routing = megatrons_routing
+    return megatron_entry
 
 
 def _is_ours(megatron_entry: Any) -> bool:
@@ -260,10 +263,11 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
 
     Routing: an entry with the built-in rule, under a name Megatron-LM registers itself, keeps
     Megatron-LM's own ``default_param_overrides`` (plus ``use_muon = False`` → scalar optimizer
-    where that megatron-core ignores the flag); other entries bring their own overrides. Where
-    megatron-core's layer-wise ownership rule (``is_managed_by_layer_wise_optimizer``) ignores
-    ``use_muon``, it is made to leave such parameters to the scalar optimizer too, as later
-    megatron-core releases do; call install() before the model is wrapped in DDP.
+    where that megatron-core ignores the flag); other entries bring their own overrides. With such
+    an entry installed, where megatron-core's layer-wise ownership rule
+    (``is_managed_by_layer_wise_optimizer``) ignores ``use_muon``, it is made to leave those
+    parameters to the scalar optimizer too, as later megatron-core releases do; call install()
+    before the model is wrapped in DDP.
 
     ``replace_classes=True`` (off by default) also binds the module-level names
     ``TensorParallelMuon`` and ``TensorParallelAdaptiveMuon`` of
@@ -304,7 +308,10 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
             table[name] = megatron_entry
         if replace_classes:
             _bind_classes(emerging)
-        _align_layer_wise_ownership(factory)
+        # The layer-wise buffer rule follows the routing of use_muon = False only where our
+        # entries route by Megatron's rule; an entry with its own overrides decides for itself.
+        if any(_is_ours(e) and getattr(e, "_megatrons_routing", False) for e in table.values()):
+            _align_layer_wise_ownership(factory)
         # Megatron refuses its emerging-optimizer path without Emerging-Optimizers installed;
         # ours do not need it. Keep Lion (which does) failing with a clear ImportError.
         if not getattr(factory, "HAVE_EMERGING_OPTIMIZERS", True):

@@ -138,3 +138,29 @@ def test_install_aligns_layer_wise_ownership_with_use_muon():
         integration.uninstall()
     assert layer_wise.is_managed_by_layer_wise_optimizer is stock_rule
     assert mcore_optimizer.is_managed_by_layer_wise_optimizer is stock_rule
+
+
+def test_entry_with_its_own_routing_leaves_layer_wise_ownership_alone(monkeypatch):
+    """An entry registered with its own default_param_overrides decides its routing itself, so
+    install() leaves Megatron's layer-wise ownership rule as it is."""
+    import megatron.core.optimizer.layer_wise_optimizer as layer_wise
+
+    import megatron_eopt
+    from megatron_eopt.integrations import megatron as integration
+    from megatron_eopt.optim import TensorParallelMuon
+
+    registry = megatron_eopt.registry
+    registry.names()
+    monkeypatch.setattr(registry, "_ENTRIES", dict(registry._ENTRIES))
+    rule = registry.ParamRule("vectors", lambda p: p.dim() != 2)
+    registry.register("own_muon", registry.EmergingOptimizerEntry(
+        TensorParallelMuon, config_to_kwargs=registry.muon_config_to_kwargs,
+        default_param_overrides={rule: {"optimizer": "adam"}},
+    ))
+    integration.uninstall()
+    stock_rule = layer_wise.is_managed_by_layer_wise_optimizer
+    try:
+        integration.install(["own_muon"])
+        assert layer_wise.is_managed_by_layer_wise_optimizer is stock_rule
+    finally:
+        integration.uninstall()
