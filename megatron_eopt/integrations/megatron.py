@@ -157,19 +157,66 @@ def _megatron_routing(stock: Any, optimizer_config: Any) -> dict[Any, dict[str, 
     return overrides
 
 
+# megatron-core's rule for which parameters its layer-wise distributed optimizer owns (and so which
+# DDP buffer, layer-wise or DistributedOptimizer, holds them); 0.18 / 0.19 have it in this module.
+_LAYER_WISE_MODULE = "megatron.core.optimizer.layer_wise_optimizer"
+_LAYER_WISE_RULE = "is_managed_by_layer_wise_optimizer"
+
+
+def _layer_wise_rule_honouring_use_muon(rule: Any) -> Any:
+    """``rule``, except that a parameter marked ``use_muon = False`` is not the layer-wise optimizer's."""
+
+    def is_managed_by_layer_wise_optimizer(param: torch.nn.Parameter) -> bool:
+        return not _use_muon_false(param) and rule(param)
+
+    is_managed_by_layer_wise_optimizer._megatron_eopt = True
+    is_managed_by_layer_wise_optimizer.__doc__ = rule.__doc__
+    return is_managed_by_layer_wise_optimizer
+
+
+def _align_layer_wise_ownership(factory: Any) -> None:
+    """Makes Megatron's layer-wise ownership rule agree with the routing of ``use_muon = False``.
+
+    A megatron-core whose rule ignores the flag (0.18, 0.19) puts such a 2-D weight in the
+    layer-wise DDP buffer while our routing sends it to the scalar optimizer; with
+    ``use_distributed_optimizer=True`` that optimizer is a DistributedOptimizer, which updates
+    only the other buffers, so the weight would silently never train. Later megatron-core
+    releases exclude ``use_muon = False`` themselves, as this does. Applies to models wrapped in
+    DDP after install().
+    """
+    try:
+        layer_wise = importlib.import_module(_LAYER_WISE_MODULE)
+    except ImportError:
+        return
+    rule = getattr(layer_wise, _LAYER_WISE_RULE, None)
+    if rule is None or getattr(rule, "_megatron_eopt", False):
+        return
+    probe = torch.nn.Parameter(torch.zeros(2, 2))
+    probe.use_muon = False
+    if not rule(probe):
+        return  # this megatron-core already honours use_muon
+    aligned = _layer_wise_rule_honouring_use_muon(rule)
+    _set_global(layer_wise, _LAYER_WISE_RULE, aligned)
+    if getattr(factory, _LAYER_WISE_RULE, None) is rule:
+        _set_global(factory, _LAYER_WISE_RULE, aligned)
+
+
 def _to_megatron_entry(
     entry: registry.EmergingOptimizerEntry, emerging: Any, optimizer_config: Any, stock: Any = None
 ) -> Any:
-    if stock is not None and not _is_ours(stock) and registry.uses_default_routing(entry):
+    megatrons_routing = stock is not None and not _is_ours(stock) and registry.uses_default_routing(entry)
+    if megatrons_routing:
         overrides = _megatron_routing(stock, optimizer_config)
     else:
         overrides = _to_megatron_overrides(entry.default_param_overrides, optimizer_config)
-    return emerging.EmergingOptimizerEntry(
+    megatron_entry = emerging.EmergingOptimizerEntry(
         optimizer_cls=entry.optimizer_cls,
         init_state_fn=entry.init_state_fn,
         config_to_kwargs=entry.config_to_kwargs,
         default_param_overrides=overrides,
     )
+    megatron_entry._megatrons_routing = megatrons_routing
+    return megatron_entry
 
 
 def _is_ours(megatron_entry: Any) -> bool:
@@ -216,7 +263,11 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
 
     Routing: an entry with the built-in rule, under a name Megatron-LM registers itself, keeps
     Megatron-LM's own ``default_param_overrides`` (plus ``use_muon = False`` → scalar optimizer
-    where that megatron-core ignores the flag); other entries bring their own overrides.
+    where that megatron-core ignores the flag); other entries bring their own overrides. With such
+    an entry installed, where megatron-core's layer-wise ownership rule
+    (``is_managed_by_layer_wise_optimizer``) ignores ``use_muon``, it is made to leave those
+    parameters to the scalar optimizer too, as later megatron-core releases do; call install()
+    before the model is wrapped in DDP.
 
     ``replace_classes=True`` (off by default) also binds the module-level names
     ``TensorParallelMuon`` and ``TensorParallelAdaptiveMuon`` of
@@ -257,6 +308,10 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
             table[name] = megatron_entry
         if replace_classes:
             _bind_classes(emerging)
+        # The layer-wise buffer rule follows the routing of use_muon = False only where our
+        # entries route by Megatron's rule; an entry with its own overrides decides for itself.
+        if any(_is_ours(e) and getattr(e, "_megatrons_routing", False) for e in table.values()):
+            _align_layer_wise_ownership(factory)
         # Megatron refuses its emerging-optimizer path without Emerging-Optimizers installed;
         # ours do not need it. Keep Lion (which does) failing with a clear ImportError.
         if not getattr(factory, "HAVE_EMERGING_OPTIMIZERS", True):

@@ -66,8 +66,12 @@ def shutdown_megatron() -> None:
         torch.distributed.destroy_process_group()
 
 
-def build_gpt(seed: int):
-    """A 2-layer GPT: hidden 64, 4 heads in 2 query groups (GQA), untied output layer."""
+def build_gpt(seed: int, bf16: bool = False):
+    """A 2-layer GPT: hidden 64, 4 heads in 2 query groups (GQA), untied output layer.
+
+    ``bf16=True``: parameters in bfloat16, as Megatron's mixed-precision training keeps them
+    (its optimizer wrapper then holds fp32 main copies).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -82,15 +86,17 @@ def build_gpt(seed: int):
         use_cpu_initialization=True,
         attention_dropout=0.0,
         hidden_dropout=0.0,
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+        bf16=bf16,
     )
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         share_embeddings_and_output_weights=False,
     )
+    return model.bfloat16() if bf16 else model
 
 
 def forward_backward(model, seed: int) -> float:
@@ -105,6 +111,54 @@ def forward_backward(model, seed: int) -> float:
     loss.backward()
     for p in model.parameters():
         p.main_grad = p.grad  # what Megatron's DDP wrapper provides
+    return float(loss.detach())
+
+
+@contextlib.contextmanager
+def megatron_ddp_on_cpu():
+    """Lets Megatron's DistributedDataParallel and DistributedOptimizer run on the CPU.
+
+    DDP allocates its parameter / gradient buffers on torch.cuda.current_device() and, before each
+    gradient reduction, takes torch.cuda.current_stream() to wait on the CUDA-graph events of
+    parameters (there are none without CUDA graphs). The DistributedOptimizer's
+    ``fully_reshardable`` checkpoint gathers its state shards with ``tensor.cuda()`` before the
+    (NCCL) collective and ``.cpu()`` after. Here the device is the CPU, the stream a None that is
+    never used, and ``.cuda()`` leaves a tensor where it is (the gloo collective takes CPU tensors).
+    """
+    saved = torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+        torch.cuda.current_stream = lambda *args, **kwargs: None
+        torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.cuda.current_device, torch.cuda.current_stream, torch.Tensor.cuda = saved
+
+
+def wrap_in_megatron_ddp(model):
+    """Megatron's DistributedDataParallel around ``model`` (default config: fp32 grads, no overlap)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    with megatron_ddp_on_cpu():
+        return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+
+
+def train_step_ddp(ddp_model, optimizer, seed: int) -> float:
+    """One training step as Megatron's training loop does it: zero the DDP grad buffers, forward /
+    backward, reduce the grads, optimizer.step(). Returns the loss before the update."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    causal_mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1).view(1, 1, SEQ, SEQ)
+    with megatron_ddp_on_cpu(), megatron_optimizer_on_cpu():
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp_model(tokens, position_ids, causal_mask, labels=labels).float().mean()
+        loss.backward()
+        ddp_model.finish_grad_sync()
+        assert optimizer.step()[0]
     return float(loss.detach())
 
 
@@ -146,6 +200,38 @@ def megatron_optimizer_on_cpu():
     finally:
         for m, t in zip(modules, saved):
             m.torch = t
+
+
+# The names Tensor.type() gives CUDA tensors, which Megatron's mixed-precision wrappers require.
+_CUDA_TYPE_NAMES = {
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.float32: "torch.cuda.FloatTensor",
+}
+
+
+@contextlib.contextmanager
+def mixed_precision_wrapper_on_cpu():
+    """Lets Megatron's Float16OptimizerWithFloat16Params take CPU parameters.
+
+    The wrapper sorts parameters by ``param.type()`` and accepts only the CUDA type names
+    ("torch.cuda.BFloat16Tensor", ...), so on a CPU it refuses every parameter. Inside this
+    context a CPU tensor of those dtypes reports the CUDA name; nothing else changes. Megatron's
+    layer-wise distributed optimizer (``dist_muon``) wraps its optimizers only for bf16, so it
+    needs this (and megatron_optimizer_on_cpu) to run on a CPU at all.
+    """
+    original = torch.Tensor.type
+
+    def type_as_on_cuda(self, *args, **kwargs):
+        if not args and not kwargs and self.device.type == "cpu" and self.dtype in _CUDA_TYPE_NAMES:
+            return _CUDA_TYPE_NAMES[self.dtype]
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.type = type_as_on_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
 
 
 @contextlib.contextmanager

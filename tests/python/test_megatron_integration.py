@@ -419,18 +419,42 @@ def test_torch_dist_checkpoint_cross_load_with_megatrons_own_muon(stock_registry
 
 @needs_megatron
 @pytest.mark.distributed
-def test_torch_dist_checkpoint_at_tensor_parallel_2(tmp_path):
+def test_torch_dist_checkpoint_at_tensor_parallel_2(stock_registry, megatron_env, tmp_path):
     """Two ranks (gloo), TP = 2: torch_dist save / load of ours into ours (muon, adaptive_muon),
-    Megatron's own TensorParallelMuon into ours and ours into Megatron's: same state dict per rank."""
+    Megatron's own TensorParallelMuon into ours and ours into Megatron's: same state dict per rank.
+    Then, resharding: those TP = 2 checkpoints (one written by ours, one by stock) loaded here at
+    TP = 1 by stock and by ours give the same state dict."""
     if not mcore_optimizer.HAVE_EMERGING_OPTIMIZERS:
         pytest.skip("the cross-loads need Megatron's own TensorParallelMuon (emerging-optimizers)")
     import torch.multiprocessing as mp
 
     import megatron_ckpt_worker
+    from megatron.core import dist_checkpointing
 
     ckpt_root = tmp_path / "checkpoints"
     ckpt_root.mkdir()
     mp.spawn(megatron_ckpt_worker.worker, args=(2, str(tmp_path / "rendezvous"), str(ckpt_root)), nprocs=2, join=True)
+
+    def state_tensors(chained):
+        return [t.clone() for sd in chained.state_dict() for st in sd["state"].values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0]
+
+    for case, (name, writer_plug, _) in enumerate(megatron_ckpt_worker.CASES):
+        if name != "muon" or case == 3:
+            continue  # case 3's writer is ours, as case 0's
+        loaded = {}
+        for plug in (False, True):
+            integration.install() if plug else integration.uninstall()
+            # The reader has stepped once: the state it ends with must come from the checkpoint.
+            model, chained = _trained_optimizer(megatron_env, "muon", seed=16)
+            before = state_tensors(chained)
+            with megatron_env.dist_checkpointing_on_cpu():
+                sharded = chained.sharded_state_dict(model.sharded_state_dict(), is_loading=True)
+                chained.load_state_dict(dist_checkpointing.load(sharded, str(ckpt_root / f"case{case}")))
+            after = state_tensors(chained)
+            assert len(after) == len(before) and any(not torch.equal(a, b) for a, b in zip(before, after))
+            loaded[plug] = chained.state_dict()
+        megatron_env.assert_same_state(loaded[False], loaded[True], f"TP=2 -> 1, written by plug={writer_plug}")
 
 
 @needs_megatron
