@@ -285,6 +285,7 @@ TEST(GramFlops, SymmetricBlocks) {
   EXPECT_EQ(ns_symmetric_blocks(1024, NsDevice::kCpu), 4);
   EXPECT_EQ(ns_symmetric_blocks(8192, NsDevice::kCpu), 4);
   EXPECT_EQ(ns_symmetric_blocks(8192, NsDevice::kCuda), 1);
+  EXPECT_EQ(ns_symmetric_blocks(1024, NsDevice::kCpu, /*bf16=*/true), 1);
   EXPECT_DOUBLE_EQ(ns_symmetric_fraction(1), 1.0);
   EXPECT_DOUBLE_EQ(ns_symmetric_fraction(4), 0.625);
 }
@@ -304,7 +305,7 @@ TEST(NsAlgorithmChoice, AutoOnTheCpu) {
   const auto pick = [&](int64_t m, int64_t n, NsPrecision p) {
     return choose_ns_algorithm(NsAlgorithm::kAuto, m, n, m > n, sched, p, NsDevice::kCpu).algorithm;
   };
-  for (NsPrecision p : {NsPrecision::kHighest, NsPrecision::kHigh, NsPrecision::kMedium}) {
+  for (NsPrecision p : {NsPrecision::kHighest, NsPrecision::kHigh}) {
     EXPECT_EQ(pick(1024, 4096, p), NsAlgorithm::kGram);
     EXPECT_EQ(pick(4096, 1024, p), NsAlgorithm::kGram);
     EXPECT_EQ(pick(768, 3072, p), NsAlgorithm::kGram);
@@ -315,6 +316,10 @@ TEST(NsAlgorithmChoice, AutoOnTheCpu) {
   EXPECT_EQ(pick(128, 192, NsPrecision::kHighest), NsAlgorithm::kStandard);  // modelled 1.0x
   EXPECT_EQ(pick(128, 256, NsPrecision::kHighest), NsAlgorithm::kGram);      // modelled 1.14x
   EXPECT_EQ(pick(1024, 2048, NsPrecision::kHighest), NsAlgorithm::kGram);
+  // "medium": the standard iteration's bf16 GEMMs against the Gram iteration's fp32 products.
+  EXPECT_EQ(pick(1024, 4096, NsPrecision::kMedium), NsAlgorithm::kStandard);
+  EXPECT_EQ(pick(768, 3072, NsPrecision::kMedium), NsAlgorithm::kStandard);
+  EXPECT_EQ(pick(1024, 65536, NsPrecision::kMedium), NsAlgorithm::kGram);
 }
 
 TEST(NsAlgorithmChoice, AutoOnCuda) {

@@ -13,7 +13,7 @@ import megatron_eopt
 from megatron_eopt import muon as legacy
 from megatron_eopt.optim import Muon as FusedMuon
 
-from reference import TOLERANCE, newton_schulz_ref, rel_err
+from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, rel_err
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIMPLE = (3.4445, -4.7750, 2.0315)
@@ -76,13 +76,14 @@ def test_zeropower_matches_the_snippet(gen, shape, steps):
     flat = G.reshape(-1, *shape[-2:])
     ref = torch.stack([reference_zeropower(m, steps) for m in flat]).reshape(shape)
     # The snippet's recipe in exact arithmetic. Its own all-bf16 run lands up to ~3% from this
-    # (bf16 storage of every intermediate), ours no farther (bf16 products with the long side, the
-    # s x s product in fp32): 4e-2 bounds both, while a wrong coefficient, transpose or
+    # (bf16 storage of every intermediate), ours no farther (bf16 products, each step's
+    # P = c G^2 + b G + a I rounded once): 4e-2 bounds both, while a wrong coefficient, transpose or
     # normalization is off by far more. Two bf16 runs round independently, so ours is held to the
-    # exact result: §6's bf16 tolerance, or within 1.5x of the snippet's own error where that is
-    # larger (over 2,400 draws: at most 0.91 of this bound; mean error below the snippet's).
+    # exact result: §6's bf16 tolerance, one bf16 rounding times the input's amplification, or
+    # within 1.5x of the snippet's own error, whichever is largest (over 2,400 draws: at most 0.82).
     exact = snippet_zeropower(G.double(), steps, torch.float64)
-    assert rel_err(out, exact) <= max(TOLERANCE["medium"], 1.5 * rel_err(ref, exact))
+    amplified = bf16_input_tolerance(flat, "simple", steps)
+    assert rel_err(out, exact) <= max(TOLERANCE["medium"], amplified, 1.5 * rel_err(ref, exact))
     assert rel_err(out, exact) <= 4e-2
 
 

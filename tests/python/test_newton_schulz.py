@@ -48,10 +48,11 @@ def test_parity_reduced_precision(device, precision, coefficient_type, shape, ge
     # and two bf16 implementations (fp32 sums in another order) round some entries the other way,
     # which the iteration magnifies like any rounding (bf16_input_tolerance).
     # TF32 ("high") is compared with float64 at the tolerance its rounding allows (ns_tolerance).
-    # On the CPU, "medium" runs the long products in bf16 and the s x s one in fp32 (rounding B + a I
-    # once): compared with float64 directly, at §6's bf16 tolerance, the input's bf16 amplification
-    # (aol and steep schedules on rank-1 inputs), or within 1.25x of the bf16 recipe's own error,
-    # whichever is largest (over 2,400 draws: at most 0.48 of this bound).
+    # On the CPU, "medium" runs bf16 GEMMs and forms P = c G^2 + b G + a I in one pass (rounded
+    # once), where the recipe fuses each step's scalars into its products: compared with float64,
+    # at §6's bf16 tolerance, the input's bf16 amplification (aol and steep schedules on rank-1
+    # inputs), or within 1.25x of the bf16 recipe's own error, whichever is largest (over 2,400
+    # draws: at most 0.77 of this bound).
     x = _input(shape, gen, device)
     out = me.newton_schulz(x, coefficient_type=coefficient_type, precision=precision)
     if precision == "medium" and device == "cpu":
