@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from ..optim._state_check import check_loaded_state
 from . import motif
 from ._deprecation import _warn_once
 
@@ -203,6 +204,7 @@ class Muon(torch.optim.Optimizer):
             inner_group["momentum"] = group["momentum"]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
         super().load_state_dict(state_dict)
         self._build_inner()
 

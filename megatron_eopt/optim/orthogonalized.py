@@ -52,6 +52,7 @@ from ._sharded import (
     sharded_normuon_,
     zeros_state,
 )
+from ._state_check import check_loaded_state
 
 
 class OrthogonalizedOptimizer(torch.optim.Optimizer):
@@ -173,6 +174,30 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 param_state["moment2_buffer"] = m2.float()
         if getattr(self, "_constructed", False):
             self._rebuild_plan()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
+        super().load_state_dict(state_dict)
+
+    def _expected_state(self, p: torch.Tensor, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """What ``load_state_dict`` accepts for ``state[p][key]``: (shape, dtype), or None (not checked)."""
+        if key == "momentum_buffer":
+            return tuple(p.shape), p.dtype
+        method = self._config.moment2_method
+        if key != "moment2_buffer" or method is None:
+            return None
+        plan = self._current_plan()
+        entry = plan.entries[plan.index[id(p)]] if id(p) in plan.index else None
+        if entry is None or entry.sharding is not None:
+            return None  # a DTensor's statistics: laid out by its sharding, checked by DCP's planner
+        if method == "adamuon":
+            return tuple(p.shape), torch.float32
+        shape = list(entry.local_shape)
+        if method == "normuon":
+            shape[entry.normuon_dim] = 1
+        else:  # namo: one scalar per matrix
+            shape = shape[:-2] + [1]
+        return tuple(shape), torch.float32
 
     def _step_keys(self) -> tuple[str, ...]:
         """The per-step values of a param group the ops read as device tensors."""
