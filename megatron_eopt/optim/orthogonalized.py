@@ -41,6 +41,7 @@ from ._distributed import (
     tp_normuon_normalize_,
 )
 from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan
+from ._recipe import cautious_decay_
 from ._sharded import (
     ND_MODES,
     SHARDED_MODES,
@@ -391,7 +392,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 momentum=hyper["momentum"],
                 nesterov=cfg.nesterov,
                 weight_decay=hyper["weight_decay"],
-                weight_decay_method=cfg.weight_decay_method,
+                weight_decay_method=cfg.op_weight_decay_method,
                 grad_scale=scale_t,
                 found_inf=inf_t,
             )
@@ -433,13 +434,17 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             if cfg.moment2_method is not None:
                 self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
                                 hyper, scale_t, inf_t)
+            weight_decay = hyper["weight_decay"]
+            if cfg.weight_decay_method == "cautious":  # masked by the update's sign: applied here, for now
+                cautious_decay_(params, bucket_updates, hyper["lr"], weight_decay, inf_t)
+                weight_decay = torch.zeros_like(weight_decay)
             ops.foreach_update_(
                 params,
                 bucket_updates,
                 [scales[i] for i in members],
                 lr=hyper["lr"],
-                weight_decay=hyper["weight_decay"],
-                weight_decay_method=cfg.weight_decay_method,
+                weight_decay=weight_decay,
+                weight_decay_method=cfg.op_weight_decay_method,
                 found_inf=inf_t,
             )
         return None
