@@ -61,10 +61,10 @@ class OrthogonalizationConfig:
 
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled)."""
-        eps = NS_EPS
+        eps = self.recipe.eps
         if self.recipe.prepares_input:
             # normalized here (MuonEq, ||X|| + eps, safety divisor): the op's max(||X||, 1) is 1
-            x, eps = self.recipe.prepare(x, NS_EPS), 1.0
+            x, eps = self.recipe.prepare(x, eps), 1.0
         out = call_op(
             torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, eps, None, self.precision, self.algorithm
         )
@@ -102,6 +102,7 @@ def make_config(
     row_equilibration: bool = False,
     frobenius_renorm: bool = False,
     polar_express_safety: float | None = None,
+    ns_eps: float = NS_EPS,
 ) -> OrthogonalizationConfig:
     """Validates the optimizer-wide arguments (ValueError naming the argument) and freezes them."""
     if weight_decay_method not in WEIGHT_DECAY_METHODS:
@@ -128,7 +129,7 @@ def make_config(
             raise ValueError(f"moment2_method must be one of {list(MOMENT2_METHODS)}, got {moment2_method!r}")
         if moment2_method == "namo" and weight_decay_method == "l2":
             raise ValueError('moment2_method="namo" is incompatible with weight_decay_method="l2"')
-    recipe = NSRecipe.make(ns_eps_mode, ns_norm_divisor, row_equilibration, frobenius_renorm)
+    recipe = NSRecipe.make(ns_eps_mode, ns_norm_divisor, row_equilibration, frobenius_renorm, ns_eps)
     custom = table if coefficient_type == "custom" else None
     _, repeat_last = coefficient_table(coefficient_type, custom)
     if polar_express_safety is not None:

@@ -68,11 +68,14 @@ class NSRecipe:
     norm_divisor: float = 1.0
     row_equilibration: bool = False
     frobenius_renorm: bool = False
+    eps: float = 1e-7  # the normalization's eps (the reference packages' 1e-7; nanochat 1e-6 since 2026)
 
     @staticmethod
     def make(eps_mode: str = "clamp", norm_divisor: float = 1.0, row_equilibration: bool = False,
-             frobenius_renorm: bool = False) -> "NSRecipe":
+             frobenius_renorm: bool = False, eps: float = 1e-7) -> "NSRecipe":
         """Validated options (ValueError naming the argument)."""
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+            raise ValueError(f"ns_eps must be a number in (0, 1), got {eps!r}")
         if eps_mode not in EPS_MODES:
             raise ValueError(f"ns_eps_mode must be one of {list(EPS_MODES)}, got {eps_mode!r}")
         if (isinstance(norm_divisor, bool) or not isinstance(norm_divisor, (int, float))
@@ -81,7 +84,7 @@ class NSRecipe:
         for name, flag in (("row_equilibration", row_equilibration), ("frobenius_renorm", frobenius_renorm)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
-        return NSRecipe(eps_mode, float(norm_divisor), row_equilibration, frobenius_renorm)
+        return NSRecipe(eps_mode, float(norm_divisor), row_equilibration, frobenius_renorm, float(eps))
 
     @property
     def prepares_input(self) -> bool:

@@ -57,6 +57,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
         polar_express_safety: float | None = None,
+        ns_eps: float = 1e-7,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -72,6 +73,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
             ns_eps_mode=ns_eps_mode,
             ns_norm_divisor=ns_norm_divisor,
             polar_express_safety=polar_express_safety,
+            ns_eps=ns_eps,
             moment2_method=moment2_method,
         )
         self.nesterov = config.nesterov

@@ -43,7 +43,8 @@ class Muon(OrthogonalizedOptimizer):
     - ``frobenius_renorm=True``: Muon+ (arXiv 2602.21545), the orthogonalized update's Frobenius
       norm set to √min(m, n) before scaling;
     - ``ns_eps_mode``: the Frobenius normalization that starts Newton–Schulz, ``"clamp"``
-      ``X / max(‖X‖, 1e-7)`` (Emerging-Optimizers) or ``"add"`` ``X / (‖X‖ + 1e-7)`` (the snippets);
+      ``X / max(‖X‖, ns_eps)`` (Emerging-Optimizers) or ``"add"`` ``X / (‖X‖ + ns_eps)`` (the
+      snippets), ``ns_eps`` 1e-7 by default (nanochat uses 1e-6 since 2026);
       ``ns_norm_divisor`` s ≥ 1 divides by ``s·‖X‖`` (Polar Express's safety, arXiv 2505.16932);
     - ``polar_express_safety`` s ≥ 1 (with ``coefficient_type="polar_express"``): the Polar Express
       table for that safety factor, every row but the last evaluated at X / s (``None``: the
@@ -77,6 +78,7 @@ class Muon(OrthogonalizedOptimizer):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
         polar_express_safety: float | None = None,
+        ns_eps: float = 1e-7,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -92,6 +94,7 @@ class Muon(OrthogonalizedOptimizer):
             ns_eps_mode=ns_eps_mode,
             ns_norm_divisor=ns_norm_divisor,
             polar_express_safety=polar_express_safety,
+            ns_eps=ns_eps,
         )
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
