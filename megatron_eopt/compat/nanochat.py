@@ -151,6 +151,8 @@ class _StackedMuon:
         """One step of the owned parameters; ``grads_of(gi)`` gives group gi's owned grads, stacked."""
         if self.signature != self._signature(groups, rank, world):
             self._build(groups, rank, world)
+        for group in groups:  # every rank holds every group's stacks, owning rows or not (as nanochat)
+            self.ensure_state(state, group, world)
         if not self.inner:
             return
         # hyper-parameters, and the inner state as views of the stacks

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from reference import TOLERANCE, ns_tolerance, rel_err
+
 POLAR = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
     (4.042929935166739, -2.808917465908714, 0.5000178451051316),
@@ -123,3 +125,19 @@ class RefMuonAdamW(torch.optim.Optimizer):
                 p.data.copy_(x)
                 s["exp_avg"].copy_(m)
                 s["exp_avg_sq"].copy_(v)
+
+
+def assert_fp32_close(params, refs, start, grads):
+    """Each param's change within the fp32 tolerance of its float64 reference: DESIGN's 1e-5, or
+    fp32 rounding times what the Polar Express rows magnify it by on that param's inputs."""
+    for i, (p, r, s) in enumerate(zip(params, refs, start)):
+        tol = TOLERANCE["highest"]
+        if p.ndim == 2 and i < len(grads[0]):
+            tol = max(ns_tolerance(step[i], "highest", "cpu", "custom", 5, POLAR) for step in grads)
+        if p.ndim < 2 or min(p.shape) == 1:
+            # a vector's or a 1 x n matrix's second moment is per element (AdamW; Muon's variance
+            # statistic of a single row): an element whose momentum cancels carries its absolute
+            # rounding as a relative one (AdaMuon's case, compared at the "high" tolerance elsewhere)
+            tol = TOLERANCE["high"]
+        err = rel_err(p.detach().double() - s.double(), r.detach().double() - s.double())
+        assert err <= tol, (i, tuple(p.shape), err, tol)

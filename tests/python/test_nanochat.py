@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import megatron_eopt.nanochat as nanochat
-from nanochat_reference import POLAR, RefMuon2201, RefMuonAdamW
-from reference import TOLERANCE, bf16_input_tolerance, ns_tolerance, rel_err
+from nanochat_reference import POLAR, RefMuon2201, RefMuonAdamW, assert_fp32_close
+from reference import TOLERANCE, bf16_input_tolerance, rel_err
 
 # several params per shape, tall / wide / square / 1 x n, a lone shape
 MUON_SHAPES = [(8, 4), (5, 7), (8, 4), (12, 12), (8, 4), (5, 7), (1, 9), (33, 6)]
@@ -43,22 +43,6 @@ def _delta_err(params, refs, start):
                for p, r, s in zip(params, refs, start))
 
 
-def _assert_fp32_close(params, refs, start, grads):
-    """Each param's change within the fp32 tolerance of its float64 reference: DESIGN's 1e-5, or
-    fp32 rounding times what the Polar Express rows magnify it by on that param's inputs."""
-    for i, (p, r, s) in enumerate(zip(params, refs, start)):
-        tol = TOLERANCE["highest"]
-        if p.ndim == 2 and i < len(grads[0]):
-            tol = max(ns_tolerance(step[i], "highest", "cpu", "custom", 5, POLAR) for step in grads)
-        if p.ndim < 2 or min(p.shape) == 1:
-            # a vector's or a 1 x n matrix's second moment is per element (AdamW; Muon's variance
-            # statistic of a single row): an element whose momentum cancels carries its absolute
-            # rounding as a relative one (AdaMuon's case, compared at the "high" tolerance elsewhere)
-            tol = TOLERANCE["high"]
-        err = rel_err(p.detach().double() - s.double(), r.detach().double() - s.double())
-        assert err <= tol, (i, tuple(p.shape), err, tol)
-
-
 def _warmup(opt, t):
     # nanochat's training loop writes lr, momentum and weight decay into the groups every step
     for group in opt.param_groups:
@@ -89,7 +73,7 @@ def test_muon_22a71aa_step_logic_matches_float64_reference(beta2, gen):
     ref = RefMuon2201(refs, lr=0.02, momentum=0.9, beta2=beta2, weight_decay=0.2)
     _run(ours, params, grads, _warmup)
     _run(ref, refs, grads, _warmup)
-    _assert_fp32_close(params, refs, start, grads)
+    assert_fp32_close(params, refs, start, grads)
     _assert_same_layout(ours, ref)
     for gi, group in enumerate(ours.param_groups):
         for key in ("momentum_buffer", "second_momentum_buffer"):
@@ -127,7 +111,7 @@ def test_muonadamw_matches_float64_reference_in_fp32(gen):
     ref = RefMuonAdamW(_muonadamw_groups(refs[:3], refs[3:]))
     _run(ours, params, grads, _warmup)
     _run(ref, refs, grads, _warmup)
-    _assert_fp32_close(params, refs, start, grads)
+    assert_fp32_close(params, refs, start, grads)
     _assert_same_layout(ours, ref)
     assert all(ours.state[p]["step"] == 3 and isinstance(ours.state[p]["step"], int) for p in params[:3])
 
@@ -190,7 +174,7 @@ def test_checkpoints_cross_and_continue(kind, direction, gen):
     start = [p.detach().clone() for p in params]
     _run(first, params, grads[2:])
     _run(second, other, grads[2:])
-    _assert_fp32_close(other, params, start, grads[2:])
+    assert_fp32_close(other, params, start, grads[2:])
 
 
 def test_a_stacked_buffer_of_another_layout_is_refused(gen):
