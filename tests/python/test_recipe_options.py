@@ -94,12 +94,13 @@ def _worst_delta_err(params, refs, start):
                for p, r, s in zip(params, refs, start))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", list(OPTIONS))
 @pytest.mark.parametrize("adaptive", [False, True])
-def test_option_matches_float64_reference(name, adaptive, gen):
+def test_option_matches_float64_reference(name, adaptive, device, gen):
     opts = OPTIONS[name]
-    params = make_params(SHAPES, gen, scale=0.1)
-    start = clone_params(params)
+    params = make_params(SHAPES, gen, scale=0.1, device=device)
+    start = [p.detach().cpu().clone() for p in params]
     grads = make_grads(params, gen, 3)
     common = dict(lr=LR, momentum=MOMENTUM, weight_decay=WD, nesterov=True, fp32_matmul_prec="highest", **opts)
     if adaptive:
@@ -111,9 +112,10 @@ def test_option_matches_float64_reference(name, adaptive, gen):
         for p, g in zip(params, step_grads):
             p.grad = g.clone()
         opt.step()
-    refs = ref_steps(start, grads, rows=get_coefficients("quintic", 5), nesterov=True,
+    cpu_grads = [[g.cpu() for g in step_grads] for step_grads in grads]
+    refs = ref_steps(start, cpu_grads, rows=get_coefficients("quintic", 5), nesterov=True,
                      moment2="normuon" if adaptive else None, eps=1e-10, **_ref_kwargs(opts))
-    assert _worst_delta_err(params, refs, start) <= TOLERANCE["highest"]
+    assert _worst_delta_err([p.cpu() for p in params], refs, start) <= TOLERANCE["highest"]
 
 
 def test_cautious_decay_only_decays_where_update_and_weight_agree(gen):
