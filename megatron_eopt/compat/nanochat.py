@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.adam import adam as adam_functional
 
+from ..optim._config import check_group_hyperparameters
 from ..optim._state_check import check_loaded_state
 
 # nanochat's Polar Express rows (computed for 5 iterations, safety factor 2e-2, cushion 2; arXiv
@@ -76,6 +77,22 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _check_values(group: dict, where: str) -> None:
+    """Range checks of a group's numbers at construction (ValueError naming the key)."""
+    values = {k: group[k] for k in ("lr", "momentum", "weight_decay", "eps") if k in group}
+    if group.get("beta2") is not None:  # None: no memory, as nanochat
+        values["beta2"] = group["beta2"]
+    check_group_hyperparameters(values, where)
+    if "betas" in group:
+        betas = group["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+                and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+            raise ValueError(f"{where}['betas'] must be two numbers in [0, 1), got {betas!r}")
+    if "ns_steps" in group and (isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], int)
+                                or group["ns_steps"] < 1):
+        raise ValueError(f"{where}['ns_steps'] must be a positive int, got {group['ns_steps']!r}")
 
 
 def _groups_by_shape(params: Iterable[torch.Tensor], where: str) -> list[list[torch.Tensor]]:
@@ -211,6 +228,7 @@ class _NanochatMuonBase(torch.optim.Optimizer):
         if not groups:
             raise ValueError(f"{name} got no parameters")
         defaults = dict(lr=lr, momentum=momentum, ns_steps=ns_steps, beta2=beta2, weight_decay=weight_decay)
+        _check_values(defaults, name)
         if self._distributed:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError("DistMuon needs torch.distributed to be initialized (init_process_group)")
@@ -328,6 +346,7 @@ class MuonAdamW(torch.optim.Optimizer):
             if missing:
                 raise ValueError(f"param_groups[{gi}] (kind {kind!r}) lacks {missing}: nanochat's MuonAdamW takes "
                                  "every value in the group")
+            _check_values(g, f"param_groups[{gi}]")
             if kind == "muon":
                 shapes = {tuple(p.shape) for p in g["params"]}
                 if len(shapes) != 1 or any(p.ndim != 2 for p in g["params"]):

@@ -198,6 +198,13 @@ def test_a_stacked_buffer_of_another_layout_is_refused(gen):
                                          beta2=0.9, weight_decay=0.0)]), "one shape"),
     (lambda ps: nanochat.MuonAdamW([dict(kind="adamw", params=ps, lr=0.02)]), "lacks"),
     (lambda ps: nanochat.DistMuon(ps), "init_process_group"),
+    (lambda ps: nanochat.Muon(ps, lr=-0.1), r"\['lr'\]"),
+    (lambda ps: nanochat.Muon(ps, momentum=1.0), r"\['momentum'\]"),
+    (lambda ps: nanochat.Muon(ps, ns_steps=0), r"\['ns_steps'\]"),
+    (lambda ps: nanochat.MuonAdamW([dict(kind="adamw", params=ps[:1], lr=0.01, betas=(0.8, 1.5), eps=1e-10,
+                                         weight_decay=0.0)]), r"param_groups\[0\]\['betas'\]"),
+    (lambda ps: nanochat.MuonAdamW([dict(kind="muon", params=ps[:1], lr=0.02, momentum=0.95, ns_steps=5,
+                                         beta2=2.0, weight_decay=0.0)]), r"param_groups\[0\]\['beta2'\]"),
 ])
 def test_bad_input_is_refused_with_a_clear_error(build, match, gen):
     with pytest.raises((ValueError, RuntimeError), match=match):
