@@ -66,7 +66,7 @@ def test_muon_22a71aa_step_logic_matches_float64_reference(beta2, gen):
     # step (momentum, Polar Express and its 1.02 divisor, variance reduction, cautious decay,
     # schedules) must meet the fp32 tolerance against float64
     params = _params(MUON_SHAPES, gen)
-    start, refs = _copies(params), _copies(params)
+    start, refs = [p.detach().clone() for p in params], _copies(params)
     grads = _grads(params, gen, 3)
     ours = nanochat.Muon(params, lr=0.02, momentum=0.9, beta2=beta2, weight_decay=0.2)
     ours._muon.precision = "highest"
@@ -86,7 +86,7 @@ def test_muon_22a71aa_in_bf16_is_within_bf16_rounding_of_float64(gen):
     # one step: the Newton–Schulz input is a multiple of the grad, and bf16 rounding of it is
     # magnified by the Polar Express rows as much as that input's spectrum lets them
     params = _params(MUON_SHAPES, gen)
-    start, refs = _copies(params), _copies(params)
+    start, refs = [p.detach().clone() for p in params], _copies(params)
     grads = _grads(params, gen, 1)
     _run(nanochat.Muon(params, lr=0.02, momentum=0.9, weight_decay=0.2), params, grads)
     _run(RefMuon2201(refs, lr=0.02, momentum=0.9, weight_decay=0.2), refs, grads)
@@ -105,7 +105,7 @@ def test_muonadamw_matches_float64_reference_in_fp32(gen):
     assert nanochat.compute_dtype() == torch.float32
     adam_params, muon_params = _params(ADAMW_SHAPES, gen), _params(MUON_SHAPES, gen)
     params = adam_params + muon_params
-    start, refs = _copies(params), _copies(params)
+    start, refs = [p.detach().clone() for p in params], _copies(params)
     grads = _grads(params, gen, 3)
     ours = nanochat.MuonAdamW(_muonadamw_groups(params[:3], params[3:]))
     ref = RefMuonAdamW(_muonadamw_groups(refs[:3], refs[3:]))
