@@ -3,7 +3,9 @@
 - :mod:`.snippet` — Keller Jordan's Muon snippet and nanochat's ``muon.py`` up to January 2026;
 - :mod:`.motif` — Motif's parallel Muon (hybrid Muon + AdamW, QK-clip, CPU offload);
 - :mod:`.aux_adam` — Keller Jordan's ``MuonWithAuxAdam``;
-- :mod:`.megatron_legacy` — Megatron-LM's older ``muon.py`` names.
+- :mod:`.megatron_legacy` — Megatron-LM's older ``muon.py`` names;
+- :mod:`.nanochat` — nanochat's ``Muon`` / ``DistMuon`` of 22a71aa and its ``MuonAdamW`` (since 2026).
 
-``megatron_eopt.muon`` re-exports them (the one-import drop-in).
+``megatron_eopt.muon`` re-exports the first four, ``megatron_eopt.nanochat`` the last (the
+one-import drop-ins).
 """
