@@ -221,3 +221,24 @@ def test_compute_dtype_follows_nanochat(monkeypatch):
     want = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0) \
         else torch.float32
     assert nanochat.compute_dtype() == want
+
+
+def test_muonadamw_with_bf16_matrices_keeps_stacks_in_their_dtype(gen):
+    # the fused statistics are fp32: a bf16 stack is stepped through an fp32 copy and written back
+    params = _params([(8, 4), (8, 4), (4, 8)], gen, dtype=torch.bfloat16)
+    refs = _copies(params)
+    start = [p.detach().clone() for p in params]
+    grads = _grads(params, gen, 2)
+    ours = nanochat.MuonAdamW(_muonadamw_groups([], params))
+    theirs = RefMuonAdamW(_muonadamw_groups([], refs))
+    _run(ours, params, grads)
+    _run(theirs, refs, grads)
+    for group, ref_group in zip(ours.param_groups[1:], theirs.param_groups[1:]):
+        got = ours.state[group["params"][0]]
+        want = theirs.state[ref_group["params"][0]]
+        for key in ("momentum_buffer", "second_momentum_buffer"):
+            assert got[key].dtype == torch.bfloat16
+            assert rel_err(got[key].float(), want[key].float()) <= TOLERANCE["medium"], key
+    for p, r, s in zip(params, refs, start):
+        # a step of ~2% of a bf16 weight is a few ulps of it, rounded on both sides
+        assert rel_err(p.detach().float() - s.float(), r.detach().float() - s.float()) <= 0.1
