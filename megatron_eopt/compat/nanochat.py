@@ -255,6 +255,13 @@ class _NanochatMuonBase(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
 
     @torch.no_grad()
+    def init_state(self) -> None:
+        """Creates every group's stacks (zeros) up front, as the first step would (checkpoint loading)."""
+        _, world = self._world()
+        for group in self.param_groups:
+            self._muon.ensure_state(self.state, group, world)
+
+    @torch.no_grad()
     def step(self):
         rank, world = self._world()
         for gi, group in enumerate(self.param_groups):
@@ -374,6 +381,19 @@ class MuonAdamW(torch.optim.Optimizer):
         check_loaded_state(self, state_dict)
         super().load_state_dict(state_dict)
 
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Creates the whole state up front (zeros, AdamW ``step`` 0), as the first step would."""
+        rank, world = _world()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon.ensure_state(self.state, group, world)
+                continue
+            for p in group["params"]:
+                if not self.state[p]:
+                    piece = self._adamw_slice(p, rank, world)
+                    self.state[p].update(step=0, exp_avg=torch.zeros_like(piece), exp_avg_sq=torch.zeros_like(piece))
+
     @staticmethod
     def _adamw_slice(p: torch.Tensor, rank: int, world: int) -> torch.Tensor:
         if world == 1 or p.numel() < SMALL_ADAMW_NUMEL:
@@ -438,9 +458,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 s = self.state[p]
                 piece = self._adamw_slice(p, rank, world)
                 if not s:
-                    s["step"] = 0
-                    s["exp_avg"] = torch.zeros_like(piece)
-                    s["exp_avg_sq"] = torch.zeros_like(piece)
+                    s.update(step=0, exp_avg=torch.zeros_like(piece), exp_avg_sq=torch.zeros_like(piece))
                 slices.append(piece)
                 gs.append(grads[p])
                 m1.append(s["exp_avg"])

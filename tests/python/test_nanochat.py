@@ -243,3 +243,23 @@ def test_muonadamw_with_bf16_matrices_keeps_stacks_in_their_dtype(gen):
         # a step of ~2% of a bf16 weight is a few ulps of it, rounded on both sides: the states above
         # carry the comparison; here only that every weight was stepped and stayed bf16
         assert p.dtype == torch.bfloat16 and not torch.equal(p.detach(), s)
+
+
+@pytest.mark.parametrize("kind", ["muon", "muonadamw"])
+def test_init_state_creates_the_layout_a_step_creates(kind, gen):
+    shapes = MUON_SHAPES if kind == "muon" else ADAMW_SHAPES + MUON_SHAPES
+    params = _params(shapes, gen)
+    stepped = _build(kind, nanochat.Muon if kind == "muon" else nanochat.MuonAdamW, params)
+    _run(stepped, params, _grads(params, gen, 1))
+    fresh = _build(kind, nanochat.Muon if kind == "muon" else nanochat.MuonAdamW, _copies(params))
+    fresh.init_state()
+    a, b = fresh.state_dict()["state"], stepped.state_dict()["state"]
+    assert sorted(a) == sorted(b)
+    for index, s in b.items():
+        assert sorted(a[index]) == sorted(s)
+        for key, value in s.items():
+            if isinstance(value, torch.Tensor):
+                assert a[index][key].shape == value.shape and not a[index][key].any()
+            else:
+                assert a[index][key] == 0
+    fresh.load_state_dict(copy.deepcopy(stepped.state_dict()))  # and a checkpoint loads over it
