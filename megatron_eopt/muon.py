@@ -12,6 +12,8 @@ after changing its import to ``from megatron_eopt.muon import ...``, and runs on
   ``get_megatron_optimizer`` after :func:`megatron_eopt.integrations.megatron.install`;
 - ``TensorParallelMuon`` — Megatron-LM's class, now :class:`megatron_eopt.optim.TensorParallelMuon`.
 
+``Muon`` and ``DistMuon`` follow nanochat's ``muon.py`` at 4ddc803, checkpoints included (the same
+groups, indices, keys and owner ranks); nanochat since 2026 is :mod:`megatron_eopt.nanochat`.
 Each name warns once per process with a ``DeprecationWarning`` naming its replacement.
 """
 
