@@ -14,6 +14,8 @@ after changing its import to ``from megatron_eopt.muon import ...``, and runs on
 - Motif's parallel Muon: ``Muon(groups flagged use_muon, ...)`` (its numbers, QK-clip semantics and
   checkpoint layout), ``get_default_muon_param_groups``, ``default_is_muon``, ``parse_qk_layer``.
 
+``Muon`` and ``DistMuon`` follow nanochat's ``muon.py`` at 4ddc803, checkpoints included (the same
+groups, indices, keys and owner ranks); nanochat since 2026 is :mod:`megatron_eopt.nanochat`.
 Each class and factory warns once per process with a ``DeprecationWarning`` naming its replacement.
 """
 

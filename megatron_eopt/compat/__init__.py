@@ -4,7 +4,9 @@
 - :mod:`.motif` — Motif's parallel Muon (hybrid Muon + AdamW, CPU offload, its routing and
   checkpoint layout), with :mod:`.motif_qk_clip` for Motif's QK-clip rule;
 - :mod:`.aux_adam` — Keller Jordan's ``MuonWithAuxAdam``;
-- :mod:`.megatron_legacy` — Megatron-LM's older ``muon.py`` names.
+- :mod:`.megatron_legacy` — Megatron-LM's older ``muon.py`` names;
+- :mod:`.nanochat` — nanochat's ``Muon`` / ``DistMuon`` of 22a71aa and its ``MuonAdamW`` (since 2026).
 
-``megatron_eopt.muon`` re-exports them (the one-import drop-in).
+``megatron_eopt.muon`` re-exports the first four, ``megatron_eopt.nanochat`` the last (the
+one-import drop-ins).
 """

@@ -10,13 +10,19 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from ..optim._recipe import NSRecipe
+from ..optim._state_check import check_loaded_state
 from . import motif
 from ._deprecation import _warn_once
 
+# How DistMuon picks the rank that steps a matrix and keeps its momentum.
+OWNER_RULES = ("nanochat", "balanced")
+
 # The snippets' Muon (Keller Jordan, nanochat) on the fused optimizer: decoupled decay, the original
-# quintic in bf16, update scaled by sqrt(max(1, m / n)).
+# quintic in bf16 after dividing by ||X|| + 1e-7, update scaled by sqrt(max(1, m / n)).
 SNIPPET_MUON = dict(weight_decay_method="decoupled", fp32_matmul_prec="medium", coefficient_type="simple",
-                    scale_mode="shape_scaling")
+                    scale_mode="shape_scaling", ns_eps_mode="add")
+SNIPPET_EPS = 1e-7
 
 # Keller Jordan's quintic: fast to reach singular values in about [0.7, 1.2], not exactly 1.
 _SIMPLE = "simple"
@@ -25,9 +31,9 @@ _SIMPLE = "simple"
 def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int) -> torch.Tensor:
     """Approximately orthogonalizes G (``..., m, n``; batched over leading dims) in bf16.
 
-    The popular snippet's semantics: ``steps`` iterations of the simple quintic, Frobenius
-    normalization (eps 1e-7), bf16 products accumulated in fp32, matrices with more rows than
-    columns iterated transposed; the result is bf16 with G's shape.
+    The popular snippet's semantics: ``steps`` iterations of the simple quintic after dividing
+    by ``‖G‖_F + 1e-7``, bf16 products accumulated in fp32, matrices with more rows than columns
+    iterated transposed; the result is bf16 with G's shape.
     """
     _warn_once("zeropower_via_newtonschulz5")
     return _zeropower_bf16(G, steps)
@@ -45,7 +51,9 @@ def _zeropower_bf16(G: torch.Tensor, steps: int) -> torch.Tensor:
     x = G.detach().float()
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
-    out = newton_schulz(x.contiguous(), steps=steps, coefficient_type=_SIMPLE, eps=1e-7, precision="medium")
+    # divided by ||X|| + eps here; the op's own max(||X||, eps) normalization then divides by 1
+    x = NSRecipe(eps_mode="add").prepare(x, SNIPPET_EPS)
+    out = newton_schulz(x.contiguous(), steps=steps, coefficient_type=_SIMPLE, eps=1.0, precision="medium")
     return out.reshape(G.shape).to(torch.bfloat16)
 
 
@@ -76,8 +84,12 @@ class Muon(torch.optim.Optimizer):
 
     Groups keep ``lr``, ``momentum``, ``nesterov``, ``ns_steps`` and ``weight_decay`` (read at
     every step, so schedulers and momentum warmups work); ``nesterov`` and ``ns_steps`` must be
-    the same in every group. The state is ``momentum_buffer`` shaped like each parameter, so
-    checkpoints load into and from the snippets' ``Muon``.
+    the same in every group. A flat list of parameters is regrouped as nanochat's ``Muon`` (at
+    4ddc803) and modded-nanogpt's do it: one group per distinct ``numel``, in the order Python's
+    set of those sizes iterates, parameters in their given order within a group. The state is
+    ``momentum_buffer`` shaped like each parameter. So checkpoints load into and from nanochat's
+    ``Muon``: the same groups, indices and keys; a group saved without ``weight_decay`` (nanochat
+    has none) gets this optimizer's default.
     """
 
     _legacy_name = "Muon"
@@ -111,6 +123,7 @@ class Muon(torch.optim.Optimizer):
         if self._legacy_name == "Muon":  # DistMuon warns under its own name
             _warn_once("Muon")
         params = self.__dict__.pop("_new_params", params)
+        params = _groups_by_numel(params)
         ns_steps = _resolve_steps(ns_steps, backend, backend_steps)
         defaults = dict(lr=lr, momentum=momentum, nesterov=bool(nesterov), ns_steps=ns_steps, weight_decay=weight_decay)
         self._inner = None
@@ -203,8 +216,17 @@ class Muon(torch.optim.Optimizer):
             inner_group["momentum"] = group["momentum"]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
         super().load_state_dict(state_dict)
+        self._default_group_keys()
         self._build_inner()
+
+    def _default_group_keys(self) -> None:
+        # A group saved by a class that lacks a key this one reads (nanochat's Muon has no
+        # weight_decay) gets this optimizer's default for it.
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -237,16 +259,22 @@ def _view(t: torch.Tensor, shape) -> torch.Tensor:
 class DistMuon(Muon):
     """nanochat's data-parallel Muon: every rank holds all parameters and its own grads.
 
-    Built on the owner machinery of the sharded optimizers: every matrix gets one owner rank,
-    balanced by Newton–Schulz FLOPs (not "the r-th of each run of world_size same-shape
-    params"). Per chunk of matrices (same shapes next to each other), one all-to-all carries every
+    Parameters are regrouped by shape (shapes sorted, within the given groups), and each group
+    holds a ``zero_buffer`` shaped like its parameters, as nanochat's ``DistMuon`` (at 4ddc803)
+    keeps them. Every matrix gets one owner rank, which alone keeps its momentum:
+    ``owners="nanochat"`` (the default) gives rank r the r-th parameter of each run of world-size
+    parameters of a group (index i of a group belongs to rank i % world_size), exactly as nanochat
+    does, so each rank's checkpoint loads into nanochat's ``DistMuon`` of the same world size and
+    back; ``owners="balanced"`` balances the Newton–Schulz FLOPs across the ranks instead (its
+    checkpoints load only under the same assignment). Loading a checkpoint whose momentum belongs
+    to another rank here (another world size or assignment) raises instead of restarting that
+    momentum from zero. Per chunk of matrices (same shapes next to each other), one all-to-all carries every
     rank's grads to the owners, which average them (a reduce-scatter: each owner receives only
     the grads of what it owns, summed in rank order and divided by the world size), run one fused
     Muon step over their matrices and send the new values to every rank in one all-to-all back.
     The collectives are asynchronous, so chunk i+1's grads travel while chunk i is stepped. The
     update equals :class:`Muon` on the averaged grads; momentum lives on the owner only. Every
-    parameter needs a grad on every rank. Parameters are regrouped by shape (within the given
-    groups), as in nanochat. ``process_group`` defaults to the world.
+    parameter needs a grad on every rank. ``process_group`` defaults to the world.
 
     DTensor parameters (FSDP2, already reduce-scattered grads) take the sharded path of
     :class:`megatron_eopt.optim.Muon` instead: each matrix is orthogonalized once, by its owner
@@ -267,8 +295,12 @@ class DistMuon(Muon):
         backend: str = "newtonschulz5",
         backend_steps: int | None = None,
         process_group: dist.ProcessGroup | None = None,
+        owners: str = "nanochat",
     ) -> None:
         _warn_once("DistMuon")
+        if owners not in OWNER_RULES:
+            raise ValueError(f"owners must be one of {list(OWNER_RULES)}, got {owners!r}")
+        self._owners = owners
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistMuon needs torch.distributed to be initialized (init_process_group)")
         if process_group is not None and dist.get_rank(process_group) < 0:
@@ -309,14 +341,58 @@ class DistMuon(Muon):
             for i, (p, _, _) in enumerate(self._handles):
                 buckets.setdefault((p.dtype, p.device), []).append(i)
             plans = []
+            position = {id(p): pi for group in self.param_groups for pi, p in enumerate(group["params"])}
             for items in buckets.values():
                 # Same-shape matrices next to each other: an owner's matrices of a chunk batch.
                 items = sorted(items, key=lambda i: (tuple(self._handles[i][1].shape), i))
-                costs = [ns_flops(tuple(self._handles[i][1].shape)) for i in items]
-                chunks, owners = assign_owners(costs, size, ITEMS_PER_RANK * size)
+                if self._owners == "nanochat":  # index i of its group -> rank i % world size
+                    owners = [position[id(self._handles[i][0])] % size for i in items]
+                    per_chunk = ITEMS_PER_RANK * size
+                    chunks = [list(range(k, min(k + per_chunk, len(items)))) for k in range(0, len(items), per_chunk)]
+                else:
+                    costs = [ns_flops(tuple(self._handles[i][1].shape)) for i in items]
+                    chunks, owners = assign_owners(costs, size, ITEMS_PER_RANK * size)
                 plans.append((items, chunks, owners))
             self._exchanges = (route, plans)
         return self._exchanges
+
+    def _default_group_keys(self) -> None:
+        super()._default_group_keys()
+        for group in self.param_groups:  # nanochat's DistMuon reads it from every group
+            if "zero_buffer" not in group:
+                group["zero_buffer"] = torch.zeros_like(group["params"][0])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_momentum_owners(state_dict)
+        super().load_state_dict(state_dict)
+
+    def _check_momentum_owners(self, state_dict: dict[str, Any]) -> None:
+        """Refuses a checkpoint whose momentum cannot follow its parameter: state for a matrix
+        another rank owns here, or none for one this rank owns while others have some."""
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            return  # load_state_dict's own error
+        if any(_is_dtensor(p) for g in self.param_groups for p in g["params"]):
+            return  # DTensor state: every rank holds its shard of every matrix
+        states = state_dict.get("state", {})
+        if not any("momentum_buffer" in s for s in states.values()):
+            return  # nothing stepped yet
+        group = self._pg if self._pg is not None else dist.group.WORLD
+        me, size = dist.get_rank(group), dist.get_world_size(group)
+        for gi, (saved, current) in enumerate(zip(saved_groups, self.param_groups)):
+            for pi, (index, p) in enumerate(zip(saved["params"], current["params"])):
+                owner = self.owner_of(p)  # a rank of the group, as `me`
+                has = "momentum_buffer" in states.get(index, {})
+                if has != (owner == me):
+                    raise ValueError(
+                        f"load_state_dict: param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}) is owned by "
+                        f"rank {owner} of {size} here (owners={self._owners!r}), but this rank's checkpoint "
+                        f"{'holds' if has else 'lacks'} its momentum_buffer: it was saved at another world size or "
+                        "owner assignment, and the momentum cannot follow its parameter. Load each rank's "
+                        "checkpoint on the same rank of the same world size; nothing was loaded"
+                    )
 
     def owner_of(self, p: torch.Tensor) -> int:
         """The rank (in ``process_group``) that steps ``p`` and keeps its momentum."""
@@ -404,8 +480,19 @@ def _mean_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
     return acc.to(parts[0].dtype)
 
 
+def _groups_by_numel(params: Iterable[Any]) -> list[Any]:
+    """nanochat's (4ddc803) and modded-nanogpt's grouping of a flat parameter list: one group per
+    distinct numel, in the iteration order of the set of sizes; param groups pass unchanged."""
+    params = list(params)
+    if not params or isinstance(params[0], dict):
+        return params
+    sizes = {p.numel() for p in params}  # a set's order, as theirs: it decides the saved indices
+    return [{"params": [p for p in params if p.numel() == size]} for size in sizes]
+
+
 def _groups_by_shape(params: Iterable[Any]) -> list[dict[str, Any]]:
-    """Splits the given params (or groups) into groups of one shape, shapes sorted (as nanochat)."""
+    """Splits the given params (or groups) into groups of one shape, shapes sorted, each with a
+    ``zero_buffer`` (nanochat's DistMuon at 4ddc803)."""
     params = list(params)
     groups = params if params and isinstance(params[0], dict) else [{"params": params}]
     out = []
@@ -413,5 +500,7 @@ def _groups_by_shape(params: Iterable[Any]) -> list[dict[str, Any]]:
         tensors = list(group["params"])
         options = {k: v for k, v in group.items() if k != "params"}
         for shape in sorted({tuple(p.shape) for p in tensors}):
-            out.append({"params": [p for p in tensors if tuple(p.shape) == shape], **options})
+            members = [p for p in tensors if tuple(p.shape) == shape]
+            # nanochat pads its collectives with it and reads it from each group (checkpoints too)
+            out.append({"params": members, **options, "zero_buffer": torch.zeros_like(members[0].detach())})
     return out

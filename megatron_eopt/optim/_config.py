@@ -13,18 +13,18 @@ from typing import Literal, Sequence
 import torch
 
 from .._errors import call_op
+from ._recipe import NSRecipe, polar_express_rows
 from ..newton_schulz import (
     NS_ALGORITHMS,
     coefficient_table,
-    get_coefficients,
     get_muon_scale_factor,
     validate_precision,
 )
 
-WeightDecayT = Literal["decoupled", "independent", "l2", "palm"]
+WeightDecayT = Literal["decoupled", "independent", "l2", "palm", "cautious"]
 Moment2MethodT = Literal["adamuon", "normuon", "namo"]
 
-WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
+WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm", "cautious")
 MOMENT2_METHODS = ("adamuon", "normuon", "namo")
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 NS_EPS = 1e-7  # Frobenius-normalization floor of Newton–Schulz, as in the reference packages
@@ -51,15 +51,30 @@ class OrthogonalizationConfig:
     coefficients: tuple[tuple[float, float, float], ...] = ()  # the rows one run consumes
     table: tuple[float, ...] = ()  # the op's flattened coefficient table
     repeat_last: bool = False  # the op's schedule policy past the table
+    recipe: NSRecipe = NSRecipe()  # MuonEq, normalization convention, Muon+ (see _recipe)
+
+    @property
+    def op_weight_decay_method(self) -> str:
+        """The decay the fused ops apply: cautious decay is decoupled decay under a mask, applied
+        beside them (``_recipe.cautious_decay_``), so the ops see ``decoupled`` with no decay."""
+        return "decoupled" if self.weight_decay_method == "cautious" else self.weight_decay_method
 
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled)."""
-        return call_op(
-            torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision, self.algorithm
+        eps = self.recipe.eps
+        if self.recipe.prepares_input:
+            # normalized here (MuonEq, ||X|| + eps, safety divisor): the op's max(||X||, 1) is 1
+            x, eps = self.recipe.prepare(x, eps), 1.0
+        out = call_op(
+            torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, eps, None, self.precision, self.algorithm
         )
+        return self.recipe.finish_(out)
 
     def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
         """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``."""
+        if self.recipe != NSRecipe():
+            raise ValueError("MuonEq, Muon+, ns_eps_mode='add' and ns_norm_divisor do not apply to split (QKV) "
+                             "orthogonalization")
         return call_op(
             torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision,
             self.scale_mode if scaled else None, self.extra_scale_factor if scaled else 1.0, self.algorithm,
@@ -82,6 +97,12 @@ def make_config(
     extra_scale_factor: float,
     moment2_method: str | None = None,
     ns_algorithm: str = "auto",
+    ns_eps_mode: str = "clamp",
+    ns_norm_divisor: float = 1.0,
+    row_equilibration: bool = False,
+    frobenius_renorm: bool = False,
+    polar_express_safety: float | None = None,
+    ns_eps: float = NS_EPS,
 ) -> OrthogonalizationConfig:
     """Validates the optimizer-wide arguments (ValueError naming the argument) and freezes them."""
     if weight_decay_method not in WEIGHT_DECAY_METHODS:
@@ -108,10 +129,18 @@ def make_config(
             raise ValueError(f"moment2_method must be one of {list(MOMENT2_METHODS)}, got {moment2_method!r}")
         if moment2_method == "namo" and weight_decay_method == "l2":
             raise ValueError('moment2_method="namo" is incompatible with weight_decay_method="l2"')
+    recipe = NSRecipe.make(ns_eps_mode, ns_norm_divisor, row_equilibration, frobenius_renorm, ns_eps)
     custom = table if coefficient_type == "custom" else None
     _, repeat_last = coefficient_table(coefficient_type, custom)
+    if polar_express_safety is not None:
+        if coefficient_type != "polar_express":
+            raise ValueError(f"polar_express_safety applies to coefficient_type='polar_express', got {coefficient_type!r}")
+        table = polar_express_rows(polar_express_safety)  # past its end the last row repeats, as polar_express
     return OrthogonalizationConfig(
-        coefficients=tuple(tuple(row) for row in get_coefficients(coefficient_type, num_ns_steps, custom)),
+        recipe=recipe,
+        coefficients=tuple(
+            tuple(table[min(i, len(table) - 1)] if repeat_last else table[i % len(table)]) for i in range(num_ns_steps)
+        ),
         table=tuple(float(v) for row in table for v in row),
         repeat_last=repeat_last,
         nesterov=bool(nesterov),

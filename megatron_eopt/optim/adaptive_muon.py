@@ -23,6 +23,13 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
 
     ``nd_mode`` and ``sharded_mode`` as in :class:`Muon`; with ``nd_mode="batch"`` NorMuon and NAMO
     keep one statistic per matrix (``(E, m, 1)`` / ``(E, 1, n)``, ``(E, 1)``).
+
+    nanochat's variance reduction (NorMuon, arXiv 2510.05491, as nanochat runs it since January
+    2026) is exactly ``moment2_method="normuon"`` with ``eps=1e-10`` (its floor of the statistic and
+    of the renormalization's norm). The 2026 recipe options (``weight_decay_method="cautious"``,
+    ``row_equilibration``, ``frobenius_renorm``, ``ns_eps_mode``, ``ns_norm_divisor``,
+    ``polar_express_safety``) are those of :class:`Muon`; Muon+ renormalizes O before the second
+    moment, as nanochat does.
     """
 
     def __init__(
@@ -45,6 +52,12 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
+        row_equilibration: bool = False,
+        frobenius_renorm: bool = False,
+        ns_eps_mode: str = "clamp",
+        ns_norm_divisor: float = 1.0,
+        polar_express_safety: float | None = None,
+        ns_eps: float = 1e-7,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -55,6 +68,12 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
             num_ns_steps=num_ns_steps,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
+            row_equilibration=row_equilibration,
+            frobenius_renorm=frobenius_renorm,
+            ns_eps_mode=ns_eps_mode,
+            ns_norm_divisor=ns_norm_divisor,
+            polar_express_safety=polar_express_safety,
+            ns_eps=ns_eps,
             moment2_method=moment2_method,
         )
         self.nesterov = config.nesterov

@@ -17,6 +17,7 @@ import torch
 from torch.optim.adam import adam as adam_functional
 
 from ._offload import StateOffload
+from ._state_check import check_loaded_state, like_param
 from .adaptive_muon import AdaptiveMuon
 from .muon import Muon
 from ._sharded import is_dtensor
@@ -197,8 +198,15 @@ class HybridMuon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._offload.refuse("load_state_dict()")
+        check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
         super().load_state_dict(state_dict)
         self._link()  # torch built new group dicts and a new state
+
+    def _expected_state(self, p: torch.Tensor, key: str):
+        """What ``load_state_dict`` accepts for ``state[p][key]`` (the side that owns p decides)."""
+        if self._muon is not None and any(p is q for g in self._muon.param_groups for q in g["params"]):
+            return self._muon._expected_state(p, key)
+        return like_param(p, key)
 
     def init_state(self) -> None:
         """Creates the Muon side's state up front (for checkpoint loading); AdamW's is lazy."""

@@ -33,6 +33,26 @@ class Muon(OrthogonalizedOptimizer):
     ``"flatten"`` views them as ``(size(0), -1)`` (convolutions). DTensor params (FSDP2, tensor
     parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
     is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks).
+
+    The 2026 recipe (nanochat's ``MuonAdamW``), each off by default:
+
+    - ``weight_decay_method="cautious"``: decoupled decay only where the update and the weight
+      agree in sign, ``p -= lr·wd·p·[U·p ≥ 0]`` (Chen et al., "Cautious Weight Decay", 2025);
+    - ``row_equilibration=True``: MuonEq (arXiv 2603.28254), every row of the Newton–Schulz input
+      rescaled to the root-mean-square row norm before orthogonalization;
+    - ``frobenius_renorm=True``: Muon+ (arXiv 2602.21545), the orthogonalized update's Frobenius
+      norm set to √min(m, n) before scaling;
+    - ``ns_eps_mode``: the Frobenius normalization that starts Newton–Schulz, ``"clamp"``
+      ``X / max(‖X‖, ns_eps)`` (Emerging-Optimizers) or ``"add"`` ``X / (‖X‖ + ns_eps)`` (the
+      snippets), ``ns_eps`` 1e-7 by default (nanochat uses 1e-6 since 2026);
+      ``ns_norm_divisor`` s ≥ 1 divides by ``s·‖X‖`` (Polar Express's safety, arXiv 2505.16932);
+    - ``polar_express_safety`` s ≥ 1 (with ``coefficient_type="polar_express"``): the Polar Express
+      table for that safety factor, every row but the last evaluated at X / s (``None``: the
+      table as Emerging-Optimizers ships it, which is s = 1.01 cut to four decimals).
+
+    These run around the fused ops in PyTorch for now (one reduction and one multiply per option).
+    NorMuon-style variance reduction as nanochat does it is :class:`AdaptiveMuon` with
+    ``moment2_method="normuon", eps=1e-10``.
     """
 
     def __init__(
@@ -53,6 +73,12 @@ class Muon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
+        row_equilibration: bool = False,
+        frobenius_renorm: bool = False,
+        ns_eps_mode: str = "clamp",
+        ns_norm_divisor: float = 1.0,
+        polar_express_safety: float | None = None,
+        ns_eps: float = 1e-7,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -63,6 +89,12 @@ class Muon(OrthogonalizedOptimizer):
             num_ns_steps=num_ns_steps,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
+            row_equilibration=row_equilibration,
+            frobenius_renorm=frobenius_renorm,
+            ns_eps_mode=ns_eps_mode,
+            ns_norm_divisor=ns_norm_divisor,
+            polar_express_safety=polar_express_safety,
+            ns_eps=ns_eps,
         )
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method

@@ -41,6 +41,7 @@ from ._distributed import (
     tp_normuon_normalize_,
 )
 from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan
+from ._recipe import cautious_decay_
 from ._sharded import (
     ND_MODES,
     SHARDED_MODES,
@@ -52,6 +53,7 @@ from ._sharded import (
     sharded_normuon_,
     zeros_state,
 )
+from ._state_check import check_loaded_state
 
 
 class OrthogonalizedOptimizer(torch.optim.Optimizer):
@@ -173,6 +175,30 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 param_state["moment2_buffer"] = m2.float()
         if getattr(self, "_constructed", False):
             self._rebuild_plan()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
+        super().load_state_dict(state_dict)
+
+    def _expected_state(self, p: torch.Tensor, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """What ``load_state_dict`` accepts for ``state[p][key]``: (shape, dtype), or None (not checked)."""
+        if key == "momentum_buffer":
+            return tuple(p.shape), p.dtype
+        method = self._config.moment2_method
+        if key != "moment2_buffer" or method is None:
+            return None
+        plan = self._current_plan()
+        entry = plan.entries[plan.index[id(p)]] if id(p) in plan.index else None
+        if entry is None or entry.sharding is not None:
+            return None  # a DTensor's statistics: laid out by its sharding, checked by DCP's planner
+        if method == "adamuon":
+            return tuple(p.shape), torch.float32
+        shape = list(entry.local_shape)
+        if method == "normuon":
+            shape[entry.normuon_dim] = 1
+        else:  # namo: one scalar per matrix
+            shape = shape[:-2] + [1]
+        return tuple(shape), torch.float32
 
     def _step_keys(self) -> tuple[str, ...]:
         """The per-step values of a param group the ops read as device tensors."""
@@ -372,7 +398,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 momentum=hyper["momentum"],
                 nesterov=cfg.nesterov,
                 weight_decay=hyper["weight_decay"],
-                weight_decay_method=cfg.weight_decay_method,
+                weight_decay_method=cfg.op_weight_decay_method,
                 grad_scale=self._momentum_grad_divisor(hyper, scale_t),
                 found_inf=inf_t,
             )
@@ -414,13 +440,17 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             if cfg.moment2_method is not None:
                 self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
                                 hyper, scale_t, inf_t)
+            weight_decay = hyper["weight_decay"]
+            if cfg.weight_decay_method == "cautious":  # masked by the update's sign: applied here, for now
+                cautious_decay_(params, bucket_updates, hyper["lr"], weight_decay, inf_t)
+                weight_decay = torch.zeros_like(weight_decay)
             ops.foreach_update_(
                 params,
                 bucket_updates,
                 [scales[i] for i in members],
                 lr=hyper["lr"],
-                weight_decay=hyper["weight_decay"],
-                weight_decay_method=cfg.weight_decay_method,
+                weight_decay=weight_decay,
+                weight_decay_method=cfg.op_weight_decay_method,
                 found_inf=inf_t,
             )
         return None

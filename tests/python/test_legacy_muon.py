@@ -194,7 +194,8 @@ def test_state_dict_round_trip_continues_exactly(gen):
 
     run(a, opt_a, grads[:2])
     saved = copy.deepcopy(opt_a.state_dict())  # as if saved to disk: no shared tensors
-    assert [tuple(s["momentum_buffer"].shape) for s in saved["state"].values()] == [(10, 6), (16, 2, 3, 1)]
+    # nanochat's grouping, one group per numel in the order CPython's set {60, 96} iterates: 96 first
+    assert [tuple(s["momentum_buffer"].shape) for s in saved["state"].values()] == [(16, 2, 3, 1), (10, 6)]
     for pb, pa in zip(b, a):
         pb.data.copy_(pa.data)
     opt_b = legacy.Muon(b, lr=0.5, weight_decay=0.0)  # hyper-parameters come from the checkpoint
@@ -217,7 +218,8 @@ def test_params_without_grad_are_skipped(gen):
 @pytest.mark.parametrize(
     "build, match",
     [
-        (lambda ps: legacy.Muon(ps + [torch.nn.Parameter(torch.randn(4))]), r"params'\]\[1\] has shape \(4,\)"),
+        # regrouped by numel (nanochat): the vector is alone in its group
+        (lambda ps: legacy.Muon(ps + [torch.nn.Parameter(torch.randn(4))]), r"params'\]\[0\] has shape \(4,\)"),
         (lambda ps: legacy.Muon(ps, backend="svd"), "backend"),
         (lambda ps: legacy.Muon(ps, ns_steps=4, backend_steps=6), "disagree"),
         (lambda ps: legacy.Muon(ps, ns_steps=0), "ns_steps"),
@@ -297,7 +299,8 @@ def _run_dist_muon(tmp_path, world, seed, case):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world, case", [(1, "basic"), (2, "basic"), (2, "many"), (4, "many"), (2, "mixed")])
+@pytest.mark.parametrize("world, case", [(1, "basic"), (2, "basic"), (3, "basic"), (3, "many"), (2, "mixed"),
+                                         (3, "many_balanced")])
 def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, gen, world, case):
     sys.path.insert(0, HERE)
     import dist_muon_worker as worker
@@ -340,11 +343,28 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
                 assert torch.allclose(buf, want, rtol=1e-6, atol=1e-7), ("momentum", i, shapes[i])
             else:
                 assert rel_err(buf.float(), want.float()) <= 2e-2, ("momentum", i, shapes[i])
-    # the ranks' Newton–Schulz work is balanced: the loads differ by at most one matrix's cost
-    flops = [r["flops"] for r in results]
-    largest = max(ns_flops((s[0], math.prod(s[1:]))) for s in shapes)
-    assert max(flops) - min(flops) <= largest, flops
-    assert all(r["owned"] for r in results)
+    if case.endswith("_balanced"):
+        # owners="balanced": the loads differ by at most one matrix's cost
+        flops = [r["flops"] for r in results]
+        largest = max(ns_flops((s[0], math.prod(s[1:]))) for s in shapes)
+        assert max(flops) - min(flops) <= largest, flops
+        assert all(r["owned"] for r in results)
+        return
+    # nanochat's owners: index i of a shape group (shapes sorted) belongs to rank i % world
+    position = {}
+    for shape in sorted(set(shapes)):
+        for k, i in enumerate(j for j, s in enumerate(shapes) if s == shape):
+            position[i] = k
+    for r, result in enumerate(results):
+        assert result["owned"] == [i for i in range(len(shapes)) if position[i] % world == r], r
+    # checkpoints cross both ways on every rank and the next step continues with the same momentum
+    # (a momentum restarted from zero puts the next step 35-75% off here)
+    for r, result in enumerate(results):
+        for direction, run in result["crossed"].items():
+            for i, (s, a, b) in enumerate(zip(run["start"], run["first"], run["second"])):
+                if a.dtype != torch.float32:
+                    continue  # a bf16 step is a few ulps of the weight; its momentum is compared in the worker
+                assert rel_err(b.float() - s.float(), a.float() - s.float()) <= 2e-2, (r, direction, i, shapes[i])
 
 
 def test_owner_assignment_balances_flops_and_keeps_chunks():

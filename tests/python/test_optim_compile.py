@@ -12,6 +12,11 @@ SHAPES = [(8, 12), (12, 8), (8, 12), (1, 5)]
 CASES = {
     "muon": lambda ps, lr: Muon(ps, lr=lr, weight_decay=0.1, nesterov=True, fp32_matmul_prec="highest"),
     "normuon": lambda ps, lr: AdaptiveMuon(ps, lr, 0.9, 0.1, moment2_method="normuon", fp32_matmul_prec="highest"),
+    # the 2026 recipe: cautious decay, MuonEq, Muon+, ||X|| + eps with a divisor, nanochat's normuon
+    "recipe": lambda ps, lr: AdaptiveMuon(ps, lr, 0.9, 0.1, moment2_method="normuon", eps=1e-10,
+                                          weight_decay_method="cautious", row_equilibration=True,
+                                          frobenius_renorm=True, ns_eps_mode="add", ns_norm_divisor=1.01,
+                                          fp32_matmul_prec="highest"),
     "tp_muon_qkv": lambda ps, lr: TensorParallelMuon(
         ps,
         lr=lr,
@@ -29,9 +34,11 @@ CASES = {
         ("muon", "tensor", "cpu"),
         ("muon", "float", "cpu"),
         ("normuon", "tensor", "cpu"),
+        ("recipe", "tensor", "cpu"),
         ("tp_muon_qkv", "tensor", "cpu"),
         pytest.param("muon", "tensor", "cuda", marks=pytest.mark.gpu),
         pytest.param("normuon", "float", "cuda", marks=pytest.mark.gpu),
+        pytest.param("recipe", "tensor", "cuda", marks=pytest.mark.gpu),
     ],
 )
 def test_compiled_step_matches_eager_without_recompiling_on_lr_change(case, lr_kind, device, gen):

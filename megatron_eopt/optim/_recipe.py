@@ -1,0 +1,130 @@
+"""The 2026 Muon recipe around the Newton–Schulz op: options of the fused Muon / AdaptiveMuon.
+
+- MuonEq row equilibration (arXiv 2603.28254): before orthogonalization
+  every row of the update is rescaled to the root-mean-square row norm,
+  ``X ← X · (‖X‖_F / √m) / max(‖X_i‖, 1e-6)``, so the spectrum entering the iteration is better
+  conditioned.
+- The Frobenius normalization that starts the iteration, in both conventions found in the wild:
+  ``"clamp"`` divides by ``max(‖X‖, eps)`` (Emerging-Optimizers), ``"add"`` by ``‖X‖ + eps`` (Keller
+  Jordan's snippet, nanochat, modded-nanogpt); they differ only for norms near ``eps``. A
+  ``norm_divisor`` s > 1 (Polar Express's safety factor, arXiv 2505.16932: nanochat uses 1.02, then
+  1.01) divides by ``s·‖X‖`` instead, keeping rounding from pushing singular values past the
+  interval the polynomials were fitted on.
+- Muon+ (arXiv 2602.21545): after orthogonalization the update's Frobenius norm is set to
+  ``√min(m, n)``, that of an exactly semi-orthogonal matrix, correcting under-convergence.
+
+The Newton–Schulz C++ op normalizes by ``max(‖X‖, eps)`` itself. These options run here, in
+PyTorch around the op, for now: the input is divided by the chosen denominator (with MuonEq's row
+factors folded into the same multiply) and the op is called with ``eps = 1``, so its own
+normalization divides by exactly one (the prepared input has norm at most ``1 / s ≤ 1``). That is
+one reduction and one multiply over the input, and one of each over the output for Muon+.
+
+Also here: :func:`polar_express_rows`, the Polar Express table for a given safety factor, and
+:func:`cautious_decay_`, the masked decoupled decay of cautious weight decay.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+EPS_MODES = ("clamp", "add")
+ROW_NORM_FLOOR = 1e-6  # MuonEq's floor of a row norm (as nanochat)
+RENORM_FLOOR = 1e-6  # Muon+'s floor of the update's Frobenius norm (as nanochat)
+
+# Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): the optimal odd quintics for
+# Newton–Schulz's first steps, without the safety factor. Every row but the last is applied to
+# X / s for a safety factor s, i.e. (a/s, b/s³, c/s⁵); the last row is the iteration's fixed point.
+POLAR_EXPRESS_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.948690853482295, -2.908902115962949, 0.5518191394370137),
+    (3.318419657370602, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+
+def polar_express_rows(safety: float) -> tuple[tuple[float, float, float], ...]:
+    """The Polar Express table for a safety factor ``safety`` (≥ 1; 1.01 gives Emerging-Optimizers'
+    ``polar_express`` table, which is this one cut to four decimals)."""
+    if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not math.isfinite(safety) or safety < 1:
+        raise ValueError(f"polar_express_safety must be a finite number >= 1, got {safety!r}")
+    s = float(safety)
+    rows = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_RAW[:-1]]
+    return tuple(rows) + (POLAR_EXPRESS_RAW[-1],)
+
+
+@dataclass(frozen=True)
+class NSRecipe:
+    """What happens to an update around the Newton–Schulz op (defaults: nothing, the op's own
+    ``max(‖X‖, eps)`` normalization)."""
+
+    eps_mode: str = "clamp"
+    norm_divisor: float = 1.0
+    row_equilibration: bool = False
+    frobenius_renorm: bool = False
+    eps: float = 1e-7  # the normalization's eps (the reference packages' 1e-7; nanochat 1e-6 since 2026)
+
+    @staticmethod
+    def make(eps_mode: str = "clamp", norm_divisor: float = 1.0, row_equilibration: bool = False,
+             frobenius_renorm: bool = False, eps: float = 1e-7) -> "NSRecipe":
+        """Validated options (ValueError naming the argument)."""
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
+            raise ValueError(f"ns_eps must be a number in (0, 1), got {eps!r}")
+        if eps_mode not in EPS_MODES:
+            raise ValueError(f"ns_eps_mode must be one of {list(EPS_MODES)}, got {eps_mode!r}")
+        if (isinstance(norm_divisor, bool) or not isinstance(norm_divisor, (int, float))
+                or not math.isfinite(norm_divisor) or norm_divisor < 1):
+            raise ValueError(f"ns_norm_divisor must be a finite number >= 1, got {norm_divisor!r}")
+        for name, flag in (("row_equilibration", row_equilibration), ("frobenius_renorm", frobenius_renorm)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        return NSRecipe(eps_mode, float(norm_divisor), row_equilibration, frobenius_renorm, float(eps))
+
+    @property
+    def prepares_input(self) -> bool:
+        return self.eps_mode != "clamp" or self.norm_divisor != 1.0 or self.row_equilibration
+
+    def prepare(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """The normalized Newton–Schulz input (a new tensor; ``x``, (..., m, n) fp32, is kept):
+        MuonEq's row factors and the chosen normalization in one multiply."""
+        if self.row_equilibration:
+            rows = x.norm(dim=-1, keepdim=True)  # (..., m, 1)
+            target = x.norm(dim=(-2, -1), keepdim=True) / math.sqrt(x.shape[-2])
+            factor = target / rows.clamp_min(ROW_NORM_FLOOR)
+            # the equilibrated matrix's norm, from its row norms (no second pass over x)
+            norm = (factor * rows).square().sum(dim=(-2, -1), keepdim=True).sqrt()
+        else:
+            factor = None
+            norm = x.norm(dim=(-2, -1), keepdim=True)
+        s = self.norm_divisor
+        denom = norm * s + eps if self.eps_mode == "add" else norm.clamp_min(eps) * s
+        scale = 1.0 / denom if factor is None else factor / denom
+        return x * scale
+
+    def finish_(self, out: torch.Tensor) -> torch.Tensor:
+        """Muon+ on the op's (..., m, n) output, in place."""
+        if self.frobenius_renorm:
+            target = math.sqrt(min(out.shape[-2], out.shape[-1]))
+            out.mul_(target / out.norm(dim=(-2, -1), keepdim=True).clamp_min(RENORM_FLOOR))
+        return out
+
+
+def cautious_decay_(params, updates, lr: torch.Tensor, weight_decay: torch.Tensor,
+                    found_inf: torch.Tensor | None) -> None:
+    """Cautious weight decay (Chen et al., "Cautious Weight Decay", 2025; nanochat since January 2026):
+    ``p -= lr·wd·p`` only where the update and the weight agree in sign (``U·p ≥ 0``), before the
+    update is applied. The mask reads the update before its scale (a positive factor). Runs in
+    PyTorch beside the fused ``foreach_update_`` for now; a step with an inf / NaN gradient
+    (``found_inf``) decays nothing."""
+    coef = lr * weight_decay
+    if found_inf is not None:
+        coef = coef * (found_inf == 0)
+    for p, u in zip(params, updates):
+        keep = (u * p) >= 0
+        p.sub_(p * keep * coef.to(p.dtype))
