@@ -81,19 +81,21 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
   }
 }
 
-void scaled_plus_identity_out(Tensor& d, const Tensor& g, float scale, float shift) {
+void polynomial_out(Tensor& d, float c, const Tensor& h, float b, const Tensor& g, float a) {
   const int64_t s = d.size(-1), rows = d.numel() / s;
   for_each_type(d, [&](auto* out) {
-    for_each_type(g, [&](auto* in) {
-      using Out = std::remove_pointer_t<decltype(out)>;
-      torch::stable::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / s), [&](int64_t begin, int64_t end) {
-        for (int64_t r = begin; r < end; ++r) {
-          const int64_t diagonal = r % s;
-          for (int64_t k = 0; k < s; ++k) {
-            const float v = scale * to_float(in[r * s + k]) + (k == diagonal ? shift : 0.0f);
-            out[r * s + k] = from_float<Out>(v);
+    for_each_type(h, [&](auto* hp) {
+      for_each_type(g, [&](auto* gp) {
+        using Out = std::remove_pointer_t<decltype(out)>;
+        torch::stable::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / s), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t at = r * s;
+            // The diagonal term first, so that the row loop has no branch and vectorizes.
+            const float diagonal = c * to_float(hp[at + r % s]) + b * to_float(gp[at + r % s]) + a;
+            for (int64_t k = 0; k < s; ++k) out[at + k] = from_float<Out>(c * to_float(hp[at + k]) + b * to_float(gp[at + k]));
+            out[at + r % s] = from_float<Out>(diagonal);
           }
-        }
+        });
       });
     });
   });

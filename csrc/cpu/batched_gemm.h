@@ -24,11 +24,10 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
 // matrices of `macs` multiply-adds each in the given element size (2: bf16, 4: fp32).
 bool gemm_loops_per_matrix(int64_t batch, int64_t macs, int64_t element_bytes);
 
-// d = scale * g + shift * I for contiguous (batch, s, s) stacks, each fp32 or bf16 (they may
-// differ: the step that widens or rounds), computed in fp32 and rounded once: c G + b I, the factor
-// that turns b G + c G^2 into the one product G (c G + b I), and B + a I. d may be g when both
-// have one dtype. Rows run in parallel.
-void scaled_plus_identity_out(Tensor& d, const Tensor& g, float scale, float shift);
+// d = c * h + b * g + a * I for contiguous (batch, s, s) stacks, each fp32 or bf16 (they may
+// differ), computed in fp32 and rounded once: a Newton–Schulz step's B + a I = c G^2 + b G + a I
+// from G and G^2, and the Gram iteration's c R^2 + b R. d may be h or g. Rows run in parallel.
+void polynomial_out(Tensor& d, float c, const Tensor& h, float b, const Tensor& g, float a);
 
 // d[i, k, k] += alpha for a contiguous (batch, s, s) stack, fp32 or bf16 (computed in fp32,
 // rounded once).

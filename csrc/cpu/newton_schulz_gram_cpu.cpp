@@ -7,8 +7,8 @@
 // only write bf16. A bf16 value is exact in fp32, so these are the bf16 products with fp32
 // accumulation. Results are rounded to bf16 where the CUDA path stores bf16 (W after a restart, Q
 // before a product with W). "auto" weighs that fp32 cost against the standard iteration's bf16
-// GEMMs (ns_algorithm.h). Scalars are folded into operands as in the standard iteration: the
-// program's P = c R^2 + b R runs as R (c R + b I).
+// GEMMs (ns_algorithm.h). As in the standard iteration, the program's one product with scalars,
+// c R^2 + b R, is the plain GEMM R R followed by one s x s pass.
 #include "cpu/newton_schulz_gram_cpu.h"
 
 #include "cpu/batched_gemm.h"
@@ -47,7 +47,6 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
   Tensor& x0 = at_(program.x_first);
   normalize_out(x0, w, clamped_matrix_norms(w, opts.eps));
   if (bf16) round_bf16_(x0);
-  Tensor factor;  // c R + b I, for the program's one product with scalars
 
   for (const GramOp& op : program.ops) {
     switch (op.kind) {
@@ -75,17 +74,12 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
           if (op.alpha == 1.f && op.beta == 0.f) {
             symmetric_gemm_out(d, at_(op.a), at_(op.b), blocks);
           } else {
-            // The one product with scalars, c R R + b R, as R (c R + b I): one plain GEMM.
+            // The one product with scalars, c R R + b R: the plain GEMM R R, then one s x s pass.
             MEGATRON_EOPT_CHECK_VALUE(op.a == op.b && op.a == op.c,
                                       "gram program: a product with scalars must be c R R + b R");
             const Tensor& r = at_(op.a);
-            if (op.alpha == 0.f) {
-              scaled_plus_identity_out(d, r, op.beta, 0.f);
-            } else {
-              if (!factor.defined()) factor = aten::empty_like(r);
-              scaled_plus_identity_out(factor, r, op.alpha, op.beta);
-              symmetric_gemm_out(d, r, factor, blocks);
-            }
+            if (op.alpha != 0.f) symmetric_gemm_out(d, r, r, blocks);
+            polynomial_out(d, op.alpha, op.alpha != 0.f ? d : r, op.beta, r, 0.f);
           }
         }
         break;

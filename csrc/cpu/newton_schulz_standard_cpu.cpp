@@ -1,14 +1,16 @@
-// The standard Newton–Schulz iteration (DESIGN §4.1) on the CPU with ATen's BLAS-backed products:
-// for "medium" the two products with the long side (W W^T, B W) are ATen's bf16 GEMMs (fp32
-// accumulation, as the CUDA path and the peers) and the s x s one is fp32 (see below); otherwise
-// everything is fp32 ("high" has no TF32 on a CPU).
+// The standard Newton–Schulz iteration (DESIGN §4.1) on the CPU with ATen's BLAS-backed products
+// in the compute type: bf16 for "medium" (ATen's bf16 GEMMs, fp32 accumulation, as the CUDA path
+// and the peers), fp32 otherwise ("high" has no TF32 on a CPU).
 //
-// Each product is one plain GEMM (DESIGN §12): with G = W W^T, a step's
-//   B = b G + c G^2 = G (c G + b I)   and   W' = a W + B W = (B + a I) W,
-// so the scalars land in s x s operands (c G + b I is one s^2 pass, + a I touches s elements)
-// instead of a full-size pass over W after the product. With c = 0 the G G product is skipped.
-// Iterating on W^T (tall inputs) is a choice of products (G = W^T W, W' = W (B + a I), B
-// symmetric), so no transpose is materialized.
+// Each product is one plain GEMM (DESIGN §12): with G = W W^T and H = G G, a step is
+//   W' = a W + b G W + c G^2 W = P W,   P = c H + b G + a I,
+// where P is formed in one s x s pass (fp32 arithmetic, rounded once) instead of a full-size pass
+// over W after the product. Rounding P once keeps its diagonal, a small difference of large terms
+// near convergence (a + b + c = 0.12 for quintic's first row), as accurate as the peers' fused
+// bf16 epilogues; folding the scalars into a bf16 factor instead (G (c G + b I), B + a I) rounds
+// the large terms first and lands up to twice as far from float64 (aol, polar_express).
+// With c = 0 the G G product is skipped. Iterating on W^T (tall inputs) is a choice of products
+// (G = W^T W, W' = W P, P symmetric), so no transpose is materialized.
 #include "cpu/batched_gemm.h"
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
@@ -27,35 +29,19 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   Tensor it = aten::empty({batch, m, n}, type, w.device());
   normalize_out(it, w, clamped_matrix_norms(w, opts.eps));
   Tensor spare = !bf16 && steps == 1 ? Tensor() : aten::empty_like(it);
-  // G = W W^T in the compute type (one rounding, as the peers' bf16 product); then, in fp32, its
-  // factor c G + b I and B = G (c G + b I); and B + a I in the compute type, rounded once. In bf16,
-  // rounding B before adding a I would cost B's large diagonal (about -a) a rounding that the
-  // small sum a + B_kk then carries at several times its own unit roundoff (polar_express on
-  // 97 x 37: 3.6% from float64 against the peers' 1.3%), and so would a bf16 factor; the s x s
-  // product in fp32 keeps the bf16 result as close to float64 as the peers' fused bf16 recipe.
-  // All these are symmetric, so computed as blocks above the diagonal.
-  const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
+  // G, then G^2 overwritten in place by P: both symmetric, computed as blocks above the diagonal.
+  const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu, bf16);
   Tensor gram = aten::empty({batch, side, side}, type, w.device());
-  Tensor gram_fp32 = bf16 ? aten::empty({batch, side, side}, kFloat, w.device()) : gram;
-  Tensor factor = aten::empty({batch, side, side}, kFloat, w.device());
-  Tensor poly_fp32 = aten::empty_like(factor);
-  Tensor poly = bf16 ? aten::empty_like(gram) : poly_fp32;
+  Tensor poly = aten::empty_like(gram);
   for (std::size_t k = 0; k < steps; ++k) {
     const NsCoefficients& co = opts.schedule[k];
     if (t) symmetric_gemm_out(gram, aten::mT(it), it, blocks);
     else symmetric_gemm_out(gram, it, aten::mT(it), blocks);
-    if (co.c != 0.0f) {
-      if (bf16) scaled_plus_identity_out(gram_fp32, gram, 1.0f, 0.0f);
-      scaled_plus_identity_out(factor, gram_fp32, co.c, co.b);
-      symmetric_gemm_out(poly_fp32, gram_fp32, factor, blocks);
-      if (bf16) scaled_plus_identity_out(poly, poly_fp32, 1.0f, co.a);
-      else add_to_diagonal_(poly, co.a);
-    } else {
-      scaled_plus_identity_out(poly, gram, co.b, co.a);
-    }
+    if (co.c != 0.0f) symmetric_gemm_out(poly, gram, gram, blocks);
+    polynomial_out(poly, co.c, co.c != 0.0f ? poly : gram, co.b, gram, co.a);
     Tensor next = !bf16 && k + 1 == steps ? out : spare;
-    if (t) gemm_out(next, it, poly);  // W (B + a I)
-    else gemm_out(next, poly, it);    // (B + a I) W
+    if (t) gemm_out(next, it, poly);  // W P
+    else gemm_out(next, poly, it);    // P W
     spare = it;
     it = next;
   }

@@ -48,11 +48,18 @@ def reference_zeropower(G, steps):
     return newton_schulz_ref(G.float(), steps, "simple", dtype=torch.bfloat16)
 
 
-def snippet_muon_step(params, states, lr, momentum, weight_decay, nesterov=True, ns_steps=5):
+def exact_zeropower(G, steps):
+    """The simple-quintic NS in float64."""
+    return newton_schulz_ref(G.double(), steps, "simple")
+
+
+def snippet_muon_step(params, states, lr, momentum, weight_decay, nesterov=True, ns_steps=5,
+                      zeropower=reference_zeropower):
     """Keller Jordan's Muon step: decoupled decay, EMA momentum, Nesterov, flattened conv, scale.
 
-    Newton–Schulz runs in the reference bf16 recipe, so the comparison isolates the step logic
-    (the snippet's own all-bf16 recipe is compared in test_zeropower_matches_the_snippet).
+    Newton–Schulz runs in the reference bf16 recipe (or exactly: ``zeropower=exact_zeropower``),
+    so the comparison isolates the step logic (the snippet's own all-bf16 recipe is compared in
+    test_zeropower_matches_the_snippet).
     """
     for p in params:
         g = p.grad.clone()
@@ -61,7 +68,7 @@ def snippet_muon_step(params, states, lr, momentum, weight_decay, nesterov=True,
         update = g.lerp(buf, momentum) if nesterov else buf
         if update.ndim > 2:
             update = update.view(len(update), -1)
-        update = reference_zeropower(update, ns_steps).float()
+        update = zeropower(update, ns_steps).float()
         update *= max(1, g.size(-2) / g.size(-1)) ** 0.5
         p.data.mul_(1 - lr * weight_decay)
         p.data.add_(update.reshape(p.shape), alpha=-lr)
@@ -138,22 +145,29 @@ def test_muon_matches_the_snippet_including_conv_filters(gen, weight_decay, nest
     shapes = [(24, 12), (12, 24), (16, 2, 3, 1), (8, 3, 3, 3), (6, 4, 5)]
     ours = _params(gen, shapes)
     ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    exact = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     start = [p.detach().clone() for p in ours]
     opt = legacy.Muon(ours, lr=0.02, momentum=0.9, nesterov=nesterov, weight_decay=weight_decay)
-    states = {}
+    states, exact_states = {}, {}
     lrs, momenta = [0.02, 0.01, 0.03], [0.9, 0.85, 0.95]  # a schedule and a momentum warmup
     for lr, mom in zip(lrs, momenta):
         for group in opt.param_groups:
             group["lr"], group["momentum"] = lr, mom
-        for po, pr in zip(ours, ref):
+        for po, pr, pe in zip(ours, ref, exact):
             po.grad = torch.randn(po.shape, generator=gen)
             pr.grad = po.grad.clone()
+            pe.grad = po.grad.clone()
         opt.step()
         snippet_muon_step(ref, states, lr, mom, weight_decay, nesterov)
-    for po, pr, p0 in zip(ours, ref, start):
-        # the same bf16 Newton–Schulz recipe up to where each side rounds (the snippet rounds every
-        # elementwise op to bf16, ours each stored product): DESIGN's bf16 tolerance
-        assert rel_err(po.detach() - p0, pr.detach() - p0) <= TOLERANCE["medium"], tuple(po.shape)
+        snippet_muon_step(exact, exact_states, lr, mom, weight_decay, nesterov, zeropower=exact_zeropower)
+    for po, pr, pe, p0 in zip(ours, ref, exact, start):
+        # Two bf16 Newton–Schulz implementations round independently (the recipe fuses each
+        # step's scalars into its products, ours forms c G^2 + b G + a I once), each 1-2% from the
+        # exact result: ours is held to the steps with exact Newton–Schulz, at DESIGN's bf16
+        # tolerance or within 1.5x of the bf16 recipe's own distance from them.
+        ours_err = rel_err(po.detach() - p0, pe.detach() - p0)
+        recipe_err = rel_err(pr.detach() - p0, pe.detach() - p0)
+        assert ours_err <= max(TOLERANCE["medium"], 1.5 * recipe_err), (tuple(po.shape), ours_err, recipe_err)
         # the state is shaped like the parameter, as in the snippets' checkpoints
         assert opt.state[po]["momentum_buffer"].shape == po.shape
         assert rel_err(opt.state[po]["momentum_buffer"], states[pr]) <= 1e-6
