@@ -13,6 +13,17 @@ def gpt2_124m() -> list[tuple[int, int]]:
     return per_layer * layers
 
 
+def gpt2_layer() -> list[tuple[int, int]]:
+    """One GPT-2 small decoder layer: QKV 2304 x 768, projection 768 x 768, MLP 3072 x 768 and 768 x 3072."""
+    return gpt2_124m()[:4]
+
+
+def demo_gpt() -> list[tuple[int, int]]:
+    """The hidden matrices of examples/train_gpt.py's model (4 layers, d_model 256): 16 small matrices."""
+    d, layers = 256, 4
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers
+
+
 def llama_layer(hidden: int, heads: int, kv_heads: int, ffn: int) -> list[tuple[int, int]]:
     head_dim = hidden // heads
     kv = kv_heads * head_dim

@@ -126,7 +126,8 @@ def footnotes(workloads: list[dict], not_run: dict[str, str]) -> list[str]:
 
 def section_markdown(doc: dict) -> str:
     env = doc["environment"]
-    lines = [f"## {env['device_name']} ({env['device']})", ""]
+    precision = f", precision {env['precision']}" if env.get("precision") else ""
+    lines = [f"## {env['device_name']} ({env['device']}{precision})", ""]
     facts = [
         f"date {env['date_utc']}",
         f"commit `{env['git_commit']}`",

@@ -197,6 +197,10 @@ def main(argv=None) -> int:
     plan = plan_for(device, args.quick)
     environment = env_info.collect(device)
     environment["device_key"] = env_info.device_key(device)
+    if device.type == "cpu":
+        # A CPU table per precision: "medium" (bf16 products, the optimizers' default) and fp32.
+        environment["precision"] = hyper.PRECISION
+        environment["device_key"] += f", precision {hyper.PRECISION}"
     print(f"# {environment['device_name']} | torch {environment['torch']} | commit {environment['git_commit']} | "
           f"{'quick' if args.quick else 'full'} run of {len(chosen)} workloads", file=sys.stderr)
 

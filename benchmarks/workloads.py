@@ -162,6 +162,8 @@ def catalogue() -> list[Workload]:
         ]
     steps = [
         _step("gpt2_124m", param_sets.gpt2_124m, "Muon step, GPT-2 124M hidden matrices (85 M params)", in_quick=True),
+        _step("demo_gpt", param_sets.demo_gpt, "Muon step, the demo model's 16 hidden matrices (4 layers, d_model 256)"),
+        _step("gpt2_layer", param_sets.gpt2_layer, "Muon step, one GPT-2 small decoder layer (7 M params)"),
         _step("llama_1b_layer", param_sets.llama_1b_layer,
               "Muon step, one Llama-3.2-1B decoder layer (61 M params; FFN 8192 x 2048)"),
         _step("qwen3_moe_8experts", param_sets.qwen3_moe_experts,
