@@ -6,6 +6,7 @@ from typing import Sequence
 
 from torch.optim.optimizer import ParamsT
 
+from ..newton_schulz import NS_EPS
 from ._config import make_config
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -23,6 +24,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
 
     ``nd_mode`` and ``sharded_mode`` as in :class:`Muon`; with ``nd_mode="batch"`` NorMuon and NAMO
     keep one statistic per matrix (``(E, m, 1)`` / ``(E, 1, n)``, ``(E, 1)``).
+    ``ns_eps`` as in :class:`Muon` (1e-15, Emerging-Optimizers 0.4; 1e-7 for 0.3.0).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
+        ns_eps: float = NS_EPS,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -55,6 +58,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
             num_ns_steps=num_ns_steps,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
+            ns_eps=ns_eps,
             moment2_method=moment2_method,
         )
         self.nesterov = config.nesterov

@@ -6,6 +6,7 @@ from typing import Sequence
 
 from torch.optim.optimizer import ParamsT
 
+from ..newton_schulz import NS_EPS
 from ._config import make_config
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -33,6 +34,10 @@ class Muon(OrthogonalizedOptimizer):
     ``"flatten"`` views them as ``(size(0), -1)`` (convolutions). DTensor params (FSDP2, tensor
     parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
     is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks).
+
+    ``ns_eps`` (an extension) is the Frobenius-normalization floor of Newton–Schulz: 1e-15 as in
+    Emerging-Optimizers 0.4; ``ns_eps=1e-7`` reproduces 0.3.0 (it differs only for updates of
+    norm below about 1e-7, which 0.3.0 shrinks instead of orthogonalizing).
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class Muon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
+        ns_eps: float = NS_EPS,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -63,6 +69,7 @@ class Muon(OrthogonalizedOptimizer):
             num_ns_steps=num_ns_steps,
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
+            ns_eps=ns_eps,
         )
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
