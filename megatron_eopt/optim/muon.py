@@ -8,6 +8,7 @@ from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS
 from ._config import make_config
+from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 
 
@@ -35,6 +36,10 @@ class Muon(OrthogonalizedOptimizer):
     parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
     is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks).
 
+    ``weight_update_hook`` (Emerging-Optimizers main's protocol, see
+    :mod:`~megatron_eopt.optim.weight_update_hooks`) runs around ``p -= lr·update``; the three hooks
+    of that module run batched in the fused step, any other object per parameter.
+
     ``ns_eps`` (an extension) is the Frobenius-normalization floor of Newton–Schulz: 1e-15 as in
     Emerging-Optimizers 0.4; ``ns_eps=1e-7`` reproduces 0.3.0 (it differs only for updates of
     norm below about 1e-7, which 0.3.0 shrinks instead of orthogonalizing).
@@ -55,6 +60,7 @@ class Muon(OrthogonalizedOptimizer):
         scale_mode: str = "spectral",
         extra_scale_factor: float = 1.0,
         use_syrk: bool = False,
+        weight_update_hook: WeightUpdateHook | None = None,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
@@ -74,7 +80,7 @@ class Muon(OrthogonalizedOptimizer):
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
         self.fp32_matmul_prec = fp32_matmul_prec
-        super().__init__(
+        self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
-            sharded_mode=sharded_mode,
+            sharded_mode=sharded_mode, weight_update_hook=weight_update_hook,
         )

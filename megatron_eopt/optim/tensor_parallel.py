@@ -200,7 +200,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             self.scale_mode = scale_mode
             self.extra_scale_factor = config.extra_scale_factor
             defaults.update(beta2=moment2[1], eps=moment2[2])
-        OrthogonalizedOptimizer.__init__(self, params, defaults, config)
+        self._init_fused(params, defaults, config)
 
 
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):

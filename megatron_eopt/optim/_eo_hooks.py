@@ -1,0 +1,165 @@
+"""Emerging-Optimizers' extension points and the per-parameter step that honours them.
+
+EO subclasses customize a step by overriding methods (``_apply_weight_decay_inplace``,
+``pre_weight_update_fn_inplace``, ``post_weight_update_fn_inplace``, ``_init_group``; AdaptiveMuon's
+``_apply_moment2_normalization``, ``_apply_muon_scale``, ``_match_frobenius_norm``), by passing their
+own ``scaled_orthogonalize_fn``, or by a ``weight_update_hook``. The fused step reproduces the
+default of each; as soon as one is replaced, :meth:`EOExtensionPoints._hook_step` runs instead: EO's
+loop, parameter by parameter, in EO's order, calling every extension point, with the Newton–Schulz
+of the optimizer's own ``scaled_orthogonalize_fn`` still running on the fused op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from ._config import OrthogonalizationConfig
+from .weight_update_hooks import NoOpWeightUpdateHook
+
+# The extension points whose defaults the fused step reproduces (AdaptiveMuon adds its own).
+BASE_HOOK_NAMES = (
+    "_apply_weight_decay_inplace",
+    "pre_weight_update_fn_inplace",
+    "post_weight_update_fn_inplace",
+    "_init_group",
+)
+# Hooks whose batched form the fused step can run (elementwise or per-matrix norms).
+FUSABLE_WEIGHT_UPDATE_HOOKS = ("HyperballHook", "RadialBrakeHook", "RelativeUpdateHook", "NoOpWeightUpdateHook")
+
+
+@contextlib.contextmanager
+def fp32_matmul_precision(precision: str):
+    """torch's float32 matmul precision set to ``precision`` for the block (EO's context manager)."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class FusedScaledOrthogonalize:
+    """An optimizer's own ``scaled_orthogonalize_fn``: Newton–Schulz on the fused op with the
+    optimizer's configuration, times the Muon scale of the matrix (``scaled``) or raw (AdaptiveMuon,
+    which scales after its second moment). Takes a 2-D ``(m, n)`` or 3-D ``(k, m, n)`` tensor."""
+
+    def __init__(self, config: OrthogonalizationConfig, scaled: bool) -> None:
+        self.config = config
+        self.scaled = scaled
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        if grad.ndim not in (2, 3):
+            raise ValueError(f"Only 2D parameters are supported, got shape {tuple(grad.shape)}")
+        x = grad.to(torch.float32)
+        out = self.config.newton_schulz(x if x.ndim == 3 else x.unsqueeze(0))
+        out = out if x.ndim == 3 else out[0]
+        return out * self.config.scale(*grad.shape[-2:]) if self.scaled else out
+
+
+def _defaults_of(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: cls.__dict__[name] for name in names}
+
+
+class EOExtensionPoints:
+    """Emerging-Optimizers' overridable methods, their default behaviour, and the step that calls them."""
+
+    # name -> the function whose behaviour the fused step reproduces (set below and by AdaptiveMuon)
+    _fused_hook_defaults: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ EO's defaults
+    def _apply_weight_decay_inplace(self, p: torch.Tensor, grad: torch.Tensor, lr: float, weight_decay: float) -> None:
+        """Weight decay by ``weight_decay_method``: p or grad changed in place (EO's WeightDecayMixin)."""
+        if weight_decay == 0.0:
+            return
+        method = getattr(self, "weight_decay_method", "l2")
+        if method == "decoupled":
+            p.add_(p, alpha=(-weight_decay * lr))
+        elif method == "independent":
+            p.add_(p, alpha=-weight_decay)
+        elif method == "l2":
+            grad.add_(p, alpha=weight_decay)
+        elif method == "palm":
+            p.add_(p, alpha=(-(weight_decay * lr * lr)))
+        else:
+            raise ValueError(f"Invalid weight decay method: {method}")
+
+    def pre_weight_update_fn_inplace(self, p: torch.Tensor, update: torch.Tensor) -> None:
+        """Called before ``p -= lr * update``; may change ``update`` in place. Default: nothing."""
+
+    def post_weight_update_fn_inplace(self, p: torch.Tensor) -> None:
+        """Called after ``p -= lr * update``. Default: nothing."""
+
+    def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
+        """Creates the state of the group's parameters (with a grad, unless told otherwise)."""
+        for p in group["params"]:
+            if skip_non_grad_params and p.grad is None:
+                continue
+            state = self.state[p]
+            if len(state) == 0:
+                state["momentum_buffer"] = torch.zeros_like(p)
+
+    # ------------------------------------------------------------------ which step runs
+    def overridden_extension_points(self) -> list[str]:
+        """The extension points this object's class replaces (the fused step runs when none is)."""
+        cls = type(self)
+        return [name for name, default in self._fused_hook_defaults.items() if getattr(cls, name) is not default]
+
+    def _fusable_weight_update_hook(self) -> bool:
+        hook = getattr(self, "_weight_update_hook", None)
+        return hook is None or type(hook).__name__ in FUSABLE_WEIGHT_UPDATE_HOOKS and hasattr(hook, "fused_pre")
+
+    def _use_fused_step(self) -> bool:
+        config = getattr(self, "_config", None)
+        fn = getattr(self, "scaled_orthogonalize_fn", None)
+        return (
+            config is not None
+            and isinstance(fn, FusedScaledOrthogonalize)
+            and fn.config is config
+            and not self.overridden_extension_points()
+            and self._fusable_weight_update_hook()
+        )
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        # torch.amp.GradScaler hands the fused step grad_scale / found_inf; the hook step gets
+        # unscaled gradients from the scaler, as EO's classes do.
+        return self._use_fused_step()
+
+    # ------------------------------------------------------------------ the per-parameter step
+    def _hook_update(self, p, orth_grad, group, state, raw_grad, pre_orth_grad) -> torch.Tensor:
+        """The update applied as ``p -= lr * update`` from the orthogonalized momentum (Muon: as is)."""
+        return orth_grad
+
+    @torch.no_grad()
+    def _hook_step(self) -> None:
+        """EO's step: per parameter, every extension point in EO's order."""
+        hook = getattr(self, "_weight_update_hook", None) or NoOpWeightUpdateHook()
+        for group in self.param_groups:
+            self._init_group(group)
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                self._apply_weight_decay_inplace(p, grad, group["lr"], group["weight_decay"])
+                raw_grad = grad
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - group["momentum"])
+                grad = grad.lerp(buf, group["momentum"]) if self.nesterov else buf
+                with fp32_matmul_precision(self.fp32_matmul_prec):
+                    orth_grad = self.orthogonalize(p, grad, **settings)
+                update = self._hook_update(p, orth_grad, group, state, raw_grad, grad)
+                self.pre_weight_update_fn_inplace(p, update)
+                hook_state = hook.pre_weight_update_inplace(p, update)
+                p.add_(update, alpha=-group["lr"])
+                self.post_weight_update_fn_inplace(p)
+                hook.post_weight_update_inplace(p, hook_state)
+        return None
+
+
+EOExtensionPoints._fused_hook_defaults = _defaults_of(EOExtensionPoints, BASE_HOOK_NAMES)
+EOExtensionPoints._defaults_of = staticmethod(_defaults_of)
