@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from ._config import OrthogonalizationConfig
-from .weight_update_hooks import NoOpWeightUpdateHook
 
 # The extension points whose defaults the fused step reproduces (AdaptiveMuon adds its own).
 BASE_HOOK_NAMES = (
@@ -45,6 +44,8 @@ class FusedScaledOrthogonalize:
     """An optimizer's own ``scaled_orthogonalize_fn``: Newton–Schulz on the fused op with the
     optimizer's configuration, times the Muon scale of the matrix (``scaled``) or raw (AdaptiveMuon,
     which scales after its second moment). Takes a 2-D ``(m, n)`` or 3-D ``(k, m, n)`` tensor."""
+
+    supports_batch = True  # a (k, m, n) stack gives the k results of its matrices
 
     def __init__(self, config: OrthogonalizationConfig, scaled: bool) -> None:
         self.config = config
@@ -133,31 +134,76 @@ class EOExtensionPoints:
         """The update applied as ``p -= lr * update`` from the orthogonalized momentum (Muon: as is)."""
         return orth_grad
 
+    def _post_weight_update_batch(self, params: list[torch.Tensor]) -> None:
+        """``post_weight_update_fn_inplace`` of each parameter (a class may batch its own)."""
+        for p in params:
+            self.post_weight_update_fn_inplace(p)
+
+    def _orthogonalize_all(self, work: list[tuple], settings: list[dict]) -> list[torch.Tensor]:
+        """``orthogonalize`` of every (p, momentum): one call per parameter, or, for an EO-style
+        optimizer whose ``scaled_orthogonalize_fn`` takes stacks (``supports_batch``) and whose
+        ``orthogonalize`` is the base one, one call per shape on the stacked momenta."""
+        fn = self.scaled_orthogonalize_fn
+        base = EOExtensionPoints.__dict__.get("_base_orthogonalize")
+        batchable = (
+            getattr(self, "_config", None) is None
+            and getattr(fn, "supports_batch", False)
+            and base is not None
+            and type(self).orthogonalize is base
+        )
+        if not batchable:
+            return [self.orthogonalize(p, g, **kw) for (p, g), kw in zip(work, settings)]
+        out: list[torch.Tensor | None] = [None] * len(work)
+        stacks: dict[tuple, list[int]] = {}
+        for i, (p, g) in enumerate(work):
+            if g.ndim != 2:
+                raise ValueError("Only 2D parameters are supported.")
+            stacks.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
+        for index in stacks.values():
+            results = fn(torch.stack([work[i][1] for i in index]))
+            for i, r in zip(index, results.unbind(0)):
+                out[i] = r
+        return out
+
     @torch.no_grad()
     def _hook_step(self) -> None:
-        """EO's step: per parameter, every extension point in EO's order."""
-        hook = getattr(self, "_weight_update_hook", None) or NoOpWeightUpdateHook()
+        """EO's step: every extension point in EO's order for each parameter.
+
+        Parameters are independent, so decay and momentum run for all of them first, then the
+        orthogonalization (batched per shape where the function allows), then, parameter by
+        parameter as in EO, the update with its functions and hooks. Without a weight-update hook
+        the post-update functions run last, over all parameters (a class may batch its own).
+        """
+        hook = getattr(self, "_weight_update_hook", None)
+        rows = []  # (p, group, state, raw_grad, momentum input)
+        settings = []
         for group in self.param_groups:
             self._init_group(group)
-            settings = {k: v for k, v in group.items() if k != "params"}
+            kwargs = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 grad = p.grad
                 state = self.state[p]
                 self._apply_weight_decay_inplace(p, grad, group["lr"], group["weight_decay"])
-                raw_grad = grad
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - group["momentum"])
-                grad = grad.lerp(buf, group["momentum"]) if self.nesterov else buf
-                with fp32_matmul_precision(self.fp32_matmul_prec):
-                    orth_grad = self.orthogonalize(p, grad, **settings)
-                update = self._hook_update(p, orth_grad, group, state, raw_grad, grad)
-                self.pre_weight_update_fn_inplace(p, update)
-                hook_state = hook.pre_weight_update_inplace(p, update)
-                p.add_(update, alpha=-group["lr"])
+                rows.append((p, group, state, grad, grad.lerp(buf, group["momentum"]) if self.nesterov else buf))
+                settings.append(kwargs)
+        if not rows:
+            return None
+        with fp32_matmul_precision(self.fp32_matmul_prec):
+            orth = self._orthogonalize_all([(r[0], r[4]) for r in rows], settings)
+        for (p, group, state, raw_grad, pre_orth), orth_grad in zip(rows, orth):
+            update = self._hook_update(p, orth_grad, group, state, raw_grad, pre_orth)
+            self.pre_weight_update_fn_inplace(p, update)
+            hook_state = None if hook is None else hook.pre_weight_update_inplace(p, update)
+            p.add_(update, alpha=-group["lr"])
+            if hook is not None:
                 self.post_weight_update_fn_inplace(p)
                 hook.post_weight_update_inplace(p, hook_state)
+        if hook is None:
+            self._post_weight_update_batch([r[0] for r in rows])
         return None
 
 

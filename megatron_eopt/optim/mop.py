@@ -33,12 +33,15 @@ class MOP(OrthogonalizedOptimizer):
         extra_scale_factor: float = 1.0,
     ) -> None:
         def scaled_orthogonalize_fn(grad: torch.Tensor) -> torch.Tensor:
+            # 2-D, or a (k, m, n) stack of momenta (one batched SVD for equal shapes)
             orth_grad, _, singular_values = polar_via_svd(grad, False)
             if scale_mode == "nuclear_norm":
-                scale = singular_values.sum()
+                scale = singular_values.sum(dim=-1)[..., None, None]
             else:
                 scale = get_muon_scale_factor(grad.size(-2), grad.size(-1), mode=scale_mode)
             return orth_grad * scale * extra_scale_factor
+
+        scaled_orthogonalize_fn.supports_batch = True
 
         super().__init__(
             params,
@@ -57,4 +60,4 @@ def polar_via_svd(a: torch.Tensor, return_p: bool = False) -> tuple[torch.Tensor
     ``P = V diag(S) Vᴴ`` only when ``return_p``."""
     u, s, vh = torch.linalg.svd(a, full_matrices=False)
     polar = u @ vh
-    return polar, (vh.mH @ torch.diag(s) @ vh if return_p else None), s
+    return polar, (vh.mH @ torch.diag_embed(s) @ vh if return_p else None), s

@@ -41,6 +41,7 @@ import torch
 from .. import ops
 from ._config import OrthogonalizationConfig, check_group_hyperparameters, check_step_value
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
+from .weight_update_hooks import NoOpWeightUpdateHook
 from ._distributed import (
     distributed_orthogonalize,
     gather_shards,
@@ -97,7 +98,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         self.fp32_matmul_prec = fp32_matmul_prec
         self.nesterov = nesterov
         self.weight_decay_method = weight_decay_method
-        self._weight_update_hook = weight_update_hook
+        self._weight_update_hook = _effective_hook(weight_update_hook)
         self._config = None  # no fused step: scaled_orthogonalize_fn is the caller's
         self._plan = None
         self._batched = None
@@ -108,7 +109,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
                     sharded_mode: str = "owner", weight_update_hook: Any | None = None) -> None:
         """Sets up the fused step: ``config`` says how every parameter is orthogonalized."""
-        self._weight_update_hook = weight_update_hook
+        self._weight_update_hook = _effective_hook(weight_update_hook)
         self.scaled_orthogonalize_fn = FusedScaledOrthogonalize(config, scaled=config.moment2_method is None)
         if nd_mode not in ND_MODES:
             raise ValueError(f"nd_mode must be one of {list(ND_MODES)}, got {nd_mode!r}")
@@ -654,6 +655,13 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
 
 # The fused step reproduces these methods; a subclass replacing one gets the per-parameter step.
 OrthogonalizedOptimizer._fused_hook_defaults = {name: getattr(OrthogonalizedOptimizer, name) for name in BASE_HOOK_NAMES}
+# The per-parameter step batches EO-style orthogonalization only under this (not overridden) method.
+EOExtensionPoints._base_orthogonalize = OrthogonalizedOptimizer.orthogonalize
+
+
+def _effective_hook(hook):
+    """The weight-update hook a step must call: None for none or the no-op one."""
+    return None if hook is None or isinstance(hook, NoOpWeightUpdateHook) else hook
 
 
 def _plan_matches(plan: Plan, param_groups) -> bool:

@@ -43,8 +43,11 @@ class PolarGrad(OrthogonalizedOptimizer):
         validate_coefficient_type(coefficient_type)
 
         def scaled_orthogonalize_fn(grad: torch.Tensor) -> torch.Tensor:
+            # 2-D, or a (k, m, n) stack of momenta (the step batches equal shapes)
             orth_grad = newton_schulz(grad, steps=num_ns_steps, coefficient_type=coefficient_type)
-            return orth_grad * (orth_grad * grad).sum() * extra_scale_factor
+            return orth_grad * (orth_grad * grad).sum(dim=(-2, -1), keepdim=True) * extra_scale_factor
+
+        scaled_orthogonalize_fn.supports_batch = True
 
         super().__init__(
             params,

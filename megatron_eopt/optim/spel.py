@@ -38,7 +38,9 @@ class Spel(OrthogonalizedOptimizer):
         validate_coefficient_type(coefficient_type)
 
         def scaled_orthogonalize_fn(x: torch.Tensor) -> torch.Tensor:
-            return newton_schulz(x, steps=num_ns_steps, coefficient_type=coefficient_type)
+            return newton_schulz(x, steps=num_ns_steps, coefficient_type=coefficient_type)  # 2-D or a stack
+
+        scaled_orthogonalize_fn.supports_batch = True
 
         super().__init__(
             params,
@@ -50,6 +52,20 @@ class Spel(OrthogonalizedOptimizer):
             fp32_matmul_prec=fp32_matmul_prec,
             scaled_orthogonalize_fn=scaled_orthogonalize_fn,
         )
+
+    def _post_weight_update_batch(self, params: list[torch.Tensor]) -> None:
+        # The projection of all weights of one shape as one batched Newton–Schulz (unless a subclass
+        # replaced the per-weight projection).
+        if type(self).post_weight_update_fn_inplace is not Spel.post_weight_update_fn_inplace:
+            return super()._post_weight_update_batch(params)
+        stacks: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            stacks.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+        with fp32_matmul_precision(self.fp32_matmul_prec):
+            for group in stacks.values():
+                projected = self.scaled_orthogonalize_fn(torch.stack([p.to(torch.float32) for p in group]))
+                for p, q in zip(group, projected.unbind(0)):
+                    p.copy_(q)
 
     def post_weight_update_fn_inplace(self, p: torch.Tensor) -> None:
         """Projects the updated weight back onto (near) the Stiefel manifold: ``p ← msign(p)``."""
