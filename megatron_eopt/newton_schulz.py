@@ -94,7 +94,8 @@ def validate_coefficient_type(coefficient_type: str) -> None:
     """Raises ValueError naming the supported types when ``coefficient_type`` is unknown."""
     if coefficient_type not in COEFFICIENT_SETS and coefficient_type != "custom":
         raise ValueError(
-            f"coefficient_type must be one of {get_supported_coefficient_types()}, got {coefficient_type!r}"
+            f"Invalid coefficient type: {coefficient_type!r}; coefficient_type must be one of "
+            f"{get_supported_coefficient_types()}"
         )
 
 
@@ -106,7 +107,9 @@ def coefficient_table(
     if coefficient_type != "custom":
         return COEFFICIENT_SETS[coefficient_type], coefficient_type in REPEAT_LAST_TYPES
     if not custom_coefficient_sets:
-        raise ValueError("custom_coefficient_sets must be given (a non-empty list of (a, b, c)) for 'custom'")
+        raise ValueError(
+            "custom_coefficient_sets must be provided when coefficient_type is 'custom' (a non-empty list of (a, b, c))"
+        )
     rows = []
     for i, row in enumerate(custom_coefficient_sets):
         if len(row) != 3:
@@ -171,7 +174,10 @@ def get_muon_scale_factor(size_out: int, size_in: int, mode: MuonScaleT = "spect
         return math.sqrt(max(1.0, size_out / size_in))
     if mode == "unit_rms_norm":
         return math.sqrt(size_out / size_in)
-    raise ValueError(f"scale_mode must be one of spectral, shape_scaling, unit_rms_norm; got {mode!r}")
+    raise ValueError(
+        f"Invalid mode for Muon update scale factor: {mode!r}; scale_mode must be one of spectral, shape_scaling, "
+        "unit_rms_norm"
+    )
 
 
 def resolve_precision(precision: str | None) -> str:

@@ -100,6 +100,8 @@ def newton_schulz(
     the result of the whole matrix. ``use_syrk`` is accepted for compatibility; the op chooses its
     products itself.
     """
+    if isinstance(x, torch.Tensor) and x.ndim not in (2, 3):  # Emerging-Optimizers' wording
+        raise TypeError(f"Input tensor x must be 2d or 3d (batched 2d), got {x.ndim}d")
     _check_matrix("x", x, (2, 3))
     if isinstance(tp_group, str):
         raise TypeError(

@@ -60,10 +60,6 @@ class FusedScaledOrthogonalize:
         return out * self.config.scale(*grad.shape[-2:]) if self.scaled else out
 
 
-def _defaults_of(cls: type, names: tuple[str, ...]) -> dict[str, Any]:
-    return {name: cls.__dict__[name] for name in names}
-
-
 class EOExtensionPoints:
     """Emerging-Optimizers' overridable methods, their default behaviour, and the step that calls them."""
 
@@ -207,5 +203,4 @@ class EOExtensionPoints:
         return None
 
 
-EOExtensionPoints._fused_hook_defaults = _defaults_of(EOExtensionPoints, BASE_HOOK_NAMES)
-EOExtensionPoints._defaults_of = staticmethod(_defaults_of)
+EOExtensionPoints._fused_hook_defaults = {name: EOExtensionPoints.__dict__[name] for name in BASE_HOOK_NAMES}
