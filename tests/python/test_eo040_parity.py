@@ -8,6 +8,7 @@ steps with fresh random gradients; EO's default "medium" (bf16) at 2e-2.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import pytest
@@ -87,8 +88,13 @@ def test_muon_tiny_gradients_follow_eps_1e15(gen):
 @pytest.mark.parametrize("method", ["adamuon", "normuon", "namo"])
 def test_adaptive_muon(method, gen):
     kwargs = dict(lr=0.05, momentum=0.9, weight_decay=0.1, moment2_method=method, fp32_matmul_prec="highest")
-    err = max_delta_err_without_flips if method == "adamuon" else max_delta_err
+    # AdaMuon divides elementwise by sqrt(v): an entry small in both O and v carries a large share
+    # of its own fp32 rounding (EO itself lands up to 4e-4 from float64). As in the 0.3.0 suite,
+    # elements off by 1% of their own change are counted apart (at most 0.5%) and the bound is TF32's.
+    adamuon = method == "adamuon"
+    err = functools.partial(max_delta_err_without_flips, flip_threshold=0.01) if adamuon else max_delta_err
     opt = _compare(optim.AdaptiveMuon, eo.adaptive_muon.AdaptiveMuon, kwargs, gen, err=err,
+                   tol=TOLERANCE["high"] if adamuon else TOLERANCE["highest"],
                    state_keys=("momentum_buffer", "moment2_buffer"))
     assert opt._use_fused_step()
 
@@ -426,3 +432,23 @@ def test_eo_registry_functions(gen):
         registry.validate_optimizer_args(optim.Scion, {"weight_decay": 0.1})
     with pytest.raises(ValueError, match="not found in the registry"):
         registry.get_optimizer_cls("adamw_nonexistent")
+
+
+# ------------------------------------------------------------------ torch.compile of the fused family steps
+@pytest.mark.parametrize("cls_name", ["Scion", "MuonHyperball"])
+def test_fused_family_steps_compile_without_graph_breaks(cls_name, gen):
+    kwargs = dict(lr=0.05, fp32_matmul_prec="highest")
+    if cls_name == "MuonHyperball":
+        kwargs["hyperball_radius"] = 1.0
+    params = _on_sphere([(8, 12), (12, 8)], 1.0, gen)
+    ref = clone_params(params)
+    compiled = getattr(optim, cls_name)(params, **kwargs)
+    eager = getattr(optim, cls_name)(ref, **kwargs)
+    step = torch.compile(compiled.step, fullgraph=True)
+    for grads in make_grads(params, gen, 2):
+        for p, r, g in zip(params, ref, grads):
+            p.grad, r.grad = g.clone(), g.clone()
+        step()
+        eager.step()
+    for p, r in zip(params, ref):
+        assert rel_err(p.detach(), r.detach()) <= 1e-6
