@@ -11,6 +11,7 @@ import hyper
 import param_sets
 import workloads_memory
 import workloads_ns
+import workloads_family
 import workloads_step
 from timing import Case
 
@@ -90,6 +91,21 @@ def _step(label: str, shapes_fn, description: str, *, in_quick=False, cpu_skip=N
         return workloads_step.build_step_case(name, description, shapes, device, adaptive)
 
     return Workload(name, "step", build, in_quick, cpu_skip)
+
+
+FAMILY = ("Scion", "PolarGrad", "Spel", "MuonHyperball", "Muown", "MOP")
+
+
+def _family_step(cls_name: str) -> Workload:
+    """One step of an EO 0.4 family class on two GPT-2 layers (8 matrices, 14 M params)."""
+    name = f"step_{cls_name.lower()}_gpt2_2layers"
+
+    def build(device, quick):
+        shapes = _shrink(param_sets.gpt2_124m()[:8], quick)
+        return workloads_family.build_family_case(
+            name, f"{cls_name} step (EO 0.4 family), two GPT-2 124M layers' hidden matrices", shapes, device, cls_name)
+
+    return Workload(name, "step", build, False, None)
 
 
 def _has_op(name: str) -> bool:
@@ -187,7 +203,8 @@ def catalogue() -> list[Workload]:
                            in_quick=method == "normuon",
                            cpu_skip=f"{_TOO_SLOW} in addition to step_gpt2_124m (the same NS work; "
                                     f"the {method} normalization alone is mem_{method}_normalize)"))
-    return single + batches + lists + splits + memory_workloads() + steps
+    family = [_family_step(cls_name) for cls_name in FAMILY]
+    return single + batches + lists + splits + memory_workloads() + steps + family
 
 
 def by_name() -> dict[str, Workload]:

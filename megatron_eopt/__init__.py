@@ -8,6 +8,7 @@ from ._library import LIBRARY_PATH, cuda_kernels_built
 from .newton_schulz import (
     COEFFICIENT_SETS,
     NS_ALGORITHMS,
+    get_coefficient_iterator,
     get_coefficients,
     get_muon_scale_factor,
     get_supported_coefficient_types,
@@ -22,6 +23,7 @@ from .ops import (
     newton_schulz,
     newton_schulz_list,
     newton_schulz_split,
+    newton_schulz_tp,
     normuon_normalize_,
     qk_clip_,
 )
@@ -45,6 +47,7 @@ __all__ = [
     "cuda_kernels_built",
     "foreach_momentum_",
     "foreach_update_",
+    "get_coefficient_iterator",
     "get_coefficients",
     "get_muon_scale_factor",
     "get_supported_coefficient_types",
@@ -54,6 +57,7 @@ __all__ = [
     "newton_schulz",
     "newton_schulz_list",
     "newton_schulz_split",
+    "newton_schulz_tp",
     "normuon_normalize_",
     "optim",
     "qk_clip_",

@@ -6,10 +6,12 @@ Pure Python (no compiled code needed): the tables and rules here are what the op
 from __future__ import annotations
 
 import math
-from typing import Literal, Sequence
+from itertools import chain, cycle, islice, repeat
+from typing import Iterator, Literal, Sequence
 
 CoefficientRow = tuple[float, float, float]
-NSCoeffT = Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "custom"]
+NSCoeffT = Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "cubic5", "custom"]
+CoeffIterMode = Literal["cycle", "repeat_last"]
 MuonScaleT = Literal["spectral", "shape_scaling", "unit_rms_norm"]
 PrecisionT = Literal["medium", "high", "highest"]
 NSAlgorithmT = Literal["auto", "standard", "gram"]
@@ -60,10 +62,27 @@ COEFFICIENT_SETS: dict[str, tuple[CoefficientRow, ...]] = {
     ),
     # DeepSeek-V4: eight simple steps, then two steps converging to 1.
     "deepseekv4": ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2,
+    # Relaxed cubic schedule (arXiv:2606.00371, Emerging-Optimizers 0.4): c = 0, so each step is
+    # X <- a·X + b·(X·Xᵀ)·X without the Gram square. Tuned as a whole: runs exactly its 5 rows.
+    "cubic5": (
+        (3.3656576, -3.3420992, 0.0),
+        (2.5744352, -1.4957376, 0.0),
+        (2.5368962, -1.4312570, 0.0),
+        (2.4418906, -1.2764040, 0.0),
+        (2.2230472, -0.9630650, 0.0),
+    ),
 }
 
 # Schedules tuned to finish near 1 keep their last row when run longer; the others cycle.
 REPEAT_LAST_TYPES = frozenset({"polar_express", "cans", "deepseekv4"})
+# Schedules valid only for exactly as many steps as they have rows.
+FIXED_LENGTH_TYPES = frozenset({"cubic5"})
+
+# Frobenius-normalization floor of Newton–Schulz: Emerging-Optimizers 0.4 uses 1e-15 (a gradient
+# of tiny norm is still orthogonalized to unit singular values); 0.3.0 (and so Megatron-LM's
+# classes, which pin it) used 1e-7.
+NS_EPS = 1e-15
+NS_EPS_EO_030 = 1e-7
 
 
 def get_supported_coefficient_types() -> list[str]:
@@ -75,7 +94,8 @@ def validate_coefficient_type(coefficient_type: str) -> None:
     """Raises ValueError naming the supported types when ``coefficient_type`` is unknown."""
     if coefficient_type not in COEFFICIENT_SETS and coefficient_type != "custom":
         raise ValueError(
-            f"coefficient_type must be one of {get_supported_coefficient_types()}, got {coefficient_type!r}"
+            f"Invalid coefficient type: {coefficient_type!r}; coefficient_type must be one of "
+            f"{get_supported_coefficient_types()}"
         )
 
 
@@ -87,7 +107,9 @@ def coefficient_table(
     if coefficient_type != "custom":
         return COEFFICIENT_SETS[coefficient_type], coefficient_type in REPEAT_LAST_TYPES
     if not custom_coefficient_sets:
-        raise ValueError("custom_coefficient_sets must be given (a non-empty list of (a, b, c)) for 'custom'")
+        raise ValueError(
+            "custom_coefficient_sets must be provided when coefficient_type is 'custom' (a non-empty list of (a, b, c))"
+        )
     rows = []
     for i, row in enumerate(custom_coefficient_sets):
         if len(row) != 3:
@@ -96,14 +118,46 @@ def coefficient_table(
     return tuple(rows), False
 
 
+def check_steps(coefficient_type: str, steps: int, *, allow_zero: bool = True) -> None:
+    """Raises ValueError for a step count the schedule cannot run (negative, or a fixed-length
+    schedule run for another length). ``steps=0`` means normalize only."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"steps must be an int, got {type(steps).__name__}")
+    if steps < (0 if allow_zero else 1):
+        raise ValueError(f"steps must be at least {0 if allow_zero else 1}, got {steps}")
+    if coefficient_type in FIXED_LENGTH_TYPES and steps != len(COEFFICIENT_SETS[coefficient_type]):
+        n = len(COEFFICIENT_SETS[coefficient_type])
+        raise ValueError(
+            f"{coefficient_type} is a fixed {n}-step schedule; got steps={steps}. "
+            f"Use steps={n}, or pass its rows as custom_coefficient_sets."
+        )
+
+
+def get_coefficient_iterator(
+    steps: int,
+    coefficient_sets: Sequence[CoefficientRow],
+    mode: CoeffIterMode = "cycle",
+) -> Iterator[CoefficientRow]:
+    """Emerging-Optimizers' iterator over ``steps`` rows of a table: ``"cycle"`` restarts after the
+    last row, ``"repeat_last"`` keeps yielding it. ValueError for an empty table or unknown mode."""
+    if not coefficient_sets:
+        raise ValueError("coefficient_sets must be non-empty.")
+    if mode == "cycle":
+        rows = cycle(coefficient_sets)
+    elif mode == "repeat_last":
+        rows = chain(coefficient_sets, repeat(coefficient_sets[-1]))
+    else:
+        raise ValueError(f"Invalid mode: {mode}. Expected 'cycle' or 'repeat_last'.")
+    return islice(rows, steps)
+
+
 def get_coefficients(
     coefficient_type: str = "quintic",
     steps: int = 5,
     custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
 ) -> list[CoefficientRow]:
-    """The ``steps`` rows a schedule runs, after cycling or repeating its last row."""
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+    """The ``steps`` rows a schedule runs, after cycling or repeating its last row (none for 0)."""
+    check_steps(coefficient_type, steps)
     table, repeat_last = coefficient_table(coefficient_type, custom_coefficient_sets)
     n = len(table)
     return [table[min(i, n - 1)] if repeat_last else table[i % n] for i in range(steps)]
@@ -120,7 +174,25 @@ def get_muon_scale_factor(size_out: int, size_in: int, mode: MuonScaleT = "spect
         return math.sqrt(max(1.0, size_out / size_in))
     if mode == "unit_rms_norm":
         return math.sqrt(size_out / size_in)
-    raise ValueError(f"scale_mode must be one of spectral, shape_scaling, unit_rms_norm; got {mode!r}")
+    raise ValueError(
+        f"Invalid mode for Muon update scale factor: {mode!r}; scale_mode must be one of spectral, shape_scaling, "
+        "unit_rms_norm"
+    )
+
+
+def resolve_precision(precision: str | None) -> str:
+    """``precision``, or torch's float32 matmul precision when None (as Emerging-Optimizers'
+    ``newton_schulz`` follows ``torch.get_float32_matmul_precision()``)."""
+    if precision is None:
+        precision = torch_matmul_precision()
+    validate_precision(precision)
+    return precision
+
+
+def torch_matmul_precision() -> str:
+    import torch  # kept out of module import: this module is importable without torch
+
+    return torch.get_float32_matmul_precision()
 
 
 def validate_precision(precision: str) -> None:

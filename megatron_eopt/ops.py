@@ -21,7 +21,10 @@ from .newton_schulz import (
     NSCoeffT,
     PrecisionT,
     NS_ALGORITHMS,
+    NS_EPS,
+    check_steps,
     coefficient_table,
+    resolve_precision,
     validate_algorithm,
     validate_precision,
 )
@@ -42,8 +45,7 @@ def _ns_arguments(
     precision: str,
     algorithm: str,
 ) -> tuple[list[float], bool]:
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1, got {steps}")
+    check_steps(coefficient_type, steps)
     if not eps > 0:
         raise ValueError(f"eps must be positive, got {eps}")
     validate_precision(precision)
@@ -66,24 +68,31 @@ def newton_schulz(
     steps: int = 5,
     coefficient_type: NSCoeffT = "quintic",
     custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     transpose: bool | None = None,
     tp_group: "torch.distributed.ProcessGroup | None" = None,
     use_syrk: bool = False,
+    normalize_in_double: bool = False,
     *,
-    precision: PrecisionT = "medium",
+    precision: PrecisionT | None = None,
     algorithm: NSAlgorithmT = "auto",
 ) -> torch.Tensor:
     """Orthogonalizes ``x`` (fp32, ``(m, n)`` or ``(batch, m, n)``) by Newton–Schulz iteration.
 
-    Emerging-Optimizers' signature and positional order. Each matrix is normalized by its Frobenius
-    norm (clamped to ``eps``), then ``steps`` rows of the coefficient schedule are applied in the
-    compute ``precision`` ("medium": bf16 storage with fp32 accumulation, "high": TF32, "highest":
-    fp32). Tall matrices are iterated transposed unless ``transpose`` says otherwise.
+    Emerging-Optimizers 0.4's signature and positional order. Each matrix is normalized by its
+    Frobenius norm (clamped to ``eps``; with ``normalize_in_double`` the norm is reduced in float64
+    and not clamped, so inputs whose squares underflow float32 still normalize), then ``steps`` rows
+    of the coefficient schedule are applied in the compute ``precision`` ("medium": bf16 storage
+    with fp32 accumulation, "high": TF32, "highest": fp32; None, the default: whatever
+    ``torch.get_float32_matmul_precision()`` says, as Emerging-Optimizers does). ``steps=0``
+    returns the normalized input (rounded through bf16 under "medium", as the reference does).
+    Tall matrices are iterated transposed unless ``transpose`` says otherwise.
     ``algorithm``: "standard" iterates on X; "gram" runs the same iteration on the Gram matrix of
     the short side, with restarts chosen for the schedule and precision (fewer FLOPs for
     rectangular matrices); "auto" (default) takes gram where it does less work on this device, else
     standard. Returns an fp32 tensor shaped like ``x``.
+
+    ``eps`` defaults to 0.4's 1e-15; pass ``eps=1e-7`` for Emerging-Optimizers 0.3.0's numerics.
 
     With ``tp_group``, ``x`` is this rank's shard of a matrix split over the group along the side
     the iteration contracts (the columns, or the rows when transposed), as in Emerging-Optimizers:
@@ -91,6 +100,8 @@ def newton_schulz(
     the result of the whole matrix. ``use_syrk`` is accepted for compatibility; the op chooses its
     products itself.
     """
+    if isinstance(x, torch.Tensor) and x.ndim not in (2, 3):  # Emerging-Optimizers' wording
+        raise TypeError(f"Input tensor x must be 2d or 3d (batched 2d), got {x.ndim}d")
     _check_matrix("x", x, (2, 3))
     if isinstance(tp_group, str):
         raise TypeError(
@@ -99,14 +110,73 @@ def newton_schulz(
         )
     if not isinstance(use_syrk, bool):
         raise TypeError(f"use_syrk must be a bool, got {type(use_syrk).__name__}")
+    if not isinstance(normalize_in_double, bool):
+        raise TypeError(f"normalize_in_double must be a bool, got {type(normalize_in_double).__name__}")
+    precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
+    if normalize_in_double or steps == 0:
+        x = _frobenius_normalize(x, eps, tp_group, normalize_in_double)
+        if steps == 0:
+            # the reference stores the iterate in bf16 under "medium" before casting back
+            return x.to(torch.bfloat16).to(torch.float32) if precision == "medium" else x
+        # x now has unit norm: the op's own normalization changes it by float32 rounding only
     if tp_group is not None:
         return _tensor_parallel_newton_schulz(
             x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
         )
     return call_op(_ops.newton_schulz, x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
+
+
+def _frobenius_normalize(x: torch.Tensor, eps: float, tp_group, in_double: bool) -> torch.Tensor:
+    """x / ‖x‖_F per matrix (over the whole sharded matrix with ``tp_group``).
+
+    float32: the norm clamped to ``eps``. ``in_double``: squares summed in float64 and no clamp
+    (Emerging-Optimizers 0.4: a zero matrix then gives NaN, as there)."""
+    xs = x.double() if in_double else x
+    sq = (xs * xs).sum(dim=(-2, -1), keepdim=True)
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=tp_group)
+    norm = sq.sqrt().to(x.dtype)
+    return x / (norm if in_double else norm.clamp_min(eps))
+
+
+def newton_schulz_tp(
+    x: torch.Tensor,
+    steps: int,
+    coefficient_type: NSCoeffT,
+    tp_group: "torch.distributed.ProcessGroup",
+    partition_dim: int | None = None,
+    tp_mode: str = "duplicated",
+    use_syrk: bool = False,
+) -> torch.Tensor:
+    """Emerging-Optimizers' tensor-parallel Newton–Schulz of this rank's shard ``x``.
+
+    ``partition_dim`` None: ``x`` is not sharded (plain :func:`newton_schulz`). "duplicated":
+    all-gather the shards along ``partition_dim``, orthogonalize the whole matrix, keep this
+    rank's chunk. "distributed": ``x`` stays sharded; the norm and Gram products are all-reduced
+    (``partition_dim`` 0 iterates on the transpose). Precision follows torch's float32 matmul
+    precision, eps the default.
+    """
+    if partition_dim is None:
+        return newton_schulz(x, steps, coefficient_type, use_syrk=use_syrk)
+    if tp_mode == "duplicated":
+        import torch.distributed as dist
+
+        shards = [torch.empty_like(x) for _ in range(dist.get_world_size(tp_group))]
+        dist.all_gather(shards, x.contiguous(), group=tp_group)
+        full = newton_schulz(torch.cat(shards, dim=partition_dim), steps, coefficient_type, use_syrk=use_syrk)
+        return full.chunk(len(shards), dim=partition_dim)[dist.get_rank(tp_group)]
+    if tp_mode == "distributed":
+        if partition_dim not in (0, 1):
+            raise ValueError(f"Invalid partition_dim: {partition_dim}")
+        return newton_schulz(
+            x, steps, coefficient_type, transpose=partition_dim == 0, tp_group=tp_group, use_syrk=use_syrk
+        )
+    raise ValueError(f"Invalid tp_mode: {tp_mode}")
 
 
 def _tensor_parallel_newton_schulz(
@@ -149,14 +219,15 @@ def newton_schulz_list(
     steps: int = 5,
     coefficient_type: NSCoeffT = "quintic",
     custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     transpose: bool | None = None,
-    precision: PrecisionT = "medium",
+    precision: PrecisionT | None = None,
     algorithm: NSAlgorithmT = "auto",
 ) -> list[torch.Tensor]:
     """:func:`newton_schulz` of each 2-D matrix of ``xs``; equal shapes run as one batch."""
     for i, x in enumerate(xs):
         _check_matrix(f"xs[{i}]", x, (2,))
+    precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
@@ -357,9 +428,9 @@ def newton_schulz_split(
     steps: int = 5,
     coefficient_type: NSCoeffT = "quintic",
     custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
-    eps: float = 1e-7,
+    eps: float = NS_EPS,
     transpose: bool | None = None,
-    precision: PrecisionT = "medium",
+    precision: PrecisionT | None = None,
     scale_mode: MuonScaleT | None = "spectral",
     extra_scale_factor: float = 1.0,
     algorithm: NSAlgorithmT = "auto",
@@ -411,6 +482,7 @@ def newton_schulz_split(
         raise ValueError(
             "extra_scale_factor applies only with a scale_mode; without one the parts are returned unscaled"
         )
+    precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )

@@ -7,8 +7,14 @@ mapping a Megatron-LM ``OptimizerConfig`` to constructor arguments, and per-para
 entries have the same fields as Megatron-LM's registry, so :mod:`megatron_eopt.integrations.megatron`
 can put them into ``megatron.core.optimizer``; nothing here imports megatron-core.
 
-Built-in entries: ``"muon"`` (:class:`~megatron_eopt.optim.TensorParallelMuon`) and
-``"adaptive_muon"`` (:class:`~megatron_eopt.optim.TensorParallelAdaptiveMuon`).
+Built-in entries: ``"muon"`` (:class:`~megatron_eopt.optim.TensorParallelMuon`),
+``"adaptive_muon"`` (:class:`~megatron_eopt.optim.TensorParallelAdaptiveMuon`), and the rest of
+Emerging-Optimizers 0.4's family: ``"scion"``, ``"mop"``, ``"polargrad"``, ``"spel"``, ``"muown"``,
+``"muon_hyperball"`` (its radius from the config's ``muon_hyperball_radius``).
+
+Emerging-Optimizers' own class registry is here too: :func:`register_optimizer`,
+:func:`get_optimizer_cls`, :func:`get_optimizer_name_list`, :func:`validate_optimizer_args`,
+:func:`get_configured_optimizer_cls`, with megatron-eopt's classes under EO's names.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import inspect
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -24,12 +31,17 @@ __all__ = [
     "EmergingOptimizerEntry",
     "ParamRule",
     "get",
+    "get_configured_optimizer_cls",
+    "get_optimizer_cls",
+    "get_optimizer_name_list",
     "init_optimizer_state",
     "is_muon_excluded",
     "is_nonlinear_or_embedding",
     "names",
     "qkv_split_shapes_from_model_config",
     "register",
+    "register_optimizer",
+    "validate_optimizer_args",
 ]
 
 
@@ -194,6 +206,31 @@ def adaptive_muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection
     return kwargs
 
 
+def family_config_to_kwargs(optimizer_cls: type) -> Callable[[Any, Any, Any], dict[str, Any]]:
+    """Megatron-LM ``OptimizerConfig`` → keyword arguments of an EO 0.4 family class: the ``muon_*``
+    fields (and lr, weight_decay) its constructor takes. MuonHyperball also needs
+    ``config.muon_hyperball_radius`` (Megatron-LM has no such field: set it on the config)."""
+    accepted = set(inspect.signature(optimizer_cls).parameters)
+
+    def config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
+        kwargs = {k: v for k, v in _fields_from_config(config, _MUON_CONFIG_FIELDS).items() if k in accepted}
+        if optimizer_cls.__name__ == "MuonHyperball":
+            radius = getattr(config, "muon_hyperball_radius", None)
+            if radius is None:
+                raise ValueError("muon_hyperball needs config.muon_hyperball_radius (the weights' Frobenius norm)")
+            kwargs.update({k: v for k, v in _fields_from_config(config, _MUON_CONFIG_FIELDS).items()
+                           if k in inspect.signature(_muon_cls()).parameters}, hyperball_radius=radius)
+        return kwargs
+
+    return config_to_kwargs
+
+
+def _muon_cls() -> type:
+    from .optim import Muon
+
+    return Muon
+
+
 # ------------------------------------------------------------------ the registry
 _ENTRIES: dict[str, EmergingOptimizerEntry] = {}
 _LOCK = threading.Lock()
@@ -208,14 +245,17 @@ def _load_builtins() -> None:
     with _LOCK:
         if _BUILTINS_LOADED:
             return
-        from .optim import TensorParallelAdaptiveMuon, TensorParallelMuon
+        from . import optim
 
         builtins = {
-            "muon": EmergingOptimizerEntry(TensorParallelMuon, config_to_kwargs=muon_config_to_kwargs),
+            "muon": EmergingOptimizerEntry(optim.TensorParallelMuon, config_to_kwargs=muon_config_to_kwargs),
             "adaptive_muon": EmergingOptimizerEntry(
-                TensorParallelAdaptiveMuon, config_to_kwargs=adaptive_muon_config_to_kwargs
+                optim.TensorParallelAdaptiveMuon, config_to_kwargs=adaptive_muon_config_to_kwargs
             ),
         }
+        for name, cls in (("scion", optim.Scion), ("mop", optim.MOP), ("polargrad", optim.PolarGrad),
+                          ("spel", optim.Spel), ("muown", optim.Muown), ("muon_hyperball", optim.MuonHyperball)):
+            builtins[name] = EmergingOptimizerEntry(cls, config_to_kwargs=family_config_to_kwargs(cls))
         for name, entry in builtins.items():
             _ENTRIES.setdefault(name, entry)  # a user registration made earlier wins
         _BUILTINS_LOADED = True
@@ -260,3 +300,71 @@ def names() -> list[str]:
     """Registered names, sorted."""
     _load_builtins()
     return sorted(_ENTRIES)
+
+
+# ------------------------------------------------------------------ Emerging-Optimizers' class registry
+# EO's functions, same names, arguments and errors; names are case-insensitive. Our classes are
+# registered under EO 0.4's names (EO's contrib Muown is not registered there, nor here).
+_OPTIMIZERS: dict[str, type] = {}
+_EO_BUILTINS_LOADED = False
+
+
+def _load_eo_builtins() -> None:
+    global _EO_BUILTINS_LOADED
+    if _EO_BUILTINS_LOADED:
+        return
+    from . import optim
+
+    with _LOCK:
+        for name, cls in (("muon", optim.Muon), ("adaptive_muon", optim.AdaptiveMuon), ("scion", optim.Scion),
+                          ("mop", optim.MOP), ("muon_hyperball", optim.MuonHyperball),
+                          ("polargrad", optim.PolarGrad), ("spel", optim.Spel)):
+            _OPTIMIZERS.setdefault(name, cls)
+        _EO_BUILTINS_LOADED = True
+
+
+def register_optimizer(name: str) -> Callable[[type], type]:
+    """Class decorator: registers the optimizer class under ``name`` (ValueError if taken)."""
+
+    def decorator(cls: type) -> type:
+        _load_eo_builtins()
+        with _LOCK:
+            if name.lower() in _OPTIMIZERS:
+                raise ValueError(f"Optimizer {name} already registered.")
+            _OPTIMIZERS[name.lower()] = cls
+        return cls
+
+    return decorator
+
+
+def get_optimizer_name_list() -> list[str]:
+    """Names in EO's class registry."""
+    _load_eo_builtins()
+    return list(_OPTIMIZERS)
+
+
+def get_optimizer_cls(name: str) -> type:
+    """The class registered under ``name``; ValueError when there is none."""
+    _load_eo_builtins()
+    cls = _OPTIMIZERS.get(name.lower())
+    if cls is None:
+        raise ValueError(f"Optimizer {name} not found in the registry.")
+    return cls
+
+
+def validate_optimizer_args(opt_cls: type, kwargs: dict[str, Any]) -> None:
+    """TypeError naming the keyword arguments ``opt_cls``'s constructor does not take (``params`` aside)."""
+    supported = set(inspect.signature(opt_cls).parameters)
+    unknown = set(kwargs) - supported - {"params"}
+    if unknown:
+        raise TypeError(
+            f"Optimizer '{opt_cls.__name__}' does not accept arguments: {unknown}.\n"
+            f"Valid options are: {list(supported)}"
+        )
+
+
+def get_configured_optimizer_cls(name: str, **kwargs: Any) -> Callable[..., torch.optim.Optimizer]:
+    """``params -> optimizer``: the class registered under ``name`` with ``kwargs`` bound (checked first)."""
+    cls = get_optimizer_cls(name)
+    validate_optimizer_args(cls, kwargs)
+    return partial(cls, **kwargs)

@@ -16,6 +16,7 @@ from .._errors import call_op
 from ._recipe import NSRecipe, polar_express_rows
 from ..newton_schulz import (
     NS_ALGORITHMS,
+    NS_EPS,
     coefficient_table,
     get_muon_scale_factor,
     validate_precision,
@@ -27,7 +28,6 @@ Moment2MethodT = Literal["adamuon", "normuon", "namo"]
 WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm", "cautious")
 MOMENT2_METHODS = ("adamuon", "normuon", "namo")
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
-NS_EPS = 1e-7  # Frobenius-normalization floor of Newton–Schulz, as in the reference packages
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class OrthogonalizationConfig:
     extra_scale_factor: float
     moment2_method: str | None  # None: plain Muon (no second moment)
     algorithm: str = "auto"  # Newton–Schulz algorithm: auto | standard | gram
+    ns_eps: float = NS_EPS  # Frobenius-normalization floor (EO 0.4: 1e-15; EO 0.3.0 / Megatron-LM: 1e-7)
     coefficients: tuple[tuple[float, float, float], ...] = ()  # the rows one run consumes
     table: tuple[float, ...] = ()  # the op's flattened coefficient table
     repeat_last: bool = False  # the op's schedule policy past the table
@@ -72,11 +73,11 @@ class OrthogonalizationConfig:
 
     def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
         """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``."""
-        if self.recipe != NSRecipe():
+        if self.recipe.prepares_input or self.recipe.frobenius_renorm:
             raise ValueError("MuonEq, Muon+, ns_eps_mode='add' and ns_norm_divisor do not apply to split (QKV) "
                              "orthogonalization")
         return call_op(
-            torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps, self.repeat_last, NS_EPS, None, self.precision,
+            torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps, self.repeat_last, self.ns_eps, None, self.precision,
             self.scale_mode if scaled else None, self.extra_scale_factor if scaled else 1.0, self.algorithm,
         )
 
@@ -124,6 +125,8 @@ def make_config(
         raise ValueError(f"extra_scale_factor must be a finite number, got {extra_scale_factor!r}")
     if ns_algorithm not in NS_ALGORITHMS:
         raise ValueError(f"ns_algorithm must be one of {list(NS_ALGORITHMS)}, got {ns_algorithm!r}")
+    if isinstance(ns_eps, bool) or not isinstance(ns_eps, Real) or not 0 < ns_eps < math.inf:
+        raise ValueError(f"ns_eps must be a finite positive number, got {ns_eps!r}")
     if moment2_method is not None:
         if moment2_method not in MOMENT2_METHODS:
             raise ValueError(f"moment2_method must be one of {list(MOMENT2_METHODS)}, got {moment2_method!r}")
@@ -153,6 +156,7 @@ def make_config(
         extra_scale_factor=float(extra_scale_factor),
         moment2_method=moment2_method,
         algorithm=ns_algorithm,
+        ns_eps=float(ns_eps),
     )
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .._library import ns_plan
-from ._config import NS_EPS, OrthogonalizationConfig
+from ._config import OrthogonalizationConfig
 from ._plan import QKVSplit, TPLayout
 
 
@@ -92,14 +92,14 @@ def _distributed_gram(X: torch.Tensor, tp: TPLayout, config: OrthogonalizationCo
 
 
 def distributed_newton_schulz(
-    x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float = NS_EPS
+    x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float | None = None
 ) -> torch.Tensor:
     """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (DESIGN §4.1, §4.6)."""
     transpose = tp.partition_dim == 0  # iterate so that the sharded side is the contracted one
     w = x.mT if transpose else x
     sq = w.square().sum(dim=(-2, -1))
     dist.all_reduce(sq, group=tp.group)
-    norm = sq.sqrt().clamp_min(eps)
+    norm = sq.sqrt().clamp_min(config.ns_eps if eps is None else eps)
     compute = torch.bfloat16 if config.precision == "medium" else torch.float32
     X = (w / norm[:, None, None]).to(compute)
     s, l_global = w.shape[-2], w.shape[-1] * tp.size

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
 from torch.optim.optimizer import ParamsT
 
+from ..newton_schulz import NS_EPS, get_muon_scale_factor
 from ._config import make_config
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -30,6 +32,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     ``row_equilibration``, ``frobenius_renorm``, ``ns_eps_mode``, ``ns_norm_divisor``,
     ``polar_express_safety``) are those of :class:`Muon`; Muon+ renormalizes O before the second
     moment, as nanochat does.
+    ``ns_eps`` as in :class:`Muon` (1e-15, Emerging-Optimizers 0.4; 1e-7 for 0.3.0).
     """
 
     def __init__(
@@ -57,7 +60,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
         polar_express_safety: float | None = None,
-        ns_eps: float = 1e-7,
+        ns_eps: float = NS_EPS,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -83,4 +86,61 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         self.scale_mode = scale_mode
         self.extra_scale_factor = config.extra_scale_factor
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
-        super().__init__(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode)
+        self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode)
+
+    # ------------------------------------------------------------------ Emerging-Optimizers' extension points
+    # The fused step runs these rules in its normalization ops; a subclass overriding one of them
+    # gets the per-parameter step, which calls them as EO's AdaptiveMuon.step does.
+    def _apply_muon_scale(self, update: torch.Tensor, size_out: int, size_in: int) -> torch.Tensor:
+        """``update`` times the Muon scale of a (size_out, size_in) matrix and ``extra_scale_factor``."""
+        return update * get_muon_scale_factor(size_out, size_in, self.scale_mode) * self.extra_scale_factor
+
+    def _match_frobenius_norm(self, update: torch.Tensor, reference: torch.Tensor, eps: float) -> torch.Tensor:
+        """``update`` rescaled to the Frobenius norm of ``reference`` (its own norm floored at eps)."""
+        return update * (torch.linalg.vector_norm(reference) / torch.linalg.vector_norm(update).clamp_min(eps))
+
+    def _apply_moment2_normalization(
+        self,
+        orth_grad: torch.Tensor,
+        moment2: torch.Tensor,
+        beta2: float,
+        eps: float,
+        *,
+        raw_grad: torch.Tensor | None = None,
+        pre_orth_grad: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Updates ``moment2`` in place from the raw NS output and returns the normalized update."""
+        method = self.moment2_method
+        if method == "adamuon":
+            moment2.lerp_(orth_grad.square().to(moment2.dtype), 1 - beta2)
+            return orth_grad / (moment2.sqrt() + eps)
+        if method == "normuon":
+            avg_dim = -1 if orth_grad.shape[-2] >= orth_grad.shape[-1] else -2
+            moment2.lerp_(orth_grad.square().mean(dim=avg_dim, keepdim=True).to(moment2.dtype), 1 - beta2)
+            update = orth_grad * moment2.clamp_min(eps).rsqrt()
+            return self._match_frobenius_norm(update, orth_grad, eps)
+        if method == "namo":
+            if raw_grad is None or pre_orth_grad is None:
+                raise RuntimeError("NAMO requires raw_grad and pre_orth_grad")
+            moment2.lerp_(torch.linalg.vector_norm(raw_grad).square().to(moment2.dtype), 1 - beta2)
+            return orth_grad * (torch.linalg.vector_norm(pre_orth_grad) / (moment2.sqrt() + eps))
+        raise TypeError(f"Invalid second moment method: {method}")
+
+    def _hook_update(self, p, orth_grad, group, state, raw_grad, pre_orth_grad) -> torch.Tensor:
+        namo = self.moment2_method == "namo"
+        update = self._apply_moment2_normalization(
+            orth_grad=orth_grad,
+            moment2=state["moment2_buffer"],
+            beta2=group["beta2"],
+            eps=group["eps"],
+            raw_grad=raw_grad if namo else None,
+            pre_orth_grad=pre_orth_grad if namo else None,
+        )
+        return self._apply_muon_scale(update, update.size(-2), update.size(-1))
+
+
+AdaptiveMuon._fused_hook_defaults = {
+    **OrthogonalizedOptimizer._fused_hook_defaults,
+    **{name: AdaptiveMuon.__dict__[name] for name in ("_apply_muon_scale", "_match_frobenius_norm",
+                                                      "_apply_moment2_normalization")},
+}

@@ -6,7 +6,9 @@ from typing import Sequence
 
 from torch.optim.optimizer import ParamsT
 
+from ..newton_schulz import NS_EPS
 from ._config import make_config
+from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 
 
@@ -44,7 +46,7 @@ class Muon(OrthogonalizedOptimizer):
       norm set to √min(m, n) before scaling;
     - ``ns_eps_mode``: the Frobenius normalization that starts Newton–Schulz, ``"clamp"``
       ``X / max(‖X‖, ns_eps)`` (Emerging-Optimizers) or ``"add"`` ``X / (‖X‖ + ns_eps)`` (the
-      snippets), ``ns_eps`` 1e-7 by default (nanochat uses 1e-6 since 2026);
+      snippets), ``ns_eps`` as below (nanochat uses 1e-6 since 2026);
       ``ns_norm_divisor`` s ≥ 1 divides by ``s·‖X‖`` (Polar Express's safety, arXiv 2505.16932);
     - ``polar_express_safety`` s ≥ 1 (with ``coefficient_type="polar_express"``): the Polar Express
       table for that safety factor, every row but the last evaluated at X / s (``None``: the
@@ -53,6 +55,14 @@ class Muon(OrthogonalizedOptimizer):
     These run around the fused ops in PyTorch for now (one reduction and one multiply per option).
     NorMuon-style variance reduction as nanochat does it is :class:`AdaptiveMuon` with
     ``moment2_method="normuon", eps=1e-10``.
+
+    ``weight_update_hook`` (Emerging-Optimizers main's protocol, see
+    :mod:`~megatron_eopt.optim.weight_update_hooks`) runs around ``p -= lr·update``; the three hooks
+    of that module run batched in the fused step, any other object per parameter.
+
+    ``ns_eps`` (an extension) is the Frobenius-normalization floor of Newton–Schulz: 1e-15 as in
+    Emerging-Optimizers 0.4; ``ns_eps=1e-7`` reproduces 0.3.0 (it differs only for updates of
+    norm below about 1e-7, which 0.3.0 shrinks instead of orthogonalizing).
     """
 
     def __init__(
@@ -70,6 +80,7 @@ class Muon(OrthogonalizedOptimizer):
         scale_mode: str = "spectral",
         extra_scale_factor: float = 1.0,
         use_syrk: bool = False,
+        weight_update_hook: WeightUpdateHook | None = None,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
@@ -78,7 +89,7 @@ class Muon(OrthogonalizedOptimizer):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
         polar_express_safety: float | None = None,
-        ns_eps: float = 1e-7,
+        ns_eps: float = NS_EPS,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -99,7 +110,7 @@ class Muon(OrthogonalizedOptimizer):
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
         self.fp32_matmul_prec = fp32_matmul_prec
-        super().__init__(
+        self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
-            sharded_mode=sharded_mode,
+            sharded_mode=sharded_mode, weight_update_hook=weight_update_hook,
         )

@@ -22,7 +22,14 @@ an inf / NaN gradient changes nothing, decided on the device without a sync.
 ``orthogonalize(p, grad, **group)`` is Emerging-Optimizers' extension point: a subclass that
 overrides it is called for every parameter with a gradient, after the fused momentum step and the
 batched Newton–Schulz; the base method, called from the override, returns the batched result, so
-only the parameters the override handles itself cost extra.
+only the parameters the override handles itself cost extra. EO's other extension points (see
+``_eo_hooks``) switch the step to EO's per-parameter loop when a subclass replaces one; the
+weight-update hooks of ``weight_update_hooks`` run batched inside the fused step.
+
+The class has Emerging-Optimizers 0.4's constructor (``lr, momentum, weight_decay, nesterov,
+weight_decay_method, fp32_matmul_prec, scaled_orthogonalize_fn``, plus EO main's
+``weight_update_hook``) for EO-style subclasses, which take the per-parameter step; the fused
+classes (Muon, AdaptiveMuon, Scion, the tensor-parallel ones) set up through ``_init_fused``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ import torch
 
 from .. import ops
 from ._config import OrthogonalizationConfig, check_group_hyperparameters, check_step_value
+from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
+from .weight_update_hooks import NoOpWeightUpdateHook
 from ._distributed import (
     distributed_orthogonalize,
     gather_shards,
@@ -56,14 +65,54 @@ from ._sharded import (
 from ._state_check import check_loaded_state
 
 
-class OrthogonalizedOptimizer(torch.optim.Optimizer):
-    """Base class: subclasses build the config and may route parameters to TP layouts / QKV splits."""
+class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
+    """Emerging-Optimizers' base class of orthogonalized optimizers.
 
-    # torch.amp.GradScaler.step then hands over `grad_scale` and `found_inf` instead of unscaling.
-    _step_supports_amp_scaling = True
+    EO's constructor: ``scaled_orthogonalize_fn(grad) -> update`` orthogonalizes (and scales) one
+    2-D momentum (None: identity, as EO); further keyword arguments become param-group defaults;
+    ``weight_update_hook`` (see :mod:`~megatron_eopt.optim.weight_update_hooks`) runs around the
+    final update. Such an optimizer steps per parameter in EO's order and numerics: weight decay,
+    momentum EMA (Nesterov blend), ``orthogonalize`` under ``fp32_matmul_prec``,
+    ``pre_weight_update_fn_inplace``, hook pre, ``p -= lr·update``, ``post_weight_update_fn_inplace``,
+    hook post. Subclasses override any of those methods as in EO.
 
-    def __init__(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
-                 sharded_mode: str = "owner") -> None:
+    The fused classes (:class:`Muon` and the others) subclass it too and set up through
+    ``_init_fused``: one batched, fused step while no extension point is overridden; the per-parameter
+    step with the same numerics once one is.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float,
+        weight_decay: float,
+        *,
+        nesterov: bool,
+        weight_decay_method: str,
+        fp32_matmul_prec: str,
+        scaled_orthogonalize_fn: Callable | None = None,
+        weight_update_hook: Any | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if scaled_orthogonalize_fn is None:
+            scaled_orthogonalize_fn = torch.nn.Identity()
+        self.fp32_matmul_prec = fp32_matmul_prec
+        self.nesterov = nesterov
+        self.weight_decay_method = weight_decay_method
+        self._weight_update_hook = _effective_hook(weight_update_hook)
+        self._config = None  # no fused step: scaled_orthogonalize_fn is the caller's
+        self._plan = None
+        self._batched = None
+        self._constructed = False
+        torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs))
+        self.scaled_orthogonalize_fn = scaled_orthogonalize_fn
+
+    def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
+                    sharded_mode: str = "owner", weight_update_hook: Any | None = None) -> None:
+        """Sets up the fused step: ``config`` says how every parameter is orthogonalized."""
+        self._weight_update_hook = _effective_hook(weight_update_hook)
+        self.scaled_orthogonalize_fn = FusedScaledOrthogonalize(config, scaled=config.moment2_method is None)
         if nd_mode not in ND_MODES:
             raise ValueError(f"nd_mode must be one of {list(ND_MODES)}, got {nd_mode!r}")
         if sharded_mode not in SHARDED_MODES:
@@ -77,7 +126,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         self._batched: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._constructed = False
         check_group_hyperparameters(defaults, "defaults")
-        super().__init__(params, defaults)
+        torch.optim.Optimizer.__init__(self, params, defaults)
         self._constructed = True
         self._rebuild_plan()
 
@@ -93,6 +142,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ param groups and plan
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        if self._config is None:  # EO-style: parameters are checked where EO checks them, at step()
+            return
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         try:
@@ -157,6 +208,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._batched = None
+        if self._config is None:
+            return
         self._sharded = ShardedOrthogonalizer(self._config)
         # Param groups keep exactly the keys they were saved with (state_dict -> load_state_dict
         # -> state_dict is the identity, as with Emerging-Optimizers' classes). Only a per-step
@@ -259,6 +312,10 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def init_state(self) -> None:
         """Creates the state of every parameter, with or without a grad (before loading a checkpoint)."""
+        if self._config is None:
+            for group in self.param_groups:
+                self._init_group(group, skip_non_grad_params=False)
+            return
         plan = self._current_plan()
         for i in range(len(plan.entries)):
             self._init_entry_state(i)
@@ -266,6 +323,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _init_group(self, group: dict, skip_non_grad_params: bool = True) -> None:
         """Emerging-Optimizers' state initializer (Megatron's init_state_fn calls it)."""
+        if self._config is None:
+            return EOExtensionPoints._init_group(self, group, skip_non_grad_params)
         plan = self._current_plan()
         for p in group["params"]:
             if skip_non_grad_params and p.grad is None:
@@ -336,6 +395,8 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         """Performs one optimization step. ``closure`` is not supported (as in Emerging-Optimizers)."""
         if closure is not None:
             raise ValueError("closure is not supported")
+        if not self._use_fused_step():
+            return self._hook_step()
         plan = self._current_plan()
         entries = plan.entries
         active = [e.param.grad is not None for e in entries]
@@ -435,6 +496,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             self._call_orthogonalize_override(entries, active, ns_inputs, updates, scales)
 
         # 3. second moment (AdaptiveMuon), 4. decay + update per bucket
+        hook = self._weight_update_hook
         for bucket, group, members, params, grads, states, hyper, scale_t, inf_t in launches:
             bucket_updates = [updates[i] for i in members]
             if cfg.moment2_method is not None:
@@ -444,16 +506,34 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             if cfg.weight_decay_method == "cautious":  # masked by the update's sign: applied here, for now
                 cautious_decay_(params, bucket_updates, hyper["lr"], weight_decay, inf_t)
                 weight_decay = torch.zeros_like(weight_decay)
-            ops.foreach_update_(
-                params,
-                bucket_updates,
-                [scales[i] for i in members],
-                lr=hyper["lr"],
-                weight_decay=weight_decay,
-                weight_decay_method=cfg.op_weight_decay_method,
-                found_inf=inf_t,
-            )
+            if hook is None:
+                ops.foreach_update_(
+                    params,
+                    bucket_updates,
+                    [scales[i] for i in members],
+                    lr=hyper["lr"],
+                    weight_decay=weight_decay,
+                    weight_decay_method=cfg.op_weight_decay_method,
+                    found_inf=inf_t,
+                )
+            else:
+                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members],
+                                    {**hyper, "weight_decay": weight_decay}, inf_t)
         return None
+
+    def _hooked_update(self, hook, params, updates, scales, hyper, found_inf) -> None:
+        """Decay, weight-update hook around ``p -= lr·update``, batched over one bucket (EO main's order:
+        the hook sees the decayed weight and the scaled update)."""
+        cfg = self._config
+        if cfg.weight_decay_method != "l2":  # decay alone: the update scaled by 0 leaves p as decay made it
+            ops.foreach_update_(params, updates, [0.0] * len(params), lr=hyper["lr"],
+                                weight_decay=hyper["weight_decay"], weight_decay_method=cfg.op_weight_decay_method,
+                                found_inf=found_inf)
+        torch._foreach_mul_(updates, scales)
+        state = hook.fused_pre(params, updates)
+        ops.foreach_update_(params, updates, [1.0] * len(params), lr=hyper["lr"], weight_decay=0.0,
+                            weight_decay_method="decoupled", found_inf=found_inf)
+        hook.fused_post(params, state)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension point
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
@@ -464,7 +544,13 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
         output (normalized and scaled afterwards). ``kwargs`` are the param group's settings.
         Subclasses override it (conv reshapes, custom splits) and may call ``super().orthogonalize``
         for the parameters they leave alone: during ``step`` that returns the batched result.
+        With a ``scaled_orthogonalize_fn`` of the caller's (EO-style construction, or one assigned
+        later), it is called on the 2-D ``grad``, as in EO.
         """
+        if not isinstance(self.scaled_orthogonalize_fn, FusedScaledOrthogonalize) or self._config is None:
+            if grad.ndim != 2:
+                raise ValueError("Only 2D parameters are supported.")
+            return self.scaled_orthogonalize_fn(grad)
         batched = self._batched
         if batched is not None:
             hit = batched.get(id(p))
@@ -602,6 +688,17 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
             entry = entries[i]
             if entry.qkv is not None:
                 _scale_parts_(updates[j], entry.qkv, entry.part_scales)
+
+
+# The fused step reproduces these methods; a subclass replacing one gets the per-parameter step.
+OrthogonalizedOptimizer._fused_hook_defaults = {name: getattr(OrthogonalizedOptimizer, name) for name in BASE_HOOK_NAMES}
+# The per-parameter step batches EO-style orthogonalization only under this (not overridden) method.
+EOExtensionPoints._base_orthogonalize = OrthogonalizedOptimizer.orthogonalize
+
+
+def _effective_hook(hook):
+    """The weight-update hook a step must call: None for none or the no-op one."""
+    return None if hook is None or isinstance(hook, NoOpWeightUpdateHook) else hook
 
 
 def _plan_matches(plan: Plan, param_groups) -> bool:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
+from ..newton_schulz import NS_EPS_EO_030
 from ._config import make_config
 from ._plan import TPLayout
 from .adaptive_muon import AdaptiveMuon
@@ -186,6 +187,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             scale_mode=scale_mode,
             extra_scale_factor=extra_scale_factor,
             moment2_method=None if moment2 is None else moment2[0],
+            # Megatron-LM's classes run Emerging-Optimizers 0.3.0's newton_schulz (eps 1e-7)
+            ns_eps=NS_EPS_EO_030,
         )
         self._set_routing(split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode)
         self.nesterov = config.nesterov
@@ -197,7 +200,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             self.scale_mode = scale_mode
             self.extra_scale_factor = config.extra_scale_factor
             defaults.update(beta2=moment2[1], eps=moment2[2])
-        OrthogonalizedOptimizer.__init__(self, params, defaults, config)
+        self._init_fused(params, defaults, config)
 
 
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):

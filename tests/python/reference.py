@@ -39,6 +39,9 @@ def newton_schulz_ref(x, steps=5, coefficient_type="quintic", custom=None, eps=1
         X = X.unsqueeze(0)
     for a, b, c in coeffs:  # the same fused products as Emerging-Optimizers' batched step
         A = X @ X.mT
+        if c == 0.0:  # cubic rows (cubic5), as the reference packages branch (and torch's CPU bf16
+            X = torch.baddbmm(X, A, X, beta=a, alpha=b)  # baddbmm drops beta when alpha is 0)
+            continue
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, B, X, beta=a, alpha=1.0)
     if not batched:

@@ -279,3 +279,26 @@ def test_cuda_parity_with_emerging_optimizers(precision, moment2_method, gen):
         kwargs.update(moment2_method=moment2_method)
         keys = ("momentum_buffer", "moment2_buffer")
         _compare(AdaptiveMuon, eo.AdaptiveMuon, kwargs, gen, shapes=shapes, tol=tol, device="cuda", state_keys=keys)
+
+
+@pytest.mark.parametrize("cls_name", ["TensorParallelMuon", "Muon_ns_eps_1e-7"])
+def test_tiny_gradients_keep_eo_030_numerics(cls_name, gen):
+    # EO 0.3.0 floors the Newton–Schulz norm at 1e-7; Megatron-LM's classes (which pin 0.3.0), and
+    # Muon with ns_eps=1e-7, do too: a gradient of norm ~1e-9 gets 0.3.0's shrunken update.
+    from megatron_eopt.optim import TensorParallelMuon
+
+    params = make_params([(24, 40), (40, 24)], gen)
+    ref = clone_params(params)
+    start = [p.detach().clone() for p in params]
+    kwargs = dict(lr=1.0, momentum=0.0, weight_decay=0.0, nesterov=False, fp32_matmul_prec="highest")
+    ours = TensorParallelMuon(params, **kwargs) if cls_name == "TensorParallelMuon" else Muon(params, ns_eps=1e-7, **kwargs)
+    theirs = eo.muon.Muon(ref, **kwargs)
+    grads = [[torch.randn(p.shape, generator=gen) * 1e-11 for p in params]]
+    run_steps(ours, params, grads)
+    run_steps(theirs, ref, grads)
+    assert max_delta_err(params, ref, start) <= TOLERANCE["highest"]
+    default = Muon(clone_params(start), **kwargs)  # 0.4.0's 1e-15: a larger update
+    run_steps(default, default.param_groups[0]["params"], grads)
+    full = sum(float((p.detach() - s).norm()) for p, s in zip(default.param_groups[0]["params"], start))
+    shrunk = sum(float((p.detach() - s).norm()) for p, s in zip(params, start))
+    assert shrunk < 0.8 * full
