@@ -27,13 +27,13 @@ void product_out(Tensor& d, const Tensor& a, const Tensor& b) {
 }  // namespace
 
 bool gemm_loops_per_matrix(int64_t batch, int64_t macs, int64_t element_bytes) {
-  // One GEMM per matrix from about 128^3 multiply-adds in fp32 (below it the per-call overhead of
-  // a loop shows; above it every GEMM keeps both threads busy, where ATen's bmm spreads the batch
-  // over the threads and leaves one idle on the last matrix of an odd batch). ATen's bf16 bmm
-  // (oneDNN) batches well up to larger matrices: measured on the development CPU (AVX-512 bf16),
-  // 16 x 256^3 in bf16 runs 1.3x faster as one bmm than as a loop, fp32 the other way round.
-  const int64_t threshold = element_bytes == 2 ? int64_t{1} << 25 : int64_t{1} << 21;
-  return batch > 1 && macs >= threshold;
+  // fp32: one GEMM per matrix from 2^25 multiply-adds (ATen's bmm spreads the batch over the
+  // threads and leaves one idle on the last matrix of an odd batch: 3 x 512^3 runs 1.3x faster as
+  // a loop on the development CPU; below 2^25 the loop's per-call overhead shows, 16 x 128^3 1.4x
+  // slower). bf16: ATen's bmm (oneDNN) was as fast as the loop or faster at every size measured
+  // (1.01x to 1.08x from 256 x 256 x 768 to 1024^3; 2.6x at 16 x 128^3), so always one bmm.
+  if (element_bytes == 2) return false;
+  return batch > 1 && macs >= (int64_t{1} << 25);
 }
 
 void gemm_out(Tensor& d, const Tensor& a, const Tensor& b) {

@@ -30,7 +30,7 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   normalize_out(it, w, clamped_matrix_norms(w, opts.eps));
   Tensor spare = !bf16 && steps == 1 ? Tensor() : aten::empty_like(it);
   // G, then G^2 overwritten in place by P: both symmetric, computed as blocks above the diagonal.
-  const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu, bf16);
+  const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
   Tensor gram = aten::empty({batch, side, side}, type, w.device());
   Tensor poly = aten::empty_like(gram);
   for (std::size_t k = 0; k < steps; ++k) {

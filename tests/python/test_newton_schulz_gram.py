@@ -175,8 +175,7 @@ AUTO_CPU = [((128, 512), "gram"), ((512, 128), "gram"), ((2, 128, 384), "gram"),
 
 
 # "medium": the standard iteration's bf16 GEMMs against the Gram iteration's fp32 products (it
-# needs R with an fp32 result): standard on all of these (the shapes where Gram still saves time,
-# Gram side >= 512 and aspect ratios in the hundreds, are checked by the C++ tests of the rule).
+# needs R with an fp32 result, 2.5x the cost): standard at every shape.
 AUTO_CPU_MEDIUM = [(shape, "standard") for shape, _ in AUTO_CPU]
 
 

@@ -33,14 +33,13 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
 }
 
 // Products with a symmetric result are computed as nb x nb blocks of which only the upper
-// nb (nb + 1) / 2 are multiplied (the rest mirrored): on the CPU in fp32, blocks of at least 256
-// rows, at most 4 per side (measured on the development CPU: 1.2x at s = 512, 1.3x at 768, 1.4x at
-// 1024, 2x at 2048 for W W^T; smaller blocks lose more BLAS efficiency than they save). ATen's CPU
-// bf16 GEMMs (oneDNN) lose more on the smaller, strided block products and the mirrored copies
-// than the saved FLOPs: one full product (benchmarks/RESULTS.md, CPU section). CUDA runs full
-// cuBLASLt GEMMs (cuBLASLt has no symmetric product; blocks would under-fill the GPU).
-inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device, bool bf16 = false) {
-  if (device == NsDevice::kCuda || bf16) return 1;
+// nb (nb + 1) / 2 are multiplied (the rest mirrored): on the CPU, blocks of at least 256 rows, at
+// most 4 per side (measured on the development CPU for W W^T: fp32 1.2x at s = 512, 1.3x at 768,
+// 1.4x at 1024, 2x at 2048; ATen's bf16 GEMMs 1.27x at 768 x 768, 1.43x at 768 x 3072, 1.27x at
+// 1024^2; smaller blocks lose more BLAS efficiency than they save). CUDA runs full cuBLASLt GEMMs
+// (cuBLASLt has no symmetric product; blocks would under-fill the GPU).
+inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device) {
+  if (device == NsDevice::kCuda) return 1;
   const int64_t blocks = side / 256;
   return blocks < 1 ? 1 : (blocks > 4 ? 4 : blocks);
 }
@@ -62,7 +61,8 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 // CPU with "medium" the standard iteration runs ATen's bf16 GEMMs, while the Gram iteration keeps
 // fp32 products of bf16 values (it needs R with an fp32 result, which those GEMMs cannot write):
 // fp32 GEMMs take about 2.5x as long on the development CPU (AVX-512 bf16; 1024^3: 12.6 against
-// 5.0 ms). Elsewhere both iterations run the same arithmetic.
+// 5.0 ms), more than the Gram iteration saves at any aspect ratio, so "auto" keeps the standard
+// iteration there. Elsewhere both iterations run the same arithmetic.
 inline double gram_flop_weight(NsPrecision precision, NsDevice device) {
   return precision == NsPrecision::kMedium && device == NsDevice::kCpu ? 2.5 : 1.0;
 }
@@ -90,12 +90,10 @@ inline NsAutoRule ns_auto_rule(NsDevice device) {
 // Modelled time ratio standard / Gram of one call; above 1 the Gram iteration does less work.
 inline double gram_speedup_model(const GramProgram& program, std::size_t steps, int64_t m, int64_t n, bool transpose,
                                  NsPrecision precision, NsDevice device) {
-  const bool standard_bf16 = precision == NsPrecision::kMedium && device == NsDevice::kCpu;
   const double sym = ns_symmetric_fraction(ns_symmetric_blocks(program.gram_side, device));
-  const double standard_sym = ns_symmetric_fraction(ns_symmetric_blocks(program.gram_side, device, standard_bf16));
   const NsFlops g = gram_program_flops(program);
   const NsFlops st = standard_flops(m, n, transpose, steps);
-  const double standard_cost = standard_sym * st.long_symmetric + st.long_general + standard_sym * st.square;
+  const double standard_cost = sym * st.long_symmetric + st.long_general + sym * st.square;
   const double gram_cost = gram_flop_weight(precision, device) *
                            (sym * g.long_symmetric + g.long_general +
                             gram_square_flop_weight(precision, device) * sym * g.square);
