@@ -3,10 +3,11 @@
 A run picks its Newton–Schulz schedule and precision per device (``configure``):
 - CUDA: the "simple" schedule (Keller Jordan's row, the only kind torch.optim.Muon takes) in
   precision "medium" (bf16 products), what GPU trainers run.
-- CPU: the default "quintic" schedule in precision "highest" (fp32). bf16 and fp16 GEMMs have no
-  fast path on CPUs without AVX512-BF16 / AMX (on the development machine a 1024 x 1024 x 4096
-  bf16 product takes 20 s against 0.06 s in fp32), so a CPU table in bf16 would time that fallback,
-  not the implementations; torch.optim.Muon (bf16 only, one (a, b, c) row) is left out there.
+- CPU: the default "quintic" schedule in precision "highest" (fp32) unless ``--precision`` says
+  otherwise; RESULTS.md keeps one CPU table per precision, "medium" (bf16 products, the optimizers'
+  default, fast on CPUs with AVX512-BF16 or AMX such as the development machine; CPUs without them
+  fall back to much slower bf16 kernels) and "highest". torch.optim.Muon (bf16 only, one (a, b, c)
+  row) runs only with a single-row schedule.
 Any schedule with c != 0 costs the same FLOPs. torch.optim.Muon's "original" lr adjustment is
 the "shape_scaling" scale mode; weight decay is decoupled in all.
 """

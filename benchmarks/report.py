@@ -34,8 +34,9 @@ Methodology: GPU calls are timed with CUDA events, inputs rotate over enough cop
 the L2 cache; CPU calls are timed with a wall clock, implementations interleaved call by call
 (see `benchmarks/timing.py`). Hyper-parameters are the same for every implementation of a run and
 listed in its section; the Newton–Schulz schedule and precision default per device
-(`benchmarks/hyper.py`: GPU simple / medium, CPU quintic / highest, since bf16 GEMMs have no fast
-path on CPUs without AVX512-BF16). Sections without that line ran {hyper}.
+(`benchmarks/hyper.py`: GPU simple / medium; CPU quintic, one table per precision: "medium", the
+optimizers' default with bf16 GEMMs (fast on CPUs with AVX512-BF16 or AMX, as here), and
+"highest", fp32). Sections without that line ran {hyper}.
 """
 
 # What every run used before sections listed their own hyper-parameters (the H100 table).
