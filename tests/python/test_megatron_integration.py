@@ -197,7 +197,8 @@ def test_training_steps_match_the_reference_optimizers(stock_registry, megatron_
     # (different products: symmetric blocks, the Gram iteration) into an elementwise one; the
     # optimizer parity tests allow it the TF32 tolerance (test_optim_muon_parity._fp32_tolerance).
     # Expanding schedules (polar_express: slope 13 at sigma = 1) magnify fp32 rounding itself, so
-    # their matrices are held to the amplification of a gradient-like input (ns_tolerance).
+    # their matrices are held to the amplification of a gradient-like input (ns_tolerance); two
+    # fp32 implementations, each within it of the exact result, are within twice it of each other.
     tol = TOLERANCE["high"] if fields.get("adaptive_muon_moment2_method") == "adamuon" else TOLERANCE["highest"]
     coefficient_type, steps = config.muon_coefficient_type, config.muon_num_ns_steps
     for n, p in reference_model.named_parameters():
@@ -205,7 +206,7 @@ def test_training_steps_match_the_reference_optimizers(stock_registry, megatron_
         assert ref_delta.norm() > 0, n
         bound = tol
         if p.ndim == 2:
-            bound = max(tol, ns_tolerance(torch.randn(p.shape), "highest", "cpu", coefficient_type, steps))
+            bound = 2 * max(tol, ns_tolerance(torch.randn(p.shape), "highest", "cpu", coefficient_type, steps))
         assert rel_err(delta, ref_delta) <= bound, (n, type(owner[n]).__name__)
 
 
