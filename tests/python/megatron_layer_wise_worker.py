@@ -44,6 +44,10 @@ CASES = (("muon", True, True), ("muon", False, True), ("muon", True, False), ("a
 # Every case runs on one rank (in the test process). Four ranks run the muon cross-loads in the
 # torch_dist format and resharding (write_and_cross_load, check_resharded_load); the torch format
 # writes one file per rank with that rank's state alone, so its one-rank check covers it.
+# Cases whose optimizer the four-rank run leaves out also run on two ranks (cases_worker): there
+# each rank owns only some of the weights, so the torch_dist checkpoint must put every weight's
+# state (adaptive_muon's second moment included) back on its owner.
+TWO_RANK_CASES = tuple(case for case in CASES if case[0] != "muon")
 
 
 @contextlib.contextmanager
@@ -247,6 +251,25 @@ def worker(rank, world_size, init_file, ckpt_root, seed):
         dist.barrier()
         _model_parallel(1)
         check_resharded_load(ckpt_root, f"rank {rank}/{world_size} TP=1 DP=4", seed)
+    finally:
+        integration.uninstall()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@exits_without_teardown
+def cases_worker(rank, world_size, init_file, ckpt_root, seed, cases):
+    """run_cases on every rank at TP = 1 x DP = world_size."""
+    from megatron.core import parallel_state
+
+    from megatron_eopt.integrations import megatron as integration
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        _model_parallel(1)
+        run_cases(cases, ckpt_root, f"rank {rank}/{world_size} TP=1 DP={world_size}", seed)
     finally:
         integration.uninstall()
         parallel_state.destroy_model_parallel()

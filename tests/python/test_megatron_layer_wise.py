@@ -1,7 +1,8 @@
 """megatron-eopt inside Megatron-LM's layer-wise distributed optimizer (``dist_muon``): its
 checkpoints round-trip as Megatron's own do, on 1, 2 and 4 gloo ranks (CPU): alone (torch_dist
 and torch formats, resharding from TP = 2 x DP = 2 to TP = 1 x DP = 4) and chained with Megatron's
-DistributedOptimizer for Adam (dp_reshardable and fully_reshardable sharding).
+DistributedOptimizer for Adam (dp_reshardable and fully_reshardable sharding; the Muon member
+alone in the torch format).
 
 The checks are those of Megatron-LM's dist_checkpointing tests for this optimizer (save / load
 and the common-state-dict comparisons), re-expressed in megatron_layer_wise_worker.py and
@@ -79,6 +80,21 @@ def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path, gen):
     finally:
         integration.uninstall()
         megatron_cpu.shutdown_megatron()
+
+
+@pytest.mark.distributed
+def test_layer_wise_checkpoints_of_other_optimizers_on_two_ranks(tmp_path, gen):
+    """TP = 1 x DP = 2, each rank owning some of the weights: the cases of optimizers other than
+    muon (adaptive_muon), torch_dist and torch formats, as on one rank."""
+    import torch.multiprocessing as mp
+
+    import megatron_layer_wise_worker as lw
+
+    assert lw.TWO_RANK_CASES
+    _needs_emerging_optimizers(lw.TWO_RANK_CASES)
+    rendezvous = os.path.join(str(tmp_path), "rendezvous")
+    mp.spawn(lw.cases_worker, args=(2, rendezvous, str(tmp_path), _seed(gen), lw.TWO_RANK_CASES), nprocs=2,
+             join=True)
 
 
 @pytest.mark.distributed
