@@ -20,7 +20,10 @@ _REPLACEMENTS = {
         '(OptimizerConfig(optimizer="muon", use_layer_wise_distributed_optimizer=...))'
     ),
     "TensorParallelMuon": "megatron_eopt.optim.TensorParallelMuon",
-    "MotifMuon": "megatron_eopt.optim.HybridMuon (groups flagged use_muon, clip_config, cpu_offload)",
+    "MotifMuon": (
+        "megatron_eopt.optim.HybridMuon (groups flagged use_muon, clip_config, cpu_offload; its own EMA "
+        "momentum and exact per-head QK-clip, see the README for how they differ from Motif's)"
+    ),
     "MuonWithAuxAdam": "megatron_eopt.optim.HybridMuon (groups flagged use_muon)",
     "SingleDeviceMuonWithAuxAdam": "megatron_eopt.optim.HybridMuon (groups flagged use_muon)",
     "get_default_muon_param_groups": "param groups flagged use_muon for megatron_eopt.optim.HybridMuon",
