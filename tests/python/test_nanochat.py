@@ -238,7 +238,9 @@ def test_muonadamw_with_bf16_matrices_keeps_stacks_in_their_dtype(gen):
         want = theirs.state[ref_group["params"][0]]
         for key in ("momentum_buffer", "second_momentum_buffer"):
             assert got[key].dtype == torch.bfloat16
-            assert rel_err(got[key].float(), want[key].float()) <= TOLERANCE["medium"], key
+            # the second moment averages O^2: a bf16 relative error e of O is 2e there
+            tol = TOLERANCE["medium"] * (2 if key == "second_momentum_buffer" else 1)
+            assert rel_err(got[key].float(), want[key].float()) <= tol, key
     for p, s in zip(params, start):
         # a step of ~2% of a bf16 weight is a few ulps of it, rounded on both sides: the states above
         # carry the comparison; here only that every weight was stepped and stayed bf16
