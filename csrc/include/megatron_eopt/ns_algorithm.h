@@ -60,9 +60,10 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 // Relative cost of one FLOP of the Gram iteration against one of the standard iteration's. On a
 // CPU with "medium" the standard iteration runs ATen's bf16 GEMMs, while the Gram iteration keeps
 // fp32 products of bf16 values (it needs R with an fp32 result, which those GEMMs cannot write):
-// fp32 GEMMs take about 2.5x as long on the development CPU (AVX-512 bf16; 1024^3: 12.6 against
-// 5.0 ms), more than the Gram iteration saves at any aspect ratio, so "auto" keeps the standard
-// iteration there. Elsewhere both iterations run the same arithmetic.
+// fp32 GEMMs take 2.1x to 2.5x as long on the development CPU (AVX-512 bf16; measured 2.1x at
+// 768^2 and 768 x 3072, 2.2x at 1024^2, 2.5x at 1024^3 in an earlier run; the upper end is used),
+// more than the Gram iteration saves at any aspect ratio, so "auto" keeps the standard iteration
+// there. Elsewhere both iterations run the same arithmetic.
 inline double gram_flop_weight(NsPrecision precision, NsDevice device) {
   return precision == NsPrecision::kMedium && device == NsDevice::kCpu ? 2.5 : 1.0;
 }
