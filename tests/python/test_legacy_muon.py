@@ -343,9 +343,11 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
             else:  # bf16 grads: ours are averaged in fp32, the reference's in bf16
                 assert rel_err(got.float() - start[i].float(), want.detach().float() - start[i].float()) <= 2e-2
             # nanochat's algorithm (its own reduce-scatter averaging, the same Newton–Schulz recipe)
-            # rounds every update to bf16, as its zeropower returns bf16: DESIGN's bf16 tolerance
+            # rounds every update to bf16, as its zeropower returns bf16. Its averaged grads differ
+            # from ours in the last bits, which bf16 Newton–Schulz turns into independent roundings:
+            # each within DESIGN's bf16 tolerance of the exact update, so within twice it of each other.
             nano = result["nanochat"][i].float()
-            assert rel_err(got.float() - start[i].float(), nano - start[i].float()) <= 2e-2, (r, i, shapes[i])
+            assert rel_err(got.float() - start[i].float(), nano - start[i].float()) <= 4e-2, (r, i, shapes[i])
     # every parameter is owned (and has momentum state) on exactly one rank; the momentum is that
     # of the averaged grads (the step itself is blind to a grad's scale, the momentum is not)
     owned = sorted(i for r in results for i in r["owned"])
