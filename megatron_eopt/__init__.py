@@ -28,6 +28,7 @@ from .ops import (
     qk_clip_,
 )
 from .second_moment import MOMENT2_METHODS, moment2_shape
+from . import low_memory_state  # noqa: E402
 from . import optim  # noqa: E402  (after the ops it is built on)
 from . import registry
 from .param_routing import RoutingTable, build_optimizers

@@ -759,3 +759,7 @@ def _foreach_update_fake(params, updates, scales, lr, weight_decay, weight_decay
     for i in range(n):
         _fake_check_index(op, i, "params", params[i], (("updates", updates),))
     return None
+
+
+# The low-memory state ops live beside the formats they store (see low_memory_state).
+from .low_memory_state import adamuon_normalize_quantized_, foreach_momentum_quantized_  # noqa: E402,F401

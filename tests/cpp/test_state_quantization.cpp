@@ -1,0 +1,205 @@
+// The low-memory state formats (state_quantization.h): grids, stochastic rounding, block scales,
+// block layout.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <set>
+#include <vector>
+
+#include "megatron_eopt/quantized_state_ops.h"
+#include "megatron_eopt/state_quantization.h"
+
+using namespace megatron_eopt;
+
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+float draw(uint64_t seed, uint64_t index) { return uniform_from_bits(random_bits(seed, 0, index)); }
+
+// Every finite e4m3fn value, ascending (from the 256 codes).
+std::vector<float> e4m3_grid() {
+  std::set<float> values;
+  for (int code = 0; code < 256; ++code) {
+    const float v = e4m3_to_float(Fp8E4M3{static_cast<uint8_t>(code)});
+    if (!std::isnan(v)) values.insert(v);
+  }
+  return {values.begin(), values.end()};
+}
+
+}  // namespace
+
+TEST(StateQuantization, UniformDrawsAreInUnitIntervalAndSpread) {
+  double sum = 0.0;
+  int low = 0;
+  constexpr int kDraws = 100000;
+  for (int i = 0; i < kDraws; ++i) {
+    const float u = draw(7, i);
+    ASSERT_GE(u, 0.f);
+    ASSERT_LT(u, 1.f);
+    sum += u;
+    low += u < 0.25f;
+  }
+  EXPECT_NEAR(sum / kDraws, 0.5, 0.01);
+  EXPECT_NEAR(low / double(kDraws), 0.25, 0.01);
+  // Same inputs, same bits; another seed, stream or index, other bits.
+  EXPECT_EQ(random_bits(3, 1, 99), random_bits(3, 1, 99));
+  EXPECT_NE(random_bits(3, 1, 99), random_bits(4, 1, 99));
+  EXPECT_NE(random_bits(3, 1, 99), random_bits(3, 2, 99));
+  EXPECT_NE(random_bits(3, 1, 99), random_bits(3, 1, 100));
+  EXPECT_EQ(uniform_from_bits(0xFFFFFFFFu), 1.f - 5.9604644775390625e-08f);
+}
+
+TEST(StateQuantization, Bf16StochasticPicksANeighbourWithoutBias) {
+  const float x = 1.00302f;  // between 1 and 1 + 2^-7
+  const float lo = 1.f, hi = 1.0078125f;
+  double mean = 0.0;
+  constexpr int kDraws = 200000;
+  for (int i = 0; i < kDraws; ++i) {
+    const float r = to_float(bf16_stochastic(x, random_bits(11, 0, i)));
+    ASSERT_TRUE(r == lo || r == hi) << r;
+    mean += r;
+  }
+  EXPECT_NEAR(mean / kDraws, x, 2e-5);
+  // Representable values, infinities and NaN are kept.
+  for (uint32_t bits : {0u, 0xFFFFu, 0x12345678u}) {
+    EXPECT_EQ(to_float(bf16_stochastic(1.5f, bits)), 1.5f);
+    EXPECT_EQ(to_float(bf16_stochastic(-kInf, bits)), -kInf);
+    EXPECT_TRUE(std::isnan(to_float(bf16_stochastic(kNaN, bits))));
+  }
+  // Negative values round in magnitude like positive ones.
+  EXPECT_EQ(to_float(bf16_stochastic(-x, 0u)), -lo);
+  EXPECT_EQ(to_float(bf16_stochastic(-x, 0xFFFFu)), -hi);
+}
+
+TEST(StateQuantization, E4M3CodesDecodeToTheFormat) {
+  EXPECT_EQ(e4m3_to_float(Fp8E4M3{0x7E}), 448.f);
+  EXPECT_EQ(e4m3_to_float(Fp8E4M3{0xFE}), -448.f);
+  EXPECT_EQ(e4m3_to_float(Fp8E4M3{0x38}), 1.f);
+  EXPECT_EQ(e4m3_to_float(Fp8E4M3{0x08}), 0.015625f);        // smallest normal 2^-6
+  EXPECT_EQ(e4m3_to_float(Fp8E4M3{0x01}), 0.001953125f);     // smallest subnormal 2^-9
+  EXPECT_EQ(e4m3_to_float(Fp8E4M3{0x07}), 7 * 0.001953125f);  // largest subnormal
+  EXPECT_TRUE(std::isnan(e4m3_to_float(Fp8E4M3{0x7F})));
+  EXPECT_TRUE(std::isnan(e4m3_to_float(Fp8E4M3{0xFF})));
+  const std::vector<float> grid = e4m3_grid();
+  EXPECT_EQ(grid.size(), 253u);  // 254 finite codes, +0 and -0 equal
+  // Every grid value encodes back to a code of the same value.
+  for (float v : grid) EXPECT_EQ(e4m3_to_float(e4m3_encode_exact(v)), v) << v;
+}
+
+TEST(StateQuantization, E4M3StochasticRoundsToNeighboursWithoutBias) {
+  const std::vector<float> grid = e4m3_grid();
+  for (float x : {0.0009f, 0.0173f, 0.3f, 1.06f, -5.3f, 100.f, 447.f}) {
+    auto above = std::lower_bound(grid.begin(), grid.end(), x);
+    const float hi = *above;
+    const float lo = hi == x ? x : *(above - 1);
+    double mean = 0.0;
+    constexpr int kDraws = 100000;
+    for (int i = 0; i < kDraws; ++i) {
+      const float r = e4m3_to_float(e4m3_stochastic(x, draw(5, i)));
+      ASSERT_TRUE(r == lo || r == hi) << x << " -> " << r;
+      mean += r;
+    }
+    EXPECT_NEAR(mean / kDraws, x, 0.01 * (hi - lo) + 1e-7) << x;
+  }
+  // Grid values are kept, the top is clamped, NaN is NaN.
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(448.f, 0.99f)), 448.f);
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(448.02f, 0.99f)), 448.f);
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(-0.25f, 0.7f)), -0.25f);
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(0.f, 0.99f)), 0.f);
+  EXPECT_TRUE(std::isnan(e4m3_to_float(e4m3_stochastic(kNaN, 0.5f))));
+}
+
+TEST(StateQuantization, BlockScales) {
+  const BlockScale i8 = block_scale(2.54f, StateFormat::kInt8);
+  EXPECT_FLOAT_EQ(i8.scale, 0.02f);
+  EXPECT_FLOAT_EQ(i8.inverse, 50.f);
+  const BlockScale f8 = block_scale(4.48f, StateFormat::kFloat8E4M3);
+  EXPECT_FLOAT_EQ(f8.scale, 0.01f);
+  // A zero block and a block below fp32's normals store zeros; a non-finite block reads as NaN.
+  for (float absmax : {0.f, 1e-39f, 1e-45f}) {
+    const BlockScale z = block_scale(absmax, StateFormat::kInt8);
+    EXPECT_EQ(z.scale, 0.f);
+    EXPECT_EQ(z.inverse, 0.f);
+  }
+  EXPECT_TRUE(std::isnan(block_scale(kInf, StateFormat::kInt8).scale));
+  EXPECT_TRUE(std::isnan(block_scale(kNaN, StateFormat::kFloat8E4M3).scale));
+  // absmax keeps NaN once seen.
+  float a = 0.f;
+  for (float x : {1.f, -3.f, kNaN, 7.f}) a = absmax_update(a, x);
+  EXPECT_TRUE(std::isnan(a));
+  a = 0.f;
+  for (float x : {1.f, -3.f, 2.f}) a = absmax_update(a, x);
+  EXPECT_EQ(a, 3.f);
+}
+
+TEST(StateQuantization, Int8RoundTripWithinOneStepAndUnbiased) {
+  const std::vector<float> block = {0.5f, -1.27f, 0.003f, 1e-9f, -0.7777f, 0.f};
+  float absmax = 0.f;
+  for (float x : block) absmax = absmax_update(absmax, x);
+  const BlockScale s = block_scale(absmax, StateFormat::kInt8);
+  std::vector<double> mean(block.size(), 0.0);
+  constexpr int kDraws = 50000;
+  for (int d = 0; d < kDraws; ++d) {
+    for (std::size_t i = 0; i < block.size(); ++i) {
+      const int8_t q = int8_stochastic(block[i], s.inverse, draw(d, i));
+      ASSERT_GE(q, -127);
+      ASSERT_LE(q, 127);
+      const float back = int8_value(q, s.scale);
+      ASSERT_LE(std::fabs(back - block[i]), s.scale * 1.0001f);
+      mean[i] += back;
+    }
+  }
+  for (std::size_t i = 0; i < block.size(); ++i) EXPECT_NEAR(mean[i] / kDraws, block[i], 0.01 * s.scale) << i;
+  // The absmax value itself is exact; a NaN block (inverse 0) stores 0 and reads back as NaN.
+  EXPECT_EQ(int8_stochastic(-1.27f, s.inverse, 0.99f), -127);
+  const BlockScale nan_block = block_scale(kNaN, StateFormat::kInt8);
+  EXPECT_EQ(int8_stochastic(kNaN, nan_block.inverse, 0.5f), 0);
+  EXPECT_TRUE(std::isnan(int8_value(0, nan_block.scale)));
+}
+
+TEST(StateQuantization, StoreAndLoadThroughEachFormat) {
+  const float x = 0.3f;
+  const BlockScale i8 = block_scale(1.f, StateFormat::kInt8);
+  const BlockScale f8 = block_scale(1.f, StateFormat::kFloat8E4M3);
+  int8_t q8 = 0;
+  Fp8E4M3 qf{0};
+  Bf16 qb{0};
+  store_state<StateFormat::kInt8>(&q8, 0, x, i8.inverse, 0u);
+  store_state<StateFormat::kFloat8E4M3>(&qf, 0, x, f8.inverse, 0u);
+  store_state<StateFormat::kBFloat16>(&qb, 0, x, 0.f, 0u);
+  // Draw 0 rounds down: the grid value at or below x.
+  EXPECT_FLOAT_EQ(load_state<StateFormat::kInt8>(&q8, 0, i8.scale), 38.f / 127.f);
+  EXPECT_FLOAT_EQ(load_state<StateFormat::kFloat8E4M3>(&qf, 0, f8.scale), 128.f / 448.f);
+  EXPECT_FLOAT_EQ(load_state<StateFormat::kBFloat16>(&qb, 0, 0.f), 0.298828125f);
+  // The second moment is stored as sqrt(v) in e4m3, as v in bf16.
+  EXPECT_FLOAT_EQ(moment2_stored<StateFormat::kFloat8E4M3>(0.25f), 0.5f);
+  EXPECT_FLOAT_EQ(moment2_from_stored<StateFormat::kFloat8E4M3>(0.5f), 0.25f);
+  EXPECT_FLOAT_EQ(moment2_stored<StateFormat::kBFloat16>(0.25f), 0.25f);
+}
+
+TEST(StateQuantization, BlocksStayWithinRows) {
+  const BlockLayout layout{300, 256};
+  EXPECT_EQ(layout.blocks_per_row(), 2);
+  EXPECT_EQ(layout.blocks(3 * 300), 6);
+  int64_t begin, end;
+  layout.range(0, begin, end);
+  EXPECT_EQ(begin, 0);
+  EXPECT_EQ(end, 256);
+  layout.range(1, begin, end);
+  EXPECT_EQ(begin, 256);
+  EXPECT_EQ(end, 300);
+  layout.range(3, begin, end);  // row 1, second block
+  EXPECT_EQ(begin, 556);
+  EXPECT_EQ(end, 600);
+  // A column vector: one block per element; a zero-length row: no blocks.
+  EXPECT_EQ((BlockLayout{1, 256}.blocks(97)), 97);
+  EXPECT_EQ((BlockLayout{0, 256}.blocks(0)), 0);
+  // Exactly divisible rows.
+  EXPECT_EQ((BlockLayout{512, 256}.blocks(2 * 512)), 4);
+  EXPECT_NE(draw_stream(3, 0), draw_stream(3, 1));
+  EXPECT_NE(draw_stream(3, 1), draw_stream(4, 0));
+}
