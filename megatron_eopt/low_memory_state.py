@@ -95,11 +95,12 @@ def format_of(data: torch.Tensor, scales: torch.Tensor | None) -> str:
 def _blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
     """x as (rows, blocks, block_size), the last block of each row zero-padded; and the row length."""
     row = x.shape[-1] if x.dim() > 0 else 1
-    flat = x.reshape(-1, row)
+    rows = x.numel() // row if row else 0
+    flat = x.reshape(rows, row)
     pad = (-row) % block_size
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))
-    return flat.view(flat.shape[0], -1, block_size), row
+    return flat.view(rows, (row + pad) // block_size, block_size), row
 
 
 def quantize(x: torch.Tensor, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE
@@ -122,7 +123,7 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, block_size: int = DEFAULT_BLOC
     inverse = torch.where(finite & live, top / absmax, torch.zeros_like(absmax))
     y = torch.nan_to_num(blocks * inverse, nan=0.0).clamp(-top, top)
     codes = y.round().to(torch.int8) if dtype == torch.int8 else y.to(torch.float8_e4m3fn)
-    codes = codes.view(blocks.shape[0], -1)[:, :row].reshape(x.shape)
+    codes = codes.view(blocks.shape[0], blocks.shape[1] * block_size)[:, :row].reshape(x.shape)
     return codes.contiguous(), scale.view(*scales_shape(x.shape, block_size)).contiguous()
 
 
@@ -131,8 +132,8 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor | None, block_size: int
     if scales is None:
         return codes.to(torch.float32)
     blocks, row = _blocks(codes.to(torch.float32), block_size)
-    values = blocks * scales.to(torch.float32).reshape(blocks.shape[0], -1, 1)
-    return values.view(blocks.shape[0], -1)[:, :row].reshape(codes.shape).contiguous()
+    values = blocks * scales.to(torch.float32).reshape(blocks.shape[0], blocks.shape[1], 1)
+    return values.view(blocks.shape[0], blocks.shape[1] * block_size)[:, :row].reshape(codes.shape).contiguous()
 
 
 # ------------------------------------------------------------------ ops

@@ -118,6 +118,8 @@ class MotifMuon(HybridMuon):
     steps. ``debug``, ``warmup_step``, ``chunk_size`` and ``use_distributed_muon`` tune Motif's
     own communication pipeline: accepted, with no effect on the numbers (DTensor parameters take
     the fused owner pipeline). ``clip_config=None`` (or without indices) leaves QK-clip off.
+    ``state_dtype`` (an extension: "fp32" | "bf16" | "int8" | "fp8") stores the Muon momentum in a
+    low-memory format (see :class:`megatron_eopt.optim.Muon`); the AdamW state stays fp32.
     """
 
     _muon_class = _SGDBufferMuon
@@ -126,7 +128,7 @@ class MotifMuon(HybridMuon):
                  nesterov: bool = True, ns_steps: int = 5, adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8,
                  none_grad: bool = True, debug: bool = False, clip_config: Mapping[str, Any] | None = None,
                  warmup_step: int = 5, chunk_size: int = -1, use_distributed_muon: bool = False, expert_keys=None,
-                 cpu_offload: bool = False) -> None:
+                 cpu_offload: bool = False, state_dtype: str = "fp32") -> None:
         if isinstance(params, types.GeneratorType):
             raise ValueError("params must be a list of param groups, each with a 'use_muon' key (e.g. "
                              "get_default_muon_param_groups(model)), not a generator")
@@ -170,6 +172,7 @@ class MotifMuon(HybridMuon):
             adamw_betas=betas,
             adamw_eps=adamw_eps,
             cpu_offload=cpu_offload,
+            state_dtype=state_dtype,
             nesterov=nesterovs.pop() if nesterovs else bool(nesterov),
             weight_decay_method="decoupled",
             fp32_matmul_prec="medium",

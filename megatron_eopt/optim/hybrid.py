@@ -18,6 +18,7 @@ from torch.optim.adam import adam as adam_functional
 
 from ._offload import StateOffload
 from ._state_check import check_loaded_state, like_param
+from . import _low_memory
 from .adaptive_muon import AdaptiveMuon
 from .muon import Muon
 from ._sharded import is_dtensor
@@ -34,7 +35,8 @@ class HybridMuon(torch.optim.Optimizer):
     ``names`` (the parameters' names, needed for QK-clip and for ``expert_keys``); ``lr``,
     ``momentum``, ``weight_decay`` and every :class:`Muon` keyword (``nesterov``,
     ``fp32_matmul_prec``, ``coefficient_type``, ``num_ns_steps``, ``scale_mode``,
-    ``extra_scale_factor``, ``weight_decay_method``, ``nd_mode``, ...; with ``moment2_method`` the
+    ``extra_scale_factor``, ``weight_decay_method``, ``nd_mode``, ``state_dtype`` (the Muon side's state;
+    AdamW keeps fp32), ...; with ``moment2_method`` the
     Muon side is :class:`AdaptiveMuon`, with ``beta2`` and ``eps``) are the Muon groups' defaults;
     ``adamw_lr`` (default: ``lr``), ``adamw_betas``, ``adamw_eps`` and ``adamw_weight_decay`` the
     AdamW groups' defaults. ``clip_config`` (Motif's dict: ``threshold``, ``head_dim``,
@@ -198,9 +200,16 @@ class HybridMuon(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._offload.refuse("load_state_dict()")
+        held = {}
+        muon = self._muon
+        if muon is not None and muon._config is not None:  # the Muon side's state_dtype (see _low_memory)
+            mine = {id(q) for g in muon.param_groups for q in g["params"]}
+            state_dict, held = _low_memory.split_state_dict(
+                self, state_dict, lambda p: muon._low_memory_target(p) if id(p) in mine else None)
         check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
         super().load_state_dict(state_dict)
         self._link()  # torch built new group dicts and a new state
+        _low_memory.restore(self, state_dict, held)
 
     def _expected_state(self, p: torch.Tensor, key: str):
         """What ``load_state_dict`` accepts for ``state[p][key]`` (the side that owns p decides)."""

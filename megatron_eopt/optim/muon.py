@@ -8,6 +8,7 @@ from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS
 from ._config import make_config
+from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -63,6 +64,12 @@ class Muon(OrthogonalizedOptimizer):
     ``ns_eps`` (an extension) is the Frobenius-normalization floor of Newton–Schulz: 1e-15 as in
     Emerging-Optimizers 0.4; ``ns_eps=1e-7`` reproduces 0.3.0 (it differs only for updates of
     norm below about 1e-7, which 0.3.0 shrinks instead of orthogonalizing).
+    
+    ``state_dtype`` (an extension): how the momentum is stored between steps. ``"fp32"`` (default:
+    the parameter's dtype, Emerging-Optimizers' numerics bit for bit), ``"bf16"``, ``"int8"`` or
+    ``"fp8"`` (1 byte per value plus one fp32 scale per ``state_block_size`` values of a row), each
+    rounded stochastically (unbiased) inside the fused momentum op; see
+    :mod:`megatron_eopt.low_memory_state`. Checkpoints convert between state dtypes on load.
     """
 
     def __init__(
@@ -90,6 +97,8 @@ class Muon(OrthogonalizedOptimizer):
         ns_norm_divisor: float = 1.0,
         polar_express_safety: float | None = None,
         ns_eps: float = NS_EPS,
+        state_dtype: str = "fp32",
+        state_block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         config = make_config(
             nesterov=nesterov,
@@ -112,5 +121,6 @@ class Muon(OrthogonalizedOptimizer):
         self.fp32_matmul_prec = fp32_matmul_prec
         self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
-            sharded_mode=sharded_mode, weight_update_hook=weight_update_hook,
+            sharded_mode=sharded_mode, weight_update_hook=weight_update_hook, state_dtype=state_dtype,
+            state_block_size=state_block_size,
         )

@@ -63,6 +63,8 @@ from ._sharded import (
     zeros_state,
 )
 from ._state_check import check_loaded_state
+from . import _low_memory
+from .. import low_memory_state as lms
 
 
 class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
@@ -80,6 +82,10 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
     ``_init_fused``: one batched, fused step while no extension point is overridden; the per-parameter
     step with the same numerics once one is.
     """
+
+    # Low-memory state (see megatron_eopt.low_memory_state): set by the fused classes' constructors.
+    state_dtype = "fp32"
+    state_block_size = lms.DEFAULT_BLOCK_SIZE
 
     def __init__(
         self,
@@ -109,8 +115,13 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         self.scaled_orthogonalize_fn = scaled_orthogonalize_fn
 
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
-                    sharded_mode: str = "owner", weight_update_hook: Any | None = None) -> None:
-        """Sets up the fused step: ``config`` says how every parameter is orthogonalized."""
+                    sharded_mode: str = "owner", weight_update_hook: Any | None = None, state_dtype: str = "fp32",
+                    state_block_size: int = lms.DEFAULT_BLOCK_SIZE) -> None:
+        """Sets up the fused step: ``config`` says how every parameter is orthogonalized; ``state_dtype``
+        and ``state_block_size`` how its state is stored (:mod:`megatron_eopt.low_memory_state`)."""
+        self.state_dtype = lms.validate_state_dtype(state_dtype)
+        self.state_block_size = lms.validate_block_size(state_block_size)
+        self._state_seeds: dict[torch.device, torch.Tensor] = {}
         self._weight_update_hook = _effective_hook(weight_update_hook)
         self.scaled_orthogonalize_fn = FusedScaledOrthogonalize(config, scaled=config.moment2_method is None)
         if nd_mode not in ND_MODES:
@@ -162,6 +173,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                         )
                     mesh = p.device_mesh
                     describe(p, nd_mode, self.sharded_mode, where)  # rejects Partial and impossible views
+                    _low_memory.check_sharding(p, self.state_dtype, where)
             check_group_hyperparameters(group, f"param_groups[{gi}]")
             if self._constructed:
                 self._rebuild_plan()
@@ -201,7 +213,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
         state = super().__getstate__()
-        transient = ("_plan", "_hyper", "_batched", "_sharded")
+        transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds")
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 
@@ -211,6 +223,8 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         if self._config is None:
             return
         self._sharded = ShardedOrthogonalizer(self._config)
+        if not hasattr(self, "_state_seeds"):
+            self._state_seeds = {}
         # Param groups keep exactly the keys they were saved with (state_dict -> load_state_dict
         # -> state_dict is the identity, as with Emerging-Optimizers' classes). Only a per-step
         # value the step reads and the loaded group lacks (e.g. beta2 / eps in a group saved by a
@@ -230,8 +244,19 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             self._rebuild_plan()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
+        # Low-memory entries are converted to this optimizer's state_dtype first (they bypass torch's
+        # cast to the parameter's dtype); every misfit is refused before anything changes.
+        held = {}
+        if self._config is not None:
+            state_dict, held = _low_memory.split_state_dict(self, state_dict, self._low_memory_target)
+        check_loaded_state(self, state_dict)
         super().load_state_dict(state_dict)
+        _low_memory.restore(self, state_dict, held)
+
+    def _low_memory_target(self, p: torch.Tensor):
+        """(state_dtype, block size, keys that follow it) for a parameter of this optimizer."""
+        keys = (_low_memory.MOMENTUM,) + ((_low_memory.MOMENT2,) if self._config.moment2_method == "adamuon" else ())
+        return self.state_dtype, self.state_block_size, keys
 
     def _expected_state(self, p: torch.Tensor, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """What ``load_state_dict`` accepts for ``state[p][key]``: (shape, dtype), or None (not checked)."""
@@ -263,6 +288,9 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                           self.sharded_mode)
         hyper = {}
         for bucket in plan.buckets:
+            if self.state_dtype != "fp32" and bucket.device not in self._state_seeds:
+                # The stochastic rounding's seed, advanced on the device every step.
+                self._state_seeds[bucket.device] = torch.zeros((), dtype=torch.int64, device=bucket.device)
             key = (bucket.group_index, bucket.device)
             if key not in hyper:
                 # fp64: the kernels round e.g. 1 - momentum as the reference's Python floats do.
@@ -283,10 +311,15 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         entry = self._plan.entries[index]
         p = entry.param
         state = self.state[p]
-        if "momentum_buffer" not in state:
-            # A DTensor param gets a DTensor state with its mesh and placements (DCP reshards it).
-            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         method = self._config.moment2_method
+        if "momentum_buffer" not in state:
+            if self.state_dtype != "fp32":
+                state.update(_low_memory.new_state(p, "momentum_buffer", self.state_dtype, self.state_block_size))
+            else:
+                # A DTensor param gets a DTensor state with its mesh and placements (DCP reshards it).
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if method == "adamuon" and self.state_dtype != "fp32" and "moment2_buffer" not in state:
+            state.update(_low_memory.new_state(p, "moment2_buffer", self.state_dtype, self.state_block_size))
         if method is not None and "moment2_buffer" not in state:
             # fp32 whatever p's dtype (the normalization ops keep their statistics in fp32; for
             # fp32 params this is Emerging-Optimizers' layout, which stores p's dtype).
@@ -396,6 +429,12 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported")
         if not self._use_fused_step():
+            if self.state_dtype != "fp32":
+                raise RuntimeError(
+                    f"state_dtype={self.state_dtype!r} is stepped by the fused ops, but {type(self).__name__} "
+                    f"overrides {sorted(self.overridden_extension_points()) or 'scaled_orthogonalize_fn'}, which "
+                    "steps each parameter with fp32 state: construct it with state_dtype='fp32'"
+                )
             return self._hook_step()
         plan = self._current_plan()
         entries = plan.entries
@@ -404,6 +443,8 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         self._check_grads(plan, active)
         self._write_hyperparameters(plan, active)
         cfg = self._config
+        for seed in self._state_seeds.values():  # new draws for the stochastic rounding of this step
+            seed.add_(1)
         grad_scale, found_inf = self._grad_scaler_tensors()
         scaler_on: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         for bucket in plan.buckets:  # one copy per device, as torch's fused optimizers do
@@ -451,11 +492,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             states = [self.state[entries[i].param] for i in members]
             hyper = self._hyper[(bucket.group_index, bucket.device)]
             scale_t, inf_t = scaler_on[bucket.device]
-            ops.foreach_momentum_(
-                grads,
-                [entries[i].view(s["momentum_buffer"]) for i, s in zip(members, states)],
-                [ns_inputs[i] for i in members],
-                params if cfg.weight_decay_method == "l2" else (),
+            momentum_args = dict(
                 momentum=hyper["momentum"],
                 nesterov=cfg.nesterov,
                 weight_decay=hyper["weight_decay"],
@@ -463,6 +500,16 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 grad_scale=self._momentum_grad_divisor(hyper, scale_t),
                 found_inf=inf_t,
             )
+            l2_params = params if cfg.weight_decay_method == "l2" else ()
+            if self.state_dtype == "fp32":
+                ops.foreach_momentum_(grads, [entries[i].view(s["momentum_buffer"]) for i, s in zip(members, states)],
+                                      [ns_inputs[i] for i in members], l2_params, **momentum_args)
+            else:  # codes shaped like the local param; the other lists pair up element by element
+                codes = [local(s["momentum_buffer"]) for s in states]
+                scales = [local(s["momentum_buffer_scales"]) for s in states if "momentum_buffer_scales" in s]
+                ops.foreach_momentum_quantized_(grads, codes, scales, [ns_inputs[i] for i in members], l2_params,
+                                                block_size=self.state_block_size,
+                                                seed=self._state_seeds[bucket.device], **momentum_args)
             launches.append((bucket, group, members, params, grads, states, hyper, scale_t, inf_t))
 
         # 2. orthogonalize per stack; only NAMO and an orthogonalize() override read the NS inputs
@@ -632,6 +679,16 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         entries = self._plan.entries
         beta2, eps = hyper["beta2"], hyper["eps"]
         method = cfg.moment2_method
+        if method == "adamuon" and self.state_dtype != "fp32":  # elementwise: whole local tensors
+            lms.adamuon_normalize_quantized_(
+                updates, [local(s["moment2_buffer"]) for s in states],
+                [local(s["moment2_buffer_scales"]) for s in states if "moment2_buffer_scales" in s],
+                beta2=beta2, eps=eps, block_size=self.state_block_size, seed=self._state_seeds[updates[0].device],
+                found_inf=found_inf)
+            for j, i in enumerate(members):
+                if entries[i].qkv is not None:
+                    _scale_parts_(updates[j], entries[i].qkv, entries[i].part_scales)
+            return
         moment2 = []
         for j, i in enumerate(members):
             v = local(states[j]["moment2_buffer"])

@@ -25,6 +25,7 @@ from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS_EO_030
 from ._config import make_config
+from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from ._plan import TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
@@ -110,7 +111,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
 
     ``use_decoupled_weight_decay=False`` selects L2 decay. ``custom_coefficient_sets`` (an
     extension) gives the rows of ``coefficient_type="custom"``. Without ``pg_collection`` every
-    parameter is orthogonalized locally. State: ``momentum_buffer``.
+    parameter is orthogonalized locally. State: ``momentum_buffer``. ``state_dtype`` /
+    ``state_block_size`` (extensions) as in :class:`~megatron_eopt.optim.Muon`.
     """
 
     def __init__(
@@ -133,6 +135,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         tp_mode: str = "duplicated",
         *,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+        state_dtype: str = "fp32",
+        state_block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         self._init_tensor_parallel(
             params,
@@ -153,6 +157,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             tp_mode,
             custom_coefficient_sets,
             moment2=None,
+            state=(state_dtype, state_block_size),
         )
 
     def _init_tensor_parallel(
@@ -175,6 +180,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         tp_mode,
         custom_coefficient_sets,
         moment2: tuple[str, float, float] | None,
+        state: tuple[str, int] = ("fp32", DEFAULT_BLOCK_SIZE),
     ) -> None:
         weight_decay_method = "decoupled" if use_decoupled_weight_decay else "l2"
         config = make_config(
@@ -200,7 +206,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             self.scale_mode = scale_mode
             self.extra_scale_factor = config.extra_scale_factor
             defaults.update(beta2=moment2[1], eps=moment2[2])
-        self._init_fused(params, defaults, config)
+        self._init_fused(params, defaults, config, state_dtype=state[0], state_block_size=state[1])
 
 
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
@@ -237,6 +243,8 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
         eps: float = 1e-8,
         *,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+        state_dtype: str = "fp32",
+        state_block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         self._init_tensor_parallel(
             params,
@@ -257,4 +265,5 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
             tp_mode,
             custom_coefficient_sets,
             moment2=(moment2_method, beta2, eps),
+            state=(state_dtype, state_block_size),
         )

@@ -237,3 +237,26 @@ def test_quantize_dequantize_round_trip(gen):
         assert ((back - x).abs() <= _grid_step(x, fmt, scales, 128) * 0.5001).all()
     codes, scales = lms.quantize(x, torch.bfloat16)
     assert scales is None and torch.equal(lms.dequantize(codes, None), x.bfloat16().float())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_stores_the_cpu_bits(fmt, gen):
+    """Both backends run the same element math and draws: the same codes, scales and NS inputs."""
+    shapes = [(1, 300), (300, 1), (97, 37), (64, 1024)]
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    states = [_state(torch.randn(s, generator=gen) * 0.1, fmt) for s in shapes]
+    results = {}
+    for device in ("cpu", "cuda"):
+        codes = [c.to(device) for c, _ in states]
+        scales = [s.to(device) for _, s in states if s is not None]
+        ns = [torch.empty(s, device=device) for s in shapes]
+        lms.foreach_momentum_quantized_([g.to(device) for g in grads], codes, scales, ns, momentum=0.9, nesterov=True,
+                                        seed=torch.full((), 77, dtype=torch.int64, device=device))
+        results[device] = ([c.cpu() for c in codes], [s.cpu() for s in scales], [n.cpu() for n in ns])
+    for a, b in zip(results["cpu"][0], results["cuda"][0]):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bfloat16 else a.view(torch.int16),
+                           b.view(torch.uint8) if b.dtype != torch.bfloat16 else b.view(torch.int16))
+    for key in (1, 2):
+        for a, b in zip(results["cpu"][key], results["cuda"][key]):
+            assert torch.equal(a, b)

@@ -1,0 +1,238 @@
+"""Low-memory state of the fused optimizers (``state_dtype``): creating it, and converting checkpoints.
+
+The formats and ops are in :mod:`megatron_eopt.low_memory_state`. Per parameter the state holds
+``momentum_buffer`` (codes shaped like the parameter), ``momentum_buffer_scales`` (int8 / fp8) and,
+for AdaMuon's elementwise second moment, ``moment2_buffer`` / ``moment2_buffer_scales``; with block
+scales also ``state_block_size`` (an int), so a checkpoint says how its blocks were cut.
+
+``load_state_dict`` takes a checkpoint of any state dtype: entries in the optimizer's own format
+(same block size) are kept bit for bit; others are read as fp32 values and stored in the
+optimizer's format, rounded to nearest. torch's loader casts every floating-point state tensor to
+its parameter's dtype, which would destroy codes, so the converted entries bypass it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from .. import low_memory_state as lms
+from ._sharded import is_dtensor, local
+
+MOMENTUM = "momentum_buffer"
+MOMENT2 = "moment2_buffer"
+BLOCK_KEY = "state_block_size"
+CODE_DTYPES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+
+
+def scales_key(key: str) -> str:
+    return key + "_scales"
+
+
+def _codes_dtype(key: str, state_dtype: str) -> torch.dtype | None:
+    return lms.momentum_dtype(state_dtype) if key == MOMENTUM else lms.moment2_dtype(state_dtype)
+
+
+def new_state(p: torch.Tensor, key: str, state_dtype: str, block_size: int) -> dict[str, Any]:
+    """Zero state of ``key`` for p in ``state_dtype`` (not "fp32"): codes shaped like p, block scales.
+
+    A DTensor p gets DTensor codes and scales on its mesh with its placements; its rows must not be
+    split across ranks (blocks run along the last dimension), which rules out sharding that dimension.
+    """
+    dtype = _codes_dtype(key, state_dtype)
+    codes = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+    out: dict[str, Any] = {key: codes}
+    if not lms.has_scales(dtype):
+        return out
+    if is_dtensor(p):
+        from torch.distributed.tensor import DTensor
+
+        check_sharding(p, state_dtype, "a parameter")
+        loc = p.to_local()
+        shape = lms.scales_shape(p.shape, block_size)
+        scales_local = torch.zeros(lms.scales_shape(loc.shape, block_size), dtype=torch.float32, device=loc.device)
+        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        scales = DTensor.from_local(scales_local, p.device_mesh, p.placements, run_check=False, shape=shape,
+                                    stride=stride)
+    else:
+        scales = torch.zeros(lms.scales_shape(p.shape, block_size), dtype=torch.float32, device=p.device)
+    out[scales_key(key)] = scales
+    out[BLOCK_KEY] = block_size
+    return out
+
+
+def check_sharding(p: torch.Tensor, state_dtype: str, where: str) -> None:
+    """Block scales run along rows: a DTensor whose last dimension is sharded cannot keep them."""
+    if state_dtype not in ("int8", "fp8") or not is_dtensor(p):
+        return
+    from torch.distributed.tensor import Shard
+
+    for placement in p.placements:
+        if isinstance(placement, Shard) and placement.dim % p.ndim == p.ndim - 1:
+            raise ValueError(
+                f"state_dtype={state_dtype!r} keeps one scale per block of a row, but {where} of shape "
+                f"{tuple(p.shape)} with placements {list(p.placements)} shards its rows (the last dimension): "
+                "use state_dtype='bf16' or 'fp32' for it, or shard another dimension"
+            )
+
+
+def state_bytes(state: Mapping[str, Any]) -> int:
+    """Bytes of the tensors of one parameter's state (codes and scales counted)."""
+    return sum(local(v).numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+# ------------------------------------------------------------------ checkpoints
+def _incoming_format(key: str, values: Mapping[str, Any], p: torch.Tensor, state_dtype: str) -> str:
+    data = values[key]
+    if data.dtype == torch.int8:
+        return "int8"
+    if data.dtype == torch.float8_e4m3fn:
+        return "fp8" if key == MOMENTUM else "sqrt-fp8"
+    # bf16 codes and a bf16 parameter's own bf16 buffer hold the same values: read either as values.
+    return "values"
+
+
+def _as_values(key: str, values: Mapping[str, Any], fmt: str, label: str) -> torch.Tensor:
+    """The fp32 values of an incoming state entry."""
+    data = local(values[key])
+    if fmt == "values":
+        return data.to(torch.float32)
+    scales = values.get(scales_key(key))
+    block = values.get(BLOCK_KEY, lms.DEFAULT_BLOCK_SIZE)
+    if not isinstance(scales, torch.Tensor):
+        raise ValueError(f"load_state_dict: state['{key}'] of {label} holds {data.dtype} codes but the checkpoint has "
+                         f"no '{scales_key(key)}'; nothing was loaded")
+    scales = local(scales)
+    if tuple(scales.shape) != lms.scales_shape(data.shape, block):
+        raise ValueError(
+            f"load_state_dict: state['{scales_key(key)}'] of {label} has shape {tuple(scales.shape)}, but codes of "
+            f"shape {tuple(data.shape)} in blocks of {block} need {lms.scales_shape(data.shape, block)}; nothing was "
+            "loaded"
+        )
+    out = lms.dequantize(data, scales.to(data.device), block)
+    return out * out if fmt == "sqrt-fp8" else out
+
+
+def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tuple[dict[str, Any], dict]:
+    """Converts the low-memory entries of ``state_dict`` to the formats the optimizer keeps.
+
+    ``target_of(p)`` gives ``(state_dtype, block_size, keys)`` for a parameter whose momentum (and
+    the keys listed) the optimizer may keep in a low-memory format, or None. Returns the state dict
+    for torch's loader (fp32 entries only, codes removed) and ``{saved index: {key: tensor}}`` to put
+    into the state after it (see :func:`restore`). Pure: raises before anything is changed.
+    """
+    groups = optimizer.param_groups
+    saved_groups = state_dict.get("param_groups")
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(groups):
+        return dict(state_dict), {}
+    index_param = {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
+        for pi, (index, p) in enumerate(zip(saved["params"], group["params"])):
+            index_param[index] = (p, f"param_groups[{gi}]['params'][{pi}]")
+    new_state: dict[Any, Any] = {}
+    held: dict[Any, dict[str, Any]] = {}
+    for index, values in state_dict.get("state", {}).items():
+        entry = index_param.get(index)
+        target = None if entry is None or not isinstance(values, Mapping) else target_of(entry[0])
+        if target is None:
+            new_state[index] = values
+            continue
+        p, label = entry
+        state_dtype, block_size, keys = target
+        values = dict(values)
+        for key in keys:
+            if key not in values or not isinstance(values[key], torch.Tensor):
+                continue
+            if state_dtype == "fp32" and values[key].dtype not in (torch.int8, torch.float8_e4m3fn):
+                continue  # fp32 into fp32: torch's loader (and its checks) as for any optimizer
+            if tuple(values[key].shape) != tuple(p.shape):
+                raise ValueError(
+                    f"load_state_dict: state['{key}'] of {label} has shape {tuple(values[key].shape)}, but the "
+                    f"parameter of shape {tuple(p.shape)} needs shape {tuple(p.shape)}; nothing was loaded"
+                )
+            fmt = _incoming_format(key, values, p, state_dtype)
+            same = (
+                state_dtype != "fp32" and values[key].dtype == _codes_dtype(key, state_dtype)
+                and (not lms.has_scales(values[key].dtype) or values.get(BLOCK_KEY, lms.DEFAULT_BLOCK_SIZE) == block_size)
+            )
+            if same:
+                if fmt != "values":
+                    _as_values(key, values, fmt, label)  # validates the scales
+                kept = {key: values.pop(key)}
+                if scales_key(key) in values:
+                    kept[scales_key(key)] = values.pop(scales_key(key))
+            else:
+                v = _as_values(key, values, fmt, label)
+                values.pop(scales_key(key), None)
+                values.pop(key)
+                if state_dtype == "fp32" or (key == MOMENT2 and lms.moment2_dtype(state_dtype) is None):
+                    values[key] = v  # cast to the parameter's state dtype by torch's loader
+                    continue
+                dtype = _codes_dtype(key, state_dtype)
+                codes, scales = lms.quantize(v.sqrt() if dtype == torch.float8_e4m3fn and key == MOMENT2 else v,
+                                             dtype, block_size)
+                kept = {key: _like(codes, values, p)}
+                if scales is not None:
+                    kept[scales_key(key)] = _like(scales, values, p, scales_of=True, block_size=block_size)
+            if any(lms.has_scales(t.dtype) for t in kept.values() if isinstance(t, torch.Tensor)):
+                kept[BLOCK_KEY] = block_size
+            held.setdefault(index, {}).update(kept)
+        values.pop(BLOCK_KEY, None)  # held with the codes it describes, if any
+        new_state[index] = values
+    out = dict(state_dict)
+    out["state"] = new_state
+    return out, held
+
+
+def _like(t: torch.Tensor, values, p: torch.Tensor, scales_of: bool = False, block_size: int = 0) -> torch.Tensor:
+    """A converted local tensor as the parameter keeps it (a DTensor for a DTensor parameter)."""
+    if not is_dtensor(p):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    shape = lms.scales_shape(p.shape, block_size) if scales_of else tuple(p.shape)
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(t.to(p.to_local().device), p.device_mesh, p.placements, run_check=False, shape=shape,
+                              stride=stride)
+
+
+def restore(optimizer, state_dict: Mapping[str, Any], held: dict) -> None:
+    """Puts the held entries of :func:`split_state_dict` into the loaded optimizer's state."""
+    if not held:
+        return
+    saved_groups = state_dict["param_groups"]
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        for index, p in zip(saved["params"], group["params"]):
+            if index in held:
+                device = local(p).device
+                entries = {k: (v.to(device) if isinstance(v, torch.Tensor) and not is_dtensor(v) else v)
+                           for k, v in held[index].items()}
+                optimizer.state[p].update(entries)
+
+
+def dequantize_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of an optimizer state_dict with every low-memory entry as fp32 values.
+
+    For peers that keep fp32 state (Emerging-Optimizers, torch.optim.Muon): their ``load_state_dict``
+    would cast int8 / fp8 codes to numbers without their scales.
+    """
+    out = dict(state_dict)
+    new_state = {}
+    for index, values in state_dict.get("state", {}).items():
+        if not isinstance(values, Mapping):
+            new_state[index] = values
+            continue
+        values = dict(values)
+        for key in (MOMENTUM, MOMENT2):
+            data = values.get(key)
+            if not isinstance(data, torch.Tensor) or data.dtype not in (torch.int8, torch.float8_e4m3fn):
+                continue
+            fmt = _incoming_format(key, values, data, "fp32")
+            values[key] = _as_values(key, values, fmt, f"state[{index!r}]")
+            values.pop(scales_key(key), None)
+        values.pop(BLOCK_KEY, None)
+        new_state[index] = values
+    out["state"] = new_state
+    return out
