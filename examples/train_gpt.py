@@ -11,6 +11,11 @@ Emerging-Optimizers' Muon (same hyper-parameters, same parameters and gradients)
 loss curves to --out (PNG). A few minutes on a 2-core CPU with the defaults; uses a GPU when present.
 
     python examples/train_gpt.py [--steps 300] [--out train_gpt_loss.png] [--device cpu|cuda]
+                                 [--state-dtype fp32|bf16|int8|fp8[,...]]
+
+--state-dtype stores Muon's momentum in a low-memory format; a comma-separated list trains one
+Muon run per state dtype (same initialization, same batches) and prints each final validation loss
+with the bytes its Muon state takes.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ if not hasattr(typing, "override"):
 
 import megatron_eopt
 from megatron_eopt.optim import Muon
+from megatron_eopt.optim._low_memory import state_bytes
 
 
 # ------------------------------------------------------------------ data
@@ -140,10 +146,10 @@ def muon_kwargs(args) -> dict:
     )
 
 
-def build_run_optimizers(model: CharGPT, args, use_muon: bool) -> list[torch.optim.Optimizer]:
+def build_run_optimizers(model: CharGPT, args, use_muon: bool, state_dtype: str = "fp32") -> list[torch.optim.Optimizer]:
     if use_muon:
         # megatron-eopt's routing: 2-D hidden matrices -> Muon; embeddings, head, norms -> AdamW.
-        kw = muon_kwargs(args)
+        kw = dict(muon_kwargs(args), state_dtype=state_dtype)
         optimizers, table = megatron_eopt.build_optimizers(
             model,
             muon_lr=kw.pop("lr"),
@@ -178,10 +184,10 @@ def evaluate(model, batches: Batches, n: int) -> float:
     return sum(losses) / n
 
 
-def train(label: str, use_muon: bool, args, train_data, val_data, device) -> dict:
+def train(label: str, use_muon: bool, args, train_data, val_data, device, state_dtype: str = "fp32") -> dict:
     torch.manual_seed(args.seed)  # same initialization for every run
     model = CharGPT(args.d_model, args.layers, args.heads, args.block_size).to(device)
-    optimizers = build_run_optimizers(model, args, use_muon)
+    optimizers = build_run_optimizers(model, args, use_muon, state_dtype)
     # Linear warm-up, then linear decay to 10 %; every optimizer reads its groups' lr at each step.
     schedulers = megatron_eopt.build_schedulers(optimizers, args.warmup, args.steps, decay="linear", min_lr_ratio=0.1)
     batches = Batches(train_data, args.batch_size, args.block_size, args.seed + 1, device)
@@ -215,8 +221,10 @@ def train(label: str, use_muon: bool, args, train_data, val_data, device) -> dic
             elapsed = time.perf_counter() - start
             print(f"[{label}] step {step + 1:4d}/{args.steps}  train {sum(recent) / len(recent):.3f}  "
                   f"val {val:.3f}  ({elapsed / (step + 1):.2f} s/step)", flush=True)
+    muon_state = sum(state_bytes(opt.state[p]) for opt in optimizers if isinstance(opt, Muon)
+                     for group in opt.param_groups for p in group["params"] if p in opt.state)
     return {"label": label, "model": model, "curve": curve, "muon_step_ms": muon_step_ms,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "muon_state_bytes": muon_state}
 
 
 # ------------------------------------------------------------------ optimizer-step timing
@@ -265,7 +273,7 @@ def plot(runs: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for run, color in zip(runs, ("tab:blue", "tab:orange")):
+    for run, color in zip(runs, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
         c = run["curve"]
         k = 10  # running mean of the training loss
         smooth = [sum(c["train"][max(0, i - k + 1) : i + 1]) / (i - max(0, i - k + 1) + 1) for i in range(len(c["train"]))]
@@ -301,7 +309,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--out", default="train_gpt_loss.png", help="path of the loss-curve PNG")
-    return p.parse_args(argv)
+    p.add_argument("--state-dtype", default="fp32",
+                   help="Muon's state: fp32 | bf16 | int8 | fp8, or a comma-separated list (one Muon run each)")
+    args = p.parse_args(argv)
+    args.state_dtypes = [s.strip() for s in args.state_dtype.split(",") if s.strip()]
+    for s in args.state_dtypes:
+        if s not in megatron_eopt.low_memory_state.STATE_DTYPES:
+            p.error(f"--state-dtype: {s!r} is not one of {', '.join(megatron_eopt.low_memory_state.STATE_DTYPES)}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -314,16 +329,18 @@ def main(argv=None) -> int:
     print(f"megatron-eopt {megatron_eopt.__version__} | torch {torch.__version__} | device {device} | "
           f"{(len(train_text) + len(val_text)) / 2**20:.1f} MiB of stdlib source | model {n_params / 1e6:.2f} M params | {args.steps} steps")
 
-    runs = [train("Muon + AdamW", True, args, train_data, val_data, device),
-            train("AdamW", False, args, train_data, val_data, device)]
+    runs = [train("Muon + AdamW" + ("" if sd == "fp32" and len(args.state_dtypes) == 1 else f" ({sd} state)"), True,
+                  args, train_data, val_data, device, sd) for sd in args.state_dtypes]
+    runs.append(train("AdamW", False, args, train_data, val_data, device))
     timing = time_muon_steps(runs[0]["model"], Batches(train_data, args.batch_size, args.block_size, 7, device),
                              args, device)
     plot(runs, args.out)
 
     print("\nfinal losses (validation, last evaluation):")
     for run in runs:
+        state = f"   Muon state {run['muon_state_bytes'] / 2**20:.2f} MiB" if run["muon_state_bytes"] else ""
         print(f"  {run['label']:14s} val {run['curve']['val'][-1]:.4f}   train (last {args.eval_every}) "
-              f"{statistics.mean(run['curve']['train'][-args.eval_every:]):.4f}   {run['seconds']:.0f} s")
+              f"{statistics.mean(run['curve']['train'][-args.eval_every:]):.4f}   {run['seconds']:.0f} s{state}")
     if runs[0]["muon_step_ms"]:
         print("megatron-eopt Muon step inside the training loop (caches cold after forward/backward): "
               f"median {statistics.median(runs[0]['muon_step_ms']):.2f} ms")
