@@ -54,12 +54,6 @@ class OrthogonalizationConfig:
     repeat_last: bool = False  # the op's schedule policy past the table
     recipe: NSRecipe = NSRecipe()  # MuonEq, normalization convention, Muon+ (see _recipe)
 
-    @property
-    def op_weight_decay_method(self) -> str:
-        """The decay the fused ops apply: cautious decay is decoupled decay under a mask, applied
-        beside them (``_recipe.cautious_decay_``), so the ops see ``decoupled`` with no decay."""
-        return "decoupled" if self.weight_decay_method == "cautious" else self.weight_decay_method
-
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled)."""
         eps = self.recipe.eps

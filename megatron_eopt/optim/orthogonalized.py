@@ -50,7 +50,6 @@ from ._distributed import (
     tp_normuon_normalize_,
 )
 from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan
-from ._recipe import cautious_decay_
 from ._sharded import (
     ND_MODES,
     SHARDED_MODES,
@@ -459,7 +458,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 momentum=hyper["momentum"],
                 nesterov=cfg.nesterov,
                 weight_decay=hyper["weight_decay"],
-                weight_decay_method=cfg.op_weight_decay_method,
+                weight_decay_method=cfg.weight_decay_method,
                 grad_scale=self._momentum_grad_divisor(hyper, scale_t),
                 found_inf=inf_t,
             )
@@ -502,23 +501,19 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             if cfg.moment2_method is not None:
                 self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
                                 hyper, scale_t, inf_t)
-            weight_decay = hyper["weight_decay"]
-            if cfg.weight_decay_method == "cautious":  # masked by the update's sign: applied here, for now
-                cautious_decay_(params, bucket_updates, hyper["lr"], weight_decay, inf_t)
-                weight_decay = torch.zeros_like(weight_decay)
+            # cautious decay too: its mask reads the unscaled update and p before the decay, in the op
             if hook is None:
                 ops.foreach_update_(
                     params,
                     bucket_updates,
                     [scales[i] for i in members],
                     lr=hyper["lr"],
-                    weight_decay=weight_decay,
-                    weight_decay_method=cfg.op_weight_decay_method,
+                    weight_decay=hyper["weight_decay"],
+                    weight_decay_method=cfg.weight_decay_method,
                     found_inf=inf_t,
                 )
             else:
-                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members],
-                                    {**hyper, "weight_decay": weight_decay}, inf_t)
+                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members], hyper, inf_t)
         return None
 
     def _hooked_update(self, hook, params, updates, scales, hyper, found_inf) -> None:
@@ -527,7 +522,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         cfg = self._config
         if cfg.weight_decay_method != "l2":  # decay alone: the update scaled by 0 leaves p as decay made it
             ops.foreach_update_(params, updates, [0.0] * len(params), lr=hyper["lr"],
-                                weight_decay=hyper["weight_decay"], weight_decay_method=cfg.op_weight_decay_method,
+                                weight_decay=hyper["weight_decay"], weight_decay_method=cfg.weight_decay_method,
                                 found_inf=found_inf)
         torch._foreach_mul_(updates, scales)
         state = hook.fused_pre(params, updates)
