@@ -8,7 +8,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS, get_muon_scale_factor
-from ._config import make_config
+from ._config import defer_step_time_errors, make_config
 from .orthogonalized import OrthogonalizedOptimizer
 
 
@@ -33,7 +33,13 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     ``polar_express_safety``) are those of :class:`Muon`; Muon+ renormalizes O before the second
     moment, as nanochat does.
     ``ns_eps`` as in :class:`Muon` (1e-15, Emerging-Optimizers 0.4; 1e-7 for 0.3.0).
+
+    As in EO 0.4, an unknown ``moment2_method`` is a TypeError raised by ``step()`` (once a param has
+    a gradient) and by ``init_state()``, and a param that is not a matrix a ValueError raised by
+    ``step()`` whether it has a gradient or not; nothing changes before either is raised.
     """
+
+    _nd_error_without_grad = True  # EO's AdaptiveMuon checks every param's rank before its grad
 
     def __init__(
         self,
@@ -62,7 +68,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         polar_express_safety: float | None = None,
         ns_eps: float = NS_EPS,
     ) -> None:
-        config = make_config(
+        arguments, deferred_error = defer_step_time_errors(dict(
             nesterov=nesterov,
             weight_decay_method=weight_decay_method,
             fp32_matmul_prec=fp32_matmul_prec,
@@ -78,7 +84,8 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
             polar_express_safety=polar_express_safety,
             ns_eps=ns_eps,
             moment2_method=moment2_method,
-        )
+        ))
+        config = make_config(**arguments)
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
         self.fp32_matmul_prec = fp32_matmul_prec
@@ -86,7 +93,8 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         self.scale_mode = scale_mode
         self.extra_scale_factor = config.extra_scale_factor
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
-        self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode)
+        self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode,
+                         deferred_error=deferred_error)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension points
     # The fused step runs these rules in its normalization ops; a subclass overriding one of them

@@ -113,6 +113,9 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     parameter is orthogonalized locally. State: ``momentum_buffer``.
     """
 
+    # Megatron-LM's classes: arguments and params are checked at construction, as before.
+    _eo_step_time_errors = False
+
     def __init__(
         self,
         params: ParamsT,
