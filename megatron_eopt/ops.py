@@ -238,7 +238,7 @@ def newton_schulz_list(
     )
 
 
-WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
+WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm", "cautious")
 
 ScalarArg = Union[float, torch.Tensor]
 
@@ -564,6 +564,10 @@ def foreach_update_(
     ``f = lr * weight_decay`` (decoupled), ``weight_decay`` (independent), ``lr**2 * weight_decay``
     (palm) or 0 (l2: the decay went into the gradient in :func:`foreach_momentum_`); evaluated as
     the reference does, decay first (stored in the parameter's dtype), then the update, in fp32.
+    ``"cautious"`` (Chen et al., "Cautious Weight Decay", 2025) is decoupled decay only where
+    ``updates[i] * params[i] >= 0``, the mask read from the update as given (before its scale, so a
+    scale of 0 applies the masked decay alone) and the parameter before the decay, with the
+    numerics of ``p.sub_(p * (u * p >= 0) * f.to(p.dtype))`` in PyTorch.
     ``updates`` are float32 or the parameters' dtype; ``lr`` and ``weight_decay`` are floats or
     0-dim tensors (optimizers pass tensors, so a changing lr neither syncs nor recompiles). A
     non-zero ``found_inf`` leaves the parameters untouched.

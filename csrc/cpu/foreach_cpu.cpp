@@ -30,11 +30,13 @@ MEGATRON_EOPT_CPU_CLONES void momentum_range(const GradT* grad, const GradT* par
   }
 }
 
-template <typename ParamT, typename UpdateT>
+// Cautious decay is a template parameter for the same reason: a straight-line loop per method.
+template <typename ParamT, typename UpdateT, bool kCautious>
 MEGATRON_EOPT_CPU_CLONES void update_range(ParamT* param, const UpdateT* update, float scale, float decay, float lr,
                                            int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) {
-    param[i] = from_float<ParamT>(update_element<ParamT>(to_float(param[i]), to_float(update[i]), scale, decay, lr));
+    param[i] = from_float<ParamT>(
+        update_element<ParamT, kCautious>(to_float(param[i]), to_float(update[i]), scale, decay, lr));
   }
 }
 
@@ -99,9 +101,11 @@ void foreach_update_cpu(const TensorList& params, const TensorList& updates, con
   dispatch_update(args, [&](auto param_tag, auto update_tag) {
     using P = typename decltype(param_tag)::type;
     using U = typename decltype(update_tag)::type;
+    const auto range = args.method == WeightDecayMethod::kCautious ? &update_range<P, U, true>
+                                                                    : &update_range<P, U, false>;
     for_each_chunk(args.numels, [&](std::size_t t, int64_t begin, int64_t end) {
-      update_range<P, U>(static_cast<P*>(args.params[t]), static_cast<const U*>(args.updates[t]), args.scales[t],
-                         decay, lr_float, begin, end);
+      range(static_cast<P*>(args.params[t]), static_cast<const U*>(args.updates[t]), args.scales[t], decay, lr_float,
+            begin, end);
     });
   });
   call.finish();

@@ -1,4 +1,5 @@
-// foreach_update_ on CUDA: the multi-tensor functor around update_element (momentum_math.h).
+// foreach_update_ on CUDA: the multi-tensor functor around update_element (momentum_math.h),
+// cautious weight decay included (its mask reads the update and the parameter before the decay).
 // lr, weight decay and found_inf are read from device memory, so the launch is CUDA-graph
 // capturable. Torch-free: raw pointers and a stream.
 #include <cuda_runtime.h>
@@ -29,13 +30,14 @@ struct UpdateOp {
   struct Context {
     float lr;
     float decay;
+    bool cautious;
     bool skip;
   };
 
   __device__ __forceinline__ Context prepare() const {
     const double l = lr.load();
     return Context{static_cast<float>(l), weight_decay_factor(method, l, weight_decay.load()),
-                   step_skipped(found_inf)};
+                   method == WeightDecayMethod::kCautious, step_skipped(found_inf)};
   }
 
   template <int V>
@@ -44,8 +46,13 @@ struct UpdateOp {
     float p[V], u[V];
     load_elements<ParamT, V>(ptrs[0], i, p);
     load_elements<UpdateT, V>(ptrs[1], i, u);
+    if (ctx.cautious) {  // uniform across the launch: no divergence
 #pragma unroll
-    for (int k = 0; k < V; ++k) p[k] = update_element<ParamT>(p[k], u[k], scale, ctx.decay, ctx.lr);
+      for (int k = 0; k < V; ++k) p[k] = update_element<ParamT, true>(p[k], u[k], scale, ctx.decay, ctx.lr);
+    } else {
+#pragma unroll
+      for (int k = 0; k < V; ++k) p[k] = update_element<ParamT, false>(p[k], u[k], scale, ctx.decay, ctx.lr);
+    }
     store_elements<ParamT, V>(ptrs[0], i, p);
   }
 };

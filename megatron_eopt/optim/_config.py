@@ -54,12 +54,6 @@ class OrthogonalizationConfig:
     repeat_last: bool = False  # the op's schedule policy past the table
     recipe: NSRecipe = NSRecipe()  # MuonEq, normalization convention, Muon+ (see _recipe)
 
-    @property
-    def op_weight_decay_method(self) -> str:
-        """The decay the fused ops apply: cautious decay is decoupled decay under a mask, applied
-        beside them (``_recipe.cautious_decay_``), so the ops see ``decoupled`` with no decay."""
-        return "decoupled" if self.weight_decay_method == "cautious" else self.weight_decay_method
-
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled)."""
         eps = self.recipe.eps
@@ -158,6 +152,44 @@ def make_config(
         algorithm=ns_algorithm,
         ns_eps=float(ns_eps),
     )
+
+
+# Emerging-Optimizers 0.4 takes these arguments as given and raises when step() first uses one:
+# an unknown moment2_method is a TypeError, an unknown weight-decay method, coefficient type or
+# scale mode a ValueError. The fused classes keep that timing (DESIGN §14) with their own messages.
+STEP_TIME_ARGUMENTS = ("moment2_method", "weight_decay_method", "coefficient_type", "scale_mode")
+
+
+def defer_step_time_errors(arguments: dict) -> tuple[dict, tuple[str, type, str] | None]:
+    """Splits ``make_config``'s keyword arguments into ones it accepts and the error ``step()`` raises.
+
+    Returns the arguments with each unusable value of :data:`STEP_TIME_ARGUMENTS` replaced by a
+    valid one (a placeholder: a step raises before it is used) and ``(argument, exception type,
+    message)`` of the first such argument in the order EO's step meets them (moment2_method,
+    weight decay, Newton–Schulz coefficients, scale), or None when every one is valid.
+    """
+    arguments = dict(arguments)
+    errors: list[tuple[str, type, str]] = []
+    method = arguments.get("moment2_method")
+    if method is not None and method not in MOMENT2_METHODS:
+        errors.append(("moment2_method", TypeError,
+                       f"moment2_method must be one of {list(MOMENT2_METHODS)}, got {method!r}"))
+        arguments["moment2_method"] = "adamuon"
+    if arguments["weight_decay_method"] not in WEIGHT_DECAY_METHODS:
+        errors.append(("weight_decay_method", ValueError, f"weight_decay_method must be one of "
+                       f"{list(WEIGHT_DECAY_METHODS)}, got {arguments['weight_decay_method']!r}"))
+        arguments["weight_decay_method"] = "decoupled"
+    try:
+        coefficient_table(arguments["coefficient_type"], arguments.get("custom_coefficient_sets"))
+    except ValueError as e:
+        errors.append(("coefficient_type", ValueError, str(e)))
+        arguments["coefficient_type"] = "polar_express" if arguments.get("polar_express_safety") else "quintic"
+        arguments["custom_coefficient_sets"] = None
+    if arguments["scale_mode"] not in SCALE_MODES:
+        errors.append(("scale_mode", ValueError,
+                       f"scale_mode must be one of {list(SCALE_MODES)}, got {arguments['scale_mode']!r}"))
+        arguments["scale_mode"] = "spectral"
+    return arguments, (errors[0] if errors else None)
 
 
 def _number(name: str, value) -> float | None:

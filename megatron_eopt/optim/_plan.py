@@ -105,6 +105,15 @@ class Plan:
     group_sizes: tuple[int, ...]  # len(group["params"]) per group when built: detects edits
     index: dict[int, int]  # id(param) -> entry index
     sharded: list[int] = field(default_factory=list)  # entries whose matrices span ranks
+    # (group index, param index) of params that are not matrices under their nd_mode: no entry;
+    # the optimizer refuses them at step(), where Emerging-Optimizers refuses them
+    rejected: list[tuple[int, int]] = field(default_factory=list)
+    params: tuple[torch.Tensor, ...] = ()  # every param of the groups, in order (detects edits)
+
+
+def not_a_matrix(p: torch.Tensor, nd_mode: str) -> bool:
+    """True when ``p`` has no matrix view under ``nd_mode`` (0-D / 1-D, or N-D with "error")."""
+    return p.ndim < 2 or (p.ndim > 2 and nd_mode == "error")
 
 
 def _qkv_split(sizes, local_shape, global_shape, where: str) -> QKVSplit:
@@ -126,7 +135,8 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
 
     layout_fn(p) -> TPLayout | None gives the tensor-parallel layout; qkv_fn(p) -> split sizes or
     None says whether p is a fused QKV projection. nd_mode is the default of groups without one.
-    DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack.
+    DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack; params
+    that are not matrices (:func:`not_a_matrix`) in ``rejected``, without an entry.
     """
     entries: list[ParamEntry] = []
     stacks: list[Stack] = []
@@ -134,12 +144,16 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
     stack_of: dict[tuple, int] = {}
     bucket_of: dict[tuple, int] = {}
     sharded: list[int] = []
+    rejected: list[tuple[int, int]] = []
     coordinates: dict = {}  # mesh coordinates of owner groups, shared by the params of one build
     adaptive = config.moment2_method is not None
     for gi, group in enumerate(param_groups):
         for pi, p in enumerate(group["params"]):
             where = f"param_groups[{gi}]['params'][{pi}]"
             mode = group.get("nd_mode", nd_mode)
+            if not_a_matrix(p, mode):
+                rejected.append((gi, pi))
+                continue
             sharding = describe(p, mode, sharded_mode, where, coordinates) if is_dtensor(p) else None
             local_shape = matrix_view(tuple(local(p).shape), mode)
             tp = layout_fn(p)
@@ -197,4 +211,6 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
         group_sizes=tuple(len(g["params"]) for g in param_groups),
         index={id(e.param): i for i, e in enumerate(entries)},
         sharded=sharded,
+        rejected=rejected,
+        params=tuple(p for g in param_groups for p in g["params"]),
     )

@@ -19,8 +19,8 @@ factors folded into the same multiply) and the op is called with ``eps = 1``, so
 normalization divides by exactly one (the prepared input has norm at most ``1 / s ≤ 1``). That is
 one reduction and one multiply over the input, and one of each over the output for Muon+.
 
-Also here: :func:`polar_express_rows`, the Polar Express table for a given safety factor, and
-:func:`cautious_decay_`, the masked decoupled decay of cautious weight decay.
+Also here: :func:`polar_express_rows`, the Polar Express table for a given safety factor. Cautious
+weight decay is not here: ``foreach_update_`` applies it (``weight_decay_method="cautious"``).
 """
 
 from __future__ import annotations
@@ -113,18 +113,3 @@ class NSRecipe:
             target = math.sqrt(min(out.shape[-2], out.shape[-1]))
             out.mul_(target / out.norm(dim=(-2, -1), keepdim=True).clamp_min(RENORM_FLOOR))
         return out
-
-
-def cautious_decay_(params, updates, lr: torch.Tensor, weight_decay: torch.Tensor,
-                    found_inf: torch.Tensor | None) -> None:
-    """Cautious weight decay (Chen et al., "Cautious Weight Decay", 2025; nanochat since January 2026):
-    ``p -= lr·wd·p`` only where the update and the weight agree in sign (``U·p ≥ 0``), before the
-    update is applied. The mask reads the update before its scale (a positive factor). Runs in
-    PyTorch beside the fused ``foreach_update_`` for now; a step with an inf / NaN gradient
-    (``found_inf``) decays nothing."""
-    coef = lr * weight_decay
-    if found_inf is not None:
-        coef = coef * (found_inf == 0)
-    for p, u in zip(params, updates):
-        keep = (u * p) >= 0
-        p.sub_(p * keep * coef.to(p.dtype))

@@ -8,7 +8,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS, get_muon_scale_factor
-from ._config import make_config
+from ._config import defer_step_time_errors, make_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -37,7 +37,13 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     ``state_dtype`` / ``state_block_size`` as in :class:`Muon`; AdaMuon's elementwise second moment
     follows it (bf16, or ``sqrt(v)`` in fp8 e4m3 with block scales for "int8" and "fp8"); NorMuon's
     and NAMO's statistics (a vector or a scalar per matrix) stay fp32.
+
+    As in EO 0.4, an unknown ``moment2_method`` is a TypeError raised by ``step()`` (once a param has
+    a gradient) and by ``init_state()``, and a param that is not a matrix a ValueError raised by
+    ``step()`` whether it has a gradient or not; nothing changes before either is raised.
     """
+
+    _nd_error_without_grad = True  # EO's AdaptiveMuon checks every param's rank before its grad
 
     def __init__(
         self,
@@ -68,7 +74,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        config = make_config(
+        arguments, deferred_error = defer_step_time_errors(dict(
             nesterov=nesterov,
             weight_decay_method=weight_decay_method,
             fp32_matmul_prec=fp32_matmul_prec,
@@ -84,7 +90,8 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
             polar_express_safety=polar_express_safety,
             ns_eps=ns_eps,
             moment2_method=moment2_method,
-        )
+        ))
+        config = make_config(**arguments)
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
         self.fp32_matmul_prec = fp32_matmul_prec
@@ -93,7 +100,8 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         self.extra_scale_factor = config.extra_scale_factor
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode,
-                         state_dtype=state_dtype, state_block_size=state_block_size)
+                         state_dtype=state_dtype, state_block_size=state_block_size,
+                         deferred_error=deferred_error)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension points
     # The fused step runs these rules in its normalization ops; a subclass overriding one of them

@@ -75,6 +75,10 @@ class HybridMuon(torch.optim.Optimizer):
         if moment2_method is not None:
             muon_kwargs["moment2_method"] = moment2_method
         self._muon = muon_cls(muon_groups, lr, momentum, weight_decay, **muon_kwargs) if muon_groups else None
+        if self._muon is not None:  # the routing is checked here: every use_muon param must be a matrix
+            error = self._muon._step_time_error(at_construction=True)
+            if error is not None:
+                raise error
         self._adamw = None
         if adamw_groups:
             on_cuda = all(p.is_cuda for g in adamw_groups for p in g["params"])

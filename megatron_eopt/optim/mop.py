@@ -32,6 +32,11 @@ class MOP(OrthogonalizedOptimizer):
         scale_mode: str = "nuclear_norm",
         extra_scale_factor: float = 1.0,
     ) -> None:
+        deferred_error = None  # EO checks scale_mode when a step first uses it; so does step() here
+        if scale_mode not in MOP_SCALE_MODES:
+            deferred_error = ("scale_mode", ValueError,
+                              f"scale_mode must be one of {list(MOP_SCALE_MODES)}, got {scale_mode!r}")
+
         def scaled_orthogonalize_fn(grad: torch.Tensor) -> torch.Tensor:
             # 2-D, or a (k, m, n) stack of momenta (one batched SVD for equal shapes)
             orth_grad, _, singular_values = polar_via_svd(grad, False)
@@ -53,6 +58,7 @@ class MOP(OrthogonalizedOptimizer):
             fp32_matmul_prec=fp32_matmul_prec,
             scaled_orthogonalize_fn=scaled_orthogonalize_fn,
         )
+        self._deferred_error = deferred_error
 
 
 def polar_via_svd(a: torch.Tensor, return_p: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

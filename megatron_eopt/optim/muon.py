@@ -7,7 +7,7 @@ from typing import Sequence
 from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS
-from ._config import make_config
+from ._config import defer_step_time_errors, make_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
@@ -31,7 +31,9 @@ class Muon(OrthogonalizedOptimizer):
     extra_scale_factor=0.2``.
 
     ``nd_mode`` (also a param-group key) decides what happens to params with more than two dims:
-    ``"error"`` rejects them (Emerging-Optimizers), ``"batch"`` treats leading dims as independent
+    ``"error"`` refuses them at ``step()`` (ValueError, as Emerging-Optimizers 0.4; so are 0-D / 1-D
+    params and an unknown ``weight_decay_method``, ``coefficient_type`` or ``scale_mode``, with
+    nothing changed), ``"batch"`` treats leading dims as independent
     matrices (MoE experts ``(E, m, n)``: each expert is its own Muon matrix, scaled from ``(m, n)``),
     ``"flatten"`` views them as ``(size(0), -1)`` (convolutions). DTensor params (FSDP2, tensor
     parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
@@ -53,7 +55,8 @@ class Muon(OrthogonalizedOptimizer):
       table for that safety factor, every row but the last evaluated at X / s (``None``: the
       table as Emerging-Optimizers ships it, which is s = 1.01 cut to four decimals).
 
-    These run around the fused ops in PyTorch for now (one reduction and one multiply per option).
+    Cautious decay runs inside the fused update op; the Newton–Schulz options run around the fused
+    op in PyTorch for now (one reduction and one multiply per option).
     NorMuon-style variance reduction as nanochat does it is :class:`AdaptiveMuon` with
     ``moment2_method="normuon", eps=1e-10``.
 
@@ -100,7 +103,7 @@ class Muon(OrthogonalizedOptimizer):
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
-        config = make_config(
+        arguments, deferred_error = defer_step_time_errors(dict(
             nesterov=nesterov,
             weight_decay_method=weight_decay_method,
             fp32_matmul_prec=fp32_matmul_prec,
@@ -115,12 +118,13 @@ class Muon(OrthogonalizedOptimizer):
             ns_norm_divisor=ns_norm_divisor,
             polar_express_safety=polar_express_safety,
             ns_eps=ns_eps,
-        )
+        ))
+        config = make_config(**arguments)
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
         self.fp32_matmul_prec = fp32_matmul_prec
         self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
             sharded_mode=sharded_mode, weight_update_hook=weight_update_hook, state_dtype=state_dtype,
-            state_block_size=state_block_size,
+            state_block_size=state_block_size, deferred_error=deferred_error,
         )

@@ -17,7 +17,10 @@ class Muown(Muon):
     ``lr``; the weight is rebuilt as ``g · v_new/‖v_new‖_row``. EO 0.4 contrib's constructor,
     defaults and numerics; the Newton–Schulz of all parameters of one shape runs as one batch.
     State: ``step``, ``g``, ``v_norm``, ``momentum_buffer`` (fp32), ``m_g``, ``v_g``.
+    A param that is not a matrix is a TypeError at ``step()`` (when it has a gradient), as in EO.
     """
+
+    _nd_error_type = TypeError  # EO's Muown
 
     def __init__(
         self,
@@ -79,6 +82,9 @@ class Muown(Muon):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if closure is not None:
             raise ValueError("closure is not supported")
+        error = self._step_time_error()  # before any state is created (EO creates some first)
+        if error is not None:
+            raise error
         work = []  # (p, group, state, v, grad_g) of every parameter with a gradient
         for group in self.param_groups:
             self._init_group(group)

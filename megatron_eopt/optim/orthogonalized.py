@@ -49,8 +49,7 @@ from ._distributed import (
     tp_namo_normalize_,
     tp_normuon_normalize_,
 )
-from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan
-from ._recipe import cautious_decay_
+from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan, not_a_matrix
 from ._sharded import (
     ND_MODES,
     SHARDED_MODES,
@@ -81,11 +80,25 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
     The fused classes (:class:`Muon` and the others) subclass it too and set up through
     ``_init_fused``: one batched, fused step while no extension point is overridden; the per-parameter
     step with the same numerics once one is.
+
+    Errors come where and as Emerging-Optimizers 0.4 raises them: a parameter that is not a matrix
+    (0-D, 1-D, or N-D with ``nd_mode="error"``) is accepted at construction and refused by ``step()``
+    (ValueError; EO's Muon-like classes only when it has a gradient, AdaptiveMuon always), and so is
+    an unknown ``weight_decay_method``, ``coefficient_type`` or ``scale_mode`` (ValueError) or
+    ``moment2_method`` (TypeError) once a parameter has a gradient. Unlike EO, the step checks
+    everything before it changes anything. DTensor parameters, ``nd_mode`` / ``sharded_mode`` and
+    the per-group values are still checked at construction.
     """
 
     # Low-memory state (see megatron_eopt.low_memory_state): set by the fused classes' constructors.
     state_dtype = "fp32"
     state_block_size = lms.DEFAULT_BLOCK_SIZE
+
+    # Emerging-Optimizers 0.4's timing of the errors above; the tensor-parallel classes keep
+    # refusing at construction, as before (Megatron-LM never hands them such parameters).
+    _eo_step_time_errors = True
+    _nd_error_type: type = ValueError  # Muown: TypeError, as EO's
+    _nd_error_without_grad = False  # AdaptiveMuon: True (EO checks every param before its grad)
 
     def __init__(
         self,
@@ -108,6 +121,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         self.weight_decay_method = weight_decay_method
         self._weight_update_hook = _effective_hook(weight_update_hook)
         self._config = None  # no fused step: scaled_orthogonalize_fn is the caller's
+        self._deferred_error = None
         self._plan = None
         self._batched = None
         self._constructed = False
@@ -116,12 +130,15 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
 
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
                     sharded_mode: str = "owner", weight_update_hook: Any | None = None, state_dtype: str = "fp32",
-                    state_block_size: int = lms.DEFAULT_BLOCK_SIZE) -> None:
+                    state_block_size: int = lms.DEFAULT_BLOCK_SIZE,
+                    deferred_error: tuple[str, type, str] | None = None) -> None:
         """Sets up the fused step: ``config`` says how every parameter is orthogonalized; ``state_dtype``
-        and ``state_block_size`` how its state is stored (:mod:`megatron_eopt.low_memory_state`)."""
+        and ``state_block_size`` how its state is stored (:mod:`megatron_eopt.low_memory_state`).
+        ``deferred_error`` (``_config.defer_step_time_errors``) is what ``step()`` raises."""
         self.state_dtype = lms.validate_state_dtype(state_dtype)
         self.state_block_size = lms.validate_block_size(state_block_size)
         self._state_seeds: dict[torch.device, torch.Tensor] = {}
+        self._deferred_error = deferred_error
         self._weight_update_hook = _effective_hook(weight_update_hook)
         self.scaled_orthogonalize_fn = FusedScaledOrthogonalize(config, scaled=config.moment2_method is None)
         if nd_mode not in ND_MODES:
@@ -164,6 +181,8 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             mesh = None
             for pi, p in enumerate(group["params"]):
                 where = f"param_groups[{gi}]['params'][{pi}]"
+                if self._eo_step_time_errors and not is_dtensor(p) and not_a_matrix(p, nd_mode):
+                    continue  # refused by step(), where Emerging-Optimizers refuses it
                 self._check_param(p, nd_mode, where)
                 if is_dtensor(p):
                     if mesh is not None and p.device_mesh != mesh:
@@ -183,18 +202,21 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 self._rebuild_plan()
             raise
 
+    def _not_a_matrix_message(self, p: torch.Tensor, where: str) -> str:
+        hint = (
+            "pass nd_mode='batch' (leading dims index independent matrices, e.g. MoE experts (E, m, n)) or "
+            "nd_mode='flatten' (view as (size(0), -1), e.g. convolutions)"
+            if p.ndim > 2
+            else "optimize 0-D/1-D, embedding and output parameters with AdamW"
+        )
+        return (
+            f"{type(self).__name__} only supports 2-D parameters with nd_mode='error'; {where} has shape "
+            f"{tuple(p.shape)} ({hint})"
+        )
+
     def _check_param(self, p: torch.Tensor, nd_mode: str, where: str) -> None:
-        if p.ndim < 2 or (p.ndim > 2 and nd_mode == "error"):
-            hint = (
-                "pass nd_mode='batch' (leading dims index independent matrices, e.g. MoE experts (E, m, n)) or "
-                "nd_mode='flatten' (view as (size(0), -1), e.g. convolutions)"
-                if p.ndim > 2
-                else "optimize 0-D/1-D, embedding and output parameters with AdamW"
-            )
-            raise ValueError(
-                f"{type(self).__name__} only supports 2-D parameters with nd_mode='error'; {where} has shape "
-                f"{tuple(p.shape)} ({hint})"
-            )
+        if not_a_matrix(p, nd_mode):
+            raise ValueError(self._not_a_matrix_message(p, where))
         if not p.is_floating_point():
             raise ValueError(f"{where} must be a floating-point tensor, got {p.dtype}")
         if p.ndim > 2:
@@ -350,6 +372,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 self._init_group(group, skip_non_grad_params=False)
             return
         plan = self._current_plan()
+        self._check_state_creation(plan, plan.params)
         for i in range(len(plan.entries)):
             self._init_entry_state(i)
 
@@ -359,10 +382,75 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         if self._config is None:
             return EOExtensionPoints._init_group(self, group, skip_non_grad_params)
         plan = self._current_plan()
-        for p in group["params"]:
-            if skip_non_grad_params and p.grad is None:
-                continue
+        params = [p for p in group["params"] if not (skip_non_grad_params and p.grad is None)]
+        self._check_state_creation(plan, params)
+        for p in params:
             self._init_entry_state(plan.index[id(p)])
+
+    # ------------------------------------------------------------------ errors at step(), as EO raises them
+    def _step_time_error(self, at_construction: bool = False) -> Exception | None:
+        """The error ``step()`` raises before touching anything (None: none), in EO 0.4's terms: an
+        argument it checks when a step first uses it (once any param has a gradient), then the first
+        param that is not a matrix (with a gradient, or any for AdaptiveMuon). ``at_construction``:
+        the same, gradients or not (for wrappers that validate their inner optimizer up front)."""
+        if self._config is None:
+            return self._eo_style_step_error()
+        plan = self._current_plan()
+        if self._deferred_error is None and not plan.rejected:
+            return None
+        has_grad = at_construction or any(p.grad is not None for g in self.param_groups for p in g["params"])
+        if self._deferred_error is not None and has_grad:
+            _, exc_type, message = self._deferred_error
+            return exc_type(message)
+        for gi, pi in plan.rejected:
+            group = self.param_groups[gi]
+            p = group["params"][pi]
+            if at_construction or self._nd_error_without_grad or p.grad is not None:
+                return self._nd_error_type(self._not_a_matrix_message(p, f"param_groups[{gi}]['params'][{pi}]"))
+        return None
+
+    def _eo_style_step_error(self) -> Exception | None:
+        """What an EO-style optimizer (caller's ``scaled_orthogonalize_fn``) would refuse midway through
+        its loop, refused before anything changes: a deferred argument, an unknown weight-decay method
+        (while ``_apply_weight_decay_inplace`` is EO's), a param that is not a matrix (while
+        ``orthogonalize`` is the base one; an override may handle N-D params, as EO says)."""
+        active = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                  if p.grad is not None]
+        if not active:
+            return None
+        if self._deferred_error is not None:
+            _, exc_type, message = self._deferred_error
+            return exc_type(message)
+        cls = type(self)
+        method = getattr(self, "weight_decay_method", "l2")
+        if (cls._apply_weight_decay_inplace is EOExtensionPoints._apply_weight_decay_inplace
+                and method not in EO_WEIGHT_DECAY_METHODS
+                and any(_nonzero(self.param_groups[gi]["weight_decay"]) for gi, _, _ in active)):
+            return ValueError(f"Invalid weight decay method: {method} (expected one of "
+                              f"{', '.join(EO_WEIGHT_DECAY_METHODS)})")
+        if cls.orthogonalize is OrthogonalizedOptimizer.orthogonalize:
+            for gi, pi, p in active:
+                if p.ndim != 2:
+                    return ValueError(
+                        f"Only 2D parameters are supported: param_groups[{gi}]['params'][{pi}] has shape "
+                        f"{tuple(p.shape)}"
+                    )
+        return None
+
+    def _check_state_creation(self, plan: Plan, params) -> None:
+        """Refuses to create state that EO would refuse: params that are not matrices, or any state
+        while moment2_method (which decides the state's layout) is unknown."""
+        params = list(params)
+        if not params:
+            return
+        if self._deferred_error is not None and self._deferred_error[0] == "moment2_method":
+            _, exc_type, message = self._deferred_error
+            raise exc_type(message)
+        for p in params:
+            if id(p) not in plan.index:
+                gi, pi = next((gi, pi) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])
+                              if q is p)
+                raise self._nd_error_type(self._not_a_matrix_message(p, f"param_groups[{gi}]['params'][{pi}]"))
 
     # ------------------------------------------------------------------ step
     def _check_grads(self, plan: Plan, active: list[bool]) -> None:
@@ -428,6 +516,9 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         """Performs one optimization step. ``closure`` is not supported (as in Emerging-Optimizers)."""
         if closure is not None:
             raise ValueError("closure is not supported")
+        error = self._step_time_error()
+        if error is not None:
+            raise error
         if not self._use_fused_step():
             if self.state_dtype != "fp32":
                 raise RuntimeError(
@@ -496,7 +587,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 momentum=hyper["momentum"],
                 nesterov=cfg.nesterov,
                 weight_decay=hyper["weight_decay"],
-                weight_decay_method=cfg.op_weight_decay_method,
+                weight_decay_method=cfg.weight_decay_method,
                 grad_scale=self._momentum_grad_divisor(hyper, scale_t),
                 found_inf=inf_t,
             )
@@ -549,23 +640,19 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             if cfg.moment2_method is not None:
                 self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
                                 hyper, scale_t, inf_t)
-            weight_decay = hyper["weight_decay"]
-            if cfg.weight_decay_method == "cautious":  # masked by the update's sign: applied here, for now
-                cautious_decay_(params, bucket_updates, hyper["lr"], weight_decay, inf_t)
-                weight_decay = torch.zeros_like(weight_decay)
+            # cautious decay too: its mask reads the unscaled update and p before the decay, in the op
             if hook is None:
                 ops.foreach_update_(
                     params,
                     bucket_updates,
                     [scales[i] for i in members],
                     lr=hyper["lr"],
-                    weight_decay=weight_decay,
-                    weight_decay_method=cfg.op_weight_decay_method,
+                    weight_decay=hyper["weight_decay"],
+                    weight_decay_method=cfg.weight_decay_method,
                     found_inf=inf_t,
                 )
             else:
-                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members],
-                                    {**hyper, "weight_decay": weight_decay}, inf_t)
+                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members], hyper, inf_t)
         return None
 
     def _hooked_update(self, hook, params, updates, scales, hyper, found_inf) -> None:
@@ -574,7 +661,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         cfg = self._config
         if cfg.weight_decay_method != "l2":  # decay alone: the update scaled by 0 leaves p as decay made it
             ops.foreach_update_(params, updates, [0.0] * len(params), lr=hyper["lr"],
-                                weight_decay=hyper["weight_decay"], weight_decay_method=cfg.op_weight_decay_method,
+                                weight_decay=hyper["weight_decay"], weight_decay_method=cfg.weight_decay_method,
                                 found_inf=found_inf)
         torch._foreach_mul_(updates, scales)
         state = hook.fused_pre(params, updates)
@@ -753,6 +840,15 @@ OrthogonalizedOptimizer._fused_hook_defaults = {name: getattr(OrthogonalizedOpti
 EOExtensionPoints._base_orthogonalize = OrthogonalizedOptimizer.orthogonalize
 
 
+# The weight-decay methods of EO's per-parameter step (``_apply_weight_decay_inplace``).
+EO_WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
+
+
+def _nonzero(value) -> bool:
+    """``value != 0`` for a group's weight decay, as EO tests it (a tensor is read, as EO reads it)."""
+    return bool(value != 0.0)
+
+
 def _effective_hook(hook):
     """The weight-update hook a step must call: None for none or the no-op one."""
     return None if hook is None or isinstance(hook, NoOpWeightUpdateHook) else hook
@@ -762,11 +858,11 @@ def _plan_matches(plan: Plan, param_groups) -> bool:
     """True when the groups still hold exactly the parameters the plan was built for, in order."""
     if plan.group_sizes != tuple(len(g["params"]) for g in param_groups):
         return False
-    entries = plan.entries
+    params = plan.params
     i = 0
     for group in param_groups:
         for p in group["params"]:
-            if entries[i].param is not p:
+            if params[i] is not p:
                 return False
             i += 1
     return True

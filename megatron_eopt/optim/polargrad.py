@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import validate_coefficient_type
+from ..newton_schulz import coefficient_table
 from ..ops import newton_schulz
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -40,7 +40,11 @@ class PolarGrad(OrthogonalizedOptimizer):
     ) -> None:
         if num_ns_steps < 0:
             raise ValueError(f"num_ns_steps must be positive, got {num_ns_steps}")
-        validate_coefficient_type(coefficient_type)
+        try:  # EO checks the coefficient type when a step first uses it; so does step() here
+            coefficient_table(coefficient_type)  # an unknown type, or 'custom' (no rows to give here)
+            deferred_error = None
+        except ValueError as e:
+            deferred_error = ("coefficient_type", ValueError, str(e))
 
         def scaled_orthogonalize_fn(grad: torch.Tensor) -> torch.Tensor:
             # 2-D, or a (k, m, n) stack of momenta (the step batches equal shapes)
@@ -59,6 +63,7 @@ class PolarGrad(OrthogonalizedOptimizer):
             fp32_matmul_prec=fp32_matmul_prec,
             scaled_orthogonalize_fn=scaled_orthogonalize_fn,
         )
+        self._deferred_error = deferred_error
 
 
 def eigh_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

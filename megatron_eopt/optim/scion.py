@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.optim.optimizer import ParamsT
 
-from ._config import make_config
+from ._config import defer_step_time_errors, make_config
 from .orthogonalized import OrthogonalizedOptimizer
 
 
@@ -31,7 +31,7 @@ class Scion(OrthogonalizedOptimizer):
     ) -> None:
         if num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
-        config = make_config(
+        arguments, deferred_error = defer_step_time_errors(dict(
             nesterov=False,
             weight_decay_method="decoupled",
             fp32_matmul_prec=fp32_matmul_prec,
@@ -40,8 +40,9 @@ class Scion(OrthogonalizedOptimizer):
             num_ns_steps=num_ns_steps,
             scale_mode="unit_rms_norm",
             extra_scale_factor=spectral_radius,
-        )
+        ))
+        config = make_config(**arguments)
         self.nesterov = False
         self.weight_decay_method = "decoupled"
         self.fp32_matmul_prec = fp32_matmul_prec
-        self._init_fused(params, dict(lr=lr, momentum=momentum, weight_decay=1), config)
+        self._init_fused(params, dict(lr=lr, momentum=momentum, weight_decay=1), config, deferred_error=deferred_error)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import validate_coefficient_type
+from ..newton_schulz import coefficient_table
 from ..ops import newton_schulz
 from ._eo_hooks import fp32_matmul_precision
 from .orthogonalized import OrthogonalizedOptimizer
@@ -35,7 +35,11 @@ class Spel(OrthogonalizedOptimizer):
     ) -> None:
         if num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
-        validate_coefficient_type(coefficient_type)
+        try:  # EO checks the coefficient type when a step first uses it; so does step() here
+            coefficient_table(coefficient_type)  # an unknown type, or 'custom' (no rows to give here)
+            deferred_error = None
+        except ValueError as e:
+            deferred_error = ("coefficient_type", ValueError, str(e))
 
         def scaled_orthogonalize_fn(x: torch.Tensor) -> torch.Tensor:
             return newton_schulz(x, steps=num_ns_steps, coefficient_type=coefficient_type)  # 2-D or a stack
@@ -52,6 +56,7 @@ class Spel(OrthogonalizedOptimizer):
             fp32_matmul_prec=fp32_matmul_prec,
             scaled_orthogonalize_fn=scaled_orthogonalize_fn,
         )
+        self._deferred_error = deferred_error
 
     def _post_weight_update_batch(self, params: list[torch.Tensor]) -> None:
         # The projection of all weights of one shape as one batched Newton–Schulz (unless a subclass

@@ -115,6 +115,9 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``state_block_size`` (extensions) as in :class:`~megatron_eopt.optim.Muon`.
     """
 
+    # Megatron-LM's classes: arguments and params are checked at construction, as before.
+    _eo_step_time_errors = False
+
     def __init__(
         self,
         params: ParamsT,

@@ -68,6 +68,9 @@ TEST(MomentumMath, WeightDecayFactors) {
   EXPECT_EQ(weight_decay_factor(WeightDecayMethod::kL2, 0.5f, 0.1f), 0.f);
   EXPECT_EQ(parse_weight_decay_method("palm"), WeightDecayMethod::kPalm);
   EXPECT_EQ(parse_weight_decay_method("l2"), WeightDecayMethod::kL2);
+  EXPECT_EQ(parse_weight_decay_method("cautious"), WeightDecayMethod::kCautious);
+  EXPECT_EQ(weight_decay_factor(WeightDecayMethod::kCautious, 0.5, 0.1),
+            weight_decay_factor(WeightDecayMethod::kDecoupled, 0.5, 0.1));
   EXPECT_THROW(parse_weight_decay_method("adamw"), std::invalid_argument);
 }
 
@@ -79,6 +82,48 @@ TEST(MomentumMath, UpdateDecaysThenSteps) {
   // bf16 parameters store the decayed value (rounded) before the update, as the reference does.
   const float p = 1.f, decay = 1e-3f;
   EXPECT_EQ(update_element<Bf16>(p, 0.f, 1.f, decay, 0.1f), round_to<Bf16>(std::fmaf(p, -decay, p)));
+}
+
+TEST(MomentumMath, CautiousDecayOnlyWhereUpdateAndParamAgreeInSign) {
+  const float decay = 0.25f, lr = 0.5f;
+  // U·p > 0: p1 = 2 - 0.25 * 2 = 1.5, then p = 1.5 - 0.5 * (3 * 1) = 0 (as decoupled).
+  EXPECT_EQ((update_element<float, true>(2.f, 1.f, 3.f, decay, lr)), 0.f);
+  EXPECT_EQ((update_element<float, true>(2.f, 1.f, 3.f, decay, lr)), (update_element<float, false>(2.f, 1.f, 3.f, decay, lr)));
+  // U·p < 0: no decay, only the step: p = 2 - 0.5 * (3 * -1) = 3.5.
+  EXPECT_EQ((update_element<float, true>(2.f, -1.f, 3.f, decay, lr)), 3.5f);
+  EXPECT_EQ((update_element<float, true>(-2.f, 1.f, 3.f, decay, lr)), -3.5f);
+  // Both negative agree in sign: decayed.
+  EXPECT_EQ((cautious_decay_element<float>(-2.f, -1.f, decay)), -1.5f);
+  // U = 0 or p = 0: U·p = 0 >= 0, decayed (a zero p stays zero).
+  EXPECT_EQ((cautious_decay_element<float>(2.f, 0.f, decay)), 1.5f);
+  EXPECT_EQ((cautious_decay_element<float>(0.f, -1.f, decay)), 0.f);
+  // The mask reads U before its scale: a scale of 0 (decay alone) still masks by U's sign.
+  EXPECT_EQ((update_element<float, true>(2.f, -1.f, 0.f, decay, lr)), 2.f);
+  EXPECT_EQ((update_element<float, true>(2.f, 1.f, 0.f, decay, lr)), 1.5f);
+  // A NaN update masks nothing in (NaN·p >= 0 is false): p is not decayed.
+  EXPECT_EQ((cautious_decay_element<float>(2.f, std::numeric_limits<float>::quiet_NaN(), decay)), 2.f);
+  // An infinite p whose mask is off gives NaN, as torch's p * 0 does in the reference.
+  EXPECT_TRUE(std::isnan(cautious_decay_element<float>(std::numeric_limits<float>::infinity(), -1.f, decay)));
+}
+
+TEST(MomentumMath, CautiousDecayRoundsLikeTheSeparateTorchOps) {
+  // The reference: p.sub_(p * keep * f.to(p.dtype)): f rounded to p's type, the product rounded,
+  // then the difference rounded; never one fused multiply-add.
+  uint32_t state = 7u;
+  for (int k = 0; k < 20000; ++k) {
+    state = state * 1664525u + 1013904223u;
+    const float p = static_cast<float>(static_cast<int32_t>(state)) * 1e-9f;
+    state = state * 1664525u + 1013904223u;
+    const float u = static_cast<float>(static_cast<int32_t>(state)) * 1e-9f;
+    const float f = 0.0123456789f;
+    const bool keep = u * p >= 0.f;
+    const float expected = keep ? p - p * f : p;  // built with -ffp-contract=off: two roundings
+    EXPECT_EQ(float_bits(cautious_decay_element<float>(p, u, f)), float_bits(expected)) << p << " " << u;
+    const float pb = round_to<Bf16>(p);
+    const float fb = round_to<Bf16>(f);
+    const float expected_bf16 = u * pb >= 0.f ? round_to<Bf16>(pb - round_to<Bf16>(pb * fb)) : pb;
+    EXPECT_EQ(float_bits(cautious_decay_element<Bf16>(pb, u, f)), float_bits(expected_bf16)) << pb << " " << u;
+  }
 }
 
 // fp16 storage: the host conversion must match IEEE round-to-nearest-even (c10::Half, and

@@ -197,6 +197,96 @@ def test_base_class_errors_where_eo_raises(gen):
     assert torch.equal(p.detach(), before)
 
 
+# ------------------------------------------------------------------ where and as EO raises
+FAMILY = ["Muon", "AdaptiveMuon", "Scion", "MOP", "MuonHyperball", "PolarGrad", "Spel", "Muown"]
+EO_CLASSES = {
+    "Muon": lambda: eo.muon.Muon, "AdaptiveMuon": lambda: eo.adaptive_muon.AdaptiveMuon,
+    "Scion": lambda: eo.scion.Scion, "MOP": lambda: eo.mop.MOP,
+    "MuonHyperball": lambda: eo.muon_hyperball.MuonHyperball, "PolarGrad": lambda: eo.polargrad.PolarGrad,
+    "Spel": lambda: eo.spel.Spel, "Muown": lambda: eo.muown.Muown,
+}
+
+
+def _error_cases():
+    cases = []
+    for name in FAMILY:
+        for label, shapes in [("1d", [(4, 6), (7,)]), ("3d", [(4, 6), (2, 4, 3)]), ("0d", [(4, 6), ()])]:
+            cases += [(name, label, shapes, {}, True), (name, label + "-nograd", shapes, {}, False)]
+        signature = inspect.signature(EO_CLASSES[name]().__init__).parameters
+        for arg, value in [("weight_decay_method", "ridge"), ("coefficient_type", "cubic"), ("coefficient_type", "custom"),
+                           ("scale_mode", "rms"), ("moment2_method", "adam")]:
+            if arg in signature:
+                cases += [(name, f"{arg}={value}", [(4, 6), (6, 4)], {arg: value}, True),
+                          (name, f"{arg}={value}-nograd", [(4, 6), (6, 4)], {arg: value}, False)]
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in cases]
+
+
+def _outcome(cls, name, shapes, kwargs, with_grads, seed):
+    """('construction' | 'step' | 'ok', exception type) and whether the params / state stayed unchanged."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    kwargs = dict(kwargs)
+    if name == "AdaptiveMuon":
+        kwargs.update(lr=0.01, momentum=0.9, weight_decay=0.1)
+    if name == "MuonHyperball":
+        with torch.no_grad():
+            for p in params:
+                p.div_(p.norm())
+        kwargs["hyperball_radius"] = 1.0
+    try:
+        opt = cls(params, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the type is the result
+        return ("construction", type(e)), True
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    before = [p.detach().clone() for p in params]
+    if with_grads:
+        for p, g in zip(params, grads):
+            p.grad = g
+    try:
+        opt.step()
+    except Exception as e:  # noqa: BLE001
+        unchanged = all(torch.equal(p, b) for p, b in zip(params, before)) and not any(opt.state.values())
+        return ("step", type(e)), unchanged
+    return ("ok", None), True
+
+
+@pytest.mark.parametrize("name,label,shapes,kwargs,with_grads", _error_cases())
+def test_errors_are_raised_where_and_as_eo_raises_them(name, label, shapes, kwargs, with_grads):
+    theirs, _ = _outcome(EO_CLASSES[name](), name, shapes, kwargs, with_grads, seed=1)
+    ours, unchanged = _outcome(getattr(optim, name), name, shapes, kwargs, with_grads, seed=1)
+    assert ours == theirs
+    assert unchanged  # unlike EO, nothing is half-updated when step() raises
+
+
+def test_step_time_errors_keep_our_messages(gen):
+    p, v = torch.nn.Parameter(torch.randn(4, 6, generator=gen)), torch.nn.Parameter(torch.randn(6, generator=gen))
+    p.grad, v.grad = torch.randn(4, 6, generator=gen), torch.randn(6, generator=gen)
+    with pytest.raises(TypeError, match=r"moment2_method must be one of \['adamuon', 'normuon', 'namo'\], got 'adam'"):
+        optim.AdaptiveMuon([p], 0.01, 0.9, 0.0, moment2_method="adam").step()
+    with pytest.raises(ValueError, match=r"Muon only supports 2-D parameters .*\['params'\]\[1\] has shape \(6,\)"):
+        optim.Muon([p, v]).step()
+    with pytest.raises(TypeError, match=r"Muown only supports 2-D parameters"):
+        optim.Muown([p, v]).step()
+    with pytest.raises(ValueError, match=r"Only 2D parameters are supported: param_groups\[0\]\['params'\]\[1\]"):
+        optim.MOP([p, v]).step()
+
+
+def test_construction_checks_of_our_own_stay(gen):
+    cube = torch.nn.Parameter(torch.randn(2, 4, 6, generator=gen))
+    optim.Muon([cube], nd_mode="batch")  # routed at construction
+    with pytest.raises(ValueError, match="nd_mode must be one of"):
+        optim.Muon([cube], nd_mode="stacked")
+    with pytest.raises(ValueError, match="cannot be viewed"):
+        optim.Muon([torch.nn.Parameter(torch.randn(4, 3, 5).transpose(0, 1))], nd_mode="flatten")
+    with pytest.raises(ValueError, match="num_ns_steps"):
+        optim.Muon([cube], num_ns_steps=0)
+    with pytest.raises(ValueError, match="namo"):
+        optim.AdaptiveMuon([cube], 0.01, 0.9, 0.0, moment2_method="namo", weight_decay_method="l2")
+    # HybridMuon routes its Muon groups at construction
+    with pytest.raises(ValueError, match="2-D"):
+        optim.HybridMuon([{"params": [cube], "use_muon": True}])
+
+
 # ------------------------------------------------------------------ the family
 def test_scion(gen):
     kwargs = dict(lr=0.05, momentum=0.9, fp32_matmul_prec="highest", spectral_radius=3.0)

@@ -216,6 +216,109 @@ def test_update_with_tensor_hyperparameters(device, gen):
     assert rel_err(params[0].cpu(), expected.cpu()) <= 1e-6
 
 
+# ------------------------------------------------------------------ cautious weight decay
+CAUTIOUS_SHAPES = [(1, 64), (64, 1), (97, 37), (0, 5), (37, 97), (7,), (150_001,)]
+
+
+def _cautious_mirror(p0, u, scale, lr, wd):
+    """Cautious decay as separate torch ops, p.sub_(p * (U·p >= 0) * f.to(p.dtype)) with f = lr·wd,
+    the mask read in fp32 before the decay, then p.add_(U * scale, alpha=-lr) in fp32."""
+    p = p0.clone()
+    keep = (u.float() * p.float()) >= 0
+    p.sub_(p * keep * torch.tensor(lr * wd, dtype=torch.float64).to(p.dtype))
+    return _f32(p).add_(u.float() * scale, alpha=-lr).to(p0.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtypes", UPDATE_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+def test_update_cautious_parity(device, dtypes, gen):
+    lr, wd = float(torch.tensor(0.05)), float(torch.tensor(0.3))
+    param_dtype, update_dtype = dtypes
+    params = [_randn(s, gen, param_dtype, device) for s in CAUTIOUS_SHAPES]
+    updates = [_randn(s, gen, update_dtype, device) for s in CAUTIOUS_SHAPES]
+    scales = [0.5 + i for i in range(len(CAUTIOUS_SHAPES))]
+    before = [p.clone() for p in params]
+    updates_before = [u.clone() for u in updates]
+    me.foreach_update_(params, updates, scales, lr=lr, weight_decay=wd, weight_decay_method="cautious")
+    for i, (p0, u, s) in enumerate(zip(before, updates, scales)):
+        assert torch.equal(updates[i], updates_before[i]) and params[i].dtype == param_dtype
+        if p0.numel() == 0:
+            continue
+        mirror = _cautious_mirror(p0, u, s, lr, wd)
+        torch.testing.assert_close(params[i], mirror, rtol=_one_ulp(param_dtype), atol=1e-30)
+        # float64: decay exactly where the update and the weight agree in sign
+        p64, u64 = p0.double(), u.double()
+        mask = (u64 * p64) >= 0
+        assert 0 < int(mask.sum()) < p0.numel() or p0.numel() == 1
+        step64 = -lr * wd * p64 * mask - lr * s * u64
+        if param_dtype == torch.float32:
+            assert rel_err((params[i] - p0).cpu(), step64.cpu()) <= 1e-5
+        else:
+            assert rel_err(params[i].double().cpu(), (p64 + step64).cpu()) <= _tolerance(param_dtype)
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_update_cautious_equals_a_separate_masked_decay_bitwise(param_dtype, gen):
+    # What optimizers ran before the decay moved into the op: the masked decay in torch, then the
+    # fused update without decay. The fused op gives the same bits.
+    shapes = [(1, 33), (33, 1), (97, 37), (128, 256)]
+    lr = torch.tensor(0.02, dtype=torch.float64)
+    wd = torch.tensor(0.2, dtype=torch.float64)
+    params = [_randn(s, gen, param_dtype, "cpu") for s in shapes]
+    updates = [_randn(s, gen, torch.float32, "cpu") for s in shapes]
+    scales = [1.5, 0.25, 3.0, 1.0]
+    separate = [p.clone() for p in params]
+    coef = lr * wd
+    for p, u in zip(separate, updates):
+        keep = (u * p) >= 0
+        p.sub_(p * keep * coef.to(p.dtype))
+    me.foreach_update_(separate, updates, scales, lr=lr, weight_decay=torch.zeros((), dtype=torch.float64))
+    me.foreach_update_(params, updates, scales, lr=lr, weight_decay=wd, weight_decay_method="cautious")
+    for a, b in zip(params, separate):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update_cautious_scale_zero_applies_the_masked_decay_alone(device, gen):
+    p = _randn((9, 13), gen, torch.float32, device)
+    u = _randn((9, 13), gen, torch.float32, device)
+    out = p.clone()
+    me.foreach_update_([out], [u], [0.0], lr=0.1, weight_decay=0.5, weight_decay_method="cautious")
+    keep = (u * p) >= 0
+    assert torch.equal(out[~keep], p[~keep])
+    torch.testing.assert_close(out[keep], p[keep] - p[keep] * torch.tensor(0.1 * 0.5).float(), rtol=1e-7, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_cautious_is_decoupled(device, nesterov, gen):
+    # cautious decays the parameter in foreach_update_; the momentum op leaves the gradient alone
+    grads, bufs, ns, params = _momentum_inputs(gen, device, MOMENTUM_DTYPES[2])
+    bufs2, ns2 = [b.clone() for b in bufs], [n.clone() for n in ns]
+    me.foreach_momentum_(grads, bufs, ns, params, momentum=0.9, nesterov=nesterov, weight_decay=0.5,
+                         weight_decay_method="cautious")
+    me.foreach_momentum_(grads, bufs2, ns2, momentum=0.9, nesterov=nesterov, weight_decay=0.5,
+                         weight_decay_method="decoupled")
+    for a, b in zip(bufs + ns, bufs2 + ns2):
+        assert torch.equal(a, b) or (a.numel() == 0 and b.numel() == 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_found_inf_skips_cautious_update(device, gen):
+    params = [_randn(s, gen, torch.bfloat16, device) for s in CAUTIOUS_SHAPES]
+    updates = [_randn(s, gen, torch.float32, device) for s in CAUTIOUS_SHAPES]
+    before = [p.clone() for p in params]
+    found = torch.ones((), device=device)
+    me.foreach_update_(params, updates, [1.0] * len(params), lr=0.1, weight_decay=0.3,
+                       weight_decay_method="cautious", found_inf=found)
+    for a, b in zip(before, params):
+        assert torch.equal(a, b)
+    found.zero_()
+    me.foreach_update_(params, updates, [1.0] * len(params), lr=0.1, weight_decay=0.3,
+                       weight_decay_method="cautious", found_inf=found)
+    assert not torch.equal(params[2], before[2])
+
+
 # ------------------------------------------------------------------ GradScaler: unscale and skip
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtypes", [MOMENTUM_DTYPES[0], MOMENTUM_DTYPES[2], MOMENTUM_DTYPES[6]],
@@ -326,6 +429,9 @@ def test_opcheck_foreach_update(device, gen):
     torch.library.opcheck(ops.foreach_update_.default, (params, updates, [1.0, 2.0, 3.0], lr, wd, "palm"))
     torch.library.opcheck(ops.foreach_update_.default,
                           (params, updates, [1.0, 2.0, 3.0], lr, wd, "palm", torch.zeros((), device=device)))
+    torch.library.opcheck(ops.foreach_update_.default, (params, updates, [1.0, 2.0, 3.0], lr, wd, "cautious"))
+    torch.library.opcheck(ops.foreach_update_.default,
+                          (params, updates, [1.0, 0.0, 3.0], lr, wd, "cautious", torch.zeros((), device=device)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -500,6 +606,21 @@ def test_cuda_equals_cpu_bitwise(dtypes, method, gen):
     me.foreach_update_(on_gpu[3], [u.cuda() for u in updates], scales, lr=0.01, weight_decay=0.1,
                        weight_decay_method="palm")
     for a, b in zip(params, on_gpu[3]):
+        assert torch.equal(a, b.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", UPDATE_DTYPES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+def test_cuda_cautious_update_equals_cpu_bitwise(dtypes, gen):
+    shapes = CAUTIOUS_SHAPES + [(1, 3), (2, 65_537)]
+    params = [_randn(s, gen, dtypes[0], "cpu") for s in shapes]
+    updates = [_randn(s, gen, dtypes[1], "cpu") for s in shapes]
+    on_gpu = [p.cuda() for p in params]
+    scales = [1.0 + 0.25 * i for i in range(len(shapes))]
+    me.foreach_update_(params, updates, scales, lr=0.01, weight_decay=0.7, weight_decay_method="cautious")
+    me.foreach_update_(on_gpu, [u.cuda() for u in updates], scales, lr=0.01, weight_decay=0.7,
+                       weight_decay_method="cautious")
+    for a, b in zip(params, on_gpu):
         assert torch.equal(a, b.cpu())
 
 

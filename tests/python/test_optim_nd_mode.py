@@ -86,12 +86,18 @@ def test_nd_mode_per_param_group_and_state_dict_round_trip(gen):
 
 def test_bad_nd_input_is_rejected_before_anything_changes(gen):
     cube = torch.nn.Parameter(torch.randn(2, 4, 4, generator=gen))
+    opt = Muon([cube])  # nd_mode="error": refused at step(), where Emerging-Optimizers refuses it
+    cube.grad = torch.randn_like(cube)
+    before = cube.detach().clone()
     with pytest.raises(ValueError, match=r"params'\]\[0\] has shape \(2, 4, 4\).*nd_mode='batch'"):
-        Muon([cube])
+        opt.step()
+    assert torch.equal(cube.detach(), before) and not opt.state
     with pytest.raises(ValueError, match="nd_mode must be one of"):
         Muon([cube], nd_mode="stack")
+    vector = torch.nn.Parameter(torch.randn(4))
+    vector.grad = torch.randn(4)
     with pytest.raises(ValueError, match="0-D/1-D"):
-        Muon([torch.nn.Parameter(torch.randn(4))], nd_mode="batch")
+        Muon([vector], nd_mode="batch").step()
     w = torch.nn.Parameter(torch.randn(4, 4, generator=gen))
     opt = Muon([w])
     with pytest.raises(ValueError, match=r"param_groups\[1\]\['nd_mode'\]"):

@@ -176,10 +176,6 @@ def test_closure_is_rejected_like_the_reference(cls, gen):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(weight_decay_method="l1"), "weight_decay_method"),
-        (dict(coefficient_type="cubic"), "coefficient_type"),
-        (dict(coefficient_type="custom"), "custom_coefficient_sets"),
-        (dict(scale_mode="rms"), "scale_mode"),
         (dict(fp32_matmul_prec="low"), "fp32_matmul_prec"),
         (dict(num_ns_steps=0), "num_ns_steps"),
         (dict(lr=-0.1), "lr"),
@@ -196,7 +192,6 @@ def test_muon_rejects_bad_arguments(kwargs, match, gen):
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(moment2_method="adam"), "moment2_method"),
         (dict(moment2_method="namo", weight_decay_method="l2"), "namo"),
         (dict(beta2=1.0), "beta2"),
         (dict(eps=0.0), "eps"),
@@ -223,18 +218,66 @@ def test_tensor_parallel_rejects_bad_arguments(kwargs, match, gen):
         cls(make_params([(6, 6)], gen), **kwargs)
 
 
-@pytest.mark.parametrize("shape", [(7,), (2, 3, 4)])
-def test_non_matrix_params_are_rejected(shape, gen):
+# Emerging-Optimizers 0.4 accepts these at construction and raises when step() first uses them.
+STEP_TIME_ARGUMENTS = [
+    (Muon, dict(weight_decay_method="l1"), ValueError, "weight_decay_method must be one of .* got 'l1'"),
+    (Muon, dict(coefficient_type="cubic"), ValueError, "coefficient_type"),
+    (Muon, dict(coefficient_type="custom"), ValueError, "custom_coefficient_sets"),
+    (Muon, dict(scale_mode="rms"), ValueError, "scale_mode must be one of .* got 'rms'"),
+    (AdaptiveMuon, dict(moment2_method="adam"), TypeError, "moment2_method must be one of .* got 'adam'"),
+    (AdaptiveMuon, dict(scale_mode="rms"), ValueError, "scale_mode"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,exc,match", STEP_TIME_ARGUMENTS, ids=lambda v: str(v)[:24])
+def test_bad_step_time_arguments_raise_at_step_and_change_nothing(cls, kwargs, exc, match, gen):
+    params = make_params(SHAPES, gen)
+    args = (0.01, 0.9, 0.1) if cls is AdaptiveMuon else ()
+    opt = cls(params, *args, **kwargs)  # accepted, as in EO
+    opt.step()  # no gradient: nothing uses them yet
+    for p, g in zip(params, make_grads(params, gen, 1)[0]):
+        p.grad = g
+    snapshot = _snapshot(opt, params)
+    with pytest.raises(exc, match=match):
+        opt.step()
+    _assert_unchanged(opt, params, snapshot)
+    assert not opt.state
+
+
+def test_unknown_moment2_method_refuses_to_create_state(gen):
+    params = make_params([(4, 6)], gen)
+    opt = AdaptiveMuon(params, 0.01, 0.9, 0.0, moment2_method="adam")
+    with pytest.raises(TypeError, match="moment2_method"):
+        opt.init_state()
+    assert not opt.state
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 4), ()])
+def test_non_matrix_params_are_refused_at_step(shape, gen):
     good = make_params([(4, 6)], gen)
     bad = torch.nn.Parameter(torch.randn(shape, generator=gen))
-    with pytest.raises(ValueError, match="2-D"):
-        Muon(good + [bad])
-    opt = Muon(good)
-    with pytest.raises(ValueError, match="2-D"):
-        opt.add_param_group({"params": [bad]})
-    assert len(opt.param_groups) == 1
+    opt = Muon(good + [bad])  # accepted at construction, as in EO
     good[0].grad = torch.randn(4, 6, generator=gen)
-    opt.step()  # still usable
+    opt.step()  # the non-matrix has no gradient: EO's Muon skips it too
+    bad.grad = torch.randn_like(bad)
+    snapshot = _snapshot(opt, good + [bad])
+    with pytest.raises(ValueError, match=r"2-D parameters.*param_groups\[0\]\['params'\]\[1\] has shape"):
+        opt.step()
+    _assert_unchanged(opt, good + [bad], snapshot)
+    opt = Muon(good)
+    opt.add_param_group({"params": [bad]})
+    assert len(opt.param_groups) == 2
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\]"):
+        opt.step()
+    opt.param_groups.pop()
+    opt.step()  # usable again without it
+    # AdaptiveMuon checks every param, with or without a gradient (EO's order); TensorParallelMuon
+    # (Megatron-LM's) still refuses at construction.
+    bad.grad = None
+    with pytest.raises(ValueError, match="2-D"):
+        AdaptiveMuon(good + [bad], 0.01, 0.9, 0.0).step()
+    with pytest.raises(ValueError, match="2-D"):
+        TensorParallelMuon(good + [bad])
 
 
 def _snapshot(opt, params):

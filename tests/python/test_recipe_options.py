@@ -193,9 +193,19 @@ def test_polar_express_table_for_a_safety_factor(gen):
     (dict(frobenius_renorm="yes"), "frobenius_renorm"),
     (dict(polar_express_safety=1.02), "polar_express_safety"),  # not with quintic
     (dict(coefficient_type="polar_express", polar_express_safety=0.9), "polar_express_safety"),
-    (dict(weight_decay_method="careful"), "weight_decay_method"),
 ])
 def test_bad_recipe_arguments_name_the_argument(kwargs, match, gen):
     params = make_params([(4, 3)], gen)
     with pytest.raises(ValueError, match=match):
         Muon(params, **kwargs)
+
+
+def test_unknown_weight_decay_method_is_refused_by_step(gen):
+    # as in Emerging-Optimizers 0.4: accepted at construction, refused by the first step that uses it
+    params = make_params([(4, 3)], gen)
+    opt = Muon(params, weight_decay_method="careful")
+    params[0].grad = torch.randn(4, 3, generator=gen)
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match="weight_decay_method must be one of .*'cautious'.*got 'careful'"):
+        opt.step()
+    assert torch.equal(params[0].detach(), before)

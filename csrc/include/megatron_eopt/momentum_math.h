@@ -15,15 +15,18 @@
 
 namespace megatron_eopt {
 
-enum class WeightDecayMethod : int { kDecoupled, kIndependent, kL2, kPalm };
+// kCautious: decoupled decay applied only where the update and the parameter agree in sign
+// (Chen et al., "Cautious Weight Decay", 2025); like kDecoupled, the gradient is not decayed.
+enum class WeightDecayMethod : int { kDecoupled, kIndependent, kL2, kPalm, kCautious };
 
 inline WeightDecayMethod parse_weight_decay_method(std::string_view name) {
   if (name == "decoupled") return WeightDecayMethod::kDecoupled;
   if (name == "independent") return WeightDecayMethod::kIndependent;
   if (name == "l2") return WeightDecayMethod::kL2;
   if (name == "palm") return WeightDecayMethod::kPalm;
+  if (name == "cautious") return WeightDecayMethod::kCautious;
   throw std::invalid_argument("unknown weight_decay_method '" + std::string(name) +
-                              "', expected one of: decoupled, independent, l2, palm");
+                              "', expected one of: decoupled, independent, l2, palm, cautious");
 }
 
 struct MomentumCoefficients {
@@ -69,6 +72,7 @@ MEGATRON_EOPT_HD float weight_decay_factor(WeightDecayMethod method, double lr, 
   const double w = weight_decay;
   switch (method) {
     case WeightDecayMethod::kDecoupled:
+    case WeightDecayMethod::kCautious:
       return static_cast<float>(w * l);
     case WeightDecayMethod::kIndependent:
       return static_cast<float>(w);
@@ -80,11 +84,27 @@ MEGATRON_EOPT_HD float weight_decay_factor(WeightDecayMethod method, double lr, 
   }
 }
 
-// One element of the parameter update: p.add_(p, alpha=-f) (stored in the parameter's type),
-// then p.add_(U * scale, alpha=-lr).
+// The decay step of cautious weight decay: p - f·p where U·p >= 0 (U the update as given, before
+// its scale, which is positive), else p; f = lr·wd rounded to the parameter's type. The numerics
+// of the PyTorch form p.sub_(p * (U * p >= 0) * f.to(p.dtype)): every product rounded to the
+// parameter's type on its own (an inf or NaN p whose mask is off still gives NaN, as p * 0 does).
 template <typename ParamT>
+MEGATRON_EOPT_HD float cautious_decay_element(float p, float u, float decay) {
+  const float keep = (u * p >= 0.f) ? 1.f : 0.f;  // NaN compares false: no decay, as in torch
+  const float term = round_to<ParamT>(mul_rn(p * keep, round_to<ParamT>(decay)));
+  return round_to<ParamT>(p - term);
+}
+
+// One element of the parameter update: p.add_(p, alpha=-f) (stored in the parameter's type), or
+// the cautious decay when kCautious, then p.add_(U * scale, alpha=-lr).
+template <typename ParamT, bool kCautious = false>
 MEGATRON_EOPT_HD float update_element(float p, float u, float scale, float decay, float lr) {
-  const float decayed = round_to<ParamT>(fmaf(p, -decay, p));
+  float decayed;
+  if constexpr (kCautious) {
+    decayed = cautious_decay_element<ParamT>(p, u, decay);
+  } else {
+    decayed = round_to<ParamT>(fmaf(p, -decay, p));
+  }
   return fmaf(u * scale, -lr, decayed);
 }
 

@@ -40,15 +40,8 @@ MEGATRON_EOPT_HD Moment2Step moment2_step(const Moment2Scalars& s) {
   return {static_cast<float>(1.0 - s.beta2.load()), static_cast<float>(s.eps.load())};
 }
 
-// a * b rounded on its own: never contracted into a following add (ptxas fuses o * o - v into one
-// fma otherwise, which torch's separate square and lerp kernels do not).
-MEGATRON_EOPT_HD float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;  // the CPU library is built with -ffp-contract=off
-#endif
-}
+// mul_rn (host_device.h): ptxas would fuse o * o - v into one fma, which torch's separate
+// square and lerp kernels do not.
 
 MEGATRON_EOPT_HD float reciprocal_sqrt(float x) {
 #if defined(__CUDA_ARCH__)

@@ -20,7 +20,6 @@
 #include <cstdint>
 
 #include "megatron_eopt/host_device.h"
-#include "megatron_eopt/second_moment_math.h"
 #include "megatron_eopt/storage_types.h"
 
 namespace megatron_eopt {
