@@ -353,8 +353,47 @@ def check_graph_capture(device: str, seed: int) -> list[Result]:
     return out
 
 
+def check_low_memory_state(device: str, seed: int) -> list[Result]:
+    """The bf16 / int8 / fp8 state ops: on the CPU against float64 (NS input exact, state within its
+    format's rounding); on a GPU bit for bit against the CPU (both run the same math and draws)."""
+    from megatron_eopt import low_memory_state as lms
+
+    out = []
+    gen = _gen(seed)
+    shapes = [(1, 300), (300, 1), (97, 37), (16, 512)]
+    grads = [_randn(s, gen) for s in shapes]
+    start = [_randn(s, gen) * 0.1 for s in shapes]
+    # rel. L2 error of the stored state: stochastic rounding errs by at most one step of the grid
+    state_tol = {"bf16": 1e-2, "int8": 3e-2, "fp8": 1.5e-1}
+    for fmt, tol in state_tol.items():
+        dtype = lms.momentum_dtype(fmt)
+        stored = [lms.quantize(m, dtype) for m in start]
+
+        def run(d, stored=stored):
+            codes = [c.to(d, copy=True) for c, _ in stored]
+            scales = [s.to(d, copy=True) for _, s in stored if s is not None]
+            ns = [torch.empty(sh, device=d) for sh in shapes]
+            lms.foreach_momentum_quantized_([_on(g, d) for g in grads], codes, scales, ns, momentum=0.9,
+                                            nesterov=True, seed=torch.full((), seed + 1, dtype=torch.int64, device=d))
+            back = [lms.dequantize(c, s) for c, s in zip(codes, scales or [None] * len(codes))]
+            return torch.cat([t.flatten() for t in ns]), torch.cat([t.flatten() for t in back])
+
+        if device == "cpu":
+            ns, back = run("cpu")
+            refs = [momentum_ref(g, lms.dequantize(c, s), 0.9, True) for g, (c, s) in zip(grads, stored)]
+            want_ns = torch.cat([r[1].flatten() for r in refs])
+            want_m = torch.cat([r[0].flatten() for r in refs])
+            out.append(Result(device, f"foreach_momentum_quantized_ {fmt}: NS input", rel_err(ns, want_ns), 1e-6))
+            out.append(Result(device, f"foreach_momentum_quantized_ {fmt}: state", rel_err(back, want_m), tol))
+        else:
+            got, want = run(device), run("cpu")
+            out.append(Result(device, f"foreach_momentum_quantized_ {fmt} (bits vs CPU)",
+                              rel_err(torch.cat(got), torch.cat(want)), 0.0))
+    return out
+
+
 CHECKS = [check_newton_schulz, check_split, check_foreach, check_second_moment, check_optimizers,
-          check_blas_fallback, check_graph_capture]
+          check_low_memory_state, check_blas_fallback, check_graph_capture]
 
 
 def run_checks(devices: list[str], seed: int = 0) -> list[Result]:

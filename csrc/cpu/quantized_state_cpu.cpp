@@ -10,6 +10,16 @@
 #include "megatron_eopt/quantized_state_ops.h"
 #include "torch/quantized_state_args.h"
 
+// The loops below write one array and read others that never overlap it (the op's checks), but
+// int8 / bf16 stores may alias anything as far as the compiler knows: say so, or it will not vectorize.
+#if defined(__GNUC__) && !defined(__clang__)
+#define MEGATRON_EOPT_NO_ALIAS _Pragma("GCC ivdep")
+#elif defined(__clang__)
+#define MEGATRON_EOPT_NO_ALIAS _Pragma("clang loop vectorize(assume_safety)")
+#else
+#define MEGATRON_EOPT_NO_ALIAS
+#endif
+
 namespace megatron_eopt {
 namespace {
 
@@ -57,6 +67,25 @@ void for_each_block(const std::vector<QuantizedStateTensor>& tensors, int64_t bl
   });
 }
 
+// The block's absmax (NaN-propagating, see absmax_key) over its fp32 values.
+MEGATRON_EOPT_CPU_CLONES float block_absmax(const float* values, int64_t n) {
+  uint32_t key = 0;
+  MEGATRON_EOPT_NO_ALIAS
+  for (int64_t j = 0; j < n; ++j) key = absmax_key_update(key, values[j]);
+  return absmax_from_key(key);
+}
+
+// Stores a block's fp32 values in format F with its new scale (the scale written by the caller).
+template <StateFormat F>
+MEGATRON_EOPT_CPU_CLONES void store_block(void* state, int64_t begin, int64_t n, const float* values, float inverse,
+                                          uint64_t key) {
+  MEGATRON_EOPT_NO_ALIAS
+  for (int64_t j = 0; j < n; ++j) {
+    store_state<F>(state, begin + j, values[j], inverse, element_bits(key, static_cast<uint64_t>(begin + j)));
+  }
+}
+
+// Three simple loops per block (step, absmax, store) rather than one: each vectorizes.
 template <typename GradT, typename NsT, bool kL2, StateFormat F>
 MEGATRON_EOPT_CPU_CLONES void momentum_block(const QuantizedStateTensor& t, int64_t block, int64_t begin, int64_t end,
                                              float l2_decay, const MomentumCoefficients& c, uint64_t seed,
@@ -65,37 +94,36 @@ MEGATRON_EOPT_CPU_CLONES void momentum_block(const QuantizedStateTensor& t, int6
                                                      static_cast<const GradT*>(t.param), l2_decay, c};
   NsT* ns = static_cast<NsT*>(t.ns_input);
   const float old_scale = has_scales(F) ? t.scales[block] : 0.f;
-  float absmax = 0.f;
+  MEGATRON_EOPT_NO_ALIAS
   for (int64_t i = begin; i < end; ++i) {
     const MomentumResult r = element(i, load_state<F>(t.state, i, old_scale));
     ns[i] = from_float<NsT>(r.ns_input);
     values[i - begin] = r.buffer;
-    absmax = absmax_update(absmax, r.buffer);
   }
-  const BlockScale s = has_scales(F) ? block_scale(absmax, F) : BlockScale{0.f, 0.f};
-  if (has_scales(F)) t.scales[block] = s.scale;
-  for (int64_t i = begin; i < end; ++i) {
-    store_state<F>(t.state, i, values[i - begin], s.inverse, random_bits(seed, t.stream, static_cast<uint64_t>(i)));
+  BlockScale s{0.f, 0.f};
+  if constexpr (has_scales(F)) {
+    s = block_scale(block_absmax(values, end - begin), F);
+    t.scales[block] = s.scale;
   }
+  store_block<F>(t.state, begin, end - begin, values, s.inverse, draw_key(seed, t.stream));
 }
 
 template <StateFormat F>
 MEGATRON_EOPT_CPU_CLONES void moment2_block(const QuantizedStateTensor& t, int64_t block, int64_t begin, int64_t end,
                                             const Moment2Step& h, uint64_t seed, float* values) {
   const float old_scale = has_scales(F) ? t.scales[block] : 0.f;
-  float absmax = 0.f;
+  MEGATRON_EOPT_NO_ALIAS
   for (int64_t i = begin; i < end; ++i) {
     float v = moment2_from_stored<F>(load_state<F>(t.state, i, old_scale));
     t.update[i] = adamuon_normalize(t.update[i], v, h.weight, h.eps);
-    const float stored = moment2_stored<F>(v);
-    values[i - begin] = stored;
-    absmax = absmax_update(absmax, stored);
+    values[i - begin] = moment2_stored<F>(v);
   }
-  const BlockScale s = has_scales(F) ? block_scale(absmax, F) : BlockScale{0.f, 0.f};
-  if (has_scales(F)) t.scales[block] = s.scale;
-  for (int64_t i = begin; i < end; ++i) {
-    store_state<F>(t.state, i, values[i - begin], s.inverse, random_bits(seed, t.stream, static_cast<uint64_t>(i)));
+  BlockScale s{0.f, 0.f};
+  if constexpr (has_scales(F)) {
+    s = block_scale(block_absmax(values, end - begin), F);
+    t.scales[block] = s.scale;
   }
+  store_block<F>(t.state, begin, end - begin, values, s.inverse, draw_key(seed, t.stream));
 }
 
 void foreach_momentum_quantized_cpu(const TensorList& grads, const TensorList& states, const TensorList& scales,

@@ -86,31 +86,37 @@ TEST(StateQuantization, E4M3CodesDecodeToTheFormat) {
   EXPECT_TRUE(std::isnan(e4m3_to_float(Fp8E4M3{0xFF})));
   const std::vector<float> grid = e4m3_grid();
   EXPECT_EQ(grid.size(), 253u);  // 254 finite codes, +0 and -0 equal
-  // Every grid value encodes back to a code of the same value.
-  for (float v : grid) EXPECT_EQ(e4m3_to_float(e4m3_encode_exact(v)), v) << v;
+  // Every grid value is kept by the stochastic rounding, whatever the draw.
+  for (float v : grid) {
+    for (uint32_t bits : {0u, 0x7FFFFu, 0xFFFFFu, 0xDEADBEEFu}) {
+      EXPECT_EQ(e4m3_to_float(e4m3_stochastic(v, bits)), v) << v;
+      EXPECT_EQ(e4m3_to_float(e4m3_stochastic(-v, bits)), -v) << v;
+    }
+  }
 }
 
 TEST(StateQuantization, E4M3StochasticRoundsToNeighboursWithoutBias) {
   const std::vector<float> grid = e4m3_grid();
-  for (float x : {0.0009f, 0.0173f, 0.3f, 1.06f, -5.3f, 100.f, 447.f}) {
+  for (float x : {0.0009f, -0.0043f, 0.0155f, 0.0173f, 0.3f, 1.06f, -5.3f, 100.f, 447.f}) {
     auto above = std::lower_bound(grid.begin(), grid.end(), x);
     const float hi = *above;
     const float lo = hi == x ? x : *(above - 1);
     double mean = 0.0;
     constexpr int kDraws = 100000;
     for (int i = 0; i < kDraws; ++i) {
-      const float r = e4m3_to_float(e4m3_stochastic(x, draw(5, i)));
+      const float r = e4m3_to_float(e4m3_stochastic(x, random_bits(5, 0, i)));
       ASSERT_TRUE(r == lo || r == hi) << x << " -> " << r;
       mean += r;
     }
     EXPECT_NEAR(mean / kDraws, x, 0.01 * (hi - lo) + 1e-7) << x;
   }
-  // Grid values are kept, the top is clamped, NaN is NaN.
-  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(448.f, 0.99f)), 448.f);
-  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(448.02f, 0.99f)), 448.f);
-  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(-0.25f, 0.7f)), -0.25f);
-  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(0.f, 0.99f)), 0.f);
-  EXPECT_TRUE(std::isnan(e4m3_to_float(e4m3_stochastic(kNaN, 0.5f))));
+  // The top is clamped, zero and tiny values stay finite, NaN is NaN.
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(448.02f, 0xFFFFFu)), 448.f);
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(447.9f, 0xFFFFFu)), 448.f);
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(0.f, 0xFFFFFu)), 0.f);
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(1e-30f, 0xFFFFFu)), 0.f);
+  EXPECT_EQ(e4m3_to_float(e4m3_stochastic(0.0156f, 0xFFFFFu)), 0.015625f);  // up across 2^-6
+  EXPECT_TRUE(std::isnan(e4m3_to_float(e4m3_stochastic(kNaN, 0x12345u))));
 }
 
 TEST(StateQuantization, BlockScales) {

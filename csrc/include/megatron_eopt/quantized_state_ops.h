@@ -72,7 +72,7 @@ MEGATRON_EOPT_HD void store_state(void* data, int64_t i, float x, float inverse,
   } else if constexpr (F == StateFormat::kInt8) {
     static_cast<int8_t*>(data)[i] = int8_stochastic(x, inverse, uniform_from_bits(bits));
   } else {
-    static_cast<Fp8E4M3*>(data)[i] = e4m3_stochastic(mul_rn(x, inverse), uniform_from_bits(bits));
+    static_cast<Fp8E4M3*>(data)[i] = e4m3_stochastic(mul_rn(x, inverse), bits);
   }
 }
 

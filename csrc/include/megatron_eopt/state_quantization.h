@@ -37,6 +37,24 @@ constexpr float kE4M3Max = 448.f;
 // The largest magnitude a block maps onto.
 MEGATRON_EOPT_HD float format_max(StateFormat f) { return f == StateFormat::kInt8 ? kInt8Max : kE4M3Max; }
 
+// Comparisons on floats may raise FP exceptions, so compilers keep them as branches inside loops
+// (-ftrapping-math); the helpers below compare bit patterns as integers instead, which if-converts
+// and vectorizes. For non-negative floats the integer order of the bits is the numeric order,
+// with every NaN above infinity.
+MEGATRON_EOPT_HD bool is_nan_bits(float x) { return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+// min(m, top) of non-negative m and top (a NaN m gives top).
+MEGATRON_EOPT_HD float min_nonnegative(float m, float top) {
+  const uint32_t a = float_bits(m), b = float_bits(top);
+  return bits_float(a > b ? b : a);
+}
+
+// floor(x) for |x| < 2^31 as an int32: truncation, minus one where it rounded up (negative x).
+// (floorf vectorizes only without -ftrapping-math; this does everywhere.)
+MEGATRON_EOPT_HD int32_t floor_to_int(float x) {
+  const int32_t t = static_cast<int32_t>(x);
+  return t - static_cast<int32_t>(static_cast<float>(t) > x);
+}
+
 // ---- uniform draws ----
 // splitmix64's finalizer: a bijective 64-bit mix with full avalanche.
 MEGATRON_EOPT_HD uint64_t mix64(uint64_t z) {
@@ -76,7 +94,7 @@ MEGATRON_EOPT_HD uint32_t random_bits(uint64_t seed, uint64_t stream, uint64_t i
 
 // The top 24 bits as a float in [0, 1): every value is exact, and 1 is never reached.
 MEGATRON_EOPT_HD float uniform_from_bits(uint32_t bits) {
-  return static_cast<float>(bits >> 8) * 5.9604644775390625e-08f;  // 2^-24
+  return static_cast<float>(static_cast<int32_t>(bits >> 8)) * 5.9604644775390625e-08f;  // 2^-24
 }
 
 // ---- bf16 ----
@@ -92,51 +110,42 @@ MEGATRON_EOPT_HD Bf16 bf16_stochastic(float x, uint32_t bits) {
 }
 
 // ---- fp8 e4m3fn ----
+// Every function below is branch-free (selects and bit operations), so the CPU loops over them
+// vectorize; the CUDA kernels run the same code.
 MEGATRON_EOPT_HD float e4m3_to_float(Fp8E4M3 v) {
-  const uint32_t sign = v.bits & 0x80u;
-  const uint32_t exponent = (v.bits >> 3) & 0xFu;
-  const uint32_t mantissa = v.bits & 0x7u;
-  float magnitude;
-  if (exponent == 0xFu && mantissa == 0x7u) {
-    magnitude = bits_float(0x7FC00000u);  // the format's only NaN
-  } else if (exponent == 0) {
-    magnitude = static_cast<float>(mantissa) * 0.001953125f;  // subnormal: m * 2^-9
-  } else {
-    magnitude = bits_float(((exponent + 120u) << 23) | (mantissa << 20));  // rebias 7 -> 127
-  }
-  return sign ? -magnitude : magnitude;
+  const uint32_t b = v.bits;
+  const uint32_t exponent = (b >> 3) & 0xFu;
+  const uint32_t mantissa = b & 0x7u;
+  // Normal codes rebias the exponent (7 -> 127). A subnormal m * 2^-9 is (1 + m/8) * 2^-6 - 2^-6:
+  // both operands are picked by integer selects and the one subtraction (exact) always runs.
+  const bool subnormal = exponent == 0;
+  const uint32_t base = subnormal ? (0x3C800000u | (mantissa << 20)) : (((exponent + 120u) << 23) | (mantissa << 20));
+  const uint32_t offset = subnormal ? 0x3C800000u : 0u;  // 2^-6 or 0
+  const float magnitude = bits_float(base) - bits_float(offset);
+  // The format's only NaN (0x7F / 0xFF): OR-ed in as a mask (a select here becomes a branch).
+  const uint32_t nan = (0u - static_cast<uint32_t>((b & 0x7Fu) == 0x7Fu)) & 0x7FC00000u;
+  return bits_float(float_bits(magnitude) | nan | ((b & 0x80u) << 24));
 }
 
-// The e4m3 grid spacing around |y| (y finite, |y| <= 448): 2^(e - 3) in binade 2^e, 2^-9 below 2^-6.
-MEGATRON_EOPT_HD float e4m3_spacing(float magnitude) {
-  int e = static_cast<int>((float_bits(magnitude) >> 23) & 0xFFu) - 127;
-  if (e < -6) e = -6;
-  return bits_float(static_cast<uint32_t>(e - 3 + 127) << 23);
-}
-
-// Encodes an e4m3 grid value (exact: |q| a multiple of its spacing, <= 448).
-MEGATRON_EOPT_HD Fp8E4M3 e4m3_encode_exact(float q) {
-  const uint32_t sign = (float_bits(q) >> 24) & 0x80u;
-  const float magnitude = fabsf(q);
-  if (magnitude < 0.015625f) {  // below 2^-6: subnormal, m * 2^-9
-    return Fp8E4M3{static_cast<uint8_t>(sign | static_cast<uint32_t>(magnitude * 512.f))};
-  }
-  const uint32_t u = float_bits(magnitude);
-  const uint32_t exponent = ((u >> 23) & 0xFFu) - 120u;  // rebias 127 -> 7
-  const uint32_t mantissa = (u >> 20) & 0x7u;
-  return Fp8E4M3{static_cast<uint8_t>(sign | (exponent << 3) | mantissa)};
-}
-
-// Stochastic rounding of y (|y| <= 448 up to rounding of the scaling; NaN gives NaN) to e4m3:
-// the neighbour above with probability (|y| - lower) / spacing, clamped to 448.
-MEGATRON_EOPT_HD Fp8E4M3 e4m3_stochastic(float y, float uniform) {
-  if (!(fabsf(y) <= kE4M3Max * 1.0001f)) return Fp8E4M3{0x7Fu};  // NaN (inf cannot arrive: see scales)
-  const float magnitude = fminf(fabsf(y), kE4M3Max);
-  const float spacing = e4m3_spacing(magnitude);
-  // magnitude / spacing is exact (a power of two); floor(t + u) rounds up with probability frac(t).
-  const float steps = floorf(magnitude / spacing + uniform);
-  const float q = fminf(mul_rn(steps, spacing), kE4M3Max);
-  return e4m3_encode_exact(y < 0.f ? -q : q);
+// Stochastic rounding of y (|y| <= 448 up to the rounding of the scaling; NaN gives NaN) to an
+// e4m3 code, in integer operations on y's bits: above 2^-6 the e4m3 grid is fp32 with its low 20
+// mantissa bits cleared, so adding 20 random bits there and truncating rounds up with probability
+// (dropped part) / spacing; below 2^-6 the grid is m * 2^-9, and the same is done on |y| * 2^9 in
+// fixed point with 20 fraction bits. Results past 448 clamp to 448.
+MEGATRON_EOPT_HD Fp8E4M3 e4m3_stochastic(float y, uint32_t bits) {
+  const uint32_t yb = float_bits(y);
+  const uint32_t u = yb & 0x7FFFFFFFu;
+  const uint32_t sign = (yb >> 24) & 0x80u;
+  const uint32_t noise = bits & 0xFFFFFu;
+  const uint32_t rounded = (u + noise) & 0xFFF00000u;
+  const uint32_t normal = rounded > 0x43E00000u ? 0x7Eu  // 448
+                                                : ((((rounded >> 23) - 120u) << 3) | ((rounded >> 20) & 0x7u));
+  const uint32_t exponent = u >> 23;
+  const uint32_t shift = exponent >= 90u ? 121u - exponent : 31u;  // |y| * 2^29 = significand >> shift
+  const uint32_t fixed = ((u & 0x7FFFFFu) | 0x800000u) >> (shift > 31u ? 31u : shift);
+  const uint32_t subnormal = (fixed + noise) >> 20;  // 0..8 (8 is the code of 2^-6)
+  const uint32_t code = sign | (u < 0x3C800000u ? subnormal : normal);
+  return Fp8E4M3{static_cast<uint8_t>(u > 0x7F800000u ? 0x7Fu : code)};  // NaN stays NaN
 }
 
 // ---- blocks ----
@@ -155,20 +164,33 @@ MEGATRON_EOPT_HD BlockScale block_scale(float absmax, StateFormat format) {
   return {absmax / top, top / absmax};
 }
 
-// |x|, with NaN ordered above everything, so a block's absmax is NaN when any value is NaN.
+// |x| as ordered bits: for non-negative floats the integer order is the numeric order, and every
+// NaN lies above infinity, so the largest of a block's keys is its absmax, NaN when any value is
+// NaN. An integer max, which vectorizes.
+MEGATRON_EOPT_HD uint32_t absmax_key(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+MEGATRON_EOPT_HD uint32_t absmax_key_update(uint32_t running, float x) {
+  const uint32_t k = absmax_key(x);
+  return k > running ? k : running;
+}
+MEGATRON_EOPT_HD float absmax_from_key(uint32_t key) { return bits_float(key); }
+
+// The same on floats (|x|, NaN above everything).
 MEGATRON_EOPT_HD float absmax_update(float running, float x) {
-  const float a = fabsf(x);
-  return (a > running || a != a) ? a : running;
+  return absmax_from_key(absmax_key_update(absmax_key(running), x));
 }
 
 // Stochastic int8 code of x in a block: floor(x * inverse + u) in [-127, 127] (E = x * inverse).
 MEGATRON_EOPT_HD int8_t int8_stochastic(float x, float inverse, float uniform) {
-  const float y = mul_rn(x, inverse);
-  const float q = fminf(fmaxf(floorf(y + uniform), -kInt8Max), kInt8Max);
-  return static_cast<int8_t>(y == y ? q : 0.f);  // a NaN block (scale NaN) stores 0
+  float y = mul_rn(x, inverse);
+  y = bits_float(is_nan_bits(y) ? 0u : float_bits(y));  // a NaN block (scale NaN) stores 0
+  // |y| <= 127 up to the rounding of the scaling, so the conversion is exact and in range.
+  const int32_t q = floor_to_int(y + uniform);
+  return static_cast<int8_t>(q < -127 ? -127 : (q > 127 ? 127 : q));
 }
 
-MEGATRON_EOPT_HD float int8_value(int8_t q, float scale) { return mul_rn(static_cast<float>(q), scale); }
+MEGATRON_EOPT_HD float int8_value(int8_t q, float scale) {
+  return mul_rn(static_cast<float>(static_cast<int32_t>(q)), scale);
+}
 MEGATRON_EOPT_HD float e4m3_value(Fp8E4M3 q, float scale) { return mul_rn(e4m3_to_float(q), scale); }
 
 // Blocks of a tensor whose rows have `row_len` elements: each row is cut into ceil(row_len / B)
