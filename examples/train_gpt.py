@@ -45,7 +45,7 @@ if not hasattr(typing, "override"):
 
 import megatron_eopt
 from megatron_eopt.optim import Muon
-from megatron_eopt.optim._low_memory import state_bytes
+from megatron_eopt.optim import state_bytes
 
 
 # ------------------------------------------------------------------ data

@@ -16,7 +16,9 @@ from .newton_schulz import (
 )
 from .ops import (
     adamuon_normalize_,
+    adamuon_normalize_quantized_,
     foreach_momentum_,
+    foreach_momentum_quantized_,
     foreach_update_,
     namo_normalize_,
     new_moment2_buffer,
@@ -37,6 +39,8 @@ from .schedulers import build_schedulers
 __version__ = "0.1.0"
 
 __all__ = [
+    "adamuon_normalize_quantized_",
+    "foreach_momentum_quantized_",
     "COEFFICIENT_SETS",
     "LIBRARY_PATH",
     "MOMENT2_METHODS",

@@ -7,7 +7,7 @@
 #   scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]     (no step named: all four)
 #
 # OUT_DIR receives at most 8 files: summary.txt (environment, the doctor self-test, one line per step), build.log,
-# pytest.log, bench.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
+# pytest.log, bench.log, bench_state_dtypes.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
 # section added), train_gpt.log, train_gpt_loss.png.
 #
 # Extra wheels (emerging-optimizers, absl-py, megatron-core, typing_extensions, expecttest,
@@ -158,6 +158,13 @@ if want bench; then
     say "bench: ok (table in bench.log, section in RESULTS.md, samples in bench_cuda.json)"
   else
     say "bench: exit $rc: some measurements failed (see 'Not covered' in bench.log)"
+    failed_extra=1
+  fi
+  # State bytes and speed per state_dtype (fp32 / bf16 / int8 / fp8) on GPT-2 and Llama parameter sets.
+  if "$PY" benchmarks/state_dtypes.py --device cuda --results-md "$OUT/RESULTS.md" >"$OUT/bench_state_dtypes.log" 2>&1; then
+    say "bench: state dtypes ok (table in bench_state_dtypes.log and RESULTS.md)"
+  else
+    say "bench: state dtypes FAILED (see bench_state_dtypes.log)"
     failed_extra=1
   fi
 fi

@@ -1,5 +1,6 @@
 """Optimizers of the Muon family built on the fused ops of ``megatron_eopt``."""
 
+from ._low_memory import dequantize_state_dict, state_bytes
 from .adaptive_muon import AdaptiveMuon
 from .hybrid import HybridMuon
 from .mop import MOP
@@ -30,4 +31,6 @@ __all__ = [
     "Spel",
     "TensorParallelAdaptiveMuon",
     "TensorParallelMuon",
+    "dequantize_state_dict",
+    "state_bytes",
 ]

@@ -15,7 +15,7 @@ import torch
 
 from megatron_eopt import low_memory_state as lms
 from megatron_eopt.optim import AdaptiveMuon, HybridMuon, Muon, TensorParallelMuon
-from megatron_eopt.optim._low_memory import dequantize_state_dict, state_bytes
+from megatron_eopt.optim import dequantize_state_dict, state_bytes
 
 FORMATS = ["bf16", "int8", "fp8"]
 SHAPES = [(16, 24), (40, 8), (1, 300), (300, 1), (97, 37)]
