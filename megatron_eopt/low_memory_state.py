@@ -137,15 +137,6 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor | None, block_size: int
 
 
 # ------------------------------------------------------------------ ops
-def _tensors(name: str, xs) -> list[torch.Tensor]:
-    if isinstance(xs, torch.Tensor) or not isinstance(xs, (list, tuple)):
-        raise TypeError(f"{name} must be a list or tuple of tensors, got {type(xs).__name__}")
-    for i, x in enumerate(xs):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(x).__name__}")
-    return list(xs)
-
-
 def _seed_tensor(seed, device) -> torch.Tensor:
     if isinstance(seed, torch.Tensor):
         return seed
@@ -179,10 +170,11 @@ def foreach_momentum_quantized_(
     lists' device that the caller advances every step). ``grads``, ``params`` and ``ns_inputs``
     pair up with ``states[i]`` element by element in row-major order.
     """
-    from .ops import _check_momentum, _check_weight_decay_method, _optional_scalar, _step_scalar
+    from .ops import _check_momentum, _check_weight_decay_method, _optional_scalar, _step_scalar, _tensor_list
 
-    grads, states, scales = _tensors("grads", grads), _tensors("states", states), _tensors("scales", scales)
-    ns_inputs, params = _tensors("ns_inputs", ns_inputs), _tensors("params", params)
+    grads, states = _tensor_list("grads", grads), _tensor_list("states", states)
+    scales = _tensor_list("scales", scales)
+    ns_inputs, params = _tensor_list("ns_inputs", ns_inputs), _tensor_list("params", params)
     _check_weight_decay_method(weight_decay_method)
     validate_block_size(block_size)
     device = next((xs[0].device for xs in (grads, states, ns_inputs) if xs), None)
@@ -208,9 +200,10 @@ def adamuon_normalize_quantized_(
 ) -> None:
     """:func:`~megatron_eopt.ops.adamuon_normalize_` with the second moment in a low-memory format:
     ``moment2[i]`` bf16 (v) or float8_e4m3fn (``sqrt(v)`` with block ``scales[i]``)."""
-    from .ops import _moment2_scalars, _optional_scalar
+    from .ops import _moment2_scalars, _optional_scalar, _tensor_list
 
-    updates, moment2, scales = _tensors("updates", updates), _tensors("moment2", moment2), _tensors("scales", scales)
+    updates, moment2 = _tensor_list("updates", updates), _tensor_list("moment2", moment2)
+    scales = _tensor_list("scales", scales)
     validate_block_size(block_size)
     if not updates:
         return

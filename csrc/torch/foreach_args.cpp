@@ -155,6 +155,20 @@ StepScalar step_scalar(const char* op, const char* name, const std::optional<Ten
   return StepScalar{t->const_data_ptr(), t->scalar_type() == kDouble};
 }
 
+MomentumScalars momentum_scalars(const char* op, const Tensor& momentum, const Tensor& weight_decay,
+                                 const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf,
+                                 const std::optional<Device>& device, DeviceType backend) {
+  MomentumScalars s;
+  s.momentum = step_scalar(op, "momentum", momentum, device, backend);
+  s.weight_decay = step_scalar(op, "weight_decay", weight_decay, device, backend);
+  s.grad_scale = step_scalar(op, "grad_scale", grad_scale, device, backend, /*required=*/false);
+  s.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
+  check_host_value(op, "momentum", s.momentum, backend, [](double v) { return v >= 0.0 && v < 1.0; },
+                   "finite and in [0, 1)");
+  check_host_value(op, "weight_decay", s.weight_decay, backend, nullptr, "finite");
+  return s;
+}
+
 ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
     const TensorList& grads, const TensorList& momentum_buffers, const TensorList& ns_inputs, const TensorList& params,
     const Tensor& momentum, bool nesterov, const Tensor& weight_decay, const std::string& weight_decay_method,
@@ -188,13 +202,11 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
 
   ForeachCall<ForeachMomentumArgs> call;
   ForeachMomentumArgs& args = call.args;
-  args.momentum = step_scalar(op, "momentum", momentum, device, backend);
-  args.weight_decay = step_scalar(op, "weight_decay", weight_decay, device, backend);
-  args.grad_scale = step_scalar(op, "grad_scale", grad_scale, device, backend, /*required=*/false);
-  args.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
-  check_host_value(op, "momentum", args.momentum, backend, [](double v) { return v >= 0.0 && v < 1.0; },
-                   "finite and in [0, 1)");
-  check_host_value(op, "weight_decay", args.weight_decay, backend, nullptr, "finite");
+  const MomentumScalars scalars = momentum_scalars(op, momentum, weight_decay, grad_scale, found_inf, device, backend);
+  args.momentum = scalars.momentum;
+  args.weight_decay = scalars.weight_decay;
+  args.grad_scale = scalars.grad_scale;
+  args.found_inf = scalars.found_inf;
   for (std::size_t i = 0; i < grads.size(); ++i) check_index(op, i, g, {m, n, p});
 
   args.grad_type = storage_type(grad_dtype.value_or(kFloat));

@@ -39,6 +39,18 @@ ForeachCall<ForeachUpdateArgs> parse_foreach_update(const TensorList& params, co
                                                     const Tensor& weight_decay, const std::string& weight_decay_method,
                                                     const std::optional<Tensor>& found_inf, DeviceType backend);
 
+// The per-step scalars of the momentum ops (0-dim fp32 / fp64 tensors on `device`; grad_scale and
+// found_inf optional), their values checked on the CPU: momentum finite in [0, 1), weight_decay finite.
+struct MomentumScalars {
+  StepScalar momentum;
+  StepScalar weight_decay;
+  StepScalar grad_scale;
+  StepScalar found_inf;
+};
+MomentumScalars momentum_scalars(const char* op, const Tensor& momentum, const Tensor& weight_decay,
+                                 const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf,
+                                 const std::optional<Device>& device, DeviceType backend);
+
 // A 0-dim float32 / float64 tensor on `device` (the lists' device; `backend` when there is none),
 // as a StepScalar. Absent optional arguments give an empty StepScalar. Shared with the
 // second-moment ops.

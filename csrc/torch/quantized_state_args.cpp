@@ -150,18 +150,12 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
 
   QuantizedCall<QuantizedMomentumArgs> call;
   QuantizedMomentumArgs& args = call.args;
-  args.momentum = step_scalar(op, "momentum", momentum, device, backend);
-  args.weight_decay = step_scalar(op, "weight_decay", weight_decay, device, backend);
-  args.grad_scale = step_scalar(op, "grad_scale", grad_scale, device, backend, /*required=*/false);
-  args.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
+  const MomentumScalars scalars = momentum_scalars(op, momentum, weight_decay, grad_scale, found_inf, device, backend);
+  args.momentum = scalars.momentum;
+  args.weight_decay = scalars.weight_decay;
+  args.grad_scale = scalars.grad_scale;
+  args.found_inf = scalars.found_inf;
   args.seed = seed_pointer(op, seed, device, backend);
-  if (backend == kCPU) {
-    const double mu = args.momentum.load();
-    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(mu) && mu >= 0.0 && mu < 1.0, op,
-                              ": momentum must be finite and in [0, 1), got ", mu);
-    const double wd = args.weight_decay.load();
-    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(wd), op, ": weight_decay must be finite, got ", wd);
-  }
   for (std::size_t i = 0; i < n; ++i) {
     const int64_t numel = grads[i].numel();
     MEGATRON_EOPT_CHECK_VALUE(ns_inputs[i].numel() == numel, op, ": ns_inputs[", i, "] has ", ns_inputs[i].numel(),
