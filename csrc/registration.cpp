@@ -8,14 +8,20 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
   // `steps` rows are consumed, cycling through the table or, with repeat_last, repeating its last
   // row. transpose: iterate on x^T (default: when m > n). precision: medium | high | highest.
   // algorithm: standard (§4.1) | gram (the same iteration on the Gram matrix, §11) | auto (gram
-  // where it does less work on this device, see ns_algorithm.h).
+  // where it does less work on this device, see ns_algorithm.h). The 2026 recipe, folded into the
+  // first and last passes (ns_recipe.h; the defaults leave the results unchanged): eps_mode "clamp"
+  // divides by max(||x||, eps), "add" by ||x|| + eps; norm_divisor s >= 1 multiplies the norm;
+  // row_equilibration rescales each row to the RMS row norm first (MuonEq); frobenius_renorm sets
+  // the result's Frobenius norm to sqrt(min(m, n)) (Muon+).
   m.def(
       "newton_schulz(Tensor x, float[] coefficients, int steps, bool repeat_last, float eps, "
-      "bool? transpose, str precision, str algorithm) -> Tensor");
+      "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
+      "bool row_equilibration=False, bool frobenius_renorm=False) -> Tensor");
   // Same for a list of 2-D matrices of any shapes: equal shapes run as one batch.
   m.def(
       "newton_schulz_list(Tensor[] xs, float[] coefficients, int steps, bool repeat_last, float eps, "
-      "bool? transpose, str precision, str algorithm) -> Tensor[]");
+      "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
+      "bool row_equilibration=False, bool frobenius_renorm=False) -> Tensor[]");
 
   // ---- Foreach momentum + weight decay and update (DESIGN §4.3), multi-tensor style ----
   // Per index i: unscaling by grad_scale, l2 decay of the gradient (params read only then), the EMA
@@ -73,11 +79,13 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
   // x (rows, n) fp32 = (num_groups, sum(split_sizes), n); part k = its rows of size
   // split_sizes[k] across the groups, orthogonalized as one (num_groups * split_sizes[k], n)
   // matrix (the NS arguments as in newton_schulz), times its Muon scale for (rows_k, n) and
-  // extra_scale_factor when scale_mode is given (spectral | shape_scaling | unit_rms_norm).
+  // extra_scale_factor when scale_mode is given (spectral | shape_scaling | unit_rms_norm). The
+  // recipe arguments as in newton_schulz, each part being its own matrix (Muon+ before the scale).
   m.def(
       "newton_schulz_split(Tensor x, int[] split_sizes, int num_groups, float[] coefficients, int steps, "
       "bool repeat_last, float eps, bool? transpose, str precision, str? scale_mode, float extra_scale_factor, "
-      "str algorithm) -> Tensor");
+      "str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, bool row_equilibration=False, "
+      "bool frobenius_renorm=False) -> Tensor");
   // QK-clip (MuonClip): weights[i] (rows, cols) cut into blocks of block_rows[i] rows (attention
   // heads); block b multiplied in place by factors[i][b] (fp32 math, stored in the weight's dtype).
   m.def("qk_clip_(Tensor(a!)[] weights, Tensor[] factors, int[] block_rows) -> ()");

@@ -63,6 +63,23 @@ def _check_matrix(name: str, x: torch.Tensor, ranks: tuple[int, ...]) -> None:
         raise TypeError(f"{name} must be {' or '.join(f'{r}-D' for r in ranks)}, got {x.ndim}-D")
 
 
+def _recipe_arguments(eps_mode: str, norm_divisor: float, row_equilibration: bool,
+                      frobenius_renorm: bool) -> tuple[str, float, bool, bool]:
+    """The ops' trailing recipe arguments, checked (ValueError naming the argument)."""
+    if eps_mode not in ("clamp", "add"):
+        raise ValueError(f"eps_mode must be one of ['clamp', 'add'], got {eps_mode!r}")
+    if (isinstance(norm_divisor, bool) or not isinstance(norm_divisor, (int, float))
+            or not math.isfinite(norm_divisor) or norm_divisor < 1):
+        raise ValueError(f"norm_divisor must be a finite number >= 1, got {norm_divisor!r}")
+    for name, flag in (("row_equilibration", row_equilibration), ("frobenius_renorm", frobenius_renorm)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be True or False, got {flag!r}")
+    return eps_mode, float(norm_divisor), row_equilibration, frobenius_renorm
+
+
+_DEFAULT_RECIPE = ("clamp", 1.0, False, False)
+
+
 def newton_schulz(
     x: torch.Tensor,
     steps: int = 5,
@@ -76,6 +93,10 @@ def newton_schulz(
     *,
     precision: PrecisionT | None = None,
     algorithm: NSAlgorithmT = "auto",
+    eps_mode: str = "clamp",
+    norm_divisor: float = 1.0,
+    row_equilibration: bool = False,
+    frobenius_renorm: bool = False,
 ) -> torch.Tensor:
     """Orthogonalizes ``x`` (fp32, ``(m, n)`` or ``(batch, m, n)``) by Newton–Schulz iteration.
 
@@ -99,6 +120,13 @@ def newton_schulz(
     the norm and every Gram product are all-reduced over the group, so each rank gets its shard of
     the result of the whole matrix. ``use_syrk`` is accepted for compatibility; the op chooses its
     products itself.
+
+    The 2026 recipe (keyword-only, inside the op: no extra pass over ``x``; see ``NSRecipe`` in
+    :mod:`megatron_eopt.optim._recipe`): ``eps_mode="add"`` divides by ``‖x‖ + eps`` instead of
+    ``max(‖x‖, eps)``; ``norm_divisor`` s ≥ 1 multiplies that denominator (Polar Express's safety
+    factor); ``row_equilibration`` rescales every row to the RMS row norm first (MuonEq);
+    ``frobenius_renorm`` sets each result's Frobenius norm to ``√min(m, n)`` (Muon+). Not with
+    ``tp_group``, ``normalize_in_double`` or ``steps=0``.
     """
     if isinstance(x, torch.Tensor) and x.ndim not in (2, 3):  # Emerging-Optimizers' wording
         raise TypeError(f"Input tensor x must be 2d or 3d (batched 2d), got {x.ndim}d")
@@ -112,6 +140,10 @@ def newton_schulz(
         raise TypeError(f"use_syrk must be a bool, got {type(use_syrk).__name__}")
     if not isinstance(normalize_in_double, bool):
         raise TypeError(f"normalize_in_double must be a bool, got {type(normalize_in_double).__name__}")
+    recipe = _recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
+    if recipe != _DEFAULT_RECIPE and (tp_group is not None or normalize_in_double or steps == 0):
+        raise ValueError("eps_mode, norm_divisor, row_equilibration and frobenius_renorm do not apply with "
+                         "tp_group, normalize_in_double or steps=0")
     precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
@@ -126,7 +158,8 @@ def newton_schulz(
         return _tensor_parallel_newton_schulz(
             x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
         )
-    return call_op(_ops.newton_schulz, x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
+    return call_op(_ops.newton_schulz, x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                   *recipe)
 
 
 def _frobenius_normalize(x: torch.Tensor, eps: float, tp_group, in_double: bool) -> torch.Tensor:
@@ -223,10 +256,17 @@ def newton_schulz_list(
     transpose: bool | None = None,
     precision: PrecisionT | None = None,
     algorithm: NSAlgorithmT = "auto",
+    *,
+    eps_mode: str = "clamp",
+    norm_divisor: float = 1.0,
+    row_equilibration: bool = False,
+    frobenius_renorm: bool = False,
 ) -> list[torch.Tensor]:
-    """:func:`newton_schulz` of each 2-D matrix of ``xs``; equal shapes run as one batch."""
+    """:func:`newton_schulz` of each 2-D matrix of ``xs``; equal shapes run as one batch (the
+    recipe arguments as there)."""
     for i, x in enumerate(xs):
         _check_matrix(f"xs[{i}]", x, (2,))
+    recipe = _recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
     precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
@@ -234,7 +274,8 @@ def newton_schulz_list(
     if len(xs) == 0:
         return []
     return list(
-        call_op(_ops.newton_schulz_list, list(xs), coefficients, steps, repeat_last, eps, transpose, precision, algorithm)
+        call_op(_ops.newton_schulz_list, list(xs), coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                *recipe)
     )
 
 
@@ -434,6 +475,10 @@ def newton_schulz_split(
     scale_mode: MuonScaleT | None = "spectral",
     extra_scale_factor: float = 1.0,
     algorithm: NSAlgorithmT = "auto",
+    eps_mode: str = "clamp",
+    norm_divisor: float = 1.0,
+    row_equilibration: bool = False,
+    frobenius_renorm: bool = False,
 ) -> torch.Tensor:
     """Orthogonalizes the parts of a fused projection ``x`` (fp32, ``(rows, n)``, or a stack
     ``(batch, rows, n)`` of projections of one shape, all parts of one size in one batch) separately.
@@ -447,7 +492,9 @@ def newton_schulz_split(
     batch) and, when ``scale_mode`` is given, is multiplied by
     ``get_muon_scale_factor(part_rows, n, scale_mode) * extra_scale_factor``; ``scale_mode=None``
     returns the raw parts (AdaptiveMuon normalizes those first). ``algorithm`` as in
-    :func:`newton_schulz`, chosen per part shape. Returns a new fp32 tensor like ``x``.
+    :func:`newton_schulz`, chosen per part shape. The recipe arguments as in :func:`newton_schulz`,
+    each part being its own matrix (MuonEq's RMS row norm and Muon+'s ``√min`` are the part's; Muon+
+    comes before the part's scale). Returns a new fp32 tensor like ``x``.
     """
     _check_matrix("x", x, (2, 3))
     if isinstance(split_sizes, (int, torch.Tensor)) or not isinstance(split_sizes, Sequence):
@@ -482,13 +529,14 @@ def newton_schulz_split(
         raise ValueError(
             "extra_scale_factor applies only with a scale_mode; without one the parts are returned unscaled"
         )
+    recipe = _recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
     precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
-    return call_op(_ops.newton_schulz_split, 
+    return call_op(_ops.newton_schulz_split,
         x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision, scale_mode,
-        extra_scale_factor, algorithm,
+        extra_scale_factor, algorithm, *recipe,
     )
 
 # ------------------------------------------------------------------ foreach momentum and update
@@ -639,17 +687,27 @@ def _fake_check_algorithm(algorithm) -> None:
                        lambda: f"algorithm must be one of 'auto', 'standard', 'gram', got {algorithm!r}")
 
 
+def _fake_check_recipe(eps_mode, norm_divisor) -> None:
+    torch._check_value(eps_mode in ("clamp", "add"), lambda: f"eps_mode must be one of clamp, add; got {eps_mode!r}")
+    torch._check_value(math.isfinite(norm_divisor) and norm_divisor >= 1,
+                       lambda: f"norm_divisor must be finite and at least 1, got {norm_divisor}")
+
+
 @torch.library.register_fake("megatron_eopt::newton_schulz")
-def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm):
+def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                        eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
     torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
     _fake_check_algorithm(algorithm)
+    _fake_check_recipe(eps_mode, norm_divisor)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_list")
-def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision, algorithm):
+def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                             eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
     _fake_check_algorithm(algorithm)
+    _fake_check_recipe(eps_mode, norm_divisor)
     return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
 
 
@@ -685,8 +743,10 @@ def _namo_normalize_fake(updates, moment2, grads, ns_inputs, beta2, eps, grad_sc
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_split")
 def _newton_schulz_split_fake(x, split_sizes, num_groups, coefficients, steps, repeat_last, eps, transpose,
-                              precision, scale_mode, extra_scale_factor, algorithm):
+                              precision, scale_mode, extra_scale_factor, algorithm, eps_mode="clamp",
+                              norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
     _fake_check_algorithm(algorithm)
+    _fake_check_recipe(eps_mode, norm_divisor)
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
     torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
     torch._check(x.shape[-2] == num_groups * sum(split_sizes),

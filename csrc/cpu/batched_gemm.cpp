@@ -1,6 +1,8 @@
 #include "cpu/batched_gemm.h"
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 #include <type_traits>
 
 #include "megatron_eopt/storage_types.h"
@@ -137,6 +139,84 @@ void normalize_out(Tensor& out, const Tensor& w, const Tensor& norms) {
         const float divisor = norm[i];
         T* dst = o + r * n;
         for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(row[k * s2] / divisor);
+      }
+    });
+  });
+}
+
+void normalize_input_out(Tensor& out, const Tensor& w, float eps, const NsRecipe& recipe) {
+  if (!recipe.changes_input()) {
+    normalize_out(out, w, clamped_matrix_norms(w, eps));
+    return;
+  }
+  if (!recipe.row_equilibration) {
+    // Another convention or divisor: only the per-matrix denominator differs.
+    Tensor denoms = aten::contiguous(aten::matrix_norms(w));
+    float* v = denoms.mutable_data_ptr<float>();
+    for (int64_t i = 0; i < denoms.numel(); ++i) v[i] = ns_denominator(v[i], eps, recipe.norm_divisor, recipe.eps_mode);
+    normalize_out(out, w, denoms);
+    return;
+  }
+  // MuonEq: the rows' sums of squares (one read of w), the per-row multipliers from them, then
+  // one pass writing the scaled rows.
+  const int64_t batch = w.size(0), m = w.size(1), n = w.size(2);
+  const int64_t s0 = w.stride(0), s1 = w.stride(1), s2 = w.stride(2);
+  const float* x = w.const_data_ptr<float>();
+  std::vector<double> scale(static_cast<std::size_t>(batch * m));
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1));
+  torch::stable::parallel_for(0, batch * m, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = x + (r / m) * s0 + (r % m) * s1;
+      double acc = 0.0;
+      for (int64_t k = 0; k < n; ++k) {
+        const double v = row[k * s2];
+        acc += v * v;
+      }
+      scale[static_cast<std::size_t>(r)] = acc;
+    }
+  });
+  for (int64_t i = 0; i < batch; ++i) ns_row_scales(scale.data() + i * m, m, eps, recipe);
+  for_each_type(out, [&](auto* o) {
+    using T = std::remove_pointer_t<decltype(o)>;
+    torch::stable::parallel_for(0, batch * m, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float* row = x + (r / m) * s0 + (r % m) * s1;
+        const float f = static_cast<float>(scale[static_cast<std::size_t>(r)]);
+        T* dst = o + r * n;
+        for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(row[k * s2] * f);
+      }
+    });
+  });
+}
+
+void frobenius_renorm_out(Tensor& out, const Tensor& src) {
+  const int64_t batch = src.size(0), m = src.size(1), n = src.size(2);
+  std::vector<double> rows(static_cast<std::size_t>(batch * m));
+  std::vector<float> factor(static_cast<std::size_t>(batch));
+  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1));
+  for_each_type(src, [&](auto* p) {
+    torch::stable::parallel_for(0, batch * m, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        double acc = 0.0;
+        for (int64_t k = 0; k < n; ++k) {
+          const double v = to_float(p[r * n + k]);
+          acc += v * v;
+        }
+        rows[static_cast<std::size_t>(r)] = acc;
+      }
+    });
+  });
+  for (int64_t i = 0; i < batch; ++i) {
+    double total = 0.0;  // a fixed order: run-to-run identical
+    for (int64_t j = 0; j < m; ++j) total += rows[static_cast<std::size_t>(i * m + j)];
+    factor[static_cast<std::size_t>(i)] = muon_plus_factor(static_cast<float>(std::sqrt(total)), m, n);
+  }
+  float* o = out.mutable_data_ptr<float>();
+  for_each_type(src, [&](auto* p) {
+    torch::stable::parallel_for(0, batch * m, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float f = factor[static_cast<std::size_t>(r / m)];
+        for (int64_t k = 0; k < n; ++k) o[r * n + k] = to_float(p[r * n + k]) * f;
       }
     });
   });

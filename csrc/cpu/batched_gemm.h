@@ -4,6 +4,7 @@
 // are out of reach, and a separate full-size pass after each product would cost a memory sweep).
 #pragma once
 
+#include "megatron_eopt/ns_recipe.h"
 #include "torch/stable.h"
 
 namespace megatron_eopt {
@@ -41,6 +42,17 @@ Tensor clamped_matrix_norms(const Tensor& w, float eps);
 // parallel pass; w (batch, m, n) fp32 with any strides, out contiguous, norms from
 // clamped_matrix_norms.
 void normalize_out(Tensor& out, const Tensor& w, const Tensor& norms);
+
+// The iteration's input pass with the recipe folded in (ns_recipe.h): out = w / max(||w||_F, eps)
+// per matrix with the default recipe (normalize_out, unchanged); another convention or divisor
+// changes only the per-matrix denominator; with MuonEq the row norms come from one read of w
+// (double accumulation, ||w||_F their sum) and one pass writes w[i, :] * row_scale_i.
+void normalize_input_out(Tensor& out, const Tensor& w, float eps, const NsRecipe& recipe);
+
+// Muon+ (ns_recipe.h) in the pass that writes the fp32 result: out = src * sqrt(min(m, n)) /
+// max(||src||_F, 1e-6) per matrix; src contiguous (batch, m, n) fp32 or bf16, out contiguous fp32
+// of the same shape, possibly src itself. One read of src for the norms, then one read and write.
+void frobenius_renorm_out(Tensor& out, const Tensor& src);
 
 // Rounds a contiguous fp32 tensor's values to bf16 in place (they stay fp32 tensors: a bf16 value
 // is exact in fp32, so an fp32 product of such values is the bf16 product with an fp32 result,

@@ -16,9 +16,11 @@ constexpr int64_t kPerMatrixMacsBf16 = int64_t{1} << 27;
 
 Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
                          double eps, std::optional<bool> transpose, const std::string& precision,
-                         const std::string& algorithm) {
+                         const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                         bool row_equilibration, bool frobenius_renorm) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
+  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
   if (x.numel() == 0) return aten::empty_like(x);
 
   const Tensor w = x.dim() == 2 ? aten::unsqueeze(x, 0) : x;

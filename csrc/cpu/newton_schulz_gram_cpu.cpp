@@ -42,10 +42,10 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
   const auto at_ = [&buf](GramBuf b) -> Tensor& { return buf[gram_buf_index(b)]; };
   const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
 
-  // W0 = x / max(||x||_F, eps) per matrix, in x's own layout (the Gram side is a choice of
-  // product, not of storage).
+  // W0 = x / max(||x||_F, eps) per matrix (or the recipe's normalization), in x's own layout (the
+  // Gram side is a choice of product, not of storage).
   Tensor& x0 = at_(program.x_first);
-  normalize_out(x0, w, clamped_matrix_norms(w, opts.eps));
+  normalize_input_out(x0, w, opts.eps, opts.recipe);
   if (bf16) round_bf16_(x0);
 
   for (const GramOp& op : program.ops) {
@@ -86,6 +86,8 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
       }
     }
   }
+  // Muon+: the program's last product writes the fp32 result, rescaled here in place.
+  if (opts.recipe.frobenius_renorm) frobenius_renorm_out(out, out);
 }
 
 }  // namespace megatron_eopt

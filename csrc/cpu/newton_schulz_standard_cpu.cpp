@@ -27,7 +27,7 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
 
   // In fp32 the last step writes the output directly; in bf16 its result is widened at the end.
   Tensor it = aten::empty({batch, m, n}, type, w.device());
-  normalize_out(it, w, clamped_matrix_norms(w, opts.eps));
+  normalize_input_out(it, w, opts.eps, opts.recipe);
   Tensor spare = !bf16 && steps == 1 ? Tensor() : aten::empty_like(it);
   // G, then G^2 overwritten in place by P: both symmetric, computed as blocks above the diagonal.
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
@@ -45,7 +45,9 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
     spare = it;
     it = next;
   }
-  if (bf16) aten::copy_(out, it);
+  // Muon+ rides on the pass that widens the bf16 result; in fp32 it rescales the result in place.
+  if (opts.recipe.frobenius_renorm) frobenius_renorm_out(out, bf16 ? it : out);
+  else if (bf16) aten::copy_(out, it);
 }
 
 }  // namespace megatron_eopt

@@ -65,7 +65,8 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
 
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, const LtContext& blas) {
+                        const NsRecipe& recipe, NsPrecision precision, const NsScratch& scratch,
+                        const LtContext& blas) {
   cudaStream_t stream = blas.stream;
   const int64_t elems = m * n;
   if (batch == 0 || elems == 0) return;
@@ -76,8 +77,8 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   // Start where the last step lands in iterate[0].
   int cur = static_cast<int>(schedule.size() % 2);
   void* iterate[2] = {scratch.iterate[0], scratch.iterate[1]};
-  ns_normalize_cast(x, iterate[cur], precision == NsPrecision::kMedium, batch, elems, eps, scratch.norm_partials,
-                    scratch.sum_squares, stream);
+  ns_normalize_cast(x, iterate[cur], precision == NsPrecision::kMedium, batch, m, n, eps, recipe,
+                    scratch.norm_partials, scratch.sum_squares, scratch.row_scales, stream);
 
   for (const NsCoefficients& k : schedule) {
     void* xin = iterate[cur];
@@ -96,7 +97,12 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   }
 
   const int64_t total = batch * elems;
-  if (precision == NsPrecision::kMedium) {
+  if (recipe.frobenius_renorm) {
+    // Muon+ in the pass that writes the fp32 result: a reduction over the last iterate (bf16 under
+    // "medium"), then one read of it and one write of `out` (in place when it already is out).
+    ns_frobenius_renorm(iterate[0], precision == NsPrecision::kMedium, out, batch, m, n, scratch.norm_partials,
+                        scratch.sum_squares, stream);
+  } else if (precision == NsPrecision::kMedium) {
     bf16_to_float_kernel<<<elementwise_blocks(total), kThreads, 0, stream>>>(static_cast<const Bf16*>(iterate[0]),
                                                                              total, out);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();

@@ -53,8 +53,9 @@ LtElement element_of(const GramProgram& p, GramBuf b) {
 int64_t ns_gram_norm_partial_slots(int64_t batch, int64_t m, int64_t n) { return ns_norm_partial_slots(batch, m * n); }
 
 void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
-                             const GramProgram& program, float eps, NsPrecision precision, void* scratch,
-                             const GramScratchLayout& layout, const LtContext& blas) {
+                             const GramProgram& program, float eps, const NsRecipe& recipe, NsPrecision precision,
+                             void* scratch, const GramScratchLayout& layout, float* row_scales,
+                             const LtContext& blas) {
   cudaStream_t stream = blas.stream;
   if (batch == 0 || m * n == 0) return;
   const NsGemmPlan plan = make_ns_gemm_plan(m, n, program.transpose, padded_square_ld(program.gram_side));
@@ -78,9 +79,10 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
   // gram_square_flop_weight).
   const LtCompute compute = precision == NsPrecision::kHigh ? LtCompute::kTf32 : LtCompute::kFp32;
 
-  ns_normalize_cast(x, at(program.x_first), program.x_bf16, batch, m * n, eps,
-                    reinterpret_cast<float*>(base + layout.norm_partials),
-                    reinterpret_cast<float*>(base + layout.sum_squares), stream);
+  float* norm_partials = reinterpret_cast<float*>(base + layout.norm_partials);
+  float* sum_squares = reinterpret_cast<float*>(base + layout.sum_squares);
+  ns_normalize_cast(x, at(program.x_first), program.x_bf16, batch, m, n, eps, recipe, norm_partials, sum_squares,
+                    row_scales, stream);
 
   for (const GramOp& op : program.ops) {
     switch (op.kind) {
@@ -106,6 +108,8 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
       }
     }
   }
+  // Muon+: the program's last product writes the fp32 result; its norm, then one pass in place.
+  if (recipe.frobenius_renorm) ns_frobenius_renorm(out, false, out, batch, m, n, norm_partials, sum_squares, stream);
 }
 
 }  // namespace megatron_eopt

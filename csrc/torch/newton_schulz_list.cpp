@@ -14,7 +14,9 @@ namespace {
 
 std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<double>& coefficients, int64_t steps,
                                            bool repeat_last, double eps, std::optional<bool> transpose,
-                                           const std::string& precision, const std::string& algorithm) {
+                                           const std::string& precision, const std::string& algorithm,
+                                           const std::string& eps_mode, double norm_divisor, bool row_equilibration,
+                                           bool frobenius_renorm) {
   try {
     parse_ns_algorithm(algorithm);
   } catch (const std::invalid_argument& e) {
@@ -32,14 +34,18 @@ std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<d
   }
   // The hyper-parameters are checked here, before the nested newton_schulz calls: torch 2.11 and
   // 2.12 pass an error raised inside a nested dispatcher call on without its message.
-  if (!xs.empty()) parse_ns_options(xs[0], coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
+  if (!xs.empty()) {
+    parse_ns_options(xs[0], coefficients, steps, repeat_last, eps, transpose, precision, algorithm, eps_mode,
+                     norm_divisor, row_equilibration, frobenius_renorm);
+  }
   std::vector<Tensor> out(xs.size());
   for (const auto& group : group_by_shape(shapes)) {
     std::vector<Tensor> members;
     members.reserve(group.size());
     for (std::size_t i : group) members.push_back(xs[i]);
     const Tensor result =
-        call_newton_schulz(aten::stack(members, 0), coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
+        call_newton_schulz(aten::stack(members, 0), coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                           eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
     // Outputs of a custom op may not alias each other, so a batch is split into copies; the
     // optimizers avoid this pass by keeping their inputs stacked and calling newton_schulz directly.
     if (group.size() == 1) {

@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..optim._recipe import NSRecipe
 from ..optim._state_check import check_loaded_state
 from . import motif
 from ._deprecation import _warn_once
@@ -51,9 +50,9 @@ def _zeropower_bf16(G: torch.Tensor, steps: int) -> torch.Tensor:
     x = G.detach().float()
     if x.ndim > 3:
         x = x.reshape(-1, *x.shape[-2:])
-    # divided by ||X|| + eps here; the op's own max(||X||, eps) normalization then divides by 1
-    x = NSRecipe(eps_mode="add").prepare(x, SNIPPET_EPS)
-    out = newton_schulz(x.contiguous(), steps=steps, coefficient_type=_SIMPLE, eps=1.0, precision="medium")
+    # divided by ||X|| + eps, inside the op
+    out = newton_schulz(x.contiguous(), steps=steps, coefficient_type=_SIMPLE, eps=SNIPPET_EPS, precision="medium",
+                        eps_mode="add")
     return out.reshape(G.shape).to(torch.bfloat16)
 
 

@@ -55,24 +55,21 @@ class OrthogonalizationConfig:
     recipe: NSRecipe = NSRecipe()  # MuonEq, normalization convention, Muon+ (see _recipe)
 
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
-        """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled)."""
-        eps = self.recipe.eps
-        if self.recipe.prepares_input:
-            # normalized here (MuonEq, ||X|| + eps, safety divisor): the op's max(||X||, 1) is 1
-            x, eps = self.recipe.prepare(x, eps), 1.0
-        out = call_op(
-            torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, eps, None, self.precision, self.algorithm
+        """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled);
+        the recipe (MuonEq, normalization convention and divisor, Muon+) runs inside the op."""
+        r = self.recipe
+        return call_op(
+            torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, r.eps, None,
+            self.precision, self.algorithm, *r.op_arguments,
         )
-        return self.recipe.finish_(out)
 
     def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
-        """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``."""
-        if self.recipe.prepares_input or self.recipe.frobenius_renorm:
-            raise ValueError("MuonEq, Muon+, ns_eps_mode='add' and ns_norm_divisor do not apply to split (QKV) "
-                             "orthogonalization")
+        """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``.
+        Each part is its own matrix for the recipe (MuonEq's row norms, Muon+'s target)."""
         return call_op(
-            torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps, self.repeat_last, self.ns_eps, None, self.precision,
-            self.scale_mode if scaled else None, self.extra_scale_factor if scaled else 1.0, self.algorithm,
+            torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps,
+            self.repeat_last, self.ns_eps, None, self.precision, self.scale_mode if scaled else None,
+            self.extra_scale_factor if scaled else 1.0, self.algorithm, *self.recipe.op_arguments,
         )
 
     def scale(self, rows: int, cols: int) -> float:

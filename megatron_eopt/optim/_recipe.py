@@ -1,4 +1,4 @@
-"""The 2026 Muon recipe around the Newton–Schulz op: options of the fused Muon / AdaptiveMuon.
+"""The 2026 Muon recipe in the Newton–Schulz ops: options of the fused Muon / AdaptiveMuon.
 
 - MuonEq row equilibration (arXiv 2603.28254): before orthogonalization
   every row of the update is rescaled to the root-mean-square row norm,
@@ -13,11 +13,13 @@
 - Muon+ (arXiv 2602.21545): after orthogonalization the update's Frobenius norm is set to
   ``√min(m, n)``, that of an exactly semi-orthogonal matrix, correcting under-convergence.
 
-The Newton–Schulz C++ op normalizes by ``max(‖X‖, eps)`` itself. These options run here, in
-PyTorch around the op, for now: the input is divided by the chosen denominator (with MuonEq's row
-factors folded into the same multiply) and the op is called with ``eps = 1``, so its own
-normalization divides by exactly one (the prepared input has norm at most ``1 / s ≤ 1``). That is
-one reduction and one multiply over the input, and one of each over the output for Muon+.
+These run inside the Newton–Schulz ops (``eps_mode``, ``norm_divisor``, ``row_equilibration`` and
+``frobenius_renorm`` of ``newton_schulz`` / ``newton_schulz_split``, csrc/include/megatron_eopt/
+ns_recipe.h): MuonEq's row norms come from the same read of the input as its Frobenius norm and its
+row factors and the chosen denominator are one multiply in the pass that writes the iteration's
+input, so MuonEq and the conventions cost no extra pass; Muon+ costs one reduction over the result,
+folded with the rescaling into the pass that writes the fp32 result. :class:`NSRecipe` holds the
+validated settings.
 
 Also here: :func:`polar_express_rows`, the Polar Express table for a given safety factor. Cautious
 weight decay is not here: ``foreach_update_`` applies it (``weight_decay_method="cautious"``).
@@ -28,11 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 EPS_MODES = ("clamp", "add")
-ROW_NORM_FLOOR = 1e-6  # MuonEq's floor of a row norm (as nanochat)
-RENORM_FLOOR = 1e-6  # Muon+'s floor of the update's Frobenius norm (as nanochat)
 
 # Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): the optimal odd quintics for
 # Newton–Schulz's first steps, without the safety factor. Every row but the last is applied to
@@ -61,8 +59,8 @@ def polar_express_rows(safety: float) -> tuple[tuple[float, float, float], ...]:
 
 @dataclass(frozen=True)
 class NSRecipe:
-    """What happens to an update around the Newton–Schulz op (defaults: nothing, the op's own
-    ``max(‖X‖, eps)`` normalization)."""
+    """The validated recipe settings the Newton–Schulz ops apply (defaults: nothing beyond the op's
+    own ``max(‖X‖, eps)`` normalization)."""
 
     eps_mode: str = "clamp"
     norm_divisor: float = 1.0
@@ -87,29 +85,7 @@ class NSRecipe:
         return NSRecipe(eps_mode, float(norm_divisor), row_equilibration, frobenius_renorm, float(eps))
 
     @property
-    def prepares_input(self) -> bool:
-        return self.eps_mode != "clamp" or self.norm_divisor != 1.0 or self.row_equilibration
-
-    def prepare(self, x: torch.Tensor, eps: float) -> torch.Tensor:
-        """The normalized Newton–Schulz input (a new tensor; ``x``, (..., m, n) fp32, is kept):
-        MuonEq's row factors and the chosen normalization in one multiply."""
-        if self.row_equilibration:
-            rows = x.norm(dim=-1, keepdim=True)  # (..., m, 1)
-            target = x.norm(dim=(-2, -1), keepdim=True) / math.sqrt(x.shape[-2])
-            factor = target / rows.clamp_min(ROW_NORM_FLOOR)
-            # the equilibrated matrix's norm, from its row norms (no second pass over x)
-            norm = (factor * rows).square().sum(dim=(-2, -1), keepdim=True).sqrt()
-        else:
-            factor = None
-            norm = x.norm(dim=(-2, -1), keepdim=True)
-        s = self.norm_divisor
-        denom = norm * s + eps if self.eps_mode == "add" else norm.clamp_min(eps) * s
-        scale = 1.0 / denom if factor is None else factor / denom
-        return x * scale
-
-    def finish_(self, out: torch.Tensor) -> torch.Tensor:
-        """Muon+ on the op's (..., m, n) output, in place."""
-        if self.frobenius_renorm:
-            target = math.sqrt(min(out.shape[-2], out.shape[-1]))
-            out.mul_(target / out.norm(dim=(-2, -1), keepdim=True).clamp_min(RENORM_FLOOR))
-        return out
+    def op_arguments(self) -> tuple[str, float, bool, bool]:
+        """The trailing arguments of the Newton–Schulz ops: eps_mode, norm_divisor,
+        row_equilibration, frobenius_renorm."""
+        return (self.eps_mode, self.norm_divisor, self.row_equilibration, self.frobenius_renorm)

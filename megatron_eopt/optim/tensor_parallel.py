@@ -25,6 +25,7 @@ from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS_EO_030
 from ._config import make_config
+from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from ._plan import TPLayout
 from .adaptive_muon import AdaptiveMuon
@@ -112,7 +113,9 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``use_decoupled_weight_decay=False`` selects L2 decay. ``custom_coefficient_sets`` (an
     extension) gives the rows of ``coefficient_type="custom"``. Without ``pg_collection`` every
     parameter is orthogonalized locally. State: ``momentum_buffer``. ``state_dtype`` /
-    ``state_block_size`` (extensions) as in :class:`~megatron_eopt.optim.Muon`.
+    ``state_block_size`` and the 2026 recipe's ``row_equilibration``, ``frobenius_renorm``,
+    ``ns_eps_mode``, ``ns_norm_divisor`` (extensions, inside the Newton–Schulz ops; QKV parts each
+    their own matrix; not with ``tp_mode="distributed"``) as in :class:`~megatron_eopt.optim.Muon`.
     """
 
     # Megatron-LM's classes: arguments and params are checked at construction, as before.
@@ -140,7 +143,13 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
+        row_equilibration: bool = False,
+        frobenius_renorm: bool = False,
+        ns_eps_mode: str = "clamp",
+        ns_norm_divisor: float = 1.0,
     ) -> None:
+        recipe = dict(row_equilibration=row_equilibration, frobenius_renorm=frobenius_renorm, ns_eps_mode=ns_eps_mode,
+                      ns_norm_divisor=ns_norm_divisor)
         self._init_tensor_parallel(
             params,
             lr,
@@ -161,6 +170,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             custom_coefficient_sets,
             moment2=None,
             state=(state_dtype, state_block_size),
+            recipe=recipe,
         )
 
     def _init_tensor_parallel(
@@ -184,6 +194,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         custom_coefficient_sets,
         moment2: tuple[str, float, float] | None,
         state: tuple[str, int] = ("fp32", DEFAULT_BLOCK_SIZE),
+        recipe: dict | None = None,
     ) -> None:
         weight_decay_method = "decoupled" if use_decoupled_weight_decay else "l2"
         config = make_config(
@@ -198,7 +209,11 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             moment2_method=None if moment2 is None else moment2[0],
             # Megatron-LM's classes run Emerging-Optimizers 0.3.0's newton_schulz (eps 1e-7)
             ns_eps=NS_EPS_EO_030,
+            **(recipe or {}),
         )
+        if tp_mode == "distributed" and config.recipe.op_arguments != NSRecipe().op_arguments:
+            raise ValueError("row_equilibration, frobenius_renorm, ns_eps_mode and ns_norm_divisor do not apply with "
+                             "tp_mode='distributed'")
         self._set_routing(split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode)
         self.nesterov = config.nesterov
         self.weight_decay_method = weight_decay_method
@@ -248,7 +263,13 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
+        row_equilibration: bool = False,
+        frobenius_renorm: bool = False,
+        ns_eps_mode: str = "clamp",
+        ns_norm_divisor: float = 1.0,
     ) -> None:
+        recipe = dict(row_equilibration=row_equilibration, frobenius_renorm=frobenius_renorm, ns_eps_mode=ns_eps_mode,
+                      ns_norm_divisor=ns_norm_divisor)
         self._init_tensor_parallel(
             params,
             lr,
@@ -269,4 +290,5 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
             custom_coefficient_sets,
             moment2=(moment2_method, beta2, eps),
             state=(state_dtype, state_block_size),
+            recipe=recipe,
         )

@@ -209,3 +209,37 @@ def test_unknown_weight_decay_method_is_refused_by_step(gen):
     with pytest.raises(ValueError, match="weight_decay_method must be one of .*'cautious'.*got 'careful'"):
         opt.step()
     assert torch.equal(params[0].detach(), before)
+
+
+@pytest.mark.parametrize("name", ["muoneq", "muon_plus", "eps_add_divisor", "muoneq_muon_plus_divisor"])
+def test_options_on_split_qkv_parameters(name, gen):
+    # The QKV path orthogonalizes each part (its rows across the query groups) as its own matrix,
+    # with the recipe: one step from zero momentum is -lr * scale(part) * NS_recipe(part).
+    from megatron_eopt.optim import TensorParallelMuon
+
+    opts = dict(OPTIONS.get(name) or dict(row_equilibration=True, frobenius_renorm=True, ns_norm_divisor=1.01))
+    shape, sizes, groups = (3 * 16, 24), [8, 4, 4], 3
+    p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.1)
+    p.is_qkv = True
+    start = p.detach().clone()
+    g = torch.randn(shape, generator=gen) * torch.logspace(-1, 1, shape[0]).unsqueeze(-1)
+    opt = TensorParallelMuon([p], lr=LR, momentum=0.0, weight_decay=0.0, split_qkv=True,
+                             is_qkv_fn=lambda t: getattr(t, "is_qkv", False), qkv_split_shapes=sizes,
+                             fp32_matmul_prec="highest", **opts)
+    p.grad = g.clone()
+    opt.step()
+    ref_kw = _ref_kwargs(opts)
+    ref_kw.pop("wd_method")
+    ref_kw["eps"] = 1e-7  # Megatron's TensorParallelMuon floors at EO 0.3.0's 1e-7
+    view = g.double().view(groups, sum(sizes), shape[1])
+    want = torch.empty_like(view)
+    offset = 0
+    for size in sizes:
+        part = view[:, offset:offset + size].reshape(groups * size, shape[1])
+        o = ref_newton_schulz(part, get_coefficients("quintic", 5), **ref_kw)
+        want[:, offset:offset + size] = (o * math.sqrt(max(part.shape))).view(groups, size, shape[1])
+        offset += size
+    delta = (p.detach().double() - start.double()) / -LR
+    assert rel_err(delta, want.view(shape)) <= TOLERANCE["highest"]
+    with pytest.raises(ValueError, match="tp_mode='distributed'"):
+        TensorParallelMuon([torch.nn.Parameter(torch.zeros(4, 4))], tp_mode="distributed", **opts)

@@ -8,6 +8,7 @@
 
 #include "megatron_eopt/blas_context.h"
 #include "megatron_eopt/ns_precision.h"
+#include "megatron_eopt/ns_recipe.h"
 #include "megatron_eopt/ns_schedule.h"
 
 namespace megatron_eopt {
@@ -21,6 +22,7 @@ struct NsScratch {
   void* poly;          // same size as gram
   float* sum_squares;    // batch floats
   float* norm_partials;  // per-block partial sums of squares; ns_scratch_layout sizes them
+  float* row_scales;     // batch * m floats with MuonEq (recipe.row_equilibration), else unused
 };
 
 // Byte offsets, 256-byte aligned, of the scratch buffers inside one allocation.
@@ -37,9 +39,11 @@ struct NsScratchLayout {
 NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision);
 
 // out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each.
+// `recipe` is folded into the first pass (normalization, MuonEq) and the last (Muon+).
 // No host synchronisation; everything is enqueued on `blas.stream`.
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                         bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        NsPrecision precision, const NsScratch& scratch, const LtContext& blas);
+                        const NsRecipe& recipe, NsPrecision precision, const NsScratch& scratch,
+                        const LtContext& blas);
 
 }  // namespace megatron_eopt

@@ -40,29 +40,37 @@ LtContext blas_context(const Tensor& x, TorchWorkspace& workspace) {
 }
 
 // The Gram iteration (DESIGN §11): one scratch allocation laid out for its program.
-void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const GramProgram& program) {
+void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const GramProgram& program,
+              float* row_scales) {
   const GramScratchLayout layout = gram_scratch_layout(program, opts.batch, opts.rows, opts.cols,
                                                        ns_gram_norm_partial_slots(opts.batch, opts.rows, opts.cols));
   const Tensor buffer = device_bytes(layout.total, input);
   TorchWorkspace workspace{input, Tensor()};
   newton_schulz_gram_cuda(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), opts.batch, opts.rows,
-                          opts.cols, program, opts.eps, opts.precision, buffer.data_ptr(), layout,
-                          blas_context(input, workspace));
+                          opts.cols, program, opts.eps, opts.recipe, opts.precision, buffer.data_ptr(), layout,
+                          row_scales, blas_context(input, workspace));
 }
 
 Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps,
                              bool repeat_last, double eps, std::optional<bool> transpose, const std::string& precision,
-                             const std::string& algorithm) {
+                             const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                             bool row_equilibration, bool frobenius_renorm) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz: x must be a CUDA tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm);
+  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
   const cuda::DeviceGuard guard(cuda::device_of(x));
   const Tensor input = aten::contiguous(x);
   Tensor out = aten::empty_like(input);
   if (input.numel() == 0) return out;
 
+  // MuonEq's per-row scales (batch * rows floats), from the caching allocator like the scratch.
+  Tensor row_scales;
+  if (opts.recipe.row_equilibration) row_scales = aten::empty({opts.batch * opts.rows}, kFloat, input.device());
+  float* row_scales_ptr = row_scales.defined() ? row_scales.mutable_data_ptr<float>() : nullptr;
+
   const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCuda);
   if (choice.algorithm == NsAlgorithm::kGram) {
-    run_gram(input, out, opts, choice.program);
+    run_gram(input, out, opts, choice.program, row_scales_ptr);
     return out;
   }
 
@@ -77,9 +85,11 @@ Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coeffic
   scratch.poly = base + layout.poly;
   scratch.sum_squares = reinterpret_cast<float*>(base + layout.sum_squares);
   scratch.norm_partials = reinterpret_cast<float*>(base + layout.norm_partials);
+  scratch.row_scales = row_scales_ptr;
   TorchWorkspace workspace{input, Tensor()};
   newton_schulz_cuda(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), opts.batch, opts.rows, opts.cols,
-                     opts.transpose, opts.schedule, opts.eps, opts.precision, scratch, blas_context(input, workspace));
+                     opts.transpose, opts.schedule, opts.eps, opts.recipe, opts.precision, scratch,
+                     blas_context(input, workspace));
   return out;
 }
 
