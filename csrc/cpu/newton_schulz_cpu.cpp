@@ -19,9 +19,11 @@ Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficient
                          const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
                          bool row_equilibration, bool frobenius_renorm) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+  NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                    eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
   if (x.numel() == 0) return aten::empty_like(x);
+  const int64_t side = opts.transpose ? opts.cols : opts.rows;
+  opts.precision = cpu_iteration_precision(opts.precision, side);
 
   const Tensor w = x.dim() == 2 ? aten::unsqueeze(x, 0) : x;
   Tensor out = aten::empty({opts.batch, opts.rows, opts.cols}, kFloat, x.device());
@@ -30,7 +32,6 @@ Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficient
     if (choice.algorithm == NsAlgorithm::kGram) gram_newton_schulz_cpu(part, part_out, opts, choice.program);
     else standard_newton_schulz_cpu(part, part_out, opts);
   };
-  const int64_t side = opts.transpose ? opts.cols : opts.rows;
   const int64_t per_matrix_macs = opts.precision == NsPrecision::kMedium ? kPerMatrixMacsBf16 : kPerMatrixMacs;
   if (opts.batch > 1 && side * side * (opts.rows * opts.cols / side) >= per_matrix_macs) {
     for (int64_t i = 0; i < opts.batch; ++i) {

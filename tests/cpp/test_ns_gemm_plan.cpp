@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "megatron_eopt/ns_precision.h"
 #include "megatron_eopt/ns_gemm_plan.h"
 
 using megatron_eopt::GemmShape;
@@ -121,4 +122,14 @@ TEST(NsGemmPlan, PaddedSquareLeadingDimension) {
 TEST(NsGemmPlan, GramSideIsTheWorkingRows) {
   EXPECT_EQ(make_ns_gemm_plan(4096, 11008, false).gram, 4096);
   EXPECT_EQ(make_ns_gemm_plan(11008, 4096, true).gram, 4096);
+}
+
+TEST(NsPrecision, CpuMediumIteratesTinyGramSidesInFp32) {
+  using namespace megatron_eopt;
+  EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, 1), NsPrecision::kHighest);
+  EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, kCpuMediumMinSide - 1), NsPrecision::kHighest);
+  EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, kCpuMediumMinSide), NsPrecision::kMedium);
+  EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, 4096), NsPrecision::kMedium);
+  EXPECT_EQ(cpu_iteration_precision(NsPrecision::kHigh, 1), NsPrecision::kHigh);
+  EXPECT_EQ(cpu_iteration_precision(NsPrecision::kHighest, 1), NsPrecision::kHighest);
 }
