@@ -129,6 +129,7 @@ TEST(NsPrecision, CpuMediumIteratesTinyGramSidesInFp32) {
   EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, 1), NsPrecision::kHighest);
   EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, kCpuMediumMinSide - 1), NsPrecision::kHighest);
   EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, kCpuMediumMinSide), NsPrecision::kMedium);
+  EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, 2), NsPrecision::kHighest);
   EXPECT_EQ(cpu_iteration_precision(NsPrecision::kMedium, 4096), NsPrecision::kMedium);
   EXPECT_EQ(cpu_iteration_precision(NsPrecision::kHigh, 1), NsPrecision::kHigh);
   EXPECT_EQ(cpu_iteration_precision(NsPrecision::kHighest, 1), NsPrecision::kHighest);

@@ -20,12 +20,12 @@ inline NsPrecision parse_ns_precision(const std::string& name) {
   throw std::invalid_argument("precision must be one of medium, high, highest; got '" + name + "'");
 }
 
-// On the CPU, "medium" iterates in fp32 when the Gram side (the short side) is below this. Such a
-// matrix has at most a few singular values, and each step's bf16 rounding of the s x s polynomial
-// P lands on them whole: a rank-1 input ends up to 2.2% from float64 (5x a bf16 re-expression of
-// the iteration, past DESIGN §6's 2e-2). Its work (side^2 x long side) is too small for bf16
-// GEMMs to save anything.
-constexpr int64_t kCpuMediumMinSide = 32;
+// On the CPU, "medium" iterates in fp32 when the Gram side (the short side) is below this: a
+// matrix of rank 1 or 2, where each step's bf16 rounding of the s x s polynomial P lands on its one
+// or two singular values whole. In bf16 a rank-1 input ends up to 3.5% from float64 (5x a bf16
+// re-expression of the iteration, past DESIGN §6's 2e-2), a rank-2 one 3.3%; from rank 3 on the bf16
+// iteration is within its re-expression's error. The work of such a matrix is negligible.
+constexpr int64_t kCpuMediumMinSide = 3;
 
 inline NsPrecision cpu_iteration_precision(NsPrecision requested, int64_t gram_side) {
   return requested == NsPrecision::kMedium && gram_side < kCpuMediumMinSide ? NsPrecision::kHighest : requested;
