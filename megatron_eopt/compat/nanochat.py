@@ -19,6 +19,10 @@ equilibration; Polar Express (nanochat's five rows, the first ``ns_steps``) afte
 dtype (:func:`compute_dtype`); today: Muon+ renormalization to √min(m, n); variance reduction
 (NorMuon with a 1e-10 floor: ``AdaptiveMuon(moment2_method="normuon", eps=1e-10)``; ``beta2=None``
 is 0); cautious weight decay and the update with ``lr·√max(1, m/n)`` for both.
+
+The single-process steps run under ``torch.compile(fullgraph=True)``: the fused optimizers and
+their state views are built outside the step (see :class:`_StackedMuon`), and a compiled AdamW
+step takes its lr and step count as tensors.
 """
 
 from __future__ import annotations
@@ -103,18 +107,32 @@ def _groups_by_shape(params: Iterable[torch.Tensor], where: str) -> list[list[to
     return [[p for p in params if p.shape == shape] for shape in sorted({p.shape for p in params})]
 
 
+_IDLE_INNER_VALUES = dict(lr=0.0, momentum=0.0, weight_decay=0.0, beta2=0.0)  # the inner groups between steps
+
+
 class _StackedMuon:
     """The Muon side: nanochat's stacked per-group state stepped by fused AdaptiveMuon optimizers
     (one per distinct ``ns_steps``) over the owned parameters.
 
     ``groups`` are the (outer) param-group dicts, each of one shape; a rank owns, in group g,
     the parameters ``[start, start + count)`` with a state stack of ``chunk`` rows.
+
+    The inner optimizers and their state (views of the stacks; an fp32 copy of a second-moment
+    stack held in another dtype) are built by :meth:`prepare` and reused while the groups, their
+    parameters, ``ns_steps``, the precision and the stacks stay the same, so a step only writes
+    the groups' numbers and runs the fused steps (``torch.compile(fullgraph=True)`` traces it).
+    On one process the inner optimizers step the parameters themselves with their own grads;
+    distributed, detached handles of the owned parameters take the reduced grads.
     """
 
     def __init__(self, era: dict, precision: str) -> None:
         self.era, self.precision = era, precision
         self.inner: dict[int, Any] = {}
-        self.signature = None
+        self.handles: list[tuple[int, int, torch.Tensor, int]] = []  # (group, index in group, handle, row)
+        self.built = None  # what the inner optimizers were built for (see _structure_matches)
+        self.bound: list = []  # per group: None (owns nothing) or (group's inner dict, m stack, v stack, fp32 v)
+        self.bound_stale = True  # the inner state does not view the stacks yet
+        self.inner_groups: dict[int, dict] = {}  # outer group index -> its inner param group
 
     def _owned(self, group, rank: int, world: int) -> tuple[int, int, int]:
         n = len(group["params"])
@@ -136,80 +154,167 @@ class _StackedMuon:
                 s[key] = torch.zeros(shape, dtype=p.dtype, device=p.device)
         return s
 
-    def _build(self, groups, rank: int, world: int) -> None:
-        from ..optim import AdaptiveMuon
+    def _structure_matches(self, groups, rank: int, world: int) -> bool:
+        """The inner optimizers were built for exactly these groups and parameters (identity)."""
+        built = self.built
+        if built is None or built[0] != rank or built[1] != world or built[2] != self.precision \
+                or len(built[3]) != len(groups):
+            return False
+        for (steps, params), group in zip(built[3], groups):
+            if steps != int(group["ns_steps"]) or len(params) != len(group["params"]):
+                return False
+            for p, q in zip(params, group["params"]):
+                if p is not q:
+                    return False
+        return True
 
-        self.inner = {}
-        self.handles = []  # (outer group index, index in group, handle, row of the stack)
-        by_steps: dict[int, list[dict]] = {}
+    def _binding_matches(self, groups, state) -> bool:
+        """The inner state still views the stacks the groups hold (a checkpoint load replaces them)."""
+        for group, bound in zip(groups, self.bound):
+            if bound is not None:
+                s = state[group["params"][0]]
+                if s["momentum_buffer"] is not bound[1] or s["second_momentum_buffer"] is not bound[2]:
+                    return False
+        return True
+
+    def prepare(self, groups, state, rank: int, world: int, create_state: bool = True) -> None:
+        """(Re)builds the inner optimizers when the groups changed and, with ``create_state``,
+        creates the stacks and points the inner state at them. Cheap when nothing changed; the
+        optimizers call it at construction (no state), ``init_state``, ``add_param_group`` and at
+        every step (a compiled step traces the checks; see :meth:`_regroup` for changes there)."""
+        if not self._structure_matches(groups, rank, world):
+            self._build(groups, rank, world)
+            self.bound = [None] * len(groups)
+            self.bound_stale = True
+        if create_state:
+            for group in groups:  # every rank holds every group's stacks, owning rows or not (as nanochat)
+                self.ensure_state(state, group, world)
+            if self.bound_stale or not self._binding_matches(groups, state):
+                self._bind(groups, state)
+
+    def _build(self, groups, rank: int, world: int) -> None:
+        """Inner param groups for the owned parameters, one inner optimizer per ``ns_steps``:
+        constructed anew, or, inside a traced step, the existing optimizers regrouped."""
+        handles_of: list[tuple[int, int, list[torch.Tensor]]] = []  # (group, start, handles)
         for gi, group in enumerate(groups):
             start, count, _ = self._owned(group, rank, world)
-            if count == 0:
-                continue
-            handles = [group["params"][start + j].detach() for j in range(count)]
-            by_steps.setdefault(int(group["ns_steps"]), []).append({"params": handles})
-            self.handles += [(gi, start + j, h, j) for j, h in enumerate(handles)]
-        for steps, inner_groups in by_steps.items():
+            if count:
+                owned = group["params"][start : start + count]
+                handles_of.append((gi, start, list(owned) if world == 1 else [p.detach() for p in owned]))
+        if torch.compiler.is_compiling():
+            self._regroup(groups, handles_of, rank, world)
+        else:
+            self._construct(groups, handles_of)
+        self.handles = [(gi, start + j, h, j) for gi, start, hs in handles_of for j, h in enumerate(hs)]
+        self.built = (rank, world, self.precision, [(int(g["ns_steps"]), list(g["params"])) for g in groups])
+
+    def _construct(self, groups, handles_of) -> None:
+        from ..optim import AdaptiveMuon
+
+        self.inner, self.inner_groups = {}, {}
+        by_steps: dict[int, list[int]] = {}
+        for gi, _, _ in handles_of:
+            by_steps.setdefault(int(groups[gi]["ns_steps"]), []).append(gi)
+        handles = {gi: hs for gi, _, hs in handles_of}
+        for steps, outer in by_steps.items():
             rows = NANOCHAT_POLAR_EXPRESS[: max(1, min(steps, len(NANOCHAT_POLAR_EXPRESS)))]
             self.inner[steps] = AdaptiveMuon(
-                inner_groups, lr=0.0, momentum=0.0, weight_decay=0.0, nesterov=True,
+                [{"params": handles[gi]} for gi in outer], **_IDLE_INNER_VALUES, nesterov=True,
                 weight_decay_method="cautious", fp32_matmul_prec=self.precision, coefficient_type="custom",
                 custom_coefficient_sets=rows, num_ns_steps=len(rows), scale_mode="shape_scaling",
-                moment2_method="normuon", beta2=0.0, eps=VARIANCE_FLOOR, ns_eps_mode="add", ns_eps=NS_EPS,
+                moment2_method="normuon", eps=VARIANCE_FLOOR, ns_eps_mode="add", ns_eps=NS_EPS,
                 **self.era,
             )
-        self.signature = self._signature(groups, rank, world)
+            for gi, g in zip(outer, self.inner[steps].param_groups):
+                # torch.compile marks the groups of an optimizer stepped inside a traced region
+                # capturable (the fused step does not read it): set up front, the first compiled step
+                # changes nothing the next one is guarded on
+                g["capturable"] = True
+                self.inner_groups[gi] = g
 
-    @staticmethod
-    def _signature(groups, rank, world):
-        return (rank, world, tuple((int(g["ns_steps"]), tuple(id(p) for p in g["params"])) for g in groups))
+    def _regroup(self, groups, handles_of, rank: int, world: int) -> None:
+        """Inside a traced step (no optimizer can be constructed there): the existing inner
+        optimizers take the new groups, as a fused optimizer takes params swapped in its groups.
+        A new ``ns_steps`` value, another precision or a distributed run needs an eager rebuild."""
+        steps_of = {gi: int(groups[gi]["ns_steps"]) for gi, _, _ in handles_of}
+        built = self.built
+        if world > 1 or built is None or built[0] != rank or built[1] != world or built[2] != self.precision \
+                or any(steps not in self.inner for steps in steps_of.values()):
+            raise RuntimeError(
+                "the Muon param groups changed (a new ns_steps value, the precision or the distributed "
+                "layout) inside a compiled step: call the optimizer's init_state() once outside torch.compile "
+                "after changing them")
+        self.inner_groups = {}
+        for steps, opt in self.inner.items():
+            regrouped = []
+            for gi, _, hs in handles_of:
+                if steps_of[gi] == steps:
+                    g = dict(opt.defaults)
+                    g.update(_IDLE_INNER_VALUES, capturable=True, params=hs)
+                    regrouped.append(g)
+                    self.inner_groups[gi] = g
+            opt.param_groups[:] = regrouped
 
-    def step(self, groups, state, grads_of, rank: int, world: int) -> None:
-        """One step of the owned parameters; ``grads_of(gi)`` gives group gi's owned grads, stacked."""
-        if self.signature != self._signature(groups, rank, world):
-            self._build(groups, rank, world)
-        for group in groups:  # every rank holds every group's stacks, owning rows or not (as nanochat)
-            self.ensure_state(state, group, world)
+    def _bind(self, groups, state) -> None:
+        for opt in self.inner.values():
+            opt.state.clear()
+        self.bound = [None] * len(groups)
+        rows: dict[int, list] = {}
+        for gi, _, handle, row in self.handles:
+            rows.setdefault(gi, []).append((handle, row))
+        for gi, members in rows.items():
+            group = groups[gi]
+            s = state[group["params"][0]]
+            m, v = s["momentum_buffer"], s["second_momentum_buffer"]
+            # the fused statistics are fp32: another dtype's stack is stepped through an fp32 copy
+            v32 = v if v.dtype == torch.float32 else torch.empty(v[: len(members)].shape, dtype=torch.float32,
+                                                                 device=v.device)
+            target = self.inner[int(group["ns_steps"])]
+            for handle, row in members:
+                target.state[handle] = {"momentum_buffer": m[row], "moment2_buffer": v32[row]}
+            self.bound[gi] = (self.inner_groups[gi], m, v, None if v32 is v else v32)
+        self.bound_stale = False
+
+    def step(self, groups, state, rank: int, world: int, grads_of=None) -> None:
+        """One step of the owned parameters; distributed, ``grads_of(gi)`` gives group gi's owned
+        grads, stacked (on one process the parameters' own grads are stepped)."""
+        self.prepare(groups, state, rank, world)
         if not self.inner:
             return
-        # hyper-parameters, and the inner state as views of the stacks
-        inner_group = {}
-        for steps, opt in self.inner.items():
-            for g in opt.param_groups:
-                inner_group[id(g["params"][0])] = g
-        copies = []
-        stacked_grads = {}
-        for gi, index, handle, row in self.handles:
-            group = groups[gi]
-            s = self.ensure_state(state, group, world)
-            if gi not in stacked_grads:
-                stacked_grads[gi] = grads_of(gi)
-            m, n = handle.shape
-            scale = math.sqrt(max(1.0, m / n))
-            target = self._inner_for(group)
-            g = inner_group.get(id(handle))
-            if g is not None:
-                beta2 = group["beta2"]
-                # nanochat decays by lr·scale·wd; the fused update scales lr alone by the scale
-                g.update(lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"] * scale,
-                         beta2=0.0 if beta2 is None else beta2)
-            v = s["second_momentum_buffer"][row]
-            if v.dtype != torch.float32:  # the fused statistics are fp32: a copy, written back below
-                copies.append((v, v.float()))
-                v = copies[-1][1]
-            target.state[handle] = {"momentum_buffer": s["momentum_buffer"][row], "moment2_buffer": v}
-            handle.grad = stacked_grads[gi][row]
+        lowp = []
+        for group, bound in zip(groups, self.bound):
+            if bound is None:
+                continue
+            g, _, v, v32 = bound
+            m, n = group["params"][0].shape
+            beta2 = group["beta2"]
+            # nanochat decays by lr·scale·wd; the fused update scales lr alone by the scale
+            g.update(lr=group["lr"], momentum=group["momentum"],
+                     weight_decay=group["weight_decay"] * math.sqrt(max(1.0, m / n)),
+                     beta2=0.0 if beta2 is None else beta2)
+            if v32 is not None:
+                v32.copy_(v[: v32.shape[0]])
+                lowp.append((v, v32))
         try:
+            if world > 1:
+                stacked_grads = {}
+                for gi, _, handle, row in self.handles:
+                    if gi not in stacked_grads:
+                        stacked_grads[gi] = grads_of(gi)
+                    handle.grad = stacked_grads[gi][row]
             for opt in self.inner.values():
                 opt.step()
         finally:
-            for _, _, handle, _ in self.handles:
-                handle.grad = None
-        for stored, fp32 in copies:
-            stored.copy_(fp32)
-
-    def _inner_for(self, group):
-        return self.inner[int(group["ns_steps"])]
+            if world > 1:
+                for _, _, handle, _ in self.handles:
+                    handle.grad = None
+            # between steps the inner groups hold fixed numbers: a compiled step is guarded on the
+            # outer groups' values alone (no recompilation for the inner copies of a schedule)
+            for bound in self.bound:
+                if bound is not None:
+                    bound[0].update(_IDLE_INNER_VALUES)
+        for v, v32 in lowp:
+            v[: v32.shape[0]].copy_(v32)
 
 
 def _reduce_scatter_mean(chunks_out: torch.Tensor, stacked: torch.Tensor, world: int):
@@ -236,8 +341,14 @@ class _NanochatMuonBase(torch.optim.Optimizer):
             param_groups = [dict(params=g, chunk_size=(len(g) + world - 1) // world) for g in groups]
         else:
             param_groups = [dict(params=g) for g in groups]
-        super().__init__(param_groups, defaults)
         self._muon = _StackedMuon(ERA_2201, "medium")  # 22a71aa iterates in bf16 on every device
+        super().__init__(param_groups, defaults)
+        self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_muon"):  # after construction: the inner optimizers follow the groups
+            self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
 
     def _world(self) -> tuple[int, int]:
         return _world() if self._distributed else (0, 1)
@@ -257,9 +368,7 @@ class _NanochatMuonBase(torch.optim.Optimizer):
     @torch.no_grad()
     def init_state(self) -> None:
         """Creates every group's stacks (zeros) up front, as the first step would (checkpoint loading)."""
-        _, world = self._world()
-        for group in self.param_groups:
-            self._muon.ensure_state(self.state, group, world)
+        self._muon.prepare(self.param_groups, self.state, *self._world())
 
     @torch.no_grad()
     def step(self):
@@ -270,8 +379,7 @@ class _NanochatMuonBase(torch.optim.Optimizer):
                     raise RuntimeError(f"{type(self).__name__} needs a grad for every parameter (as nanochat's): "
                                        f"param_groups[{gi}]['params'][{pi}] has none")
         if world == 1:
-            self._muon.step(self.param_groups, self.state,
-                            lambda gi: torch.stack([p.grad for p in self.param_groups[gi]["params"]]), rank, world)
+            self._muon.step(self.param_groups, self.state, rank, world)
             return
         _muon_distributed_step(self._muon, self.param_groups, self.state, rank, world)
 
@@ -290,7 +398,7 @@ def _muon_distributed_step(muon: _StackedMuon, groups, state, rank: int, world: 
     for out, work, _ in pending:
         work.wait()
         out.div_(world)
-    muon.step(groups, state, lambda gi: pending[gi][0], rank, world)
+    muon.step(groups, state, rank, world, lambda gi: pending[gi][0])
     gathers = []
     for gi, group in enumerate(groups):
         params = group["params"]
@@ -359,10 +467,18 @@ class MuonAdamW(torch.optim.Optimizer):
                 if len(shapes) != 1 or any(p.ndim != 2 for p in g["params"]):
                     raise ValueError(f"param_groups[{gi}] (kind 'muon') must hold 2-D params of one shape, got "
                                      f"{sorted(shapes)}")
-        super().__init__(groups, defaults={})
         dtype = compute_dtype()
         self.compute_dtype = dtype
         self._muon = _StackedMuon(ERA_TODAY, _precision(dtype))
+        self._adam_steps: dict[torch.Tensor, torch.Tensor] = {}  # the step count handed to torch's AdamW
+        self._adam_lr_buffers: dict[tuple[int, torch.device], torch.Tensor] = {}  # compiled: each group's lr
+        super().__init__(groups, defaults={})
+        self._muon.prepare(self._muon_groups(), self.state, *_world(), create_state=False)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_muon"):  # after construction: the inner optimizers follow the groups
+            self._muon.prepare(self._muon_groups(), self.state, *_world(), create_state=False)
 
     def _muon_groups(self):
         return [g for g in self.param_groups if g["kind"] == "muon"]
@@ -385,9 +501,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def init_state(self) -> None:
         """Creates the whole state up front (zeros, AdamW ``step`` 0), as the first step would."""
         rank, world = _world()
+        self._muon.prepare(self._muon_groups(), self.state, rank, world)
         for group in self.param_groups:
             if group["kind"] == "muon":
-                self._muon.ensure_state(self.state, group, world)
                 continue
             for p in group["params"]:
                 if not self.state[p]:
@@ -415,15 +531,19 @@ class MuonAdamW(torch.optim.Optimizer):
                         and p.shape[0] % world:
                     raise ValueError(f"AdamW reduce_scatter requires shape[0] ({p.shape[0]}) divisible by "
                                      f"world_size ({world}): param_groups[{gi}]['params'][{pi}]")
+        adamw_lrs = {}
+        if torch.compiler.is_compiling():
+            for gi, group in enumerate(self.param_groups):
+                if group["kind"] == "adamw" and group["params"]:
+                    adamw_lrs[gi] = self._adam_lr(gi, group["params"][0].device, group["lr"])
         adamw_grads = self._reduce_adamw(world)
         muon_groups = self._muon_groups()
         if muon_groups:
             if world == 1:
-                self._muon.step(muon_groups, self.state,
-                                lambda gi: torch.stack([p.grad for p in muon_groups[gi]["params"]]), rank, world)
+                self._muon.step(muon_groups, self.state, rank, world)
             else:
                 _muon_distributed_step(self._muon, muon_groups, self.state, rank, world)
-        self._adamw_step(adamw_grads, rank, world)
+        self._adamw_step(adamw_grads, rank, world, adamw_lrs)
 
     def _reduce_adamw(self, world: int):
         """Every AdamW param's (averaged) grad for this rank's slice; waits for the collectives."""
@@ -448,9 +568,9 @@ class MuonAdamW(torch.optim.Optimizer):
             g.div_(world)
         return out
 
-    def _adamw_step(self, grads, rank: int, world: int) -> None:
+    def _adamw_step(self, grads, rank: int, world: int, lrs) -> None:
         gathers = []
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
             if group["kind"] != "adamw" or not group["params"]:
                 continue
             slices, gs, m1, m2, steps, owners = [], [], [], [], [], []
@@ -463,19 +583,42 @@ class MuonAdamW(torch.optim.Optimizer):
                 gs.append(grads[p])
                 m1.append(s["exp_avg"])
                 m2.append(s["exp_avg_sq"])
-                steps.append(torch.tensor(float(s["step"]), device=piece.device))
+                steps.append(self._adam_step(p, piece.device, s["step"]))
                 owners.append(p)
-            _adamw_fp32(slices, gs, m1, m2, steps, group)
-            for p, t in zip(owners, steps):
-                self.state[p]["step"] = int(t.item())
+            _adamw_fp32(slices, gs, m1, m2, steps, group, lrs.get(gi, group["lr"]))
+            for p in owners:
+                self.state[p]["step"] += 1  # as torch's AdamW advanced its step tensor
                 if world > 1 and p.numel() >= SMALL_ADAMW_NUMEL:
                     piece = self._adamw_slice(p, rank, world).clone()
                     gathers.append(dist.all_gather(list(p.detach().chunk(world)), piece, async_op=True))
         for work in gathers:
             work.wait()
 
+    def _adam_step(self, p: torch.Tensor, device: torch.device, step: int) -> torch.Tensor:
+        """The 0-dim fp32 step tensor torch's AdamW reads and advances, holding ``step`` (kept per
+        parameter: a step allocates nothing on the host, and under torch.compile it is traced)."""
+        t = self._adam_steps.get(p)
+        if t is None or t.device != device:
+            t = torch.zeros((), dtype=torch.float32, device=device)
+            self._adam_steps[p] = t
+        t.fill_(step)
+        return t
 
-def _adamw_fp32(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> None:
+    def _adam_lr(self, gi: int, device: torch.device, value) -> torch.Tensor:
+        """Compiled: group gi's lr as a tensor, so that a schedule writing a new float every step is
+        a graph input (torch's AdamW would make a float lr a constant of the graph). The buffer
+        has one dimension: torch.compile treats a 0-dim fp64 CPU tensor as a number of its own."""
+        buf = self._adam_lr_buffers.get((gi, device))
+        if buf is None:
+            buf = self._adam_lr_buffers[(gi, device)] = torch.zeros(1, dtype=torch.float64, device=device)
+        if isinstance(value, torch.Tensor):
+            buf.copy_(value.reshape(1))
+        else:
+            buf.zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
+        return buf
+
+
+def _adamw_fp32(params, grads, exp_avgs, exp_avg_sqs, steps, group, lr) -> None:
     """torch's AdamW (decoupled decay) over one group, the math in fp32 for every dtype."""
     beta1, beta2 = group["betas"]
     on_cuda = all(p.is_cuda for p in params)
@@ -486,9 +629,11 @@ def _adamw_fp32(params, grads, exp_avgs, exp_avg_sqs, steps, group) -> None:
             lst[i] = lst[i].float()
     adam_functional(
         work[0], work[1], work[2], work[3], [], steps,
-        amsgrad=False, has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+        amsgrad=False, has_complex=False, beta1=beta1, beta2=beta2, lr=lr,
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-        foreach=None if on_cuda else True, capturable=False, differentiable=False,
+        # compiled: torch's capturable formulation (bias corrections as tensor math) is the one it
+        # traces (otherwise a CUDA step tensor leaves the graph and the foreach step fails on a CPU)
+        foreach=None if on_cuda else True, capturable=torch.compiler.is_compiling(), differentiable=False,
         fused=True if on_cuda else None, decoupled_weight_decay=True,
     )
     for i in lowp:

@@ -265,3 +265,194 @@ def test_init_state_creates_the_layout_a_step_creates(kind, gen):
             else:
                 assert a[index][key] == 0
     fresh.load_state_dict(copy.deepcopy(stepped.state_dict()))  # and a checkpoint loads over it
+
+
+# ---------------------------------------------------------------- torch.compile(fullgraph=True)
+
+def _compiled_vs_eager(build, params, grads, schedule, init_state=True):
+    """Steps a compiled optimizer and an eager one on copies of ``params``; returns the compiled
+    params, the eager ones, the starting values, both optimizers and the graph count after each step."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    refs = _copies(params)
+    start = [p.detach().clone() for p in params]
+    ours, eager = build(params), build(refs)
+    if init_state:
+        ours.init_state()
+    step = torch.compile(ours.step, fullgraph=True)
+    graphs = []
+    for t, step_grads in enumerate(grads):
+        for p, r, g in zip(params, refs, step_grads):
+            p.grad, r.grad = g.clone(), g.clone()
+        schedule(ours, eager, t)
+        step()
+        eager.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    return refs, start, ours, eager, graphs
+
+
+def _float_schedule(ours, eager, t):
+    _warmup(ours, t)
+    _warmup(eager, t)
+
+
+def _tensor_lr_schedule(ours, eager, t):
+    # 0-dim tensor lrs updated in place (as torch's schedulers do for tensor lrs); the eager
+    # optimizer gets the same values as floats
+    for g, e in zip(ours.param_groups, eager.param_groups):
+        lr = g.setdefault("initial_lr", float(g["lr"])) * (1.0 - 0.2 * t)
+        if not isinstance(g["lr"], torch.Tensor):
+            g["lr"] = torch.tensor(lr, dtype=torch.float64)
+        g["lr"].fill_(lr)
+        e.setdefault("initial_lr", g["initial_lr"])
+        e["lr"] = lr
+
+
+def _assert_same_stacks(ours, eager, tol):
+    for group, ref_group in zip(ours.param_groups, eager.param_groups):
+        for p, r in zip(group["params"], ref_group["params"]):
+            assert (p in ours.state) == (r in eager.state)  # (membership tests add no entries)
+            for key, value in eager.state.get(r, {}).items():
+                got = ours.state[p][key]
+                if isinstance(value, torch.Tensor):
+                    assert got.shape == value.shape and got.dtype == value.dtype, key
+                    assert rel_err(got.float(), value.float()) <= tol, key
+                else:
+                    assert type(got) is type(value) and got == value, key
+
+
+def _muon_2201(ps):
+    opt = nanochat.Muon(ps, lr=0.02, momentum=0.9, beta2=0.9, weight_decay=0.2)
+    opt._muon.precision = "highest"  # fp32 iteration: compiled and eager within fp32 rounding
+    return opt
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor"])
+def test_muon_22a71aa_compiled_step_matches_eager(lr_kind, gen):
+    params = _params(MUON_SHAPES, gen)
+    schedule = _float_schedule if lr_kind == "float" else _tensor_lr_schedule
+    refs, start, ours, eager, graphs = _compiled_vs_eager(_muon_2201, params, _grads(params, gen, 4), schedule)
+    if lr_kind == "tensor":
+        assert graphs == [1] * 4, graphs
+    else:
+        # nanochat's loop writes floats (lr, momentum, weight decay) every step: dynamo makes them
+        # graph inputs on their first change (one recompile), as for the fused classes
+        assert graphs[-1] == graphs[1] <= 2, graphs
+    assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
+    _assert_same_stacks(ours, eager, TOLERANCE["highest"])
+
+
+@pytest.mark.parametrize("lr_kind, init_state", [("float", True), ("tensor", True), ("float", False)])
+def test_muonadamw_compiled_step_matches_eager(lr_kind, init_state, gen):
+    assert nanochat.compute_dtype() == torch.float32  # CPU: the fp32 iteration
+    params = _params(ADAMW_SHAPES + MUON_SHAPES, gen)
+    schedule = _float_schedule if lr_kind == "float" else _tensor_lr_schedule
+    refs, start, ours, eager, graphs = _compiled_vs_eager(
+        lambda ps: nanochat.MuonAdamW(_muonadamw_groups(ps[:3], ps[3:])), params, _grads(params, gen, 4), schedule,
+        init_state=init_state)
+    if init_state:
+        # AdamW's step count is an int in the state (nanochat's layout): dynamo recompiles once when
+        # it first changes, together with the floats of the schedule, then takes both as inputs
+        assert graphs == [1, 2, 2, 2], graphs
+    assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
+    _assert_same_stacks(ours, eager, TOLERANCE["highest"])
+    _assert_same_layout(ours, eager)
+    assert all(ours.state[p]["step"] == 4 for p in params[:3])
+
+
+def test_compiled_step_follows_params_and_state_replaced_between_steps(gen):
+    params = _params(MUON_SHAPES, gen)
+    grads = _grads(params, gen, 4)
+    refs, start, ours, eager, _ = _compiled_vs_eager(_muon_2201, params, grads[:1], _float_schedule)
+    step = torch.compile(ours.step, fullgraph=True)
+    # a parameter swapped into a group (same shape): the traced step regroups the fused optimizers
+    gi = next(i for i, g in enumerate(ours.param_groups) if len(g["params"]) > 1)
+    new = torch.nn.Parameter(torch.randn(ours.param_groups[gi]["params"][1].shape, generator=gen))
+    new_ref = torch.nn.Parameter(new.detach().clone())
+    ours.param_groups[gi]["params"][1] = new
+    eager.param_groups[gi]["params"][1] = new_ref
+    params = [p for g in ours.param_groups for p in g["params"]]
+    refs = [p for g in eager.param_groups for p in g["params"]]
+    start = [p.detach().clone() for p in params]
+    grads = _grads(params, gen, 3)
+
+    def run(t):
+        for p, r, g in zip(params, refs, grads[t]):
+            p.grad, r.grad = g.clone(), g.clone()
+        step()
+        eager.step()
+
+    run(0)
+    assert not torch.equal(new.detach(), next(s for p, s in zip(params, start) if p is new))
+    # a checkpoint loaded between compiled steps replaces the stacks: the step follows the new ones
+    ours.load_state_dict(copy.deepcopy(eager.state_dict()))
+    for p, r in zip(params, refs):
+        p.data.copy_(r.detach())
+    start = [p.detach().clone() for p in params]
+    run(1)
+    run(2)
+    assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
+    _assert_same_stacks(ours, eager, TOLERANCE["highest"])
+
+
+def test_a_new_ns_steps_inside_a_compiled_step_asks_for_init_state(gen):
+    params = _params(MUON_SHAPES, gen)
+    _, _, ours, eager, _ = _compiled_vs_eager(_muon_2201, params, _grads(params, gen, 1), _float_schedule)
+    step = torch.compile(ours.step, fullgraph=True)
+    for opt in (ours, eager):
+        opt.param_groups[0]["ns_steps"] = 3  # a value no fused optimizer was built for
+    params = [p for g in ours.param_groups for p in g["params"]]
+    refs = [p for g in eager.param_groups for p in g["params"]]
+    before = [p.detach().clone() for p in params]
+    for p, r, g in zip(params, refs, _grads(params, gen, 1)[0]):
+        p.grad, r.grad = g.clone(), g.clone()
+    with pytest.raises(Exception, match="init_state"):
+        step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)  # refused before anything changed
+    ours.init_state()  # outside the compiled region: builds the optimizer for ns_steps=3
+    # regrouped fused optimizers hold other per-parameter scales at the same attribute paths, which
+    # dynamo's automatic dynamic would turn into symbolic floats the fused ops refuse: compile anew
+    torch._dynamo.reset()
+    step = torch.compile(ours.step, fullgraph=True)
+    step()
+    eager.step()
+    assert _delta_err(params, refs, before) <= TOLERANCE["highest"]
+
+
+def test_muonadamw_compiled_with_bf16_matrices_keeps_stacks_in_their_dtype(gen):
+    # the fp32 copy of a bf16 second-moment stack is a buffer of the compiled step, written back
+    params = _params([(8, 4), (8, 4), (4, 8)], gen, dtype=torch.bfloat16)
+    refs, start, ours, eager, graphs = _compiled_vs_eager(
+        lambda ps: nanochat.MuonAdamW(_muonadamw_groups([], ps)), params, _grads(params, gen, 3), _float_schedule)
+    assert graphs[-1] == graphs[1] <= 2, graphs
+    for group in ours.param_groups[1:]:
+        assert all(v.dtype == torch.bfloat16 for v in ours.state[group["params"][0]].values())
+    _assert_same_stacks(ours, eager, TOLERANCE["medium"])
+    for p, r in zip(params, refs):
+        assert rel_err(p.detach().float(), r.detach().float()) <= 2**-8  # one bf16 rounding
+
+
+def test_distmuon_on_one_rank_compiled_step_matches_eager(gen):
+    # DistMuon constructs only with a process group; on one rank it takes Muon's single-process step
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        def build(ps):
+            opt = nanochat.DistMuon(ps, lr=0.02, momentum=0.9, beta2=0.9, weight_decay=0.2)
+            opt._muon.precision = "highest"
+            return opt
+
+        params = _params(MUON_SHAPES, gen)
+        refs, start, ours, eager, graphs = _compiled_vs_eager(build, params, _grads(params, gen, 4), _float_schedule)
+        assert graphs[-1] == graphs[1] <= 2, graphs
+        assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
+        _assert_same_stacks(ours, eager, TOLERANCE["highest"])
+        _assert_same_layout(ours, eager)
+    finally:
+        dist.destroy_process_group()
