@@ -37,6 +37,16 @@ import torch
 
 from . import _library  # noqa: F401  (loads the op library)
 from ._errors import call_op
+# ops.py imports this module at its end, once everything used here is defined.
+from .ops import (
+    _check_momentum,
+    _check_weight_decay_method,
+    _fake_list_dtype,
+    _moment2_scalars,
+    _optional_scalar,
+    _step_scalar,
+    _tensor_list,
+)
 
 _ops = torch.ops.megatron_eopt
 
@@ -170,8 +180,6 @@ def foreach_momentum_quantized_(
     lists' device that the caller advances every step). ``grads``, ``params`` and ``ns_inputs``
     pair up with ``states[i]`` element by element in row-major order.
     """
-    from .ops import _check_momentum, _check_weight_decay_method, _optional_scalar, _step_scalar, _tensor_list
-
     grads, states = _tensor_list("grads", grads), _tensor_list("states", states)
     scales = _tensor_list("scales", scales)
     ns_inputs, params = _tensor_list("ns_inputs", ns_inputs), _tensor_list("params", params)
@@ -200,8 +208,6 @@ def adamuon_normalize_quantized_(
 ) -> None:
     """:func:`~megatron_eopt.ops.adamuon_normalize_` with the second moment in a low-memory format:
     ``moment2[i]`` bf16 (v) or float8_e4m3fn (``sqrt(v)`` with block ``scales[i]``)."""
-    from .ops import _moment2_scalars, _optional_scalar, _tensor_list
-
     updates, moment2 = _tensor_list("updates", updates), _tensor_list("moment2", moment2)
     scales = _tensor_list("scales", scales)
     validate_block_size(block_size)
@@ -222,15 +228,6 @@ def _fake_check_state(op, name, i, state, scales, numel, block_size) -> None:
         torch._check_type(scales[i].dtype == torch.float32, lambda: f"{op}: scales[{i}] must be float32")
 
 
-def _fake_one_dtype(op, name, xs, allowed) -> torch.dtype | None:
-    dtype = None
-    for i, x in enumerate(xs):
-        torch._check_type(x.dtype in allowed, lambda: f"{op}: {name}[{i}] is {x.dtype}; expected one of {allowed}")
-        dtype = dtype or x.dtype
-        torch._check_type(x.dtype == dtype, lambda: f"{op}: all {name} must share one dtype")
-    return dtype
-
-
 @torch.library.register_fake("megatron_eopt::foreach_momentum_quantized_")
 def _foreach_momentum_quantized_fake(grads, states, scales, ns_inputs, params, momentum, nesterov, weight_decay,
                                      weight_decay_method, block_size, seed, grad_scale=None, found_inf=None):
@@ -238,7 +235,7 @@ def _foreach_momentum_quantized_fake(grads, states, scales, ns_inputs, params, m
     n = len(grads)
     torch._check_value(len(states) == n and len(ns_inputs) == n, lambda: f"{op}: list lengths differ")
     torch._check_value(1 <= block_size <= MAX_BLOCK_SIZE, lambda: f"{op}: block_size out of range")
-    dtype = _fake_one_dtype(op, "states", states, _QUANTIZED_DTYPES)
+    dtype = _fake_list_dtype(op, "states", states, _QUANTIZED_DTYPES)
     torch._check_value(len(scales) == (n if dtype is not None and has_scales(dtype) else 0),
                        lambda: f"{op}: scales must have one tensor per state (none for bfloat16)")
     for i in range(n):
@@ -252,7 +249,7 @@ def _adamuon_normalize_quantized_fake(updates, moment2, scales, beta2, eps, bloc
     op = "adamuon_normalize_quantized_"
     n = len(updates)
     torch._check_value(len(moment2) == n, lambda: f"{op}: list lengths differ")
-    dtype = _fake_one_dtype(op, "moment2", moment2, (torch.bfloat16, torch.float8_e4m3fn))
+    dtype = _fake_list_dtype(op, "moment2", moment2, (torch.bfloat16, torch.float8_e4m3fn))
     torch._check_value(len(scales) == (n if dtype is not None and has_scales(dtype) else 0),
                        lambda: f"{op}: scales must have one tensor per state (none for bfloat16)")
     for i in range(n):
