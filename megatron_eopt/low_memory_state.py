@@ -90,17 +90,6 @@ def scales_shape(shape: Sequence[int], block_size: int) -> tuple[int, ...]:
     return shape[:-1] + (math.ceil(shape[-1] / block_size),)
 
 
-def format_of(data: torch.Tensor, scales: torch.Tensor | None) -> str:
-    """The state_dtype a stored momentum is in ("fp32" for any plain floating-point state)."""
-    if data.dtype == torch.int8:
-        return "int8"
-    if data.dtype == torch.float8_e4m3fn:
-        return "fp8"
-    if data.dtype == torch.bfloat16 and scales is None:
-        return "bf16"
-    return "fp32"
-
-
 # ------------------------------------------------------------------ conversions (checkpoints)
 def _blocks(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, int]:
     """x as (rows, blocks, block_size), the last block of each row zero-padded; and the row length."""

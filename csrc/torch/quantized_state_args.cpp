@@ -1,6 +1,5 @@
 #include "torch/quantized_state_args.h"
 
-#include <cmath>
 #include <stdexcept>
 #include <string_view>
 
@@ -222,18 +221,8 @@ QuantizedCall<QuantizedMoment2Args> parse_adamuon_normalize_quantized(
 
   QuantizedCall<QuantizedMoment2Args> call;
   QuantizedMoment2Args& args = call.args;
-  args.scalars.beta2 = step_scalar(op, "beta2", beta2, device, backend);
-  args.scalars.eps = step_scalar(op, "eps", eps, device, backend);
-  args.scalars.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
+  args.scalars = moment2_scalars(op, beta2, eps, found_inf, device, backend);
   args.seed = seed_pointer(op, seed, device, backend);
-  if (backend == kCPU) {
-    const double b = args.scalars.beta2.load();
-    const float e = static_cast<float>(args.scalars.eps.load());
-    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(b) && b >= 0.0 && b <= 1.0, op,
-                              ": beta2 must be finite and in [0, 1], got ", b);
-    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(e) && e > 0.f, op, ": eps must be finite and positive in float32, got ",
-                              args.scalars.eps.load());
-  }
   for (std::size_t i = 0; i < n; ++i) {
     check_state(op, "moment2", i, moment2[i], scales, format, block_size, updates[i].numel());
   }

@@ -44,6 +44,23 @@ void check_namo_input(const char* op, const char* name, std::size_t i, const Ten
 
 }  // namespace
 
+Moment2Scalars moment2_scalars(const char* op, const Tensor& beta2, const Tensor& eps,
+                               const std::optional<Tensor>& found_inf, const std::optional<Device>& device,
+                               DeviceType backend) {
+  Moment2Scalars scalars;
+  scalars.beta2 = step_scalar(op, "beta2", beta2, device, backend);
+  scalars.eps = step_scalar(op, "eps", eps, device, backend);
+  scalars.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
+  if (backend == kCPU) {  // host memory: the values can be checked without a sync
+    const double b = scalars.beta2.load();
+    const float e = static_cast<float>(scalars.eps.load());
+    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(b) && b >= 0.0 && b <= 1.0, op, ": beta2 must be finite and in [0, 1], got ", b);
+    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(e) && e > 0.f, op, ": eps must be finite and positive in float32, got ",
+                      scalars.eps.load());
+  }
+  return scalars;
+}
+
 Moment2Scalars check_moment2_args(Moment2Method method, const TensorList& updates, const TensorList& moment2,
                                   const TensorList& grads, const TensorList& ns_inputs, const Tensor& beta2,
                                   const Tensor& eps, const std::optional<Tensor>& grad_scale,
@@ -63,19 +80,9 @@ Moment2Scalars check_moment2_args(Moment2Method method, const TensorList& update
     MEGATRON_EOPT_CHECK_VALUE(device->type() == backend, op, ": updates[0] is on ", *device, ", expected a ",
                       device_type_name(backend), " tensor");
   }
-  Moment2Scalars scalars;
-  scalars.beta2 = step_scalar(op, "beta2", beta2, device, backend);
-  scalars.eps = step_scalar(op, "eps", eps, device, backend);
-  scalars.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
+  Moment2Scalars scalars = moment2_scalars(op, beta2, eps, found_inf, device, backend);
   if (method == Moment2Method::kNamo) {
     scalars.grad_scale = step_scalar(op, "grad_scale", grad_scale, device, backend, /*required=*/false);
-  }
-  if (backend == kCPU) {  // host memory: the values can be checked without a sync
-    const double b = scalars.beta2.load();
-    const float e = static_cast<float>(scalars.eps.load());
-    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(b) && b >= 0.0 && b <= 1.0, op, ": beta2 must be finite and in [0, 1], got ", b);
-    MEGATRON_EOPT_CHECK_VALUE(std::isfinite(e) && e > 0.f, op, ": eps must be finite and positive in float32, got ",
-                      scalars.eps.load());
   }
   for (std::size_t i = 0; i < updates.size(); ++i) {
     const Tensor& u = updates[i];

@@ -19,6 +19,12 @@ const char* moment2_op_name(Moment2Method method);
 // creates it: (rows, cols) adamuon; (rows, 1) normuon when rows >= cols, else (1, cols); (1,) namo.
 std::vector<int64_t> moment2_shape(Moment2Method method, int64_t rows, int64_t cols);
 
+// beta2, eps and found_inf as 0-dim fp32 / fp64 tensors on `device`; on the CPU their values are
+// checked too (beta2 finite in [0, 1], eps finite and positive in fp32).
+Moment2Scalars moment2_scalars(const char* op, const Tensor& beta2, const Tensor& eps,
+                               const std::optional<Tensor>& found_inf, const std::optional<Device>& device,
+                               DeviceType backend);
+
 // Every check, before anything is written: list lengths, dtypes (updates and moment2 fp32; grads and
 // ns_inputs fp32, bf16 or fp16), ranks, shapes, one device for all, and the per-step scalars:
 // 0-dim fp32 / fp64 tensors on that device (on the CPU also their values: beta2 in [0, 1], eps

@@ -157,11 +157,21 @@ def make_config(
 STEP_TIME_ARGUMENTS = ("moment2_method", "weight_decay_method", "coefficient_type", "scale_mode")
 
 
+def coefficient_type_error(coefficient_type: str, custom_coefficient_sets=None) -> tuple[str, type, str] | None:
+    """The error ``step()`` raises for an unusable Newton–Schulz coefficient type (EO 0.4 checks it
+    when a step first uses it), or None."""
+    try:
+        coefficient_table(coefficient_type, custom_coefficient_sets)
+    except ValueError as e:
+        return ("coefficient_type", ValueError, str(e))
+    return None
+
+
 def defer_step_time_errors(arguments: dict) -> tuple[dict, tuple[str, type, str] | None]:
     """Splits ``make_config``'s keyword arguments into ones it accepts and the error ``step()`` raises.
 
     Returns the arguments with each unusable value of :data:`STEP_TIME_ARGUMENTS` replaced by a
-    valid one (a placeholder: a step raises before it is used) and ``(argument, exception type,
+    valid stand-in (no step gets to use it: step() raises first) and ``(argument, exception type,
     message)`` of the first such argument in the order EO's step meets them (moment2_method,
     weight decay, Newton–Schulz coefficients, scale), or None when every one is valid.
     """
@@ -176,10 +186,9 @@ def defer_step_time_errors(arguments: dict) -> tuple[dict, tuple[str, type, str]
         errors.append(("weight_decay_method", ValueError, f"weight_decay_method must be one of "
                        f"{list(WEIGHT_DECAY_METHODS)}, got {arguments['weight_decay_method']!r}"))
         arguments["weight_decay_method"] = "decoupled"
-    try:
-        coefficient_table(arguments["coefficient_type"], arguments.get("custom_coefficient_sets"))
-    except ValueError as e:
-        errors.append(("coefficient_type", ValueError, str(e)))
+    coefficient_error = coefficient_type_error(arguments["coefficient_type"], arguments.get("custom_coefficient_sets"))
+    if coefficient_error is not None:
+        errors.append(coefficient_error)
         arguments["coefficient_type"] = "polar_express" if arguments.get("polar_express_safety") else "quintic"
         arguments["custom_coefficient_sets"] = None
     if arguments["scale_mode"] not in SCALE_MODES:

@@ -24,7 +24,6 @@ from ._sharded import is_dtensor, local
 MOMENTUM = "momentum_buffer"
 MOMENT2 = "moment2_buffer"
 BLOCK_KEY = "state_block_size"
-CODE_DTYPES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 
 
 def scales_key(key: str) -> str:
@@ -46,19 +45,10 @@ def new_state(p: torch.Tensor, key: str, state_dtype: str, block_size: int) -> d
     out: dict[str, Any] = {key: codes}
     if not lms.has_scales(dtype):
         return out
-    if is_dtensor(p):
-        from torch.distributed.tensor import DTensor
-
-        check_sharding(p, state_dtype, "a parameter")
-        loc = p.to_local()
-        shape = lms.scales_shape(p.shape, block_size)
-        scales_local = torch.zeros(lms.scales_shape(loc.shape, block_size), dtype=torch.float32, device=loc.device)
-        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-        scales = DTensor.from_local(scales_local, p.device_mesh, p.placements, run_check=False, shape=shape,
-                                    stride=stride)
-    else:
-        scales = torch.zeros(lms.scales_shape(p.shape, block_size), dtype=torch.float32, device=p.device)
-    out[scales_key(key)] = scales
+    # (a DTensor whose rows are sharded was refused at construction: check_sharding)
+    loc = local(p)
+    scales = torch.zeros(lms.scales_shape(loc.shape, block_size), dtype=torch.float32, device=loc.device)
+    out[scales_key(key)] = _shaped_like_param(scales, p, lms.scales_shape(p.shape, block_size))
     out[BLOCK_KEY] = block_size
     return out
 
@@ -84,8 +74,7 @@ def state_bytes(state: Mapping[str, Any]) -> int:
 
 
 # ------------------------------------------------------------------ checkpoints
-def _incoming_format(key: str, values: Mapping[str, Any], p: torch.Tensor, state_dtype: str) -> str:
-    data = values[key]
+def _incoming_format(key: str, data: torch.Tensor) -> str:
     if data.dtype == torch.int8:
         return "int8"
     if data.dtype == torch.float8_e4m3fn:
@@ -152,7 +141,7 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
                     f"load_state_dict: state['{key}'] of {label} has shape {tuple(values[key].shape)}, but the "
                     f"parameter of shape {tuple(p.shape)} needs shape {tuple(p.shape)}; nothing was loaded"
                 )
-            fmt = _incoming_format(key, values, p, state_dtype)
+            fmt = _incoming_format(key, values[key])
             same = (
                 state_dtype != "fp32" and values[key].dtype == _codes_dtype(key, state_dtype)
                 and (not lms.has_scales(values[key].dtype) or values.get(BLOCK_KEY, lms.DEFAULT_BLOCK_SIZE) == block_size)
@@ -173,9 +162,9 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
                 dtype = _codes_dtype(key, state_dtype)
                 codes, scales = lms.quantize(v.sqrt() if dtype == torch.float8_e4m3fn and key == MOMENT2 else v,
                                              dtype, block_size)
-                kept = {key: _like(codes, values, p)}
+                kept = {key: _shaped_like_param(codes, p, tuple(p.shape))}
                 if scales is not None:
-                    kept[scales_key(key)] = _like(scales, values, p, scales_of=True, block_size=block_size)
+                    kept[scales_key(key)] = _shaped_like_param(scales, p, lms.scales_shape(p.shape, block_size))
             if any(lms.has_scales(t.dtype) for t in kept.values() if isinstance(t, torch.Tensor)):
                 kept[BLOCK_KEY] = block_size
             held.setdefault(index, {}).update(kept)
@@ -186,13 +175,14 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
     return out, held
 
 
-def _like(t: torch.Tensor, values, p: torch.Tensor, scales_of: bool = False, block_size: int = 0) -> torch.Tensor:
-    """A converted local tensor as the parameter keeps it (a DTensor for a DTensor parameter)."""
+def _shaped_like_param(t: torch.Tensor, p: torch.Tensor, shape) -> torch.Tensor:
+    """A local state tensor as p keeps it: for a DTensor p, a DTensor of global ``shape`` (contiguous)
+    on p's mesh with p's placements; otherwise t itself."""
     if not is_dtensor(p):
         return t
     from torch.distributed.tensor import DTensor
 
-    shape = lms.scales_shape(p.shape, block_size) if scales_of else tuple(p.shape)
+    shape = tuple(shape)
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
     return DTensor.from_local(t.to(p.to_local().device), p.device_mesh, p.placements, run_check=False, shape=shape,
                               stride=stride)
@@ -229,7 +219,7 @@ def dequantize_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             data = values.get(key)
             if not isinstance(data, torch.Tensor) or data.dtype not in (torch.int8, torch.float8_e4m3fn):
                 continue
-            fmt = _incoming_format(key, values, data, "fp32")
+            fmt = _incoming_format(key, data)
             values[key] = _as_values(key, values, fmt, f"state[{index!r}]")
             values.pop(scales_key(key), None)
         values.pop(BLOCK_KEY, None)

@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import coefficient_table
+from ._config import coefficient_type_error
 from ..ops import newton_schulz
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -40,11 +40,9 @@ class PolarGrad(OrthogonalizedOptimizer):
     ) -> None:
         if num_ns_steps < 0:
             raise ValueError(f"num_ns_steps must be positive, got {num_ns_steps}")
-        try:  # EO checks the coefficient type when a step first uses it; so does step() here
-            coefficient_table(coefficient_type)  # an unknown type, or 'custom' (no rows to give here)
-            deferred_error = None
-        except ValueError as e:
-            deferred_error = ("coefficient_type", ValueError, str(e))
+        # EO checks the coefficient type when a step first uses it (an unknown type, or 'custom' with
+        # no rows to give here); so does step() here
+        deferred_error = coefficient_type_error(coefficient_type)
 
         def scaled_orthogonalize_fn(grad: torch.Tensor) -> torch.Tensor:
             # 2-D, or a (k, m, n) stack of momenta (the step batches equal shapes)

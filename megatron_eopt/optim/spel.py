@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import coefficient_table
+from ._config import coefficient_type_error
 from ..ops import newton_schulz
 from ._eo_hooks import fp32_matmul_precision
 from .orthogonalized import OrthogonalizedOptimizer
@@ -35,11 +35,9 @@ class Spel(OrthogonalizedOptimizer):
     ) -> None:
         if num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
-        try:  # EO checks the coefficient type when a step first uses it; so does step() here
-            coefficient_table(coefficient_type)  # an unknown type, or 'custom' (no rows to give here)
-            deferred_error = None
-        except ValueError as e:
-            deferred_error = ("coefficient_type", ValueError, str(e))
+        # EO checks the coefficient type when a step first uses it (an unknown type, or 'custom' with
+        # no rows to give here); so does step() here
+        deferred_error = coefficient_type_error(coefficient_type)
 
         def scaled_orthogonalize_fn(x: torch.Tensor) -> torch.Tensor:
             return newton_schulz(x, steps=num_ns_steps, coefficient_type=coefficient_type)  # 2-D or a stack

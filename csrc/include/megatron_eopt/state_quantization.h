@@ -38,16 +38,10 @@ constexpr float kE4M3Max = 448.f;
 MEGATRON_EOPT_HD float format_max(StateFormat f) { return f == StateFormat::kInt8 ? kInt8Max : kE4M3Max; }
 
 // Comparisons on floats may raise FP exceptions, so compilers keep them as branches inside loops
-// (-ftrapping-math); the helpers below compare bit patterns as integers instead, which if-converts
+// (-ftrapping-math); the code below compares bit patterns as integers instead, which if-converts
 // and vectorizes. For non-negative floats the integer order of the bits is the numeric order,
 // with every NaN above infinity.
 MEGATRON_EOPT_HD bool is_nan_bits(float x) { return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
-// min(m, top) of non-negative m and top (a NaN m gives top).
-MEGATRON_EOPT_HD float min_nonnegative(float m, float top) {
-  const uint32_t a = float_bits(m), b = float_bits(top);
-  return bits_float(a > b ? b : a);
-}
-
 // floor(x) for |x| < 2^31 as an int32: truncation, minus one where it rounded up (negative x).
 // (floorf vectorizes only without -ftrapping-math; this does everywhere.)
 MEGATRON_EOPT_HD int32_t floor_to_int(float x) {
