@@ -364,7 +364,7 @@ def check_low_memory_state(device: str, seed: int) -> list[Result]:
     grads = [_randn(s, gen) for s in shapes]
     start = [_randn(s, gen) * 0.1 for s in shapes]
     # rel. L2 error of the stored state: stochastic rounding errs by at most one step of the grid
-    state_tol = {"bf16": 1e-2, "int8": 3e-2, "fp8": 1.5e-1}
+    state_tol = {"bf16": 1e-2, "int8": 3e-2, "fp8": 6e-2}
     for fmt, tol in state_tol.items():
         dtype = lms.momentum_dtype(fmt)
         stored = [lms.quantize(m, dtype) for m in start]

@@ -13,11 +13,14 @@ constexpr ScalarType kInt8 = ScalarType::Char;
 constexpr ScalarType kFloat8E4M3 = ScalarType::Float8_e4m3fn;
 constexpr int64_t kMaxBlockSize = int64_t{1} << 16;
 
-StateFormat format_of(ScalarType t) {
+// fp8 codes of the momentum are squared, those of the second moment (sqrt(v)) linear
+// (state_quantization.h).
+StateFormat momentum_format(ScalarType t) {
   if (t == kBFloat16) return StateFormat::kBFloat16;
   if (t == kInt8) return StateFormat::kInt8;
-  return StateFormat::kFloat8E4M3;
+  return StateFormat::kFloat8E4M3Squared;
 }
+StateFormat moment2_format(ScalarType t) { return t == kBFloat16 ? StateFormat::kBFloat16 : StateFormat::kFloat8E4M3; }
 
 // All tensors of `list` share one dtype admitted by `allowed` (described by `rule`); returns it.
 template <typename Allowed>
@@ -138,7 +141,7 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
   const auto state_dtype =
       one_dtype(op, "states", states, "the momentum state must be bfloat16, int8 or float8_e4m3fn",
                 [](ScalarType t) { return t == kBFloat16 || t == kInt8 || t == kFloat8E4M3; });
-  const StateFormat format = format_of(state_dtype.value_or(kInt8));
+  const StateFormat format = momentum_format(state_dtype.value_or(kInt8));
   if (has_scales(format)) {
     check_count(op, "scales", scales, "grads", n);
   } else {
@@ -210,7 +213,7 @@ QuantizedCall<QuantizedMoment2Args> parse_adamuon_normalize_quantized(
   one_dtype(op, "updates", updates, "updates must be float32", [](ScalarType t) { return t == kFloat; });
   const auto state_dtype = one_dtype(op, "moment2", moment2, "the second moment must be bfloat16 or float8_e4m3fn",
                                      [](ScalarType t) { return t == kBFloat16 || t == kFloat8E4M3; });
-  const StateFormat format = format_of(state_dtype.value_or(kFloat8E4M3));
+  const StateFormat format = moment2_format(state_dtype.value_or(kFloat8E4M3));
   if (has_scales(format)) {
     check_count(op, "scales", scales, "updates", n);
   } else {

@@ -100,7 +100,7 @@ def _as_values(key: str, values: Mapping[str, Any], fmt: str, label: str) -> tor
             f"shape {tuple(data.shape)} in blocks of {block} need {lms.scales_shape(data.shape, block)}; nothing was "
             "loaded"
         )
-    out = lms.dequantize(data, scales.to(data.device), block)
+    out = lms.dequantize(data, scales.to(data.device), block, linear_fp8=fmt == "sqrt-fp8")
     return out * out if fmt == "sqrt-fp8" else out
 
 
@@ -160,8 +160,8 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
                     values[key] = v  # cast to the parameter's state dtype by torch's loader
                     continue
                 dtype = _codes_dtype(key, state_dtype)
-                codes, scales = lms.quantize(v.sqrt() if dtype == torch.float8_e4m3fn and key == MOMENT2 else v,
-                                             dtype, block_size)
+                moment2_fp8 = dtype == torch.float8_e4m3fn and key == MOMENT2  # stored as sqrt(v), linear codes
+                codes, scales = lms.quantize(v.sqrt() if moment2_fp8 else v, dtype, block_size, linear_fp8=moment2_fp8)
                 kept = {key: _shaped_like_param(codes, p, tuple(p.shape))}
                 if scales is not None:
                     kept[scales_key(key)] = _shaped_like_param(scales, p, lms.scales_shape(p.shape, block_size))

@@ -167,6 +167,53 @@ TEST(StateQuantization, Int8RoundTripWithinOneStepAndUnbiased) {
   EXPECT_TRUE(std::isnan(int8_value(0, nan_block.scale)));
 }
 
+// The momentum's squared fp8 codes: the grid is r_c = sqrt(e4m3(c)) (in units of the block scale,
+// r_0x7E = sqrt(448) at the block's max), every grid value is kept, any other value goes to one of
+// its two neighbours without bias, and the grid is twice as fine as plain e4m3's where momentum
+// values live.
+TEST(StateQuantization, E4M3SquaredRoundsToNeighboursWithoutBias) {
+  std::vector<float> grid;
+  for (uint32_t c = 0; c <= 0x7Eu; ++c) grid.push_back(e4m3_root(c));
+  ASSERT_TRUE(std::is_sorted(grid.begin(), grid.end()));
+  EXPECT_EQ(grid.back(), kE4M3MaxRoot);
+  EXPECT_TRUE(std::isnan(e4m3_root(0x7Fu)));
+  // Every grid value is kept, with its sign, whatever the draw.
+  for (uint32_t c = 0; c <= 0x7Eu; ++c) {
+    for (float u : {0.f, 0.5f, 0.99999994f}) {
+      EXPECT_EQ(e4m3_squared_stochastic(grid[c], 1.f, u).bits, c) << c;
+      EXPECT_EQ(e4m3_squared_stochastic(-grid[c], 1.f, u).bits, c | 0x80u) << c;
+    }
+  }
+  // Unbiased between neighbours, in the value domain, across the whole range (subnormal codes,
+  // the 2^-6 crossing, values a hair above a grid point and the top).
+  const BlockScale s = block_scale(2.f, StateFormat::kFloat8E4M3Squared);
+  EXPECT_FLOAT_EQ(s.scale, 2.f / kE4M3MaxRoot);
+  for (float x : {1e-4f, 0.0031f, 0.011f, 0.0125f, 0.2f, -0.35f, 0.7071f, 1.3f, -1.93f, 1.9999f}) {
+    const float t = std::fabs(x) * s.inverse;
+    auto above = std::upper_bound(grid.begin(), grid.end(), t);
+    const float lo = *(above - 1) * s.scale, hi = (above == grid.end() ? *(above - 1) : *above) * s.scale;
+    double mean = 0.0;
+    constexpr int kDraws = 100000;
+    for (int i = 0; i < kDraws; ++i) {
+      const float r = e4m3_squared_value(e4m3_squared_stochastic(x, s.inverse, draw(9, i)), s.scale);
+      ASSERT_TRUE(std::fabs(r) == lo || std::fabs(r) == hi) << x << " -> " << r << " not " << lo << " / " << hi;
+      ASSERT_EQ(std::signbit(r), std::signbit(x));
+      mean += r;
+    }
+    EXPECT_NEAR(mean / kDraws, x, 0.01 * (hi - lo) + 1e-7) << x;
+  }
+  // The block's max is exact; a NaN block stores 0 and reads back as NaN; zero stays zero.
+  EXPECT_EQ(e4m3_squared_value(e4m3_squared_stochastic(-2.f, s.inverse, 0.999f), s.scale), -2.f);
+  const BlockScale nan_block = block_scale(kNaN, StateFormat::kFloat8E4M3Squared);
+  EXPECT_EQ(e4m3_squared_stochastic(kNaN, nan_block.inverse, 0.5f).bits, 0u);
+  EXPECT_TRUE(std::isnan(e4m3_squared_value(Fp8E4M3{0}, nan_block.scale)));
+  EXPECT_EQ(e4m3_squared_value(e4m3_squared_stochastic(0.f, s.inverse, 0.999f), s.scale), 0.f);
+  // Relative spacing: at most 6.25% from 1/128 of the block's max up (plain e4m3: up to 12.5%).
+  for (std::size_t c = 1; c + 1 < grid.size(); ++c) {
+    if (grid[c] >= kE4M3MaxRoot / 128.f) EXPECT_LE(grid[c + 1] / grid[c] - 1.f, 0.0625f) << c;
+  }
+}
+
 TEST(StateQuantization, StoreAndLoadThroughEachFormat) {
   const float x = 0.3f;
   const BlockScale i8 = block_scale(1.f, StateFormat::kInt8);
@@ -177,6 +224,11 @@ TEST(StateQuantization, StoreAndLoadThroughEachFormat) {
   store_state<StateFormat::kInt8>(&q8, 0, x, i8.inverse, 0u);
   store_state<StateFormat::kFloat8E4M3>(&qf, 0, x, f8.inverse, 0u);
   store_state<StateFormat::kBFloat16>(&qb, 0, x, 0.f, 0u);
+  const BlockScale sq = block_scale(1.f, StateFormat::kFloat8E4M3Squared);
+  Fp8E4M3 qs{0};
+  store_state<StateFormat::kFloat8E4M3Squared>(&qs, 0, x, sq.inverse, 0u);
+  // 0.3 * sqrt(448) = 6.35; 6.35^2 = 40.3 lies in e4m3's [40, 44): the grid value below is sqrt(40).
+  EXPECT_FLOAT_EQ(load_state<StateFormat::kFloat8E4M3Squared>(&qs, 0, sq.scale), std::sqrt(40.f) / kE4M3MaxRoot);
   // Draw 0 rounds down: the grid value at or below x.
   EXPECT_FLOAT_EQ(load_state<StateFormat::kInt8>(&q8, 0, i8.scale), 38.f / 127.f);
   EXPECT_FLOAT_EQ(load_state<StateFormat::kFloat8E4M3>(&qf, 0, f8.scale), 128.f / 448.f);

@@ -38,8 +38,10 @@ def _full(t: DTensor) -> torch.Tensor:
 def _full_values(state, key):
     codes = _full(state[key])
     scales = state.get(key + "_scales")
-    out = lms.dequantize(codes, None if scales is None else scales.full_tensor(), state.get("state_block_size", 256))
-    return out * out if key == "moment2_buffer" and codes.dtype == torch.float8_e4m3fn else out
+    moment2_fp8 = key == "moment2_buffer" and codes.dtype == torch.float8_e4m3fn  # sqrt(v), linear codes
+    out = lms.dequantize(codes, None if scales is None else scales.full_tensor(), state.get("state_block_size", 256),
+                         linear_fp8=moment2_fp8)
+    return out * out if moment2_fp8 else out
 
 
 def check_steps(mesh, seed, fmt, cls, extra):

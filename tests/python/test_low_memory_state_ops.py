@@ -17,7 +17,6 @@ from megatron_eopt import ops
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SHAPES = [(1, 300), (300, 1), (97, 37), (5, 512), (3, 4, 70)]
 FORMATS = ["bf16", "int8", "fp8"]
-top = {"int8": 127.0, "fp8": 448.0}
 
 
 def _state(x, fmt, block=lms.DEFAULT_BLOCK_SIZE):
@@ -35,7 +34,12 @@ def _grid_step(ref: torch.Tensor, fmt: str, scales: torch.Tensor | None, block: 
     scale = scale.double()
     if fmt == "int8":
         return scale
-    y = (r / scale).abs()  # e4m3 spacing at |y|: 2^(floor(log2 y) - 3), 2^-9 below 2^-6
+    y = (r / scale).abs()
+    if fmt == "fp8":  # the momentum's squared codes: the grid sqrt(e4m3(c))
+        grid = lms._squared_grid("cpu").double()
+        i = torch.searchsorted(grid, y.cpu().contiguous(), right=True).clamp(1, len(grid) - 1)
+        return (grid[i] - grid[i - 1]).to(y.device) * scale
+    # "fp8-linear" (the second moment's sqrt(v)): e4m3 spacing at |y|, 2^(floor(log2 y) - 3), 2^-9 below 2^-6
     e = torch.floor(torch.log2(y.clamp_min(2.0**-6)))
     return 2.0 ** (e - 3) * scale
 
@@ -147,8 +151,8 @@ def test_adamuon_second_moment_against_fp32(device, fmt, shape, gen):
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
     v0 = torch.rand(shape, generator=gen).to(device) * 1e-3
     stored = v0 if fmt == "bf16" else v0.sqrt()
-    codes, scales = lms.quantize(stored, dtype)
-    old_stored = lms.dequantize(codes, scales)
+    codes, scales = lms.quantize(stored, dtype, linear_fp8=True)
+    old_stored = lms.dequantize(codes, scales, linear_fp8=True)
     old_v = old_stored if fmt == "bf16" else old_stored * old_stored
     o = torch.randn(shape, generator=gen).to(device) / math.sqrt(max(shape))
     u = o.clone()
@@ -157,8 +161,8 @@ def test_adamuon_second_moment_against_fp32(device, fmt, shape, gen):
     ops.adamuon_normalize_([u_ref], [v_ref], beta2=0.95, eps=1e-8)
     assert torch.equal(u, u_ref)
     exact = v_ref if fmt == "bf16" else v_ref.sqrt()
-    new = lms.dequantize(codes, scales)
-    step = _grid_step(exact, "bf16" if fmt == "bf16" else "fp8", scales, lms.DEFAULT_BLOCK_SIZE)
+    new = lms.dequantize(codes, scales, linear_fp8=True)
+    step = _grid_step(exact, "bf16" if fmt == "bf16" else "fp8-linear", scales, lms.DEFAULT_BLOCK_SIZE)
     assert ((new.double() - exact.double()).abs() <= step * 1.0001).all()
 
 
@@ -183,7 +187,7 @@ def test_opcheck(device, gen):
                               ([g], [codes], sc, [torch.empty(shape, device=device)], [], mu, True, wd, "decoupled",
                                256, seed), test_utils=_utils(codes.dtype))
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
-        codes, scales = lms.quantize(torch.rand(shape, generator=gen).to(device), dtype, 128)
+        codes, scales = lms.quantize(torch.rand(shape, generator=gen).to(device), dtype, 128, linear_fp8=True)
         b = torch.full((), 0.95, dtype=torch.float64, device=device)
         e = torch.full((), 1e-8, dtype=torch.float64, device=device)
         seed = torch.zeros((), dtype=torch.int64, device=device)

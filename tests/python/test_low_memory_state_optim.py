@@ -42,10 +42,9 @@ def _copy_grads(src, dst):
 def _dequantized(state, key):
     scales = state.get(key + "_scales")
     block = state.get("state_block_size", lms.DEFAULT_BLOCK_SIZE)
-    out = lms.dequantize(state[key], scales, block)
-    if key == "moment2_buffer" and state[key].dtype == torch.float8_e4m3fn:
-        out = out * out
-    return out
+    moment2_fp8 = key == "moment2_buffer" and state[key].dtype == torch.float8_e4m3fn  # sqrt(v), linear codes
+    out = lms.dequantize(state[key], scales, block, linear_fp8=moment2_fp8)
+    return out * out if moment2_fp8 else out
 
 
 MAKERS = {

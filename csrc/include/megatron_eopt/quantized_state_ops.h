@@ -34,7 +34,7 @@ struct QuantizedMomentumArgs {
   std::vector<QuantizedStateTensor> tensors;
   StorageType grad_type = StorageType::kFloat32;
   StorageType ns_type = StorageType::kFloat32;
-  StateFormat format = StateFormat::kInt8;
+  StateFormat format = StateFormat::kInt8;  // fp8 momentum: kFloat8E4M3Squared
   int64_t block_size = 256;
   bool nesterov = false;
   bool l2 = false;
@@ -60,6 +60,8 @@ MEGATRON_EOPT_HD float load_state(const void* data, int64_t i, float scale) {
     return to_float(static_cast<const Bf16*>(data)[i]);
   } else if constexpr (F == StateFormat::kInt8) {
     return int8_value(static_cast<const int8_t*>(data)[i], scale);
+  } else if constexpr (F == StateFormat::kFloat8E4M3Squared) {
+    return e4m3_squared_value(static_cast<const Fp8E4M3*>(data)[i], scale);
   } else {
     return e4m3_value(static_cast<const Fp8E4M3*>(data)[i], scale);
   }
@@ -71,6 +73,8 @@ MEGATRON_EOPT_HD void store_state(void* data, int64_t i, float x, float inverse,
     static_cast<Bf16*>(data)[i] = bf16_stochastic(x, bits);
   } else if constexpr (F == StateFormat::kInt8) {
     static_cast<int8_t*>(data)[i] = int8_stochastic(x, inverse, uniform_from_bits(bits));
+  } else if constexpr (F == StateFormat::kFloat8E4M3Squared) {
+    static_cast<Fp8E4M3*>(data)[i] = e4m3_squared_stochastic(x, inverse, uniform_from_bits(bits));
   } else {
     static_cast<Fp8E4M3*>(data)[i] = e4m3_stochastic(mul_rn(x, inverse), bits);
   }
@@ -118,8 +122,10 @@ void dispatch_quantized_momentum(const QuantizedMomentumArgs& a, F&& f) {
             return f(grad_tag, ns_tag, l2, std::integral_constant<StateFormat, StateFormat::kBFloat16>{});
           case StateFormat::kInt8:
             return f(grad_tag, ns_tag, l2, std::integral_constant<StateFormat, StateFormat::kInt8>{});
+          case StateFormat::kFloat8E4M3Squared:
+            return f(grad_tag, ns_tag, l2, std::integral_constant<StateFormat, StateFormat::kFloat8E4M3Squared>{});
           case StateFormat::kFloat8E4M3:
-            return f(grad_tag, ns_tag, l2, std::integral_constant<StateFormat, StateFormat::kFloat8E4M3>{});
+            break;  // the second moment's format
         }
         throw std::invalid_argument("foreach_momentum_quantized_: unknown state format");
       };
