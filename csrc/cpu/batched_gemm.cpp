@@ -5,6 +5,7 @@
 #include <vector>
 #include <type_traits>
 
+#include "cpu/cpu_clones.h"
 #include "megatron_eopt/storage_types.h"
 #include "torch/aten_ops.h"
 
@@ -24,6 +25,37 @@ void for_each_type(const Tensor& t, T&& body) {
 void product_out(Tensor& d, const Tensor& a, const Tensor& b) {
   if (d.dim() == 2) aten::mm_out(d, a, b);
   else aten::bmm_out(d, a, b);
+}
+
+// The element loops, as functions compiled for AVX2 as well (cpu_clones.h; a lambda body would
+// get the baseline ISA only). Each iteration reads and writes one index, so in-place is safe.
+template <typename Out, typename H, typename G>
+MEGATRON_EOPT_CPU_CLONES void polynomial_rows(Out* out, const H* h, const G* g, int64_t s, int64_t begin, int64_t end,
+                                              float c, float b, float a) {
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t at = r * s, diag = at + r % s;
+    // The diagonal term first, so that the row loop has no branch and vectorizes.
+    const float diagonal = c * to_float(h[diag]) + b * to_float(g[diag]) + a;
+    MEGATRON_EOPT_NO_ALIAS
+    for (int64_t k = 0; k < s; ++k) out[at + k] = from_float<Out>(c * to_float(h[at + k]) + b * to_float(g[at + k]));
+    out[diag] = from_float<Out>(diagonal);
+  }
+}
+
+// dst[k] = src[k * stride] / divisor: a division, not a multiplication by the reciprocal, for the
+// same rounding as torch's x / norm.
+template <typename T>
+MEGATRON_EOPT_CPU_CLONES void divide_row(T* dst, const float* src, int64_t stride, int64_t n, float divisor) {
+  if (stride == 1) {
+    MEGATRON_EOPT_NO_ALIAS
+    for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(src[k] / divisor);
+  } else {
+    for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(src[k * stride] / divisor);
+  }
+}
+
+MEGATRON_EOPT_CPU_CLONES void round_bf16_range(float* p, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) p[i] = to_float(from_float<Bf16>(p[i]));
 }
 
 }  // namespace
@@ -90,13 +122,7 @@ void polynomial_out(Tensor& d, float c, const Tensor& h, float b, const Tensor& 
       for_each_type(g, [&](auto* gp) {
         using Out = std::remove_pointer_t<decltype(out)>;
         torch::stable::parallel_for(0, rows, std::max<int64_t>(1, kGrainElements / s), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            const int64_t at = r * s;
-            // The diagonal term first, so that the row loop has no branch and vectorizes.
-            const float diagonal = c * to_float(hp[at + r % s]) + b * to_float(gp[at + r % s]) + a;
-            for (int64_t k = 0; k < s; ++k) out[at + k] = from_float<Out>(c * to_float(hp[at + k]) + b * to_float(gp[at + k]));
-            out[at + r % s] = from_float<Out>(diagonal);
-          }
+          polynomial_rows<Out>(out, hp, gp, s, begin, end, c, b, a);
         });
       });
     });
@@ -134,11 +160,7 @@ void normalize_out(Tensor& out, const Tensor& w, const Tensor& norms) {
                                 [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t i = r / m, j = r % m;
-        const float* row = x + i * s0 + j * s1;
-        // A division, not a multiplication by the reciprocal: the same rounding as torch's x / norm.
-        const float divisor = norm[i];
-        T* dst = o + r * n;
-        for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(row[k * s2] / divisor);
+        divide_row<T>(o + r * n, x + i * s0 + j * s1, s2, n, norm[i]);
       }
     });
   });
@@ -226,7 +248,7 @@ void round_bf16_(Tensor& t) {
   // One pass in place, rounding to nearest even as torch's conversion does (storage_types.h).
   float* p = t.mutable_data_ptr<float>();
   torch::stable::parallel_for(0, t.numel(), kGrainElements, [p](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) p[i] = to_float(from_float<Bf16>(p[i]));
+    round_bf16_range(p, begin, end);
   });
 }
 

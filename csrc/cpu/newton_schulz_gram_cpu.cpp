@@ -12,6 +12,7 @@
 #include "cpu/newton_schulz_gram_cpu.h"
 
 #include "cpu/batched_gemm.h"
+#include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
 
 #include "torch/aten_ops.h"
@@ -32,12 +33,13 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
 
   std::array<Tensor, kGramBufCount> buf;
 
+  CpuScratch scratch;
   buf[gram_buf_index(GramBuf::kOut)] = out;
   for (GramBuf b : {GramBuf::kX0, GramBuf::kX1}) {
-    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = aten::empty({batch, m, n}, kFloat, w.device());
+    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = scratch.take({batch, m, n}, kFloat);
   }
   for (GramBuf b : {GramBuf::kS0, GramBuf::kS1, GramBuf::kS2, GramBuf::kS3, GramBuf::kQx}) {
-    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = aten::empty({batch, s, s}, kFloat, w.device());
+    if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = scratch.take({batch, s, s}, kFloat);
   }
   const auto at_ = [&buf](GramBuf b) -> Tensor& { return buf[gram_buf_index(b)]; };
   const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);

@@ -13,6 +13,7 @@
 // (G = W^T W, W' = W P, P symmetric), so no transpose is materialized.
 #include "cpu/batched_gemm.h"
 #include "cpu/newton_schulz_gram_cpu.h"
+#include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
 #include "torch/aten_ops.h"
 
@@ -26,13 +27,14 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   const std::size_t steps = opts.schedule.size();
 
   // In fp32 the last step writes the output directly; in bf16 its result is widened at the end.
-  Tensor it = aten::empty({batch, m, n}, type, w.device());
+  CpuScratch scratch;
+  Tensor it = scratch.take({batch, m, n}, type);
   normalize_input_out(it, w, opts.eps, opts.recipe);
-  Tensor spare = !bf16 && steps == 1 ? Tensor() : aten::empty_like(it);
+  Tensor spare = !bf16 && steps == 1 ? Tensor() : scratch.take({batch, m, n}, type);
   // G, then G^2 overwritten in place by P: both symmetric, computed as blocks above the diagonal.
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
-  Tensor gram = aten::empty({batch, side, side}, type, w.device());
-  Tensor poly = aten::empty_like(gram);
+  Tensor gram = scratch.take({batch, side, side}, type);
+  Tensor poly = scratch.take({batch, side, side}, type);
   for (std::size_t k = 0; k < steps; ++k) {
     const NsCoefficients& co = opts.schedule[k];
     if (t) symmetric_gemm_out(gram, aten::mT(it), it, blocks);

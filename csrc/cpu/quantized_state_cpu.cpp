@@ -11,14 +11,7 @@
 #include "torch/quantized_state_args.h"
 
 // The loops below write one array and read others that never overlap it (the op's checks), but
-// int8 / bf16 stores may alias anything as far as the compiler knows: say so, or it will not vectorize.
-#if defined(__GNUC__) && !defined(__clang__)
-#define MEGATRON_EOPT_NO_ALIAS _Pragma("GCC ivdep")
-#elif defined(__clang__)
-#define MEGATRON_EOPT_NO_ALIAS _Pragma("clang loop vectorize(assume_safety)")
-#else
-#define MEGATRON_EOPT_NO_ALIAS
-#endif
+// int8 / bf16 stores may alias anything as far as the compiler knows: MEGATRON_EOPT_NO_ALIAS.
 
 namespace megatron_eopt {
 namespace {
