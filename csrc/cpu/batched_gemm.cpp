@@ -90,27 +90,24 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
   }
   const int64_t s = d.size(-1);
   const auto edge = [s, blocks](int64_t i) { return s * i / blocks; };
-  // Blocks are large (ns_symmetric_blocks: at least 256 rows), so one matrix at a time, each block
-  // written in place: a block of a row-major matrix is a strided matrix BLAS writes directly.
+  // One matrix at a time, one GEMM per block row: rows [r0, r1) of d from its diagonal on,
+  // d[r0:r1, r0:] = a[r0:r1, :] . b[:, r0:], a strided matrix BLAS writes in place. One product
+  // per row panel rather than per block: fewer, wider GEMMs, which ATen's bf16 and fp32 GEMMs run
+  // faster (768 x 768 from 768 x 3072 in bf16 on the development CPU: 6.1 ms in 4 panels, 7.5 ms
+  // in 10 blocks, 8.9 ms as one full product).
   for (int64_t t = 0; t < d.size(0); ++t) {
     Tensor dt = aten::select(d, 0, t);
     const Tensor at_ = aten::select(a, 0, t), bt = aten::select(b, 0, t);
     for (int64_t i = 0; i < blocks; ++i) {
       const int64_t r0 = edge(i), rows = edge(i + 1) - r0;
-      const Tensor a_rows = aten::narrow(at_, 0, r0, rows);
-      for (int64_t j = i; j < blocks; ++j) {
-        const int64_t c0 = edge(j), cols = edge(j + 1) - c0;
-        Tensor block = aten::narrow(aten::narrow(dt, 0, r0, rows), 1, c0, cols);
-        product_out(block, a_rows, aten::narrow(bt, 1, c0, cols));
-      }
+      Tensor panel = aten::narrow(aten::narrow(dt, 0, r0, rows), 1, r0, s - r0);
+      product_out(panel, aten::narrow(at_, 0, r0, rows), aten::narrow(bt, 1, r0, s - r0));
     }
-    // The blocks below the diagonal: transposes of those above.
-    for (int64_t i = 0; i < blocks; ++i) {
-      for (int64_t j = i + 1; j < blocks; ++j) {
-        const int64_t r0 = edge(i), rows = edge(i + 1) - r0, c0 = edge(j), cols = edge(j + 1) - c0;
-        Tensor lower = aten::narrow(aten::narrow(dt, 0, c0, cols), 1, r0, rows);
-        aten::copy_(lower, aten::transpose(aten::narrow(aten::narrow(dt, 0, r0, rows), 1, c0, cols), 0, 1));
-      }
+    // Below the diagonal blocks: the transposes of the panels' parts right of them.
+    for (int64_t i = 0; i + 1 < blocks; ++i) {
+      const int64_t r0 = edge(i), rows = edge(i + 1) - r0, c0 = edge(i + 1);
+      Tensor lower = aten::narrow(aten::narrow(dt, 0, c0, s - c0), 1, r0, rows);
+      aten::copy_(lower, aten::transpose(aten::narrow(aten::narrow(dt, 0, r0, rows), 1, c0, s - c0), 0, 1));
     }
   }
 }

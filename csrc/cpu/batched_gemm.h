@@ -16,9 +16,9 @@ namespace megatron_eopt {
 void gemm_out(Tensor& d, const Tensor& a, const Tensor& b);
 
 // The same for products whose exact result is symmetric (W W^T, and the polynomials in one
-// symmetric matrix of both iterations), computed block by block: only the `blocks` x `blocks`
-// blocks on and above the diagonal are multiplied, the others are their transposes (1: one full
-// product).
+// symmetric matrix of both iterations), computed in `blocks` row panels: only the blocks on and
+// above the diagonal are multiplied (one GEMM per row panel), the others are their transposes
+// (1: one full product).
 void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blocks);
 
 // One GEMM per matrix (all threads on each) rather than one bmm over the batch, for `batch`

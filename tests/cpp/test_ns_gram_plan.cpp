@@ -283,7 +283,8 @@ TEST(GramFlops, SymmetricBlocks) {
   EXPECT_EQ(ns_symmetric_blocks(512, NsDevice::kCpu), 2);
   EXPECT_EQ(ns_symmetric_blocks(768, NsDevice::kCpu), 3);
   EXPECT_EQ(ns_symmetric_blocks(1024, NsDevice::kCpu), 4);
-  EXPECT_EQ(ns_symmetric_blocks(8192, NsDevice::kCpu), 4);
+  EXPECT_EQ(ns_symmetric_blocks(1536, NsDevice::kCpu), 6);
+  EXPECT_EQ(ns_symmetric_blocks(8192, NsDevice::kCpu), 8);
   EXPECT_EQ(ns_symmetric_blocks(8192, NsDevice::kCuda), 1);
   EXPECT_DOUBLE_EQ(ns_symmetric_fraction(1), 1.0);
   EXPECT_DOUBLE_EQ(ns_symmetric_fraction(4), 0.625);

@@ -33,15 +33,16 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
 }
 
 // Products with a symmetric result are computed as nb x nb blocks of which only the upper
-// nb (nb + 1) / 2 are multiplied (the rest mirrored): on the CPU, blocks of at least 256 rows, at
-// most 4 per side (measured on the development CPU for W W^T: fp32 1.2x at s = 512, 1.3x at 768,
-// 1.4x at 1024, 2x at 2048; ATen's bf16 GEMMs 1.27x at 768 x 768, 1.43x at 768 x 3072, 1.27x at
-// 1024^2; smaller blocks lose more BLAS efficiency than they save). CUDA runs full cuBLASLt GEMMs
-// (cuBLASLt has no symmetric product; blocks would under-fill the GPU).
+// nb (nb + 1) / 2 are multiplied (the rest mirrored), one GEMM per row panel: on the CPU, panels
+// of at least 256 rows, at most 8 per side (measured on the development CPU for W^T W against one
+// full product: ATen's bf16 GEMMs 1.3x at 768 x 768, 1.45x at 768 x 3072, 1.3x at 1024^2, 1.4x at
+// 2048^2 with 8 panels; fp32 1.1x at 512^2, 1.4x at 768 x 3072, 1.3x at 1024^2; thinner panels
+// lose more BLAS efficiency than they save). CUDA runs full cuBLASLt GEMMs (cuBLASLt has no
+// symmetric product; blocks would under-fill the GPU).
 inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device) {
   if (device == NsDevice::kCuda) return 1;
   const int64_t blocks = side / 256;
-  return blocks < 1 ? 1 : (blocks > 4 ? 4 : blocks);
+  return blocks < 1 ? 1 : (blocks > 8 ? 8 : blocks);
 }
 
 // Fraction of a symmetric product's FLOPs that is computed with `blocks` blocks per side.
