@@ -166,21 +166,22 @@ MEGATRON_EOPT_HD float e4m3_root(uint32_t code) { return sqrtf(e4m3_to_float(Fp8
 // Stochastic rounding of x to a squared code in a block (inverse = sqrt(448) / absmax): t = |x| *
 // inverse is rounded to one of its two neighbours r_c <= t < r_{c+1} on the grid r_c =
 // e4m3_root(c), up with probability (t - r_c) / (r_{c+1} - r_c), so E[stored value] = x. The
-// neighbours come from truncating t^2 to the e4m3 grid, corrected by one code where rounding t^2
-// crossed a grid value. A NaN block (scale NaN, inverse 0) stores 0; values past the top stay at
-// 0x7E (its upper neighbour is NaN, which no compare picks).
+// neighbours come from truncating t^2 to the e4m3 grid (two square roots per value, not four for
+// an exact search): where rounding t^2 crosses a grid value, t lies within 2 ulp of that grid
+// value and is stored as it, 2 ulp off unbiased where the grid spacing is 2^18 ulp or more. A NaN
+// block (scale NaN, inverse 0) stores 0; values past the top stay at 0x7E (its upper neighbour is
+// NaN, which no compare picks).
 MEGATRON_EOPT_HD Fp8E4M3 e4m3_squared_stochastic(float x, float inverse, float uniform) {
   const uint32_t sign = (float_bits(x) >> 24) & 0x80u;
   float t = mul_rn(bits_float(float_bits(x) & 0x7FFFFFFFu), inverse);
   t = bits_float(is_nan_bits(t) ? 0u : float_bits(t));
   uint32_t c = e4m3_stochastic(mul_rn(t, t), 0u).bits;  // no noise: truncation (clamped at 448)
-  c -= static_cast<uint32_t>(below_bits(t, e4m3_root(c)));
-  c += static_cast<uint32_t>(!below_bits(t, e4m3_root(c + 1u)));
   const float lo = e4m3_root(c);
   const float gap = e4m3_root(c + 1u) - lo;
   // up when (1 - u) * gap <= t - lo: probability (t - lo) / gap, and draw 0 rounds down as in the
-  // other formats (1 - u is exact for the 24-bit draws).
-  c += static_cast<uint32_t>(!below_bits(t - lo, mul_rn(1.f - uniform, gap)));
+  // other formats (1 - u is exact for the 24-bit draws). t a hair below lo (below_bits compares
+  // magnitudes, so t - lo < 0 is tested apart) stays at c, a hair past the upper neighbour goes up.
+  c += static_cast<uint32_t>(!below_bits(t, lo) & !below_bits(t - lo, mul_rn(1.f - uniform, gap)));
   return Fp8E4M3{static_cast<uint8_t>(sign | c)};
 }
 
