@@ -236,6 +236,11 @@ def test_update_cautious_parity(device, dtypes, gen):
     param_dtype, update_dtype = dtypes
     params = [_randn(s, gen, param_dtype, device) for s in CAUTIOUS_SHAPES]
     updates = [_randn(s, gen, update_dtype, device) for s in CAUTIOUS_SHAPES]
+    for p, u in zip(params, updates):  # both signs of U·p in every tensor of two or more values
+        if p.numel() >= 2:
+            flat_p, flat_u = p.view(-1), u.view(-1)
+            flat_u[0] = flat_u[0].abs() * torch.where(flat_p[0] >= 0, 1.0, -1.0).to(u.dtype)
+            flat_u[1] = -flat_u[1].abs() * torch.where(flat_p[1] >= 0, 1.0, -1.0).to(u.dtype)
     scales = [0.5 + i for i in range(len(CAUTIOUS_SHAPES))]
     before = [p.clone() for p in params]
     updates_before = [u.clone() for u in updates]
