@@ -12,8 +12,8 @@
   scale``, rounded stochastically (unbiased in the value) between the two neighbouring grid values.
   Plain e4m3 spaces its values up to 12.5% apart over 17 binades, more range than a block needs
   and a grid whose noise the momentum carries from step to step (it cost measurable loss on the
-  demo); squared codes space them at most 6.25% apart over the top 8.5 binades of the block (1/128
-  of its max and above). 1 + 4/256 bytes per value.
+  demo); squared codes space them at most 6.25% apart from 1/128 of the block's max up, and reach
+  down to 1/479 of it (9 binades). 1 + 4/256 bytes per value.
 
 The second moment of AdaMuon (elementwise, ``moment2_method="adamuon"``) follows the option: bf16 for
 ``"bf16"``; for ``"int8"`` and ``"fp8"`` the square root ``sqrt(v)`` in linear e4m3 codes (scale

@@ -11,8 +11,9 @@
 //           sqrt(448), so value = sign * sqrt(e4m3) * scale. e4m3 alone spaces its values 6-12.5%
 //           apart over 17 binades: far more range than a block of momentum needs, and a grid whose
 //           rounding noise, carried step to step by the momentum's EMA, costs measurable training
-//           quality. Squared codes halve the spacing (3-6%) over the 8.5 binades below the block's
-//           max that hold its values. sqrt is correctly rounded on both backends (same bits).
+//           quality. Squared codes halve the spacing (3-6% from 1/128 of the block's max up) and
+//           reach down to 1/479 of it (9 binades). sqrt is correctly rounded on both backends
+//           (same bits).
 //         linear (AdaMuon's sqrt(v), which needs the range): scale = absmax / 448, value = e4m3 * scale.
 // Rounding is stochastic (unbiased: E[stored] = x) with a counter-based hash of (seed, stream,
 // element index) as the uniform draw: no RNG state, identical on CPU and CUDA, and a new seed per
