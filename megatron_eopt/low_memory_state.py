@@ -147,8 +147,8 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, block_size: int = DEFAULT_BLOC
 def _nearest_squared_codes(y: torch.Tensor) -> torch.Tensor:
     """Squared fp8 codes of scaled values y (|y| <= sqrt(448)): the grid value sqrt(e4m3) nearest |y|."""
     t = y.abs()
-    below = (t * t).to(torch.float8_e4m3fn)  # nearest in the square: the answer or a neighbour of it
-    bits = below.view(torch.uint8).to(torch.int32)
+    near = (t * t).to(torch.float8_e4m3fn)  # nearest in the square: the answer or a neighbour of it
+    bits = near.view(torch.uint8).to(torch.int32)
     grid = _squared_grid(y.device)
     candidates = torch.stack([(bits - 1).clamp(0, 0x7E), bits.clamp(0, 0x7E), (bits + 1).clamp(0, 0x7E)]).long()
     best = (grid[candidates] - t).abs().argmin(dim=0, keepdim=True)

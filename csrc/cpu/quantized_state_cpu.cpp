@@ -78,7 +78,7 @@ MEGATRON_EOPT_CPU_CLONES void store_block(void* state, int64_t begin, int64_t n,
   }
 }
 
-// Three simple loops per block (step, absmax, store) rather than one: each vectorizes.
+// Simple loops per block (decode, step, absmax, store) rather than one: each vectorizes.
 template <typename GradT, typename NsT, bool kL2, StateFormat F>
 MEGATRON_EOPT_CPU_CLONES void momentum_block(const QuantizedStateTensor& t, int64_t block, int64_t begin, int64_t end,
                                              float l2_decay, const MomentumCoefficients& c, uint64_t seed,
@@ -87,23 +87,15 @@ MEGATRON_EOPT_CPU_CLONES void momentum_block(const QuantizedStateTensor& t, int6
                                                      static_cast<const GradT*>(t.param), l2_decay, c};
   NsT* ns = static_cast<NsT*>(t.ns_input);
   const float old_scale = has_scales(F) ? t.scales[block] : 0.f;
-  if constexpr (F == StateFormat::kFloat8E4M3Squared) {
-    // Decoded in a loop of its own: GCC does not vectorize the square root and the step in one.
-    MEGATRON_EOPT_NO_ALIAS
-    for (int64_t i = begin; i < end; ++i) values[i - begin] = load_state<F>(t.state, i, old_scale);
-    MEGATRON_EOPT_NO_ALIAS
-    for (int64_t i = begin; i < end; ++i) {
-      const MomentumResult r = element(i, values[i - begin]);
-      ns[i] = from_float<NsT>(r.ns_input);
-      values[i - begin] = r.buffer;
-    }
-  } else {
-    MEGATRON_EOPT_NO_ALIAS
-    for (int64_t i = begin; i < end; ++i) {
-      const MomentumResult r = element(i, load_state<F>(t.state, i, old_scale));
-      ns[i] = from_float<NsT>(r.ns_input);
-      values[i - begin] = r.buffer;
-    }
+  // The old state is decoded in a loop of its own: GCC does not vectorize fp8's square root and
+  // the step in one loop.
+  MEGATRON_EOPT_NO_ALIAS
+  for (int64_t i = begin; i < end; ++i) values[i - begin] = load_state<F>(t.state, i, old_scale);
+  MEGATRON_EOPT_NO_ALIAS
+  for (int64_t i = begin; i < end; ++i) {
+    const MomentumResult r = element(i, values[i - begin]);
+    ns[i] = from_float<NsT>(r.ns_input);
+    values[i - begin] = r.buffer;
   }
   BlockScale s{0.f, 0.f};
   if constexpr (has_scales(F)) {

@@ -57,6 +57,4 @@ CpuScratch::~CpuScratch() {
   }
 }
 
-int64_t cpu_scratch_pooled_bytes() { return thread_pool().bytes; }
-
 }  // namespace megatron_eopt

@@ -35,7 +35,4 @@ class CpuScratch {
   std::vector<Tensor> lent_;  // flat buffers backing what was taken
 };
 
-// Bytes the calling thread's pool holds now (tests).
-int64_t cpu_scratch_pooled_bytes();
-
 }  // namespace megatron_eopt

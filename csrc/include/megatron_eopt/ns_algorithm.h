@@ -35,8 +35,8 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
 // Products with a symmetric result are computed as nb x nb blocks of which only the upper
 // nb (nb + 1) / 2 are multiplied (the rest mirrored), one GEMM per row panel: on the CPU, panels
 // of at least 256 rows, at most 8 per side (measured on the development CPU for W^T W against one
-// full product: ATen's bf16 GEMMs 1.3x at 768 x 768, 1.45x at 768 x 3072, 1.3x at 1024^2, 1.4x at
-// 2048^2 with 8 panels; fp32 1.1x at 512^2, 1.4x at 768 x 3072, 1.3x at 1024^2; thinner panels
+// full product: ATen's bf16 GEMMs 1.3x at 768 x 768, 1.4x at 768 x 3072, 1.3x at 1024^2, 1.4x at
+// 2048^2 with 8 panels; fp32 1.1x at 512^2, 1.3x at 768 x 3072, 1.3x at 1024^2; thinner panels
 // lose more BLAS efficiency than they save). CUDA runs full cuBLASLt GEMMs (cuBLASLt has no
 // symmetric product; blocks would under-fill the GPU).
 inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device) {

@@ -60,6 +60,10 @@ MEGATRON_EOPT_HD int32_t floor_to_int(float x) {
   return t - static_cast<int32_t>(static_cast<float>(t) > x);
 }
 
+// |x| as ordered bits: for non-negative floats the integer order is the numeric order, and every
+// NaN lies above infinity, whatever its sign bit. Integer compares of these keys vectorize.
+MEGATRON_EOPT_HD uint32_t absmax_key(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+
 // ---- uniform draws ----
 // splitmix64's finalizer: a bijective 64-bit mix with full avalanche.
 MEGATRON_EOPT_HD uint64_t mix64(uint64_t z) {
@@ -154,11 +158,8 @@ MEGATRON_EOPT_HD Fp8E4M3 e4m3_stochastic(float y, uint32_t bits) {
 }
 
 // ---- fp8 squared codes (the momentum) ----
-// a < b for a, b >= 0 (or NaN, which lies above everything, whatever its sign bit): on magnitude
-// bits the integer order is the numeric order, and an integer compare vectorizes (see is_nan_bits).
-MEGATRON_EOPT_HD bool below_bits(float a, float b) {
-  return (float_bits(a) & 0x7FFFFFFFu) < (float_bits(b) & 0x7FFFFFFFu);
-}
+// |a| < |b|, NaN above everything, as an integer compare of absmax keys.
+MEGATRON_EOPT_HD bool below_bits(float a, float b) { return absmax_key(a) < absmax_key(b); }
 
 // The magnitude a squared code (sign bit clear) stands for, in units of the block scale:
 // sqrt(e4m3). 0x7F (NaN) gives NaN.
@@ -207,10 +208,8 @@ MEGATRON_EOPT_HD BlockScale block_scale(float absmax, StateFormat format) {
   return {absmax / top, top / absmax};
 }
 
-// |x| as ordered bits: for non-negative floats the integer order is the numeric order, and every
-// NaN lies above infinity, so the largest of a block's keys is its absmax, NaN when any value is
-// NaN. An integer max, which vectorizes.
-MEGATRON_EOPT_HD uint32_t absmax_key(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+// The block's absmax from the keys of its values (absmax_key): the largest key is the absmax, NaN
+// when any value is NaN. An integer max, which vectorizes.
 MEGATRON_EOPT_HD uint32_t absmax_key_update(uint32_t running, float x) {
   const uint32_t k = absmax_key(x);
   return k > running ? k : running;
