@@ -21,6 +21,12 @@ void gemm_out(Tensor& d, const Tensor& a, const Tensor& b);
 // (1: one full product).
 void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blocks);
 
+// d = x . x^T for x (batch, s, k) with any strides (a transposed view included): the Gram
+// products W W^T, W^T W and G G (G symmetric). bf16 on a CPU with AVX512-BF16 runs the symmetric
+// kernel of syrk_bf16.h (only the upper triangle's 8 x 32 tiles are multiplied); otherwise
+// symmetric_gemm_out with `blocks` row panels.
+void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
+
 // One GEMM per matrix (all threads on each) rather than one bmm over the batch, for `batch`
 // matrices of `macs` multiply-adds each in the given element size (2: bf16, 4: fp32).
 bool gemm_loops_per_matrix(int64_t batch, int64_t macs, int64_t element_bytes);

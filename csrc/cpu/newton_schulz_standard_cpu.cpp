@@ -37,9 +37,8 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   Tensor poly = scratch.take({batch, side, side}, type);
   for (std::size_t k = 0; k < steps; ++k) {
     const NsCoefficients& co = opts.schedule[k];
-    if (t) symmetric_gemm_out(gram, aten::mT(it), it, blocks);
-    else symmetric_gemm_out(gram, it, aten::mT(it), blocks);
-    if (co.c != 0.0f) symmetric_gemm_out(poly, gram, gram, blocks);
+    gram_product_out(gram, t ? aten::mT(it) : it, blocks);
+    if (co.c != 0.0f) gram_product_out(poly, gram, blocks);  // G G = G G^T
     polynomial_out(poly, co.c, co.c != 0.0f ? poly : gram, co.b, gram, co.a);
     Tensor next = !bf16 && k + 1 == steps ? out : spare;
     if (t) gemm_out(next, it, poly);  // W P

@@ -38,7 +38,10 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
 // full product: ATen's bf16 GEMMs 1.3x at 768 x 768, 1.4x at 768 x 3072, 1.3x at 1024^2, 1.4x at
 // 2048^2 with 8 panels; fp32 1.1x at 512^2, 1.3x at 768 x 3072, 1.3x at 1024^2; thinner panels
 // lose more BLAS efficiency than they save). CUDA runs full cuBLASLt GEMMs (cuBLASLt has no
-// symmetric product; blocks would under-fill the GPU).
+// symmetric product; blocks would under-fill the GPU). The CPU's bf16 products of the standard
+// iteration bypass the panels where the CPU has AVX512-BF16 (cpu/syrk_bf16.h multiplies only the
+// upper triangle's tiles, about half of the product); the models below keep the panels' fraction,
+// which makes the standard iteration look costlier than it is there, and "auto" keeps it anyway.
 inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device) {
   if (device == NsDevice::kCuda) return 1;
   const int64_t blocks = side / 256;
