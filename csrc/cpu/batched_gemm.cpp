@@ -7,7 +7,7 @@
 
 #include "cpu/cpu_clones.h"
 #include "cpu/scratch_cpu.h"
-#include "cpu/syrk_bf16.h"
+#include "cpu/syrk_cpu.h"
 #include "megatron_eopt/storage_types.h"
 #include "torch/aten_ops.h"
 
@@ -115,23 +115,22 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
 }
 
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
-  if (d.scalar_type() != kBFloat16 || !syrk_bf16_available()) {
+  const SyrkShape shape{x.size(0), x.size(1), x.size(2), d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32};
+  if (!syrk_available(shape.type)) {
     symmetric_gemm_out(d, x, aten::mT(x), blocks);
     return;
   }
-  const SyrkBf16Shape shape{x.size(0), x.size(1), x.size(2)};
   CpuScratch scratch;
   // The packed copy as fp32 storage: 32-bit words, 64-byte aligned like every ATen CPU buffer.
   Tensor packed = scratch.take({shape.packed_words()}, kFloat);
   uint32_t* words = static_cast<uint32_t*>(packed.data_ptr());
-  const Bf16* xp = static_cast<const Bf16*>(x.data_ptr());
-  Bf16* dp = static_cast<Bf16*>(d.data_ptr());
-  const int64_t panel_tasks = shape.batch * shape.panels();
-  torch::stable::parallel_for(0, panel_tasks, 1, [&](int64_t begin, int64_t end) {
-    syrk_bf16_pack(xp, x.stride(0), x.stride(1), x.stride(2), shape, words, begin, end);
+  const void* xp = x.data_ptr();
+  torch::stable::parallel_for(0, shape.batch * shape.panels(), 1, [&](int64_t begin, int64_t end) {
+    syrk_pack(xp, x.stride(0), x.stride(1), x.stride(2), shape, words, begin, end);
   });
+  void* dp = d.data_ptr();
   torch::stable::parallel_for(0, shape.batch * shape.tiles_per_matrix(), 1, [&](int64_t begin, int64_t end) {
-    syrk_bf16_tiles(words, shape, dp, begin, end);
+    syrk_tiles(words, shape, dp, begin, end);
   });
 }
 

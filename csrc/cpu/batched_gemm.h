@@ -21,10 +21,10 @@ void gemm_out(Tensor& d, const Tensor& a, const Tensor& b);
 // (1: one full product).
 void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blocks);
 
-// d = x . x^T for x (batch, s, k) with any strides (a transposed view included): the Gram
-// products W W^T, W^T W and G G (G symmetric). bf16 on a CPU with AVX512-BF16 runs the symmetric
-// kernel of syrk_bf16.h (only the upper triangle's 8 x 32 tiles are multiplied); otherwise
-// symmetric_gemm_out with `blocks` row panels.
+// d = x . x^T for x (batch, s, k) with any strides (a transposed view included), d and x both
+// fp32 or both bf16: the Gram products W W^T, W^T W, G G (G symmetric) and R R. On a CPU with
+// AVX-512 (and AVX512-BF16 for bf16) the symmetric kernel of syrk_cpu.h multiplies only the upper
+// triangle's 8 x 32 tiles; otherwise symmetric_gemm_out with `blocks` row panels.
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
 
 // One GEMM per matrix (all threads on each) rather than one bmm over the batch, for `batch`

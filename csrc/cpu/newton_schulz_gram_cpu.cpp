@@ -62,8 +62,7 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
         Tensor& d = at_(op.d);
         if (op.gemm == GramGemm::kGram) {
           const Tensor& x = at_(op.a);
-          if (transpose) symmetric_gemm_out(d, aten::mT(x), x, blocks);  // X^T X
-          else symmetric_gemm_out(d, x, aten::mT(x), blocks);            // X X^T
+          gram_product_out(d, transpose ? aten::mT(x) : x, blocks);  // X^T X or X X^T
         } else if (op.gemm == GramGemm::kApply) {
           // Operands as the column-major plan orders them: (X, Q) wide, (Q, X) tall.
           const Tensor& x = transpose ? at_(op.b) : at_(op.a);
@@ -80,7 +79,7 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
             MEGATRON_EOPT_CHECK_VALUE(op.a == op.b && op.a == op.c,
                                       "gram program: a product with scalars must be c R R + b R");
             const Tensor& r = at_(op.a);
-            if (op.alpha != 0.f) symmetric_gemm_out(d, r, r, blocks);
+            if (op.alpha != 0.f) gram_product_out(d, r, blocks);  // R R = R R^T
             polynomial_out(d, op.alpha, op.alpha != 0.f ? d : r, op.beta, r, 0.f);
           }
         }

@@ -38,10 +38,13 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
 // full product: ATen's bf16 GEMMs 1.3x at 768 x 768, 1.4x at 768 x 3072, 1.3x at 1024^2, 1.4x at
 // 2048^2 with 8 panels; fp32 1.1x at 512^2, 1.3x at 768 x 3072, 1.3x at 1024^2; thinner panels
 // lose more BLAS efficiency than they save). CUDA runs full cuBLASLt GEMMs (cuBLASLt has no
-// symmetric product; blocks would under-fill the GPU). The CPU's bf16 products of the standard
-// iteration bypass the panels where the CPU has AVX512-BF16 (cpu/syrk_bf16.h multiplies only the
-// upper triangle's tiles, about half of the product); the models below keep the panels' fraction,
-// which makes the standard iteration look costlier than it is there, and "auto" keeps it anyway.
+// symmetric product; blocks would under-fill the GPU). Products of the form X X^T (both
+// iterations' Gram matrix, G G and R R) bypass the panels on a CPU with AVX-512 (cpu/syrk_cpu.h
+// multiplies only the upper triangle's 8 x 32 tiles, about half of the product); the models below
+// keep the panels' fraction for every symmetric product. Both iterations gained from the kernel
+// (measured after it, fp32 on the development CPU, standard / Gram time: 128 x 256 1.00, 256 x 512
+// 0.99, 512 x 1024 1.07, 768 x 1536 1.17, 768 x 3072 1.53, 1024 x 4096 1.55), so the rule below
+// still picks the faster one or one within 1%.
 inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device) {
   if (device == NsDevice::kCuda) return 1;
   const int64_t blocks = side / 256;

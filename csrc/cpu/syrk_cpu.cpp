@@ -1,0 +1,341 @@
+#include "cpu/syrk_cpu.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MEGATRON_EOPT_SYRK_AVX512 1
+#include <immintrin.h>
+#define MEGATRON_EOPT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define MEGATRON_EOPT_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#else
+#define MEGATRON_EOPT_SYRK_AVX512 0
+#endif
+
+namespace megatron_eopt {
+namespace {
+
+constexpr int64_t kPanel = kSyrkPanelRows;
+constexpr int64_t kRows = kSyrkTileRows;
+
+// Row tiles of column panel q: those of rows [0, min(side, 32 (q + 1))).
+int64_t row_tiles_of_panel(const SyrkShape& shape, int64_t q) {
+  const int64_t rows = std::min(shape.side, kPanel * (q + 1));
+  return (rows + kRows - 1) / kRows;
+}
+
+uint32_t pair_word(uint16_t low, uint16_t high) { return static_cast<uint32_t>(low) | (static_cast<uint32_t>(high) << 16); }
+
+uint32_t float_word(const float* x) {
+  uint32_t word;
+  std::memcpy(&word, x, sizeof(word));
+  return word;
+}
+
+// One panel of one matrix, portable: out[p * 32 + r] is the panel row r's word of step p (zero
+// past its `rows` rows and past the depth). Element strides are in elements of the type.
+void pack_panel_scalar(const void* x, int64_t row_stride, int64_t depth_stride, const SyrkShape& shape, int64_t rows,
+                       uint32_t* out) {
+  const int64_t steps = shape.steps();
+  for (int64_t p = 0; p < steps; ++p) {
+    for (int64_t r = 0; r < kPanel; ++r) {
+      uint32_t word = 0;
+      if (r < rows && shape.type == SyrkType::kBf16) {
+        const uint16_t* lo = static_cast<const uint16_t*>(x) + 2 * p * depth_stride + r * row_stride;
+        word = pair_word(*lo, 2 * p + 1 < shape.depth ? lo[depth_stride] : uint16_t{0});
+      } else if (r < rows) {
+        word = float_word(static_cast<const float*>(x) + p * depth_stride + r * row_stride);
+      }
+      out[p * kPanel + r] = word;
+    }
+  }
+}
+
+#if MEGATRON_EOPT_SYRK_AVX512
+
+// Transposes 16 x 16 32-bit words in registers: on return v[j] holds word j of the rows v[0..15].
+MEGATRON_EOPT_AVX512 inline void transpose_16x16(__m512i v[16]) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {  // lane L: rows 2i, 2i + 1 at words 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi)
+    a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + c], lane L: word 4L + c of rows 4i .. 4i + 3
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // gather lane L of b[c], b[4 + c], b[8 + c], b[12 + c] into word 4L + c
+    const __m512i d0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), d1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
+    const __m512i e0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
+    const __m512i e1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
+    v[c] = _mm512_shuffle_i32x4(d0, e0, 0x88);
+    v[8 + c] = _mm512_shuffle_i32x4(d0, e0, 0xDD);
+    v[4 + c] = _mm512_shuffle_i32x4(d1, e1, 0x88);
+    v[12 + c] = _mm512_shuffle_i32x4(d1, e1, 0xDD);
+  }
+}
+
+// Depth contiguous (rows strided): 16 words of 16 rows at a time, transposed in registers. 16
+// words are 32 bf16 or 16 fp32 depth indices; masked loads give zeros past the depth (the high
+// half of an odd depth's last bf16 pair included).
+MEGATRON_EOPT_AVX512 void pack_depth_contiguous(const void* panel, int64_t row_stride, const SyrkShape& shape,
+                                                int64_t rows, uint32_t* out) {
+  const bool bf16 = shape.type == SyrkType::kBf16;
+  const int64_t steps = shape.steps(), element_bytes = bf16 ? 2 : 4, per_word = bf16 ? 2 : 1;
+  const char* base = static_cast<const char*>(panel);
+  for (int64_t h = 0; h < kPanel; h += 16) {  // 16 rows at a time: 16 read streams
+    for (int64_t p0 = 0; p0 < steps; p0 += 16) {
+      const int64_t lanes = bf16 ? 32 : 16, valid = std::min<int64_t>(lanes, shape.depth - per_word * p0);
+      const int64_t words = std::min<int64_t>(16, steps - p0);
+      const bool full = valid == lanes;
+      __m512i v[16];
+      for (int64_t r = 0; r < 16; ++r) {
+        const char* at = base + ((h + r) * row_stride + per_word * p0) * element_bytes;
+        if (h + r >= rows) v[r] = _mm512_setzero_si512();
+        else if (full) v[r] = _mm512_loadu_si512(at);
+        else if (bf16) v[r] = _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << valid) - 1), at);
+        else v[r] = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << valid) - 1), at);
+      }
+      transpose_16x16(v);
+      for (int64_t j = 0; j < words; ++j) _mm512_storeu_si512(out + (p0 + j) * kPanel + h, v[j]);
+    }
+  }
+}
+
+// Rows contiguous (a transposed view), a whole panel: bf16 widens two depth rows of X and
+// interleaves them; fp32 copies one.
+MEGATRON_EOPT_AVX512 void pack_rows_contiguous(const void* panel, int64_t depth_stride, const SyrkShape& shape,
+                                               uint32_t* out) {
+  if (shape.type == SyrkType::kFp32) {
+    const float* x = static_cast<const float*>(panel);
+    for (int64_t p = 0; p < shape.depth; ++p) {
+      _mm512_storeu_si512(out + p * kPanel, _mm512_loadu_si512(x + p * depth_stride));
+      _mm512_storeu_si512(out + p * kPanel + 16, _mm512_loadu_si512(x + p * depth_stride + 16));
+    }
+    return;
+  }
+  const uint16_t* x = static_cast<const uint16_t*>(panel);
+  const int64_t full_pairs = shape.depth / 2;
+  for (int64_t p = 0; p < full_pairs; ++p) {
+    const uint16_t* lo = x + 2 * p * depth_stride;
+    const uint16_t* hi = lo + depth_stride;
+    for (int64_t h = 0; h < kPanel; h += 16) {
+      const __m512i l = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo + h)));
+      const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi + h)));
+      _mm512_storeu_si512(out + p * kPanel + h, _mm512_or_si512(l, _mm512_slli_epi32(u, 16)));
+    }
+  }
+  if (full_pairs < shape.steps()) {  // odd depth: the last pair's high half is zero
+    for (int64_t r = 0; r < kPanel; ++r) out[full_pairs * kPanel + r] = x[2 * full_pairs * depth_stride + r];
+  }
+}
+
+// The 8 x 32 tile's products, step by step: rows a (8 consecutive rows of a packed panel),
+// columns b (a whole packed panel).
+// The accumulators start from `partial` (an 8 x 32 fp32 tile from earlier steps) or zero, and
+// live in locals (an array behind a pointer would be reloaded after every store, since vector
+// types may alias anything).
+MEGATRON_EOPT_AVX512 inline void load_partial(const float* partial, __m512 acc[kRows][2]) {
+  for (int r = 0; r < kRows; ++r) {
+    acc[r][0] = partial ? _mm512_loadu_ps(partial + r * kPanel) : _mm512_setzero_ps();
+    acc[r][1] = partial ? _mm512_loadu_ps(partial + r * kPanel + 16) : _mm512_setzero_ps();
+  }
+}
+
+MEGATRON_EOPT_AVX512_BF16 void accumulate_bf16(const uint32_t* a, const uint32_t* b, int64_t steps,
+                                               const float* partial, __m512 out[kRows][2]) {
+  __m512 acc[kRows][2];
+  load_partial(partial, acc);
+  for (int64_t p = 0; p < steps; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * kPanel);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * kPanel + 16);
+    const uint32_t* ap = a + p * kPanel;
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512bh ar = (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[r]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], ar, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], ar, b1);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+}
+
+MEGATRON_EOPT_AVX512 void accumulate_fp32(const uint32_t* a, const uint32_t* b, int64_t steps, const float* partial,
+                                          __m512 out[kRows][2]) {
+  __m512 acc[kRows][2];
+  load_partial(partial, acc);
+  const float* af = reinterpret_cast<const float*>(a);
+  const float* bf = reinterpret_cast<const float*>(b);
+  for (int64_t p = 0; p < steps; ++p) {
+    const __m512 b0 = _mm512_loadu_ps(bf + p * kPanel), b1 = _mm512_loadu_ps(bf + p * kPanel + 16);
+    const float* ap = af + p * kPanel;
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m512 ar = _mm512_set1_ps(ap[r]);
+      acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+}
+
+// Rounds 16 fp32 lanes to bf16, nearest even (AVX512-BF16's VCVTNEPS2BF16).
+MEGATRON_EOPT_AVX512_BF16 __m256i round_to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+
+// Writes a tile's rows (cols of them, elements of T) and, above the diagonal blocks (its columns
+// start mirror_offset = j0 - i0 right of its rows), its transpose: c[j0 + j, i0 + r].
+template <typename T>
+MEGATRON_EOPT_AVX512 void store_tile(const __m512 acc[kRows][2], T* c, int64_t ldc, int64_t rows,
+                                     int64_t cols, int64_t mirror_offset) {
+  const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+  const __mmask16 m1 = static_cast<__mmask16>(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
+  for (int r = 0; r < rows; ++r) {
+    T* row = c + r * ldc;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      _mm256_mask_storeu_epi16(row, m0, round_to_bf16(acc[r][0]));
+      _mm256_mask_storeu_epi16(row + 16, m1, round_to_bf16(acc[r][1]));
+    } else {
+      _mm512_mask_storeu_ps(row, m0, acc[r][0]);
+      _mm512_mask_storeu_ps(row + 16, m1, acc[r][1]);
+    }
+  }
+  if (mirror_offset == 0) return;
+  for (int64_t j = 0; j < cols; ++j) {
+    T* dst = c + (mirror_offset + j) * ldc - mirror_offset;
+    for (int64_t r = 0; r < rows; ++r) dst[r] = c[r * ldc + j];
+  }
+}
+
+// Cache blocking, as in any GEMM: the depth is cut into chunks of kChunkSteps steps and the rows
+// into blocks of kBlockTiles row tiles. For each chunk and row block, the block's rows over the
+// chunk (16 tiles x 8 rows x 512 words = 256 KiB) stay in L2 while every column panel of the
+// range streams its 32 columns over the chunk (64 KiB) by. Without it each 8-row tile re-read its
+// column panel over the whole depth from L3 or memory (1 MiB for a 2048 x 8192 fp32 X), and the
+// tiles ran at 55-60% of their in-cache rate (2048 x 8192 and 1024 x 4096, both types, on the
+// development CPU). Partial sums are kept exactly in fp32 between chunks, so the result does not
+// depend on the blocking.
+constexpr int64_t kChunkSteps = 512;
+constexpr int64_t kBlockTiles = 16;
+
+// The row tiles [first, last) of column panel q of matrix b: tasks offset .. offset + last - first
+// of a range.
+struct TileRun {
+  int64_t b, q, first, last, offset;
+};
+
+template <typename T>
+MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& shape, T* c, int64_t begin, int64_t end) {
+  const bool bf16 = shape.type == SyrkType::kBf16;
+  const int64_t per_matrix = shape.tiles_per_matrix(), steps = shape.steps(), side = shape.side;
+  const int64_t panel_words = steps * kPanel, chunks = (steps + kChunkSteps - 1) / kChunkSteps;
+  if (begin >= end) return;
+  thread_local std::vector<TileRun> runs;
+  thread_local std::vector<float> partials;  // 8 x 32 fp32 per task between chunks
+  runs.clear();
+  for (int64_t task = begin; task < end;) {
+    const int64_t b = task / per_matrix;
+    int64_t first = task % per_matrix, q = 0;
+    while (first >= row_tiles_of_panel(shape, q)) first -= row_tiles_of_panel(shape, q++);
+    const int64_t last = std::min(row_tiles_of_panel(shape, q), first + (end - task));
+    runs.push_back({b, q, first, last, task - begin});
+    task += last - first;
+  }
+  if (chunks > 1) partials.resize(static_cast<std::size_t>((end - begin) * kRows * kPanel));
+  const int64_t row_blocks = (side + kRows * kBlockTiles - 1) / (kRows * kBlockTiles);
+  for (std::size_t at = 0; at < runs.size();) {
+    std::size_t stop = at;  // runs [at, stop) belong to one matrix
+    while (stop < runs.size() && runs[stop].b == runs[at].b) ++stop;
+    const int64_t b = runs[at].b;
+    const uint32_t* matrix = packed + b * shape.packed_words_per_matrix();
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      const int64_t s0 = chunk * kChunkSteps, n = std::min(kChunkSteps, steps - s0);
+      for (int64_t block = 0; block < row_blocks; ++block) {
+        for (std::size_t k = at; k < stop; ++k) {
+          const TileRun& run = runs[k];
+          const uint32_t* columns = matrix + run.q * panel_words + s0 * kPanel;
+          const int64_t j0 = run.q * kPanel, cols = std::min(kPanel, side - j0);
+          const int64_t t_end = std::min(run.last, (block + 1) * kBlockTiles);
+          for (int64_t t = std::max(run.first, block * kBlockTiles); t < t_end; ++t) {
+            const int64_t i0 = t * kRows;
+            const uint32_t* rows = matrix + (i0 / kPanel) * panel_words + i0 % kPanel + s0 * kPanel;
+            float* partial = chunks > 1 ? partials.data() + (run.offset + t - run.first) * kRows * kPanel : nullptr;
+            __m512 acc[kRows][2];
+            if (bf16) accumulate_bf16(rows, columns, n, chunk > 0 ? partial : nullptr, acc);
+            else accumulate_fp32(rows, columns, n, chunk > 0 ? partial : nullptr, acc);
+            if (chunk + 1 < chunks) {
+              for (int r = 0; r < kRows; ++r) {
+                _mm512_storeu_ps(partial + r * kPanel, acc[r][0]);
+                _mm512_storeu_ps(partial + r * kPanel + 16, acc[r][1]);
+              }
+            } else {
+              store_tile(acc, c + (b * side + i0) * side + j0, side, std::min(kRows, side - i0), cols,
+                         i0 < j0 ? j0 - i0 : 0);
+            }
+          }
+        }
+      }
+    }
+    at = stop;
+  }
+}
+
+#endif
+
+}  // namespace
+
+int64_t SyrkShape::tiles_per_matrix() const {
+  int64_t tiles = 0;
+  for (int64_t q = 0; q < panels(); ++q) tiles += row_tiles_of_panel(*this, q);
+  return tiles;
+}
+
+bool syrk_available(SyrkType type) {
+#if MEGATRON_EOPT_SYRK_AVX512
+  static const bool avx512 =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  return type == SyrkType::kBf16 ? bf16 : avx512;
+#else
+  (void)type;
+  return false;
+#endif
+}
+
+void syrk_pack(const void* x, int64_t batch_stride, int64_t row_stride, int64_t depth_stride, const SyrkShape& shape,
+               uint32_t* packed, int64_t begin, int64_t end) {
+  const int64_t panels = shape.panels(), panel_words = shape.steps() * kPanel;
+  const int64_t element_bytes = shape.type == SyrkType::kBf16 ? 2 : 4;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t b = task / panels, i0 = (task % panels) * kPanel, rows = std::min(kPanel, shape.side - i0);
+    const void* panel = static_cast<const char*>(x) + (b * batch_stride + i0 * row_stride) * element_bytes;
+    uint32_t* out = packed + task * panel_words;
+#if MEGATRON_EOPT_SYRK_AVX512
+    if (syrk_available(SyrkType::kFp32)) {  // AVX-512 F/BW/VL: the packing's instructions
+      if (depth_stride == 1) {
+        pack_depth_contiguous(panel, row_stride, shape, rows, out);
+        continue;
+      }
+      if (row_stride == 1 && rows == kPanel) {
+        pack_rows_contiguous(panel, depth_stride, shape, out);
+        continue;
+      }
+    }
+#endif
+    pack_panel_scalar(panel, row_stride, depth_stride, shape, rows, out);
+  }
+}
+
+void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, int64_t begin, int64_t end) {
+#if MEGATRON_EOPT_SYRK_AVX512
+  if (shape.type == SyrkType::kBf16) run_tiles(packed, shape, static_cast<uint16_t*>(c), begin, end);
+  else run_tiles(packed, shape, static_cast<float*>(c), begin, end);
+#else
+  (void)packed, (void)shape, (void)c, (void)begin, (void)end;
+#endif
+}
+
+}  // namespace megatron_eopt
