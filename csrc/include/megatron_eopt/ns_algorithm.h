@@ -41,10 +41,8 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
 // symmetric product; blocks would under-fill the GPU). Products of the form X X^T (both
 // iterations' Gram matrix, G G and R R) bypass the panels on a CPU with AVX-512 (cpu/syrk_cpu.h
 // multiplies only the upper triangle's 8 x 32 tiles, about half of the product); the models below
-// keep the panels' fraction for every symmetric product. Both iterations gained from the kernel
-// (measured after it, fp32 on the development CPU, standard / Gram time: 128 x 256 1.00, 256 x 512
-// 0.99, 512 x 1024 1.07, 768 x 1536 1.17, 768 x 3072 1.53, 1024 x 4096 1.55), so the rule below
-// still picks the faster one or one within 1%.
+// keep the panels' fraction for every symmetric product: both iterations gained from the kernel,
+// and the rule below still picks the faster one or one within 1% (see NsAutoRule).
 inline int64_t ns_symmetric_blocks(int64_t side, NsDevice device) {
   if (device == NsDevice::kCuda) return 1;
   const int64_t blocks = side / 256;
@@ -79,11 +77,13 @@ inline double gram_flop_weight(NsPrecision precision, NsDevice device) {
 // products at the fraction the device computes) at most 1/min_speedup of the standard iteration's,
 // and a Gram side large enough for the products to be compute-bound.
 // CPU: from `python benchmarks/ns_algorithms.py` on the development machine (benchmarks/RESULTS.md,
-// fp32, quintic x5, both algorithms interleaved; ranges over two runs): the measured speedup
-// follows the model from s = 128 (128 x 256: model 1.14, measured 1.06; 256 x 512: 1.14 /
-// 1.08-1.10; 1024 x 2048: 1.27 / 1.18-1.25; 1024 x 4096: 1.64 / 1.74 and more), Gram was slower
-// wherever the model says 1.0 or less, and under s = 128 its extra small products and calls cost
-// more than the model says (32 x 128: 1.50 / 0.88-0.94; 64 x 192: 1.35 / 1.03-1.09).
+// fp32, quintic x5, both algorithms interleaved), run after the symmetric product kernel, which
+// sped up both algorithms: Gram is as fast or faster wherever the rule picks it (128 x 256: model
+// 1.14, measured 1.00; 256 x 512: 1.14 / 1.01; 1024 x 2048: 1.27 / 1.15; 1024 x 4096: 1.64 /
+// 1.56; 2048 x 8192 1.52) and slower wherever the model says 1.0 or less; under s = 128 its extra
+// small products and calls cost more than the model says (32 x 128: model 1.50, measured 1.01;
+// 64 x 192: 1.35 / 1.12). Before the kernel the same shapes measured 1.06, 1.08-1.10,
+// 1.18-1.25, 1.74, 0.88-0.94 and 1.03-1.09.
 // CUDA: not measured yet; set from the FLOP model with a margin for the extra launches (up to four
 // s x s products per step instead of one) until a GPU run calibrates it.
 struct NsAutoRule {
