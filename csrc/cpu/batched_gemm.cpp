@@ -56,6 +56,17 @@ MEGATRON_EOPT_CPU_CLONES void divide_row(T* dst, const float* src, int64_t strid
   }
 }
 
+// dst[k] = src[k * stride] * factor, rounded to dst's type.
+template <typename T, typename S>
+MEGATRON_EOPT_CPU_CLONES void scale_row(T* dst, const S* src, int64_t stride, int64_t n, float factor) {
+  if (stride == 1) {
+    MEGATRON_EOPT_NO_ALIAS
+    for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(to_float(src[k]) * factor);
+  } else {
+    for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(to_float(src[k * stride]) * factor);
+  }
+}
+
 MEGATRON_EOPT_CPU_CLONES void round_bf16_range(float* p, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) p[i] = to_float(from_float<Bf16>(p[i]));
 }
@@ -222,9 +233,7 @@ void normalize_input_out(Tensor& out, const Tensor& w, float eps, const NsRecipe
     torch::stable::parallel_for(0, batch * m, grain, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const float* row = x + (r / m) * s0 + (r % m) * s1;
-        const float f = static_cast<float>(scale[static_cast<std::size_t>(r)]);
-        T* dst = o + r * n;
-        for (int64_t k = 0; k < n; ++k) dst[k] = from_float<T>(row[k * s2] * f);
+        scale_row<T>(o + r * n, row, s2, n, static_cast<float>(scale[static_cast<std::size_t>(r)]));
       }
     });
   });
@@ -255,10 +264,7 @@ void frobenius_renorm_out(Tensor& out, const Tensor& src) {
   float* o = out.mutable_data_ptr<float>();
   for_each_type(src, [&](auto* p) {
     torch::stable::parallel_for(0, batch * m, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const float f = factor[static_cast<std::size_t>(r / m)];
-        for (int64_t k = 0; k < n; ++k) o[r * n + k] = to_float(p[r * n + k]) * f;
-      }
+      for (int64_t r = begin; r < end; ++r) scale_row<float>(o + r * n, p + r * n, 1, n, factor[static_cast<std::size_t>(r / m)]);
     });
   });
 }
