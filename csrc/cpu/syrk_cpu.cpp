@@ -94,9 +94,12 @@ MEGATRON_EOPT_AVX512 void pack_depth_contiguous(const void* panel, int64_t row_s
       const bool full = valid == lanes;
       __m512i v[16];
       for (int64_t r = 0; r < 16; ++r) {
+        if (h + r >= rows) {
+          v[r] = _mm512_setzero_si512();
+          continue;
+        }
         const char* at = base + ((h + r) * row_stride + per_word * p0) * element_bytes;
-        if (h + r >= rows) v[r] = _mm512_setzero_si512();
-        else if (full) v[r] = _mm512_loadu_si512(at);
+        if (full) v[r] = _mm512_loadu_si512(at);
         else if (bf16) v[r] = _mm512_maskz_loadu_epi16(static_cast<__mmask32>((uint64_t{1} << valid) - 1), at);
         else v[r] = _mm512_maskz_loadu_epi32(static_cast<__mmask16>((1u << valid) - 1), at);
       }
@@ -168,14 +171,14 @@ MEGATRON_EOPT_AVX512 void accumulate_fp32(const uint32_t* a, const uint32_t* b, 
                                           __m512 out[kRows][2]) {
   __m512 acc[kRows][2];
   load_partial(partial, acc);
-  const float* af = reinterpret_cast<const float*>(a);
-  const float* bf = reinterpret_cast<const float*>(b);
   for (int64_t p = 0; p < steps; ++p) {
-    const __m512 b0 = _mm512_loadu_ps(bf + p * kPanel), b1 = _mm512_loadu_ps(bf + p * kPanel + 16);
-    const float* ap = af + p * kPanel;
+    // The words are read as the integers they were stored as and reinterpreted in registers.
+    const __m512 b0 = _mm512_castsi512_ps(_mm512_loadu_si512(b + p * kPanel));
+    const __m512 b1 = _mm512_castsi512_ps(_mm512_loadu_si512(b + p * kPanel + 16));
+    const uint32_t* ap = a + p * kPanel;
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
-      const __m512 ar = _mm512_set1_ps(ap[r]);
+      const __m512 ar = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(ap[r])));
       acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
       acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
     }
@@ -231,7 +234,8 @@ template <typename T>
 MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& shape, T* c, int64_t begin, int64_t end) {
   const bool bf16 = shape.type == SyrkType::kBf16;
   const int64_t per_matrix = shape.tiles_per_matrix(), steps = shape.steps(), side = shape.side;
-  const int64_t panel_words = steps * kPanel, chunks = (steps + kChunkSteps - 1) / kChunkSteps;
+  // At least one chunk, so that a zero depth still writes its zero tiles.
+  const int64_t panel_words = steps * kPanel, chunks = std::max<int64_t>(1, (steps + kChunkSteps - 1) / kChunkSteps);
   if (begin >= end) return;
   thread_local std::vector<TileRun> runs;
   thread_local std::vector<float> partials;  // 8 x 32 fp32 per task between chunks

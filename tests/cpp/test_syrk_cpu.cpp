@@ -130,8 +130,8 @@ TEST_P(SyrkCpuTypes, MatchesFloat64OnAwkwardShapesAndLayouts) {
   const SyrkType type = GetParam();
   if (!syrk_available(type)) GTEST_SKIP() << "this CPU lacks the kernel's AVX-512 extensions";
   std::mt19937 gen(20261125u);
-  const int64_t shapes[][2] = {{1, 1},   {1, 7},  {7, 1},   {5, 3},  {8, 2},    {31, 97},
-                               {32, 32}, {33, 65}, {40, 17}, {64, 2}, {100, 37}, {129, 300}};
+  const int64_t shapes[][2] = {{1, 1},   {1, 7},   {7, 1},   {5, 3},   {8, 2},     {31, 97}, {32, 32},
+                               {33, 65}, {40, 17}, {64, 2},  {5, 0},   {100, 37},  {129, 300}};  // {5, 0}: C = 0
   for (const auto& s : shapes) {
     for (int which = 0; which < 5; ++which) {
       check_product(type, 1, s[0], s[1], which, gen);
