@@ -1,6 +1,6 @@
-// The standard Newton–Schulz iteration (DESIGN §4.1) on the CPU with ATen's BLAS-backed products
-// in the compute type: bf16 for "medium" (ATen's bf16 GEMMs, fp32 accumulation, as the CUDA path
-// and the peers), fp32 otherwise ("high" has no TF32 on a CPU).
+// The standard Newton–Schulz iteration (DESIGN §4.1) on the CPU in the compute type: bf16 for
+// "medium" (fp32 accumulation, as the CUDA path and the peers), fp32 otherwise ("high" has no TF32
+// on a CPU). W P runs on ATen's GEMMs, the symmetric W W^T and G G on gram_product_out.
 //
 // Each product is one plain GEMM (DESIGN §12): with G = W W^T and H = G G, a step is
 //   W' = a W + b G W + c G^2 W = P W,   P = c H + b G + a I,
@@ -31,7 +31,7 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   Tensor it = scratch.take({batch, m, n}, type);
   normalize_input_out(it, w, opts.eps, opts.recipe);
   Tensor spare = !bf16 && steps == 1 ? Tensor() : scratch.take({batch, m, n}, type);
-  // G, then G^2 overwritten in place by P: both symmetric, computed as blocks above the diagonal.
+  // G, then G^2 overwritten in place by P: both symmetric, only their upper parts multiplied.
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
   Tensor gram = scratch.take({batch, side, side}, type);
   Tensor poly = scratch.take({batch, side, side}, type);

@@ -1,9 +1,10 @@
 #include "cpu/syrk_cpu.h"
 
 #include <algorithm>
-#include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "megatron_eopt/storage_types.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MEGATRON_EOPT_SYRK_AVX512 1
@@ -28,12 +29,6 @@ int64_t row_tiles_of_panel(const SyrkShape& shape, int64_t q) {
 
 uint32_t pair_word(uint16_t low, uint16_t high) { return static_cast<uint32_t>(low) | (static_cast<uint32_t>(high) << 16); }
 
-uint32_t float_word(const float* x) {
-  uint32_t word;
-  std::memcpy(&word, x, sizeof(word));
-  return word;
-}
-
 // One panel of one matrix, portable: out[p * 32 + r] is the panel row r's word of step p (zero
 // past its `rows` rows and past the depth). Element strides are in elements of the type.
 void pack_panel_scalar(const void* x, int64_t row_stride, int64_t depth_stride, const SyrkShape& shape, int64_t rows,
@@ -46,7 +41,7 @@ void pack_panel_scalar(const void* x, int64_t row_stride, int64_t depth_stride, 
         const uint16_t* lo = static_cast<const uint16_t*>(x) + 2 * p * depth_stride + r * row_stride;
         word = pair_word(*lo, 2 * p + 1 < shape.depth ? lo[depth_stride] : uint16_t{0});
       } else if (r < rows) {
-        word = float_word(static_cast<const float*>(x) + p * depth_stride + r * row_stride);
+        word = float_bits(static_cast<const float*>(x)[p * depth_stride + r * row_stride]);
       }
       out[p * kPanel + r] = word;
     }
@@ -232,7 +227,7 @@ struct TileRun {
 
 template <typename T>
 MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& shape, T* c, int64_t begin, int64_t end) {
-  const bool bf16 = shape.type == SyrkType::kBf16;
+  constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   const int64_t per_matrix = shape.tiles_per_matrix(), steps = shape.steps(), side = shape.side;
   // At least one chunk, so that a zero depth still writes its zero tiles.
   const int64_t panel_words = steps * kPanel, chunks = std::max<int64_t>(1, (steps + kChunkSteps - 1) / kChunkSteps);
@@ -268,7 +263,7 @@ MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& sha
             const uint32_t* rows = matrix + (i0 / kPanel) * panel_words + i0 % kPanel + s0 * kPanel;
             float* partial = chunks > 1 ? partials.data() + (run.offset + t - run.first) * kRows * kPanel : nullptr;
             __m512 acc[kRows][2];
-            if (bf16) accumulate_bf16(rows, columns, n, chunk > 0 ? partial : nullptr, acc);
+            if constexpr (bf16) accumulate_bf16(rows, columns, n, chunk > 0 ? partial : nullptr, acc);
             else accumulate_fp32(rows, columns, n, chunk > 0 ? partial : nullptr, acc);
             if (chunk + 1 < chunks) {
               for (int r = 0; r < kRows; ++r) {
