@@ -332,7 +332,8 @@ def _check_unit_interval(value: float) -> str | None:
 
 
 def _check_momentum(value: float) -> str | None:
-    return None if 0.0 <= value < 1.0 else "must be finite and in [0, 1)"
+    # Any finite value >= 0 (torch.optim.Muon accepts momentum >= 1; the optimizers check their own range).
+    return None if 0.0 <= value < math.inf else "must be finite and >= 0"
 
 
 def _check_eps(value: float) -> str | None:

@@ -22,6 +22,9 @@ fi
 # Benchmark peer: Dao-AILab's gram-newton-schulz (its torch backend only; its GPU kernels' packages,
 # quack-kernels and nvidia-cutlass-dsl, are not needed for that).
 "$PY" -m pip install -q --no-deps gram-newton-schulz==0.1.6
+# Hugging Face Trainer, for the tests of its Muon + AdamW optimizer factory (pinned: Trainer's
+# optimizer entry points change between releases).
+"$PY" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" torch==2.14.1
 # Megatron-LM's optimizer factory, for the integration tests. megatron-core 0.19.2 declares
 # Python >= 3.12, but its optimizer factory and GPTModel import on 3.11 and need nothing beyond
 # torch, numpy and packaging (its extras pull Transformer Engine, Apex etc.: not wanted here).

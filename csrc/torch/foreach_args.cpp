@@ -163,8 +163,9 @@ MomentumScalars momentum_scalars(const char* op, const Tensor& momentum, const T
   s.weight_decay = step_scalar(op, "weight_decay", weight_decay, device, backend);
   s.grad_scale = step_scalar(op, "grad_scale", grad_scale, device, backend, /*required=*/false);
   s.found_inf = step_scalar(op, "found_inf", found_inf, device, backend, /*required=*/false);
-  check_host_value(op, "momentum", s.momentum, backend, [](double v) { return v >= 0.0 && v < 1.0; },
-                   "finite and in [0, 1)");
+  // Any finite momentum >= 0: the EMA lerp(M, g, 1 - momentum) extrapolates past 1, and
+  // torch.optim.Muon accepts such values (the optimizers keep their own narrower checks).
+  check_host_value(op, "momentum", s.momentum, backend, [](double v) { return v >= 0.0; }, "finite and >= 0");
   check_host_value(op, "weight_decay", s.weight_decay, backend, nullptr, "finite");
   return s;
 }

@@ -40,7 +40,7 @@ ForeachCall<ForeachUpdateArgs> parse_foreach_update(const TensorList& params, co
                                                     const std::optional<Tensor>& found_inf, DeviceType backend);
 
 // The per-step scalars of the momentum ops (0-dim fp32 / fp64 tensors on `device`; grad_scale and
-// found_inf optional), their values checked on the CPU: momentum finite in [0, 1), weight_decay finite.
+// found_inf optional), their values checked on the CPU: momentum finite and >= 0, weight_decay finite.
 struct MomentumScalars {
   StepScalar momentum;
   StepScalar weight_decay;

@@ -211,16 +211,18 @@ def _number(name: str, value) -> float | None:
     return float(value)
 
 
-def check_group_hyperparameters(group: dict, where: str) -> None:
-    """Range checks of the per-group values (lr, momentum, weight_decay, beta2, eps)."""
+def check_group_hyperparameters(group: dict, where: str, momentum_below_one: bool = True) -> None:
+    """Range checks of the per-group values (lr, momentum, weight_decay, beta2, eps). Momentum is
+    in [0, 1), or any value >= 0 with ``momentum_below_one=False`` (torch.optim.Muon's range)."""
     checks = {
         "lr": lambda v: v >= 0,
         "weight_decay": lambda v: v >= 0,
-        "momentum": lambda v: 0 <= v < 1,
+        "momentum": (lambda v: 0 <= v < 1) if momentum_below_one else (lambda v: v >= 0),
         "beta2": lambda v: 0 <= v < 1,
         "eps": lambda v: v > 0,
     }
-    rules = {"lr": ">= 0", "weight_decay": ">= 0", "momentum": "in [0, 1)", "beta2": "in [0, 1)", "eps": "> 0"}
+    rules = {"lr": ">= 0", "weight_decay": ">= 0", "momentum": "in [0, 1)" if momentum_below_one else ">= 0",
+             "beta2": "in [0, 1)", "eps": "> 0"}
     for key, ok in checks.items():
         if key not in group:
             continue
@@ -237,12 +239,13 @@ _STEP_RULES = {
     "lr": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
     "weight_decay": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
     "momentum": (lambda v: 0.0 <= v < 1.0, "finite and in [0, 1)"),
+    "momentum_unbounded": (lambda v: 0.0 <= v < math.inf, "finite and >= 0"),
     "beta2": (lambda v: 0.0 <= v <= 1.0, "finite and in [0, 1]"),
     "eps": (lambda v: _FLT_TRUE_MIN <= v <= _FLT_MAX, "finite and positive in float32"),
 }
 
 
-def check_step_value(key: str, value, where: str) -> None:
+def check_step_value(key: str, value, where: str, momentum_below_one: bool = True) -> None:
     """Raises ValueError when a per-step value read from a param group is out of range.
 
     Python numbers (and CPU tensors, outside torch.compile) are checked; a device tensor's value is
@@ -252,6 +255,6 @@ def check_step_value(key: str, value, where: str) -> None:
         if value.device.type != "cpu" or torch.compiler.is_compiling():
             return
         value = float(value)
-    ok, rule = _STEP_RULES[key]
+    ok, rule = _STEP_RULES["momentum_unbounded" if key == "momentum" and not momentum_below_one else key]
     if not ok(value):
         raise ValueError(f"{where}['{key}'] must be {rule}, got {value!r}")

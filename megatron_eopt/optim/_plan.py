@@ -84,6 +84,7 @@ class Stack:
     device: torch.device
     tp: TPLayout | None
     qkv: QKVSplit | None
+    config: OrthogonalizationConfig  # how its matrices are orthogonalized (their param groups')
     members: list[int] = field(default_factory=list)  # entry indices
 
 
@@ -109,6 +110,7 @@ class Plan:
     # the optimizer refuses them at step(), where Emerging-Optimizers refuses them
     rejected: list[tuple[int, int]] = field(default_factory=list)
     params: tuple[torch.Tensor, ...] = ()  # every param of the groups, in order (detects edits)
+    configs: tuple[OrthogonalizationConfig, ...] = ()  # each param group's settings when built
 
 
 def not_a_matrix(p: torch.Tensor, nd_mode: str) -> bool:
@@ -130,13 +132,16 @@ def _qkv_split(sizes, local_shape, global_shape, where: str) -> QKVSplit:
 
 
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
-               sharded_mode: str = "owner") -> Plan:
+               sharded_mode: str = "owner", group_configs=None) -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
+
+    ``group_configs[gi]`` is how param group gi is orthogonalized (None: ``config`` for every
+    group); matrices of groups with different settings never share a stack.
 
     layout_fn(p) -> TPLayout | None gives the tensor-parallel layout; qkv_fn(p) -> split sizes or
     None says whether p is a fused QKV projection. nd_mode is the default of groups without one.
     DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack; params
-    that are not matrices (:func:`not_a_matrix`) in ``rejected``, without an entry.
+    that are not real floating-point matrices (:func:`not_a_matrix`) in ``rejected``, without an entry.
     """
     entries: list[ParamEntry] = []
     stacks: list[Stack] = []
@@ -147,11 +152,15 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
     rejected: list[tuple[int, int]] = []
     coordinates: dict = {}  # mesh coordinates of owner groups, shared by the params of one build
     adaptive = config.moment2_method is not None
+    configs = tuple(group_configs) if group_configs is not None else (config,) * len(param_groups)
     for gi, group in enumerate(param_groups):
+        group_config = configs[gi]
         for pi, p in enumerate(group["params"]):
             where = f"param_groups[{gi}]['params'][{pi}]"
             mode = group.get("nd_mode", nd_mode)
-            if not_a_matrix(p, mode):
+            # A complex param reaches the plan only where a front end accepts it (torch.optim.Muon's
+            # does, and refuses it at step); the ops take real floating point only.
+            if not_a_matrix(p, mode) or not p.is_floating_point():
                 rejected.append((gi, pi))
                 continue
             sharding = describe(p, mode, sharded_mode, where, coordinates) if is_dtensor(p) else None
@@ -165,13 +174,13 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
             qkv = None if sizes is None else _qkv_split(sizes, local_shape, global_shape, where)
             part_scales: tuple = ()
             if qkv is None:
-                update_scale = config.scale(*global_shape)
+                update_scale = group_config.scale(*global_shape)
             else:
                 update_scale = 1.0
                 if adaptive:
                     offsets = [sum(qkv.sizes[:i]) for i in range(len(qkv.sizes))]
                     part_scales = tuple(
-                        (off, s, config.scale(qkv.global_groups * s, global_shape[1]))
+                        (off, s, group_config.scale(qkv.global_groups * s, global_shape[1]))
                         for off, s in zip(offsets, qkv.sizes)
                     )
             entry = ParamEntry(
@@ -198,10 +207,11 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 sharded.append(ei)
                 continue
 
-            skey = (local_shape[-2:], p.device, None if tp is None else tp.key, None if qkv is None else qkv.sizes)
+            skey = (local_shape[-2:], p.device, None if tp is None else tp.key, None if qkv is None else qkv.sizes,
+                    id(group_config))
             if skey not in stack_of:
                 stack_of[skey] = len(stacks)
-                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, qkv))
+                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, qkv, group_config))
             entry.stack_index = stack_of[skey]
             stacks[entry.stack_index].members.append(ei)
     return Plan(
@@ -213,4 +223,5 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
         sharded=sharded,
         rejected=rejected,
         params=tuple(p for g in param_groups for p in g["params"]),
+        configs=configs,
     )

@@ -460,15 +460,17 @@ class ShardedOrthogonalizer:
         # Matrices orthogonalized per mode since construction (tests and benchmarks read it).
         self.matrices = {mode: 0 for mode in SHARDED_MODES}
 
-    def _ns(self, full: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors."""
+    def _ns(self, full: list[torch.Tensor], config=None) -> list[torch.Tensor]:
+        """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors, with
+        ``config`` (None: the orthogonalizer's own)."""
+        config = self.config if config is None else config
         out: list[torch.Tensor | None] = [None] * len(full)
         by_shape: dict[tuple[int, int], list[int]] = {}
         for k, t in enumerate(full):
             by_shape.setdefault(tuple(t.shape[-2:]), []).append(k)
         for ks in by_shape.values():
             batch = torch.cat([full[k].reshape(-1, *full[k].shape[-2:]) for k in ks])
-            res = self.config.newton_schulz(batch)
+            res = config.newton_schulz(batch)
             start = 0
             for k in ks:
                 count = full[k].numel() // (full[k].shape[-2] * full[k].shape[-1])
@@ -476,8 +478,9 @@ class ShardedOrthogonalizer:
                 start += count
         return out
 
-    def run(self, layouts: list[ShardLayout], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """inputs: local fp32 NS inputs in view coordinates -> local fp32 raw NS outputs."""
+    def run(self, layouts: list[ShardLayout], inputs: list[torch.Tensor], config=None) -> list[torch.Tensor]:
+        """inputs: local fp32 NS inputs in view coordinates -> local fp32 raw NS outputs, orthogonalized
+        with ``config`` (None: the orthogonalizer's own; a param group's settings may differ from it)."""
         outputs: list[torch.Tensor | None] = [None] * len(inputs)
         routes: dict[tuple, list[int]] = {}
         for k, lay in enumerate(layouts):
@@ -485,20 +488,20 @@ class ShardedOrthogonalizer:
             if lay.kind == "owner":
                 routes.setdefault(lay.route.key, []).append(k)
             else:
-                outputs[k] = self._gather_one(lay, inputs[k])
+                outputs[k] = self._gather_one(lay, inputs[k], config)
         for ks in routes.values():
-            self._owner(ks, layouts, inputs, outputs)
+            self._owner(ks, layouts, inputs, outputs, config)
         return outputs
 
-    def _gather_one(self, lay: ShardLayout, x: torch.Tensor) -> torch.Tensor:
+    def _gather_one(self, lay: ShardLayout, x: torch.Tensor, config=None) -> torch.Tensor:
         shape = lay.view_shape
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
         full = DTensor.from_local(x, lay.mesh, lay.placements, run_check=False, shape=torch.Size(shape),
                                   stride=stride).full_tensor()
-        out = self._ns([full])[0]
+        out = self._ns([full], config)[0]
         return distribute_tensor(out, lay.mesh, lay.placements, src_data_rank=None).to_local()
 
-    def _owner(self, ks: list[int], layouts, inputs, outputs) -> None:
+    def _owner(self, ks: list[int], layouts, inputs, outputs, config=None) -> None:
         """Owner mode for matrices of one route: shards to the owner, NS there, parts back."""
         # Same-shape matrices next to each other, so that an owner's matrices of a chunk batch.
         ks = sorted(ks, key=lambda k: (layouts[k].view_shape[-2:], k))
@@ -518,7 +521,7 @@ class ShardedOrthogonalizer:
                     box = lays[i].boxes[s]
                     matrix[_slices(box)] = piece.view(box[1])
                 full.append(matrix)
-            return self._ns(full)
+            return self._ns(full, config)
 
         def deliver(i, piece):
             outputs[ks[i]] = piece.view(inputs[ks[i]].shape)

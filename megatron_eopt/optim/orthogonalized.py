@@ -99,6 +99,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
     _eo_step_time_errors = True
     _nd_error_type: type = ValueError  # Muown: TypeError, as EO's
     _nd_error_without_grad = False  # AdaptiveMuon: True (EO checks every param before its grad)
+    _momentum_below_one = True  # torch.optim.Muon's front end: any momentum >= 0
 
     def __init__(
         self,
@@ -153,7 +154,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         self._hyper: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
         self._batched: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._constructed = False
-        check_group_hyperparameters(defaults, "defaults")
+        check_group_hyperparameters(defaults, "defaults", self._momentum_below_one)
         torch.optim.Optimizer.__init__(self, params, defaults)
         self._constructed = True
         self._rebuild_plan()
@@ -193,7 +194,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                     mesh = p.device_mesh
                     describe(p, nd_mode, self.sharded_mode, where)  # rejects Partial and impossible views
                     _low_memory.check_sharding(p, self.state_dtype, where)
-            check_group_hyperparameters(group, f"param_groups[{gi}]")
+            check_group_hyperparameters(group, f"param_groups[{gi}]", self._momentum_below_one)
             if self._constructed:
                 self._rebuild_plan()
         except Exception:
@@ -305,9 +306,17 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         adaptive = self._config.moment2_method is not None
         return ("lr", "weight_decay", "momentum") + (("beta2", "eps") if adaptive else ())
 
+    def _group_config(self, group: dict) -> OrthogonalizationConfig:
+        """How the matrices of ``group`` are orthogonalized: the optimizer's settings. A front end whose
+        param groups carry their own Newton–Schulz settings (torch.optim.Muon's) overrides it."""
+        return self._config
+
+    def _group_configs(self) -> tuple[OrthogonalizationConfig, ...]:
+        return tuple(self._group_config(group) for group in self.param_groups)
+
     def _rebuild_plan(self) -> None:
         plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
-                          self.sharded_mode)
+                          self.sharded_mode, self._group_configs())
         hyper = {}
         for bucket in plan.buckets:
             if self.state_dtype != "fp32" and bucket.device not in self._state_seeds:
@@ -323,10 +332,15 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
 
     def _current_plan(self) -> Plan:
         plan = self._plan
-        if plan is None or not _plan_matches(plan, self.param_groups):
+        if plan is None or not self._plan_is_current(plan):
             self._rebuild_plan()  # params were added, removed or swapped in a group: regroup once
             plan = self._plan
         return plan
+
+    def _plan_is_current(self, plan: Plan) -> bool:
+        """True while the groups hold the params the plan was built for (a front end whose groups
+        carry settings also compares those)."""
+        return _plan_matches(plan, self.param_groups)
 
     # ------------------------------------------------------------------ state
     def _init_entry_state(self, index: int) -> None:
@@ -481,7 +495,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         for gi in sorted(groups_used):
             group = self.param_groups[gi]
             for key in keys:
-                check_step_value(key, group[key], f"param_groups[{gi}]")
+                check_step_value(key, group[key], f"param_groups[{gi}]", self._momentum_below_one)
         if not torch.compiler.is_compiling() and _capturing_cuda_graph(plan):
             # A host value (Python number or CPU tensor) is written into the graph as a constant.
             # That is what a constant momentum or weight decay wants, but a learning rate is
@@ -516,6 +530,11 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         """Performs one optimization step. ``closure`` is not supported (as in Emerging-Optimizers)."""
         if closure is not None:
             raise ValueError("closure is not supported")
+        return self._run_step()
+
+    def _run_step(self) -> None:
+        """The step itself, without torch's step hooks (``step`` is wrapped with them per class, so a
+        front end with its own ``step`` calls this rather than ``super().step``)."""
         error = self._step_time_error()
         if error is not None:
             raise error
@@ -575,6 +594,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             for i in members:
                 self._init_entry_state(i)
             group = self.param_groups[bucket.group_index]
+            group_cfg = plan.configs[bucket.group_index]
             # The ops run on local matrix views (DTensor: to_local(); nd_mode: (E, m, n) or
             # (size(0), -1)); they take any dense layout (a transposed parameter and its
             # row-major NS input).
@@ -585,13 +605,13 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             scale_t, inf_t = scaler_on[bucket.device]
             momentum_args = dict(
                 momentum=hyper["momentum"],
-                nesterov=cfg.nesterov,
+                nesterov=group_cfg.nesterov,
                 weight_decay=hyper["weight_decay"],
-                weight_decay_method=cfg.weight_decay_method,
+                weight_decay_method=group_cfg.weight_decay_method,
                 grad_scale=self._momentum_grad_divisor(hyper, scale_t),
                 found_inf=inf_t,
             )
-            l2_params = params if cfg.weight_decay_method == "l2" else ()
+            l2_params = params if group_cfg.weight_decay_method == "l2" else ()
             if self.state_dtype == "fp32":
                 ops.foreach_momentum_(grads, [entries[i].view(s["momentum_buffer"]) for i, s in zip(members, states)],
                                       [ns_inputs[i] for i in members], l2_params, **momentum_args)
@@ -601,7 +621,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 ops.foreach_momentum_quantized_(grads, codes, scales, [ns_inputs[i] for i in members], l2_params,
                                                 block_size=self.state_block_size,
                                                 seed=self._state_seeds[bucket.device], **momentum_args)
-            launches.append((bucket, group, members, params, grads, states, hyper, scale_t, inf_t))
+            launches.append((bucket, group, group_cfg, members, params, grads, states, hyper, scale_t, inf_t))
 
         # 2. orthogonalize per stack; only NAMO and an orthogonalize() override read the NS inputs
         # again, otherwise each input stack is released as soon as its result exists (peak: the
@@ -609,11 +629,16 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         updates: list[torch.Tensor | None] = [None] * len(entries)
         keep_inputs = cfg.moment2_method == "namo" or custom
         if sharded:  # matrices spanning ranks: owner (all-to-all) or gather mode, see _sharded
-            outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded])
-            for i, update in zip(sharded, outs):
-                updates[i] = update
-                if not keep_inputs:
-                    ns_inputs[i] = None
+            by_config: dict[int, list[int]] = {}  # groups with their own settings run apart
+            for i in sharded:
+                by_config.setdefault(id(plan.configs[entries[i].group_index]), []).append(i)
+            for members in by_config.values():
+                outs = self._sharded.run([entries[i].sharding for i in members], [ns_inputs[i] for i in members],
+                                         plan.configs[entries[members[0]].group_index])
+                for i, update in zip(members, outs):
+                    updates[i] = update
+                    if not keep_inputs:
+                        ns_inputs[i] = None
         while runs:
             stack, members, buf = runs.pop(0)
             results = self._orthogonalize(stack, buf)
@@ -635,7 +660,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
 
         # 3. second moment (AdaptiveMuon), 4. decay + update per bucket
         hook = self._weight_update_hook
-        for bucket, group, members, params, grads, states, hyper, scale_t, inf_t in launches:
+        for bucket, group, group_cfg, members, params, grads, states, hyper, scale_t, inf_t in launches:
             bucket_updates = [updates[i] for i in members]
             if cfg.moment2_method is not None:
                 self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
@@ -648,20 +673,20 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                     [scales[i] for i in members],
                     lr=hyper["lr"],
                     weight_decay=hyper["weight_decay"],
-                    weight_decay_method=cfg.weight_decay_method,
+                    weight_decay_method=group_cfg.weight_decay_method,
                     found_inf=inf_t,
                 )
             else:
-                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members], hyper, inf_t)
+                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members], hyper, inf_t,
+                                    group_cfg.weight_decay_method)
         return None
 
-    def _hooked_update(self, hook, params, updates, scales, hyper, found_inf) -> None:
+    def _hooked_update(self, hook, params, updates, scales, hyper, found_inf, weight_decay_method) -> None:
         """Decay, weight-update hook around ``p -= lr·update``, batched over one bucket (EO main's order:
         the hook sees the decayed weight and the scaled update)."""
-        cfg = self._config
-        if cfg.weight_decay_method != "l2":  # decay alone: the update scaled by 0 leaves p as decay made it
+        if weight_decay_method != "l2":  # decay alone: the update scaled by 0 leaves p as decay made it
             ops.foreach_update_(params, updates, [0.0] * len(params), lr=hyper["lr"],
-                                weight_decay=hyper["weight_decay"], weight_decay_method=cfg.weight_decay_method,
+                                weight_decay=hyper["weight_decay"], weight_decay_method=weight_decay_method,
                                 found_inf=found_inf)
         torch._foreach_mul_(updates, scales)
         state = hook.fused_pre(params, updates)
@@ -702,7 +727,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         x = grad.to(torch.float32)
         if entry.stack_index < 0:
             # A matrix spanning ranks: a collective, so every rank of its mesh must call this.
-            out = self._sharded.run([entry.sharding], [x.contiguous()])[0]
+            out = self._sharded.run([entry.sharding], [x.contiguous()], plan.configs[entry.group_index])[0]
         else:
             res = self._orthogonalize(plan.stacks[entry.stack_index], x if x.ndim == 3 else x.unsqueeze(0))
             out = res[0] if x.ndim == 2 else (res if isinstance(res, torch.Tensor) else torch.stack(res))
@@ -742,7 +767,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         Plain matrices come back raw (scaled later, in foreach_update_). QKV parts come back scaled
         for Muon (the split op fuses it) and raw for AdaptiveMuon (scaled after normalization).
         """
-        cfg = self._config
+        cfg = stack.config
         scale_parts = cfg.moment2_method is None
         tp = stack.tp
         if tp is not None and tp.mode == "distributed":

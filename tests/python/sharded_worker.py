@@ -175,9 +175,9 @@ def check_each_matrix_once(world, seed):
     counted = []
     original = opt._sharded._ns
 
-    def ns(full):
+    def ns(full, config=None):
         counted.extend(tuple(t.shape) for t in full)
-        return original(full)
+        return original(full, config)
 
     opt._sharded._ns = ns
     for p, s in zip(params, shapes):

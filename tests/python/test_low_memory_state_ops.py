@@ -221,7 +221,7 @@ def test_bad_arguments_are_refused_before_anything_changes(gen):
     with pytest.raises(ValueError, match="block_size"):
         call(block_size=0)
     with pytest.raises(ValueError, match="momentum"):
-        call(momentum=1.5)
+        call(momentum=-0.5)
     with pytest.raises(ValueError, match=r"contiguous"):
         call(states=[torch.zeros(16, 8, dtype=torch.int8).t()], scales=[torch.zeros(8, 1)])
     with pytest.raises(TypeError, match="moment2"):
