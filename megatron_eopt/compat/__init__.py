@@ -5,8 +5,9 @@
   checkpoint layout), with :mod:`.motif_qk_clip` for Motif's QK-clip rule;
 - :mod:`.aux_adam` — Keller Jordan's ``MuonWithAuxAdam``;
 - :mod:`.megatron_legacy` — Megatron-LM's older ``muon.py`` names;
-- :mod:`.nanochat` — nanochat's ``Muon`` / ``DistMuon`` of 22a71aa and its ``MuonAdamW`` (since 2026).
+- :mod:`.nanochat` — nanochat's ``Muon`` / ``DistMuon`` of 22a71aa and its ``MuonAdamW`` (since 2026);
+- :mod:`.torch_optim` — ``torch.optim.Muon`` (PyTorch >= 2.9).
 
-``megatron_eopt.muon`` re-exports the first four, ``megatron_eopt.nanochat`` the last (the
-one-import drop-ins).
+``megatron_eopt.muon`` re-exports the first four, ``megatron_eopt.nanochat`` and
+``megatron_eopt.torch_optim`` one each (the one-import drop-ins).
 """

@@ -169,6 +169,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         return None
 
     # ------------------------------------------------------------------ param groups and plan
+    @torch._disable_dynamo
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         if self._config is None:  # EO-style: parameters are checked where EO checks them, at step()
@@ -232,6 +233,10 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                     f"nd_mode={nd_mode!r} (dims {list(dims)} must be contiguous)"
                 ) from None
 
+    # Pickling, copying and loading rebuild the plan: they run outside dynamo (as torch.optim's own
+    # state_dict, load_state_dict and add_param_group do), so an optimizer copied or loaded inside
+    # a compiled function is complete.
+    @torch._disable_dynamo
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
@@ -240,6 +245,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 
+    @torch._disable_dynamo
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self._batched = None
@@ -266,6 +272,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         if getattr(self, "_constructed", False):
             self._rebuild_plan()
 
+    @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Low-memory entries are converted to this optimizer's state_dtype first (they bypass torch's
         # cast to the parameter's dtype); every misfit is refused before anything changes.
