@@ -148,6 +148,11 @@ def newton_schulz(
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
+    if use_syrk and x.ndim > 2 and precision == "medium":
+        # Emerging-Optimizers 0.4 refuses this pair where its bf16 path would take the SYRK kernel
+        # (its other precisions ignore use_syrk): the same error, type and first sentence.
+        raise TypeError(f"use_syrk does not support N-d input. x has shape {tuple(x.shape)}: pass a 2-D matrix, "
+                        "or use_syrk=False for a batch")
     if normalize_in_double or steps == 0:
         x = _frobenius_normalize(x, eps, tp_group, normalize_in_double)
         if steps == 0:

@@ -54,6 +54,27 @@ void adamuon_one(float* o, float* v, int64_t numel, float weight, float eps) {
                    [&](int64_t begin, int64_t end) { adamuon_range(o, v, begin, end, weight, eps); });
 }
 
+// Sum over [begin, end) of the fp32-rounded squares of p (the reference squares in fp32, then
+// reduces), accumulated in double.
+MEGATRON_EOPT_CPU_CLONES double sum_rounded_squares_range(const float* p, int64_t begin, int64_t end) {
+  constexpr int kLanes = 8;
+  double lanes[kLanes] = {};
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lanes[l] += static_cast<double>(mul_rn(p[i + l], p[i + l]));
+  }
+  double total = 0.0;
+  for (; i < end; ++i) total += static_cast<double>(mul_rn(p[i], p[i]));
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+// NorMuon in Emerging-Optimizers 0.4's order of operations at fp32 (AdaptiveMuon's
+// _apply_moment2_normalization): the slice means of the fp32 squares O*O; U' = fl(O * step); the
+// norm ratio ||O||_F / max(||U'||_F, eps) from the rounded U' (not step^2 * slice sums: U' is what
+// the reference measures); the result fl(U' * ratio). Reductions run in double and are rounded to
+// fp32 once, where the reference accumulates in fp32: results differ from it by the reference's
+// own summation error (a few ulp at most, see test_second_moment.py).
 void normuon_one(float* o, float* v, int64_t rows, int64_t cols, float weight, float eps) {
   if (rows * cols == 0) return;  // nothing to normalize; the state is left as is
   const bool by_row = rows >= cols;
@@ -62,24 +83,43 @@ void normuon_one(float* o, float* v, int64_t rows, int64_t cols, float weight, f
   std::vector<double> sums(static_cast<std::size_t>(slices), 0.0);
   if (by_row) {
     torch::stable::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) sums[r] = sum_squares_range(o + r * cols, 0, cols);
+      for (int64_t r = begin; r < end; ++r) sums[r] = sum_rounded_squares_range(o + r * cols, 0, cols);
     });
   } else {  // column sums, row by row over a block of columns (cache friendly)
     torch::stable::parallel_for(0, cols, grain_for(rows), [&](int64_t begin, int64_t end) {
       for (int64_t r = 0; r < rows; ++r) {
         const float* row = o + r * cols;
-        for (int64_t c = begin; c < end; ++c) sums[c] += static_cast<double>(row[c]) * row[c];
+        for (int64_t c = begin; c < end; ++c) sums[c] += static_cast<double>(mul_rn(row[c], row[c]));
       }
     });
   }
   std::vector<float> steps(static_cast<std::size_t>(slices));
+  for (int64_t j = 0; j < slices; ++j) {
+    steps[j] = normuon_slice_step(v[j], static_cast<float>(sums[j]), slice_len, weight, eps);
+  }
+  // ||O||^2 and ||U'||^2 per row (exact squares of the fp32 values, as a norm reduces them), summed
+  // in row order: the result does not depend on the thread count.
+  std::vector<double> row_o(static_cast<std::size_t>(rows), 0.0);
+  std::vector<double> row_u(static_cast<std::size_t>(rows), 0.0);
+  torch::stable::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      double so = 0.0;
+      double su = 0.0;
+      for (int64_t c = 0; c < cols; ++c) {
+        const float x = o[r * cols + c];
+        const float u = mul_rn(x, steps[by_row ? r : c]);
+        so += static_cast<double>(x) * x;
+        su += static_cast<double>(u) * u;
+      }
+      row_o[r] = so;
+      row_u[r] = su;
+    }
+  });
   double sum_o = 0.0;
   double sum_u = 0.0;
-  for (int64_t j = 0; j < slices; ++j) {
-    const float step = normuon_slice_step(v[j], static_cast<float>(sums[j]), slice_len, weight, eps);
-    steps[j] = step;
-    sum_o += sums[j];
-    sum_u += static_cast<double>(step) * step * sums[j];
+  for (int64_t r = 0; r < rows; ++r) {
+    sum_o += row_o[r];
+    sum_u += row_u[r];
   }
   const float ratio = normuon_norm_ratio(static_cast<float>(sum_o), static_cast<float>(sum_u), eps);
   torch::stable::parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {

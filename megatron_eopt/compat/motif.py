@@ -104,6 +104,11 @@ def _check_muon_params(groups: list[dict], expert_keys) -> None:
                     "orthogonalized on its own); pass expert_keys, or route the tensor to AdamW")
 
 
+# block scales (state_dtype int8 / fp8), the rounding seed and the format version: checked on load by
+# the Muon side (megatron_eopt.optim._low_memory)
+_LOW_MEMORY_KEYS = ("momentum_buffer_scales", "moment2_buffer_scales", "state_seed", "state_format")
+
+
 class MotifMuon(HybridMuon):
     """Motif's ``Muon(params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5,
     adamw_betas=(0.9, 0.95), adamw_eps=1e-8, none_grad=True, debug=False, clip_config=...,
@@ -218,6 +223,8 @@ class MotifMuon(HybridMuon):
                 if p is None:
                     raise ValueError(f"state_dict['state'] has an entry {key!r} that names no parameter")
                 for name, value in entry.items():
+                    if name in _LOW_MEMORY_KEYS:
+                        continue
                     if name == "step":
                         ok = not isinstance(value, torch.Tensor) or value.numel() == 1
                     else:

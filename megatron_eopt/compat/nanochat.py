@@ -134,6 +134,10 @@ class _StackedMuon:
         self.bound_stale = True  # the inner state does not view the stacks yet
         self.inner_groups: dict[int, dict] = {}  # outer group index -> its inner param group
 
+    def recipe(self) -> tuple[dict, str]:
+        """What a copy needs to rebuild this object (the inner optimizers are rebuilt from the groups)."""
+        return dict(self.era), self.precision
+
     def _owned(self, group, rank: int, world: int) -> tuple[int, int, int]:
         n = len(group["params"])
         chunk = n if world == 1 else (n + world - 1) // world
@@ -350,6 +354,23 @@ class _NanochatMuonBase(torch.optim.Optimizer):
         if hasattr(self, "_muon"):  # after construction: the inner optimizers follow the groups
             self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer pickles defaults, state and param_groups only: the Muon recipe goes
+        # along (copy.deepcopy, pickle) and the inner optimizers are rebuilt on the other side
+        state = super().__getstate__()
+        state["_muon_recipe"] = self._muon.recipe()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        recipe = state.pop("_muon_recipe", None)
+        super().__setstate__(state)
+        if recipe is None and "_muon" in self.__dict__:
+            return  # torch's load_state_dict passes its state and groups through here: keep the recipe
+        era, precision = recipe if recipe is not None else (ERA_2201, "medium")
+        self._muon = _StackedMuon(dict(era), precision)
+        self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
+
     def _world(self) -> tuple[int, int]:
         return _world() if self._distributed else (0, 1)
 
@@ -479,6 +500,29 @@ class MuonAdamW(torch.optim.Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_muon"):  # after construction: the inner optimizers follow the groups
             self._muon.prepare(self._muon_groups(), self.state, *_world(), create_state=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.optim.Optimizer pickles defaults, state and param_groups only: the compute dtype
+        # and the Muon recipe go along (copy.deepcopy, pickle); the inner optimizers and the step /
+        # lr tensors handed to torch's AdamW (rewritten every step) are rebuilt on the other side
+        state = super().__getstate__()
+        state["compute_dtype"] = self.compute_dtype
+        state["_muon_recipe"] = self._muon.recipe()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        recipe = state.pop("_muon_recipe", None)
+        super().__setstate__(state)
+        if recipe is None and "_muon" in self.__dict__:
+            return  # torch's load_state_dict passes its state and groups through here: keep the recipe
+        if "compute_dtype" not in self.__dict__:
+            self.compute_dtype = compute_dtype()
+        era, precision = recipe if recipe is not None else (ERA_TODAY, _precision(self.compute_dtype))
+        self._muon = _StackedMuon(dict(era), precision)
+        self._adam_steps = {}
+        self._adam_lr_buffers = {}
+        self._muon.prepare(self._muon_groups(), self.state, *_world(), create_state=False)
 
     def _muon_groups(self):
         return [g for g in self.param_groups if g["kind"] == "muon"]

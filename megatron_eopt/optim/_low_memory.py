@@ -9,6 +9,24 @@ scales also ``state_block_size`` (an int), so a checkpoint says how its blocks w
 (same block size) are kept bit for bit; others are read as fp32 values and stored in the
 optimizer's format, rounded to nearest. torch's loader casts every floating-point state tensor to
 its parameter's dtype, which would destroy codes, so the converted entries bypass it.
+
+Resuming bit for bit: ``state_dict()`` adds to the state of every parameter with low-memory state
+``state_seed`` (a 0-dim int64 tensor: the stochastic rounding's seed of the parameter's device after
+the last step) and ``state_format`` (a 0-dim int64 CPU tensor: :data:`FORMAT_VERSION`, the meaning
+of the codes); ``load_state_dict`` also takes them as Python ints. Neither is kept in
+``optimizer.state``. ``load_state_dict`` sets each device's seed from the checkpoint, so the next
+step draws what the uninterrupted run would have drawn. A checkpoint without ``state_seed``
+(written before the seed was saved, or with fp32 state) restarts the seed at 0, as a freshly
+constructed optimizer does: the run continues correctly (the rounding stays unbiased) but its
+draws are not those of the uninterrupted run. (torch.distributed.checkpoint loads into the state
+dict it is given, which has both keys: an older DCP checkpoint needs
+``DefaultLoadPlanner(allow_partial_load=True)``.) A checkpoint whose ``state_format`` is newer than
+:data:`FORMAT_VERSION` (or not a positive int) is refused before anything changes; one without
+``state_format`` is read as the current format.
+
+Format versions: 1: bf16 momentum; int8 codes with ``absmax / 127`` block scales; fp8 momentum in
+squared e4m3 codes (``absmax / sqrt(448)`` block scales); AdaMuon's fp8 second moment as ``sqrt(v)``
+in linear e4m3 codes (see :mod:`megatron_eopt.low_memory_state`).
 """
 
 from __future__ import annotations
@@ -24,6 +42,9 @@ from ._sharded import is_dtensor, local
 MOMENTUM = "momentum_buffer"
 MOMENT2 = "moment2_buffer"
 BLOCK_KEY = "state_block_size"
+SEED_KEY = "state_seed"
+FORMAT_KEY = "state_format"
+FORMAT_VERSION = 1  # raise (and convert older versions on load) whenever a code's meaning changes
 
 
 def scales_key(key: str) -> str:
@@ -131,6 +152,20 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
         p, label = entry
         state_dtype, block_size, keys = target
         values = dict(values)
+        check_format(values, label)
+        values.pop(FORMAT_KEY, None)
+        seed = values.pop(SEED_KEY, None)
+        if seed is not None:
+            seed = local(seed) if isinstance(seed, torch.Tensor) else seed
+            if isinstance(seed, torch.Tensor):
+                ok = seed.numel() == 1 and not seed.is_floating_point() and not seed.is_complex() \
+                    and seed.dtype != torch.bool
+            else:
+                ok = isinstance(seed, int) and not isinstance(seed, bool)
+            if not ok:
+                raise ValueError(f"load_state_dict: state['{SEED_KEY}'] of {label} must be an int or a one-element "
+                                 f"integer tensor, got {seed!r}; nothing was loaded")
+            held.setdefault(index, {})[SEED_KEY] = seed
         for key in keys:
             if key not in values or not isinstance(values[key], torch.Tensor):
                 continue
@@ -188,18 +223,77 @@ def _shaped_like_param(t: torch.Tensor, p: torch.Tensor, shape) -> torch.Tensor:
                               stride=stride)
 
 
-def restore(optimizer, state_dict: Mapping[str, Any], held: dict) -> None:
-    """Puts the held entries of :func:`split_state_dict` into the loaded optimizer's state."""
-    if not held:
-        return
-    saved_groups = state_dict["param_groups"]
+def restore(optimizer, state_dict: Mapping[str, Any], held: dict,
+            seeds: dict[torch.device, torch.Tensor] | None = None) -> None:
+    """Puts the held entries of :func:`split_state_dict` into the loaded optimizer's state, and sets
+    ``seeds`` (the stochastic rounding's seed per device) from the checkpoint: each device's to the
+    ``state_seed`` of its parameters (one value: they were saved from one seed), 0 where the
+    checkpoint has none (see the module's docstring). Copied in place, without host synchronization."""
+    found: dict[torch.device, Any] = {}
+    saved_groups = state_dict.get("param_groups", [])
     for saved, group in zip(saved_groups, optimizer.param_groups):
         for index, p in zip(saved["params"], group["params"]):
-            if index in held:
-                device = local(p).device
-                entries = {k: (v.to(device) if isinstance(v, torch.Tensor) and not is_dtensor(v) else v)
-                           for k, v in held[index].items()}
+            if index not in held:
+                continue
+            device = local(p).device
+            entries = {k: (v.to(device) if isinstance(v, torch.Tensor) and not is_dtensor(v) else v)
+                       for k, v in held[index].items()}
+            seed = entries.pop(SEED_KEY, None)
+            if seed is not None:
+                found.setdefault(device, seed)
+            if entries:
                 optimizer.state[p].update(entries)
+    for device, seed in (seeds or {}).items():
+        value = found.get(device, 0)
+        if isinstance(value, torch.Tensor):
+            seed.copy_(value.reshape(()).to(device=seed.device, dtype=seed.dtype), non_blocking=True)
+        else:
+            seed.fill_(value)
+
+
+def check_format(values: Mapping[str, Any], label: str) -> None:
+    """Refuses a parameter's state written in a low-memory format this version cannot read."""
+    version = values.get(FORMAT_KEY)
+    if version is None:
+        return  # written before formats were versioned: the current format
+    if isinstance(version, torch.Tensor):
+        version = local(version)
+        if version.numel() == 1 and not version.is_floating_point() and version.dtype != torch.bool:
+            version = int(version)  # a host read of one value (checkpoints are loaded between steps)
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+        raise ValueError(
+            f"load_state_dict: state['{FORMAT_KEY}'] of {label} is {version!r}, but this version of megatron_eopt "
+            f"reads low-memory state formats 1 to {FORMAT_VERSION}: the checkpoint was written by a newer release "
+            "(load it with that release, or save it with dequantize_state_dict there); nothing was loaded"
+        )
+
+
+def add_resume_entries(state_dict: dict[str, Any], param_groups, seeds: dict[torch.device, torch.Tensor],
+                       owns=lambda p: True) -> dict[str, Any]:
+    """Adds ``state_seed`` and ``state_format`` to the saved state of every parameter ``owns(p)``
+    whose state is low-memory (copies the per-parameter dicts: the live state is not changed).
+
+    Both are 0-dim int64 tensors (the seed a copy of its device's, taken without host
+    synchronization; the version on the CPU): torch.distributed.checkpoint loads tensors into the
+    state dict it is given, and a plain tensor is replicated across ranks as the seed is."""
+    values_of: dict[torch.device, torch.Tensor] = {}
+    state = dict(state_dict.get("state", {}))
+    for saved, group in zip(state_dict.get("param_groups", []), param_groups):
+        for index, p in zip(saved["params"], group["params"]):
+            entry = state.get(index)
+            if not isinstance(entry, Mapping) or MOMENTUM not in entry or not owns(p):
+                continue
+            device = local(p).device
+            entry = dict(entry)
+            entry[FORMAT_KEY] = torch.tensor(FORMAT_VERSION, dtype=torch.int64)
+            if device in seeds:
+                if device not in values_of:
+                    values_of[device] = seeds[device].clone()
+                entry[SEED_KEY] = values_of[device].clone()
+            state[index] = entry
+    out = dict(state_dict)
+    out["state"] = state
+    return out
 
 
 def dequantize_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
@@ -215,6 +309,9 @@ def dequantize_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
             new_state[index] = values
             continue
         values = dict(values)
+        check_format(values, f"state[{index!r}]")
+        values.pop(FORMAT_KEY, None)
+        values.pop(SEED_KEY, None)
         for key in (MOMENTUM, MOMENT2):
             data = values.get(key)
             if not isinstance(data, torch.Tensor) or data.dtype not in (torch.int8, torch.float8_e4m3fn):

@@ -200,7 +200,13 @@ class HybridMuon(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self._offload.refuse("state_dict()")
-        return super().state_dict()
+        state_dict = super().state_dict()
+        muon = self._muon
+        if muon is not None and muon._config is not None and muon.state_dtype != "fp32":
+            mine = {id(q) for g in muon.param_groups for q in g["params"]}
+            state_dict = _low_memory.add_resume_entries(state_dict, self.param_groups, muon._state_seeds,
+                                                        lambda p: id(p) in mine)
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._offload.refuse("load_state_dict()")
@@ -213,7 +219,8 @@ class HybridMuon(torch.optim.Optimizer):
         check_loaded_state(self, state_dict)  # a misfit is refused before anything changes
         super().load_state_dict(state_dict)
         self._link()  # torch built new group dicts and a new state
-        _low_memory.restore(self, state_dict, held)
+        _low_memory.restore(self, state_dict, held,
+                            muon._state_seeds if muon is not None and muon._config is not None else None)
 
     def _expected_state(self, p: torch.Tensor, key: str):
         """What ``load_state_dict`` accepts for ``state[p][key]`` (the side that owns p decides)."""

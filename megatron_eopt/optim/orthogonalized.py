@@ -281,7 +281,15 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             state_dict, held = _low_memory.split_state_dict(self, state_dict, self._low_memory_target)
         check_loaded_state(self, state_dict)
         super().load_state_dict(state_dict)
-        _low_memory.restore(self, state_dict, held)
+        _low_memory.restore(self, state_dict, held, self._state_seeds if self._config is not None else None)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Low-memory state also saves the stochastic rounding's seed and its format version (see
+        # _low_memory): a resumed run draws what the uninterrupted one would have.
+        state_dict = super().state_dict()
+        if self._config is not None and self.state_dtype != "fp32":
+            state_dict = _low_memory.add_resume_entries(state_dict, self.param_groups, self._state_seeds)
+        return state_dict
 
     def _low_memory_target(self, p: torch.Tensor):
         """(state_dtype, block size, keys that follow it) for a parameter of this optimizer."""

@@ -300,6 +300,24 @@ TEST(NsAlgorithmChoice, ExplicitRequestsAreHonoured) {
   EXPECT_FALSE(gram.program.ops.empty());
 }
 
+TEST(NsAlgorithmChoice, AutoKeepsStandardForSchedulesThatDoNotOrthogonalize) {
+  // Emerging-Optimizers' custom-coefficient test schedule: singular values grow to 15, then ~1.3e7.
+  const std::vector<NsCoefficients> wild = {{3.f, 5.f, 7.f}, {11.f, 13.f, 17.f}};
+  EXPECT_GT(ns_schedule_peak(wild), 1e7);
+  EXPECT_LT(ns_schedule_peak(schedule(kQuintic, 5)), 2.0);
+  EXPECT_LT(ns_schedule_peak(schedule(kPolar, 3)), kGramMaxSchedulePeak);
+  EXPECT_DOUBLE_EQ(ns_schedule_peak({}), 1.0);
+  for (NsDevice d : {NsDevice::kCpu, NsDevice::kCuda}) {
+    EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kAuto, 1024, 4096, false, wild, NsPrecision::kHighest, d).algorithm,
+              NsAlgorithm::kStandard);
+    EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kGram, 1024, 4096, false, wild, NsPrecision::kHighest, d).algorithm,
+              NsAlgorithm::kGram);  // asked for: runs
+    EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kAuto, 1024, 4096, false, schedule(kQuintic, 5),
+                                  NsPrecision::kHighest, d).algorithm,
+              NsAlgorithm::kGram);  // an orthogonalizing schedule still takes Gram where it pays
+  }
+}
+
 TEST(NsAlgorithmChoice, AutoOnTheCpu) {
   const auto sched = schedule(kQuintic, 5);
   const auto pick = [&](int64_t m, int64_t n, NsPrecision p) {

@@ -101,17 +101,30 @@ def check_dcp(world, pair, seed, path, fmt):
 
     gen = torch.Generator().manual_seed(seed + 1)
     full = [torch.randn(s, generator=gen) * 0.1 for s in SHAPES]
-    grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
+    grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(3)]
     saved = None
     if dist.get_rank() < 2:
         params = [torch.nn.Parameter(distribute_tensor(t.clone(), pair, [Shard(0)], src_data_rank=None)) for t in full]
         opt = AdaptiveMuon(params, moment2_method="adamuon", **KWARGS, state_dtype=fmt)
-        for gs in grads:
+        for gs in grads[:2]:
             for p, g in zip(params, gs):
                 p.grad = distribute_tensor(g, pair, [Shard(0)], src_data_rank=None)
             opt.step()
         dcp.save({"optim": opt.state_dict()}, checkpoint_id=path, process_group=pair.get_group())
         saved = [{k: _bits(v) for k, v in opt.state[p].items()} for p in params]
+        # Resuming on the same ranks continues bit for bit (the rounding seed travels with the state).
+        twin_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        twin = AdaptiveMuon(twin_params, moment2_method="adamuon", **KWARGS, state_dtype=fmt)
+        twin.init_state()
+        state = {"optim": twin.state_dict()}
+        dcp.load(state, checkpoint_id=path, process_group=pair.get_group())
+        twin.load_state_dict(state["optim"])
+        for o, ps in ((opt, params), (twin, twin_params)):
+            for p, g in zip(ps, grads[2]):
+                p.grad = distribute_tensor(g, pair, [Shard(0)], src_data_rank=None)
+            o.step()
+        for i, (p, q) in enumerate(zip(params, twin_params)):
+            assert torch.equal(p.to_local(), q.to_local()), f"DCP {fmt}: resumed param {i} differs"
     dist.barrier()
     params = [torch.nn.Parameter(distribute_tensor(t.clone(), world, [Shard(0)], src_data_rank=None)) for t in full]
     opt = AdaptiveMuon(params, moment2_method="adamuon", **KWARGS, state_dtype=fmt)
@@ -120,6 +133,7 @@ def check_dcp(world, pair, seed, path, fmt):
     dcp.load(state, checkpoint_id=path)
     opt.load_state_dict(state["optim"])
     loaded = [{k: _bits(v) for k, v in opt.state[p].items()} for p in params]
+    assert [int(s) for s in opt._state_seeds.values()] == [2], "the seed of the 2-rank run after 2 steps"
     objects = [saved]
     dist.broadcast_object_list(objects, src=0)
     for i, (want, got) in enumerate(zip(objects[0], loaded)):

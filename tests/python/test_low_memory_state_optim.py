@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from megatron_eopt import low_memory_state as lms
-from megatron_eopt.optim import AdaptiveMuon, HybridMuon, Muon, TensorParallelMuon
+from megatron_eopt.compat.motif import MotifMuon
+from megatron_eopt.optim import AdaptiveMuon, HybridMuon, Muon, TensorParallelAdaptiveMuon, TensorParallelMuon
 from megatron_eopt.optim import dequantize_state_dict, state_bytes
 
 FORMATS = ["bf16", "int8", "fp8"]
@@ -124,8 +125,7 @@ def test_state_dict_round_trip_is_bitwise(fmt, gen):
                 assert other.dtype == value.dtype and torch.equal(other.view(torch.uint8), value.view(torch.uint8))
             else:
                 assert other == value
-    # The next steps agree bit for bit (the seed advances the same way from the same state).
-    twin._state_seeds = {d: s.clone() for d, s in opt._state_seeds.items()}
+    # The next steps agree bit for bit (the seed travels with the checkpoint).
     _set_grads(params, gen)
     _copy_grads(params, twin_params)
     opt.step()
@@ -333,3 +333,119 @@ def test_small_components_accumulate_unbiased(fmt):
     assert abs(small.mean().item() - exact[0, 1].item()) < 0.1 * exact[0, 1].item()
     if fmt == "int8":  # the biased alternative fails visibly (int8: the small entries never move)
         assert lms.dequantize(rtn_codes, rtn_scales)[:, 1:].abs().max() == 0
+
+
+# ------------------------------------------------------------------ resuming bit for bit
+def _hybrid_groups(ps):
+    return [{"params": ps[:-1], "use_muon": True}, {"params": ps[-1:], "use_muon": False}]
+
+
+RESUMERS = {
+    **MAKERS,
+    "tp_adamuon": lambda ps, sd: TensorParallelAdaptiveMuon(ps, lr=0.02, moment2_method="adamuon",
+                                                            fp32_matmul_prec="highest", state_dtype=sd),
+    "hybrid": lambda ps, sd: HybridMuon(_hybrid_groups(ps), lr=0.02, state_dtype=sd),
+    "hybrid_adamuon": lambda ps, sd: HybridMuon(_hybrid_groups(ps), lr=0.02, state_dtype=sd,
+                                                moment2_method="adamuon"),
+    "motif": lambda ps, sd: MotifMuon(_hybrid_groups(ps), lr=0.02, state_dtype=sd),
+}
+RESUME_SHAPES = [(16, 24), (40, 8), (97, 37), (300, 1)]  # the last one is AdamW's in the hybrids
+
+
+def _run_steps(opt, params, grads):
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("case", list(RESUMERS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_resumed_run_continues_bit_for_bit(case, fmt, gen):
+    params = _params(gen, RESUME_SHAPES)
+    grads = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(5)]
+    make = RESUMERS[case]
+    opt = make(params, fmt)
+    _run_steps(opt, params, grads[:3])
+    sd = copy.deepcopy(opt.state_dict())
+    assert all(int(entry["state_format"]) == 1 for i, entry in sd["state"].items() if "momentum_buffer" in entry)
+    twin_params = _clone(params)  # the model's checkpoint
+    resumed = make(twin_params, fmt)
+    resumed.load_state_dict(sd)
+    for p, q in zip(params, twin_params):
+        assert torch.equal(p, q)
+        assert "state_seed" not in resumed.state[q] and "state_format" not in resumed.state[q]
+    _run_steps(opt, params, grads[3:])
+    _run_steps(resumed, twin_params, grads[3:])
+    for i, (p, q) in enumerate(zip(params, twin_params)):
+        assert torch.equal(p, q), f"{case} {fmt}: param {i} differs after resuming"
+        for key, value in opt.state[p].items():
+            other = resumed.state[q][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value.view(torch.uint8) if value.element_size() == 1 else value,
+                                   other.view(torch.uint8) if other.element_size() == 1 else other), (case, key)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_checkpoint_without_seed_restarts_it_at_zero(fmt, gen):
+    """A checkpoint written before the seed was saved: the seed restarts at 0, as in a fresh optimizer."""
+    params = _params(gen)
+    opt = Muon(params, lr=0.02, state_dtype=fmt)
+    for _ in range(3):
+        _set_grads(params, gen)
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    assert {int(entry["state_seed"]) for entry in sd["state"].values()} == {3}
+    old = {**sd, "state": {i: {k: v for k, v in e.items() if k not in ("state_seed", "state_format")}
+                           for i, e in sd["state"].items()}}
+    twin = Muon(_clone(params), lr=0.02, state_dtype=fmt)
+    _set_grads(twin.param_groups[0]["params"], gen)
+    twin.step()  # its seed moved on: the old checkpoint sets it back to 0
+    twin.load_state_dict(old)
+    assert [int(s) for s in twin._state_seeds.values()] == [0]
+    twin.load_state_dict(sd)
+    assert [int(s) for s in twin._state_seeds.values()] == [3]
+    twin.load_state_dict({**sd, "state": {i: {**e, "state_seed": 7} for i, e in sd["state"].items()}})  # ints too
+    assert [int(s) for s in twin._state_seeds.values()] == [7]
+
+
+def test_newer_state_format_is_refused_before_anything_changes(gen):
+    params = _params(gen, [(8, 12)])
+    opt = Muon(params, lr=0.02, state_dtype="fp8")
+    _set_grads(params, gen)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    _set_grads(params, gen)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[params[0]].items() if isinstance(v, torch.Tensor)}
+    seed = int(opt._state_seeds[torch.device("cpu")])
+    for version in (2, torch.tensor(2), 0, "1", 1.0):
+        bad = {**sd, "state": {0: {**sd["state"][0], "state_format": version}}}
+        for target in (opt, Muon(_clone(params), lr=0.02)):  # fp32 targets read the codes too
+            with pytest.raises(ValueError, match=r"state_format.*reads low-memory state formats 1 to 1"):
+                target.load_state_dict(bad)
+        with pytest.raises(ValueError, match="state_format"):
+            dequantize_state_dict(bad)
+    for k, v in before.items():
+        assert torch.equal(opt.state[params[0]][k].view(torch.uint8) if v.element_size() == 1 else opt.state[params[0]][k],
+                           v.view(torch.uint8) if v.element_size() == 1 else v)
+    assert int(opt._state_seeds[torch.device("cpu")]) == seed
+    # without a version: the current format
+    unversioned = {**sd, "state": {0: {k: v for k, v in sd["state"][0].items() if k != "state_format"}}}
+    opt.load_state_dict(unversioned)
+    assert torch.equal(opt.state[params[0]]["momentum_buffer"].view(torch.uint8),
+                       sd["state"][0]["momentum_buffer"].view(torch.uint8))
+
+
+def test_fp32_state_dict_has_no_resume_entries(gen):
+    """fp32 state: the checkpoint is a peer's (Emerging-Optimizers, torch.optim.Muon), both ways."""
+    params = _params(gen, [(8, 12)])
+    opt = Muon(params, lr=0.02)
+    _set_grads(params, gen)
+    opt.step()
+    assert set(opt.state_dict()["state"][0]) == {"momentum_buffer"}
+    low = Muon(_clone(params), lr=0.02, state_dtype="int8")
+    low.load_state_dict(opt.state_dict())  # an fp32 checkpoint into low-memory state
+    fp32 = Muon(_clone(params), lr=0.02)
+    fp32.load_state_dict(low.state_dict())  # and back
+    assert set(fp32.state[fp32.param_groups[0]["params"][0]]) == {"momentum_buffer"}

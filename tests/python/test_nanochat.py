@@ -3,6 +3,7 @@ the step, the state layout, checkpoints in both directions, bad input. Distribut
 test_nanochat_distributed.py."""
 
 import copy
+import pickle
 import re
 
 import pytest
@@ -175,6 +176,73 @@ def test_checkpoints_cross_and_continue(kind, direction, gen):
     _run(first, params, grads[2:])
     _run(second, other, grads[2:])
     assert_fp32_close(other, params, start, grads[2:])
+
+
+def _copy_through(how, opt):
+    if how == "deepcopy":
+        return copy.deepcopy(opt)
+    return pickle.loads(pickle.dumps(opt))
+
+
+def _params_of(opt):
+    return [p for group in opt.param_groups for p in group["params"]]
+
+
+def _assert_bitwise_same_optimizers(a, b):
+    pa, pb = _params_of(a), _params_of(b)
+    assert len(pa) == len(pb)
+    for p, q in zip(pa, pb):
+        assert p is not q and torch.equal(p.detach(), q.detach())
+        assert (p in a.state) == (q in b.state)
+        sa, sb = a.state.get(p, {}), b.state.get(q, {})
+        assert sa.keys() == sb.keys()
+        for key, value in sa.items():
+            if isinstance(value, torch.Tensor):
+                assert value.dtype == sb[key].dtype and torch.equal(value, sb[key]), key
+            else:
+                assert type(value) is type(sb[key]) and value == sb[key], key
+    for ga, gb in zip(a.param_groups, b.param_groups):
+        assert {k: v for k, v in ga.items() if k != "params"} == {k: v for k, v in gb.items() if k != "params"}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", ["muon", "distmuon", "muonadamw"])
+def test_a_copied_optimizer_steps_bit_for_bit_as_the_original(kind, how, gen):
+    # torch.optim.Optimizer copies defaults, state and param_groups only: the inner fused
+    # optimizers, the Muon recipe (precision set on the instance included) and MuonAdamW's compute
+    # dtype must survive copy.deepcopy and pickle, so the copy's next step equals the original's
+    import torch.distributed as dist
+
+    own_group = False
+    if kind == "distmuon":
+        if not dist.is_available() or dist.is_initialized():
+            pytest.skip("needs torch.distributed and no process group of its own")
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        own_group = True
+    try:
+        shapes = ADAMW_SHAPES + MUON_SHAPES if kind == "muonadamw" else MUON_SHAPES
+        params = _params(shapes, gen)
+        grads = _grads(params, gen, 3)
+        if kind == "muonadamw":
+            opt = nanochat.MuonAdamW(_muonadamw_groups(params[: len(ADAMW_SHAPES)], params[len(ADAMW_SHAPES):]))
+        else:
+            cls = nanochat.Muon if kind == "muon" else nanochat.DistMuon
+            opt = cls(params, lr=0.02, momentum=0.9, beta2=0.9, weight_decay=0.2)
+        opt._muon.precision = "highest"  # not the class's default: the copy must keep it
+        _run(opt, params, grads[:2], _warmup)
+        twin = _copy_through(how, opt)
+        assert type(twin) is type(opt)
+        assert twin._muon.precision == "highest"
+        if kind == "muonadamw":
+            assert twin.compute_dtype == opt.compute_dtype
+        _assert_bitwise_same_optimizers(opt, twin)
+        _run(opt, params, grads[2:], _warmup)
+        order = [next(i for i, q in enumerate(params) if q is p) for p in _params_of(opt)]
+        _run(twin, _params_of(twin), [[grads[2][i] for i in order]], _warmup)
+        _assert_bitwise_same_optimizers(opt, twin)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
 
 
 def test_a_stacked_buffer_of_another_layout_is_refused(gen):

@@ -2,6 +2,7 @@
 // (ns_gram_plan.h), and how "auto" chooses between them. Torch-free (GoogleTest checks the rules).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -108,6 +109,34 @@ inline double gram_speedup_model(const GramProgram& program, std::size_t steps, 
   return gram_cost > 0 ? standard_cost / gram_cost : 0.0;
 }
 
+// The largest magnitude the schedule can carry a singular value of the normalized input to: step
+// by step, the maximum of |a s + b s^3 + c s^5| over s in [0, bound of the previous step] (starting
+// from [0, 1]), sampled at 512 points per step. Orthogonalizing schedules stay below 2 (simple
+// 1.20, quintic 1.27, cubic5 1.30, polar_express and cans 1.99 over ten steps); a schedule that does not (e.g. the custom
+// (3, 5, 7), (11, 13, 17) of Emerging-Optimizers' tests: 15, then about 1.3e7) amplifies the Gram
+// iteration's rounding of R with its singular values, beyond what its restarts were validated for.
+inline double ns_schedule_peak(const std::vector<NsCoefficients>& schedule) {
+  constexpr int kSamples = 512;
+  double bound = 1.0;
+  double peak = 1.0;
+  for (const NsCoefficients& row : schedule) {
+    double top = 0.0;
+    for (int i = 0; i <= kSamples; ++i) {
+      const double s = bound * i / kSamples;
+      const double s2 = s * s;
+      const double value = s * (row.a + s2 * (row.b + s2 * row.c));
+      top = std::max(top, value < 0 ? -value : value);
+    }
+    bound = top;
+    peak = std::max(peak, top);
+  }
+  return peak;
+}
+
+// "auto" keeps the standard iteration for a schedule whose peak exceeds this (the Gram iteration
+// was validated on orthogonalizing schedules only; "gram" asked for explicitly still runs).
+constexpr double kGramMaxSchedulePeak = 4.0;
+
 // Everything an executor needs: the algorithm that runs and, for Gram, its program.
 struct NsAlgorithmChoice {
   NsAlgorithm algorithm;  // kStandard or kGram, never kAuto
@@ -119,6 +148,7 @@ inline NsAlgorithmChoice choose_ns_algorithm(NsAlgorithm requested, int64_t m, i
                                              NsDevice device) {
   NsAlgorithmChoice choice{NsAlgorithm::kStandard, {}};
   if (requested == NsAlgorithm::kStandard) return choice;
+  if (requested == NsAlgorithm::kAuto && ns_schedule_peak(schedule) > kGramMaxSchedulePeak) return choice;
   const std::vector<bool> restart = gram_restarts(schedule, gram_arithmetic(precision, device));
   GramProgram program = make_gram_program(m, n, transpose, schedule, restart, precision == NsPrecision::kMedium);
   if (requested == NsAlgorithm::kAuto) {
