@@ -35,8 +35,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
-from ..newton_schulz import validate_precision
-from ..optim._config import OrthogonalizationConfig, make_config
+from ..optim._config import OrthogonalizationConfig, check_matmul_precision, make_config
 from ..optim._plan import Plan
 from ..optim.orthogonalized import OrthogonalizedOptimizer, _plan_matches
 
@@ -120,12 +119,7 @@ class Muon(OrthogonalizedOptimizer):
             raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
         if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
-        try:
-            validate_precision(fp32_matmul_prec)
-        except ValueError:
-            raise ValueError(
-                f"fp32_matmul_prec must be one of 'medium', 'high', 'highest', got {fp32_matmul_prec!r}"
-            ) from None
+        check_matmul_precision(fp32_matmul_prec)
         self.fp32_matmul_prec = fp32_matmul_prec
         self._configs: dict[tuple, tuple[OrthogonalizationConfig, str | None]] = {}
         defaults: dict[str, Any] = dict(

@@ -77,6 +77,16 @@ class OrthogonalizationConfig:
         return get_muon_scale_factor(rows, cols, self.scale_mode) * self.extra_scale_factor
 
 
+def check_matmul_precision(fp32_matmul_prec: str) -> None:
+    """ValueError naming ``fp32_matmul_prec`` unless it is 'medium', 'high' or 'highest'."""
+    try:
+        validate_precision(fp32_matmul_prec)
+    except ValueError:
+        raise ValueError(
+            f"fp32_matmul_prec must be one of 'medium', 'high', 'highest', got {fp32_matmul_prec!r}"
+        ) from None
+
+
 def make_config(
     *,
     nesterov: bool,
@@ -101,12 +111,7 @@ def make_config(
         raise ValueError(
             f"weight_decay_method must be one of {list(WEIGHT_DECAY_METHODS)}, got {weight_decay_method!r}"
         )
-    try:
-        validate_precision(fp32_matmul_prec)
-    except ValueError:
-        raise ValueError(
-            f"fp32_matmul_prec must be one of 'medium', 'high', 'highest', got {fp32_matmul_prec!r}"
-        ) from None
+    check_matmul_precision(fp32_matmul_prec)
     if isinstance(num_ns_steps, bool) or not isinstance(num_ns_steps, int) or num_ns_steps < 1:
         raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
     table, _ = coefficient_table(coefficient_type, custom_coefficient_sets)  # ValueError on unknown / empty custom

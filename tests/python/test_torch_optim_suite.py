@@ -97,6 +97,18 @@ def linear_problem(contiguous: bool = True):
     return weight, torch.randn(5, dtype=DTYPE)
 
 
+def primed(cls, optim_input, steps: int):
+    """An optimizer of ``cls`` over one (10, 5) weight after ``steps`` steps: (optimizer, weight,
+    input, closure)."""
+    weight, x = linear_problem()
+    optimizer = cls([weight], **kwargs_of(optim_input))
+    closure = make_closure(optimizer, weight, x)
+    for _ in range(steps):
+        closure()
+        optimizer.step()
+    return optimizer, weight, x, closure
+
+
 def make_closure(optimizer, weight, x):
     def closure():
         optimizer.zero_grad()
@@ -360,12 +372,7 @@ def test_loads_from_and_to_named_state_dicts(cls, mode, named0, named1):
 def test_save_load_with_weights_only(cls, mode):
     def body():
         for optim_input in optim_inputs():
-            weight, x = linear_problem()
-            optimizer = cls([weight], **kwargs_of(optim_input))
-            closure = make_closure(optimizer, weight, x)
-            for _ in range(3):
-                closure()
-                optimizer.step()
+            optimizer, weight, x, closure = primed(cls, optim_input, 3)
             buffer = io.BytesIO()
             torch.save(optimizer.state_dict(), buffer)
             buffer.seek(0)
@@ -391,11 +398,7 @@ def test_older_state_dicts_without_new_keys_load(cls, mode):
 
     def body():
         for optim_input in optim_inputs():
-            weight, x = linear_problem()
-            optimizer = cls([weight], **kwargs_of(optim_input))
-            closure = make_closure(optimizer, weight, x)
-            closure()
-            optimizer.step()
+            optimizer, weight, x, closure = primed(cls, optim_input, 1)
             old = copy.deepcopy(optimizer.state_dict())
             for group in old["param_groups"]:
                 for flag in ("foreach", "fused", "capturable", "differentiable", "maximize"):
@@ -411,10 +414,7 @@ def test_older_state_dicts_without_new_keys_load(cls, mode):
 def test_deepcopy_copies_every_public_attribute(cls, mode):
     def body():
         for optim_input in optim_inputs():
-            weight, x = linear_problem()
-            optimizer = cls([weight], **kwargs_of(optim_input))
-            make_closure(optimizer, weight, x)()
-            optimizer.step()
+            optimizer = primed(cls, optim_input, 1)[0]
             public = lambda o: {k for k in o.__dict__ if not k.startswith("_")}  # noqa: E731
             assert public(optimizer) == public(copy.deepcopy(optimizer))
 
