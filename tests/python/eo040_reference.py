@@ -19,7 +19,9 @@ points, so a subclass overriding one of them behaves as the same subclass of EO'
 
 Exceptions are raised where and as EO raises them (type and moment: constructor or ``step()``),
 which for a few cases is only after EO changed some state; the tests compare only the type and
-the moment there.
+the moment there. Not modelled: EO's Newton–Schulz takes float32 only, so its NS-based classes
+raise a TypeError at ``step()`` for bf16 / fp16 parameters (their momentum has the parameter's
+dtype); megatron-eopt's classes accept such parameters.
 
 The math runs in float64: give the optimizers float64 parameters (and gradients) for numerics.
 On float32 parameters they run too (Newton–Schulz in float64, rounded back), which is what the
