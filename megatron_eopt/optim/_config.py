@@ -17,6 +17,7 @@ from ._recipe import NSRecipe, polar_express_rows
 from ..newton_schulz import (
     NS_ALGORITHMS,
     NS_EPS,
+    check_steps,
     coefficient_table,
     get_muon_scale_factor,
     validate_precision,
@@ -162,11 +163,15 @@ def make_config(
 STEP_TIME_ARGUMENTS = ("moment2_method", "weight_decay_method", "coefficient_type", "scale_mode")
 
 
-def coefficient_type_error(coefficient_type: str, custom_coefficient_sets=None) -> tuple[str, type, str] | None:
+def coefficient_type_error(coefficient_type: str, custom_coefficient_sets=None,
+                           num_ns_steps: int | None = None) -> tuple[str, type, str] | None:
     """The error ``step()`` raises for an unusable Newton–Schulz coefficient type (EO 0.4 checks it
-    when a step first uses it), or None."""
+    when a step first uses it), or None. With ``num_ns_steps``, a fixed-length schedule (cubic5)
+    run for another number of steps is such an error too."""
     try:
         coefficient_table(coefficient_type, custom_coefficient_sets)
+        if isinstance(num_ns_steps, int) and not isinstance(num_ns_steps, bool) and num_ns_steps >= 0:
+            check_steps(coefficient_type, num_ns_steps)
     except ValueError as e:
         return ("coefficient_type", ValueError, str(e))
     return None
@@ -191,7 +196,8 @@ def defer_step_time_errors(arguments: dict) -> tuple[dict, tuple[str, type, str]
         errors.append(("weight_decay_method", ValueError, f"weight_decay_method must be one of "
                        f"{list(WEIGHT_DECAY_METHODS)}, got {arguments['weight_decay_method']!r}"))
         arguments["weight_decay_method"] = "decoupled"
-    coefficient_error = coefficient_type_error(arguments["coefficient_type"], arguments.get("custom_coefficient_sets"))
+    coefficient_error = coefficient_type_error(arguments["coefficient_type"], arguments.get("custom_coefficient_sets"),
+                                               arguments.get("num_ns_steps"))
     if coefficient_error is not None:
         errors.append(coefficient_error)
         arguments["coefficient_type"] = "polar_express" if arguments.get("polar_express_safety") else "quintic"

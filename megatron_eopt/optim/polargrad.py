@@ -42,7 +42,7 @@ class PolarGrad(OrthogonalizedOptimizer):
             raise ValueError(f"num_ns_steps must be positive, got {num_ns_steps}")
         # EO checks the coefficient type when a step first uses it (an unknown type, or 'custom' with
         # no rows to give here); so does step() here
-        deferred_error = coefficient_type_error(coefficient_type)
+        deferred_error = coefficient_type_error(coefficient_type, num_ns_steps=num_ns_steps)
 
         def scaled_orthogonalize_fn(grad: torch.Tensor) -> torch.Tensor:
             # 2-D, or a (k, m, n) stack of momenta (the step batches equal shapes)

@@ -37,7 +37,7 @@ class Spel(OrthogonalizedOptimizer):
             raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
         # EO checks the coefficient type when a step first uses it (an unknown type, or 'custom' with
         # no rows to give here); so does step() here
-        deferred_error = coefficient_type_error(coefficient_type)
+        deferred_error = coefficient_type_error(coefficient_type, num_ns_steps=num_ns_steps)
 
         def scaled_orthogonalize_fn(x: torch.Tensor) -> torch.Tensor:
             return newton_schulz(x, steps=num_ns_steps, coefficient_type=coefficient_type)  # 2-D or a stack

@@ -198,7 +198,7 @@ def test_signature_follows_emerging_optimizers():
     ours = inspect.signature(me.newton_schulz).parameters
     ref = inspect.signature(eo_utils.newton_schulz).parameters
     assert list(ours)[: len(ref)] == list(ref)
-    # eps: 0.3.0 floors the norm at 1e-7, 0.4.0 (our default, see test_ns_eo040) at 1e-15
+    # eps: 0.3.0 floors the norm at 1e-7, 0.4.0 (our default, see test_eo040_parity) at 1e-15
     for name in ("coefficient_type", "transpose", "tp_group", "use_syrk"):
         assert ours[name].default == ref[name].default, name
 
