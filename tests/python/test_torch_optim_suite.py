@@ -529,3 +529,113 @@ def test_zero_grad_sets_grads_to_none(cls, mode):
         assert all(p.grad is None for g in optimizer.param_groups for p in g["params"])
 
     run_in_mode(mode, body)
+
+
+def test_param_groups_weight_decay(cls, mode):
+    """Every setting arrives per group (no constructor defaults given); a group's weight_decay=0 holds."""
+
+    def body():
+        for optim_input in optim_inputs():
+            with_decay = kwargs_of(optim_input)
+            without = {**kwargs_of(optim_input), "weight_decay": 0.0}
+            weight = Parameter(torch.randn(10, 5, dtype=DTYPE))
+            weight2 = Parameter(torch.randn(10, 5, dtype=DTYPE))
+            x = torch.randn(5, dtype=DTYPE)
+            optimizer = cls([dict(params=[weight], **with_decay), dict(params=[weight2], **without)])
+            initial = (weight.mv(x) + weight2.mv(x)).pow(2).sum().item()
+            for _ in range(20):
+                optimizer.zero_grad()
+                loss = (weight.mv(x) + weight2.mv(x)).pow(2).sum()
+                loss.backward()
+                optimizer.step()
+            assert loss.item() < initial, optim_input.desc
+
+    run_in_mode(mode, body)
+
+
+def test_zero_grads_with_default_decay_barely_move(cls, mode):
+    """Zero gradients with the default weight decay at lr 1e-5: no NaN from orthogonalizing a zero
+    matrix, and only the decay's 1 - 1e-6 shrink per step (a tall 5x1 param)."""
+
+    def body():
+        # PyTorch's suite seeds every test with 1234: the drift allowed is relative to |p| ~ 1
+        param = torch.randn(5, 1, generator=torch.Generator().manual_seed(1234)).requires_grad_()
+        old = param.detach().clone()
+        for optim_input in optim_inputs():
+            kwargs = kwargs_of(optim_input)
+            if kwargs.get("weight_decay", 0) != 0:
+                continue
+            kwargs["lr"] = torch.tensor(1e-5) if isinstance(kwargs.get("lr"), torch.Tensor) else 1e-5
+            optimizer = cls([param], **kwargs)
+            param.grad = torch.zeros_like(param)
+            optimizer.step(lambda: torch.tensor([1.0]))
+            torch.testing.assert_close(param.detach(), old)
+
+    run_in_mode(mode, body)
+
+
+def test_grads_are_never_written(cls, mode):
+    def body():
+        param = torch.randn(5, 1, requires_grad=True)
+        for optim_input in optim_inputs():
+            optimizer = cls([param], **kwargs_of(optim_input))
+            param.grad = torch.rand_like(param)
+            version = param.grad._version
+            for _ in range(5):
+                optimizer.step(lambda: torch.tensor([1.0]))
+                assert param.grad._version == version
+
+    run_in_mode(mode, body)
+
+
+def test_state_dict_reloads_after_steps(cls, mode):
+    def body():
+        params = [Parameter(torch.randn(2, 3)), Parameter(torch.randn(2, 3))]
+        for p in params:
+            p.grad = torch.rand_like(p)
+        for optim_input in optim_inputs():
+            optimizer = cls(params, **kwargs_of(optim_input))
+            for _ in range(3):
+                optimizer.step(lambda: None)
+            saved = copy.deepcopy(optimizer.state_dict())
+            for state in saved["state"].values():
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].item()
+            optimizer.load_state_dict(saved)
+            optimizer.step(lambda: None)
+
+    run_in_mode(mode, body)
+
+
+def test_state_dict_hooks_see_non_param_entries(cls, mode):
+    """A pre-hook may put a non-parameter entry into ``state``: state_dict carries it, a post-hook
+    may take it out again and mark the dict; a load post-hook may write into ``state``."""
+
+    def body():
+        for optim_input in optim_inputs():
+            optimizer = cls([torch.rand(2, 3, requires_grad=True)], **kwargs_of(optim_input))
+
+            def pre(o):
+                o.state["test"] = 1
+
+            def post(o, state_dict):
+                state_dict["ran_pre"] = state_dict["state"].pop("test", None) == 1
+                return state_dict
+
+            pre_handle = optimizer.register_state_dict_pre_hook(pre)
+            assert optimizer.state_dict()["state"]["test"] == 1
+            post_handle = optimizer.register_state_dict_post_hook(post)
+            state_dict = optimizer.state_dict()
+            assert "test" not in state_dict["state"] and state_dict["ran_pre"]
+            pre_handle.remove()
+            post_handle.remove()
+            del optimizer.state["test"]
+
+            def load_post(o):
+                o.state["ran_load_post"] = True
+
+            optimizer.register_load_state_dict_post_hook(load_post)
+            optimizer.load_state_dict(optimizer.state_dict())
+            assert optimizer.state["ran_load_post"] is True
+
+    run_in_mode(mode, body)
