@@ -5,17 +5,16 @@
 // chunks are mapped and unmapped whole, and the heap's free top is trimmed. Measured on the
 // development CPU (2 threads), Newton–Schulz of a (4, 256, 1024) stack in bf16 takes 17.4 ms with
 // its memory kept and 22 ms when every buffer faults in again; the products themselves need 14 ms.
-// The pool keeps the buffers of finished calls (up to kMaxPooledBytes per thread) for the next.
+// The pool keeps the buffers of finished calls for the next (up to kMaxPooledBytes per thread and
+// kMaxPooledBytesPerProcess across threads; see cpu/scratch_budget.h).
 #pragma once
 
 #include <vector>
 
+#include "cpu/scratch_budget.h"
 #include "torch/stable.h"
 
 namespace megatron_eopt {
-
-// Bytes of released buffers one thread keeps for later calls; beyond it the oldest are freed.
-constexpr int64_t kMaxPooledBytes = int64_t{256} << 20;
 
 // Lends contiguous CPU tensors from the calling thread's pool for the lifetime of the scratch
 // (one Newton–Schulz call), then gives their storage back to the pool. Tensors taken must not
@@ -28,7 +27,7 @@ class CpuScratch {
   CpuScratch& operator=(const CpuScratch&) = delete;
 
   // An uninitialized contiguous tensor of `sizes`, fp32 or bf16, from the smallest pooled buffer
-  // of that dtype that holds it (or a new one).
+  // of that dtype that holds it (or a new one: the caps never refuse a buffer).
   Tensor take(const std::vector<int64_t>& sizes, ScalarType dtype);
 
  private:
