@@ -1,9 +1,11 @@
 // NorMuon on CUDA, two kernels per list:
-//  1. slices: per slice (row when rows >= cols, else column) the sum of O^2, the EMA of its mean
-//     into v and the step size; each block also writes its share of ||O||^2 and ||U'||^2
-//     (U' = O * step) to a scratch slot, so no atomics and no zeroing are needed;
+//  1. slices: per slice (row when rows >= cols, else column) the sum of the fp32-rounded squares
+//     O*O, the EMA of its mean into v and the step size; then a second pass over the slice for
+//     its share of ||O||^2 and of ||U'||^2 measured from the rounded U' = fl(O * step), as the CPU
+//     kernel and Emerging-Optimizers 0.4 do; each block writes its shares to a scratch slot, so no
+//     atomics and no zeroing are needed;
 //  2. apply: every block sums its tensor's partials in the same order (identical norm ratio in
-//     all blocks) and writes O * step(slice) * ||O|| / max(||U'||, eps).
+//     all blocks) and writes fl(fl(O * step(slice)) * ||O|| / max(||U'||, eps)).
 #include <cuda_runtime.h>
 
 #include "megatron_eopt/second_moment_cuda.h"
@@ -45,22 +47,26 @@ __global__ void __launch_bounds__(kSliceThreads)
   const NormuonDesc d = args.tensors[slot.tensor];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  float sum_o = 0.f;  // meaningful in lane 0 of each warp (row slices) or warp 0 (column slices)
+  float sum_o = 0.f;  // this thread's share of ||O||^2 and ||U'||^2
   float sum_u = 0.f;
   if (row_slices(d.rows, d.cols)) {
     for (int64_t r = slot.local * kWarps + warp; r < d.rows; r += slot.blocks * kWarps) {
       const float* row = d.update + r * d.cols;
       float acc = 0.f;
-      for (int64_t c = lane; c < d.cols; c += 32) acc = fmaf(row[c], row[c], acc);
+      for (int64_t c = lane; c < d.cols; c += 32) acc += __fmul_rn(row[c], row[c]);  // rounded squares
       acc = warp_sum(acc);
-      if (lane == 0) {
-        const float step = normuon_slice_step(d.moment2[r], acc, d.cols, weight, eps);
-        sum_o += acc;
-        sum_u += step * step * acc;
+      float step = 0.f;
+      if (lane == 0) step = normuon_slice_step(d.moment2[r], acc, d.cols, weight, eps);
+      step = __shfl_sync(0xffffffffu, step, 0);
+      for (int64_t c = lane; c < d.cols; c += 32) {
+        const float u = __fmul_rn(row[c], step);
+        sum_o = fmaf(row[c], row[c], sum_o);
+        sum_u = fmaf(u, u, sum_u);
       }
     }
   } else {
     __shared__ float column_parts[kWarps][32];
+    __shared__ float column_steps[32];
     const int64_t tiles = (d.cols + 31) / 32;
     for (int64_t tile = slot.local; tile < tiles; tile += slot.blocks) {
       const int64_t c = tile * 32 + lane;
@@ -68,7 +74,7 @@ __global__ void __launch_bounds__(kSliceThreads)
       if (c < d.cols) {
         for (int64_t r = warp; r < d.rows; r += kWarps) {
           const float o = d.update[r * d.cols + c];
-          acc = fmaf(o, o, acc);
+          acc += __fmul_rn(o, o);  // rounded squares
         }
       }
       column_parts[warp][lane] = acc;
@@ -76,11 +82,19 @@ __global__ void __launch_bounds__(kSliceThreads)
       if (warp == 0 && c < d.cols) {
         float total = 0.f;
         for (int w = 0; w < kWarps; ++w) total += column_parts[w][lane];
-        const float step = normuon_slice_step(d.moment2[c], total, d.rows, weight, eps);
-        sum_o += total;
-        sum_u += step * step * total;
+        column_steps[lane] = normuon_slice_step(d.moment2[c], total, d.rows, weight, eps);
       }
-      __syncthreads();  // column_parts is rewritten by the next tile
+      __syncthreads();
+      if (c < d.cols) {
+        const float step = column_steps[lane];
+        for (int64_t r = warp; r < d.rows; r += kWarps) {
+          const float o = d.update[r * d.cols + c];
+          const float u = __fmul_rn(o, step);
+          sum_o = fmaf(o, o, sum_o);
+          sum_u = fmaf(u, u, sum_u);
+        }
+      }
+      __syncthreads();  // column_parts and column_steps are rewritten by the next tile
     }
   }
   const float2 block = block_sum2(sum_o, sum_u);
@@ -108,7 +122,7 @@ __global__ void __launch_bounds__(kApplyThreads)
   const int64_t dc = stride - dr * d.cols;
   for (; i < numel; i += stride) {
     const float step = normuon_step_size(d.moment2[by_row ? r : c], eps);
-    d.update[i] = d.update[i] * step * ratio;
+    d.update[i] = __fmul_rn(__fmul_rn(d.update[i], step), ratio);  // fl(U' * ratio), U' = fl(O * step)
     r += dr;
     c += dc;
     if (c >= d.cols) {

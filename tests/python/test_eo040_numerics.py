@@ -99,6 +99,7 @@ def test_normuon_step_of_a_4x16_param_matches_eo(gen):
                                            moment2_method="normuon", fp32_matmul_prec="highest", nesterov=False)
     v = torch.zeros(1, 16)
     buf = torch.zeros(4, 16)
+    allowed = torch.zeros(4, 16)
     for _ in range(3):
         g = torch.randn(4, 16, generator=gen)
         p.grad = g.clone()
@@ -107,8 +108,14 @@ def test_normuon_step_of_a_4x16_param_matches_eo(gen):
         o = megatron_eopt.newton_schulz(buf, 5, precision="highest")
         update, v = _eo_normuon(o, v, 0.95, 1e-8)
         update = update * get_muon_scale_factor(4, 16, opt._config.scale_mode) * opt._config.extra_scale_factor
+        before = q.clone()
         q.add_(update, alpha=-0.02)
-        assert _ulps(p.detach(), q) <= NORMUON_ULPS
+        # in ulps of each step's larger operand, summed over the steps: where p - lr * update
+        # cancels (p passing near 0) an update's last-place difference is many ulps of the small
+        # result, and it stays in p for the later steps
+        scale = torch.maximum(before.abs(), (0.02 * update).abs())
+        allowed = allowed + NORMUON_ULPS * (torch.nextafter(scale, torch.tensor(float("inf"))) - scale)
+        assert bool(((p.detach() - q).abs() <= allowed).all()), _ulps(p.detach(), q)
 
 
 # ------------------------------------------------------------------ custom coefficients

@@ -398,6 +398,23 @@ def test_compile_fullgraph_tensor_beta2_eps_change_without_recompiling(device, g
 
 
 @pytest.mark.gpu
+def test_normuon_cuda_follows_the_cpu_order(gen):
+    # Both backends take the slice means from fp32-rounded squares and measure ||U'|| from the
+    # rounded U' = fl(O * step) (Emerging-Optimizers 0.4's order); only the summation order of the
+    # reductions differs (fp32 trees on CUDA, double on the CPU): a few ulp, over several steps.
+    shapes = [(97, 37), (37, 97), (1, 64), (64, 1), (48, 48), (3, 700)]
+    cpu_states = [me.new_moment2_buffer("normuon", torch.empty(s)) for s in shapes]
+    gpu_states = [v.cuda() for v in cpu_states]
+    for _ in range(4):
+        os_ = [_randn(s, gen, "cpu", scale=0.05) for s in shapes]
+        on_gpu = [o.cuda() for o in os_]
+        me.normuon_normalize_(os_, cpu_states, beta2=0.95, eps=1e-8)
+        me.normuon_normalize_(on_gpu, gpu_states, beta2=0.95, eps=1e-8)
+        for a, b in zip(os_ + cpu_states, on_gpu + gpu_states):
+            torch.testing.assert_close(b.cpu(), a, rtol=2**-19, atol=0)
+
+
+@pytest.mark.gpu
 def test_adamuon_cuda_equals_cpu_bitwise(gen):
     # The square is rounded before the EMA on both backends (no contraction into an FMA), so the
     # state carried over several steps stays bitwise equal.

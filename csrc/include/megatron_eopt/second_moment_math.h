@@ -70,8 +70,8 @@ MEGATRON_EOPT_HD float normuon_slice_step(float& v, float slice_sum_sq, int64_t 
   return normuon_step_size(v, eps);
 }
 
-// NorMuon's Frobenius-norm match: ||O||_F / max(||U'||_F, eps) with U' = O * step, from
-// sum(O^2) and sum(U'^2) = sum over slices of step^2 * slice_sum_sq. Zero O gives 0.
+// NorMuon's Frobenius-norm match: ||O||_F / max(||U'||_F, eps) from sum(O^2) and sum(U'^2), U' the
+// fp32-rounded O * step (what Emerging-Optimizers 0.4 measures). Zero O gives 0.
 MEGATRON_EOPT_HD float normuon_norm_ratio(float sum_sq_o, float sum_sq_scaled, float eps) {
   return sqrtf(sum_sq_o) / fmaxf(sqrtf(sum_sq_scaled), eps);
 }
