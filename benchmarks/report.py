@@ -25,7 +25,9 @@ How to read a table:
 - **peak MiB** (GPU only): memory an implementation holds at the peak of a call beyond the inputs
   all implementations share: its optimizer state plus transient workspace
   (torch.cuda.max_memory_allocated). The CPU tables show n/a: tracemalloc does not see tensor
-  storage and RSS deltas depend on the allocator's caching.
+  storage and RSS deltas depend on the allocator's caching. The "Optimizer-step memory" sections
+  (`benchmarks/step_memory.py`) measure whole steps on CPUs too, one fresh process per
+  implementation and the resident peak of each step.
 - **rel. diff vs ours**: ‖peer − ours‖ / ‖ours‖ of the outputs (NS), or of the parameter change
   after two steps from the same start on a few of the set's matrices (optimizer steps). bf16
   Newton–Schulz makes 1e-3…3e-2 normal; it shows that every implementation ran the same math.
