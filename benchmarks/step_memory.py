@@ -389,6 +389,19 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _without_out(argv: list[str]) -> list[str]:
+    """A run's arguments less its output files (local paths)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--results-md"):
+            skip = True
+        elif not arg.startswith(("--out=", "--results-md=")):
+            out.append(arg)
+    return out
+
+
 def section_markdown(doc: dict) -> str:
     env = doc["environment"]
     methods = sorted({r["method"] for r in doc["rows"] if "method" in r})
@@ -402,7 +415,7 @@ def section_markdown(doc: dict) -> str:
         "",
         f"commit `{env['git_commit']}`, torch {env['torch']}, Emerging-Optimizers "
         f"{env.get('emerging_optimizers') or 'not installed'}, {env['date_utc']}; "
-        + "; ".join(f"`python benchmarks/step_memory.py {' '.join(argv)}`"
+        + "; ".join(f"`python benchmarks/step_memory.py {' '.join(_without_out(argv))}`"
                     for argv in doc.get("commands", [env["argv"]])) + ".",
         "",
         "Every (set, implementation) ran in a fresh process on fp32 parameters and random fp32 gradients, "
@@ -478,9 +491,10 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="steps per process (default: CPU 4, CUDA 20)")
     parser.add_argument("--precision", choices=["medium", "high", "highest"], default=None,
                         help="fp32_matmul_prec of megatron-eopt and Emerging-Optimizers (default: theirs)")
-    parser.add_argument("--workspace-mib", nargs="+", metavar="V", default=None,
+    parser.add_argument("--workspace-mib", nargs="*", metavar="V", default=None,
                         help=f"workspace budgets of extra megatron-eopt rows, MiB or none "
-                             f"(default: {' '.join(DEFAULT_WORKSPACES)}; only where the option exists)")
+                             f"(default: {' '.join(DEFAULT_WORKSPACES)}; only where the option exists; "
+                             "none given: no budget rows)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of each child (default: torch's)")
     parser.add_argument("--out", metavar="FILE.json", help="write every row and sample as JSON")
     parser.add_argument("--results-md", metavar="FILE", help="update this device's step-memory section")
