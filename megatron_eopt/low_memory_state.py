@@ -34,8 +34,9 @@ only what is carried to the next step is rounded. The stochastic rounding draws 
 advance ``seed`` every step.
 """
 
+# ruff: noqa: F401  (a module of re-exports)
 from .ops._constants import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, STATE_DTYPES
-from .ops._low_memory_state import (  # noqa: F401  (_blocks, _squared_grid: the layout, for checks of it)
+from .ops._low_memory_state import (  # _blocks, _squared_grid: the block layout, for checks of it
     _blocks,
     _squared_grid,
     adamuon_normalize_quantized_,

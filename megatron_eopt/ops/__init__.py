@@ -18,6 +18,8 @@ from the ones listed above it:
 * ``_qk_clip``: QK-clip.
 """
 
+# ruff: noqa: F401  (a module of re-exports)
+
 from __future__ import annotations
 
 from ._constants import WEIGHT_DECAY_METHODS
@@ -30,18 +32,7 @@ from ._qk_clip import qk_clip_
 
 # The names this module offered beside its ops, from the modules that define them.
 from .._errors import call_op
-from ..newton_schulz import (
-    MuonScaleT,
-    NSAlgorithmT,
-    NSCoeffT,
-    PrecisionT,
-    NS_ALGORITHMS,
-    NS_EPS,
-    check_steps,
-    coefficient_table,
-    resolve_precision,
-    validate_algorithm,
-    validate_precision,
-)
+from ..newton_schulz import MuonScaleT, NSAlgorithmT, NSCoeffT, PrecisionT, NS_ALGORITHMS, NS_EPS
+from ..newton_schulz import check_steps, coefficient_table, resolve_precision, validate_algorithm, validate_precision
 from ..second_moment import Moment2MethodT, moment2_shape, validate_moment2_method
 
