@@ -16,6 +16,7 @@ from ..newton_schulz import (
     PrecisionT,
     NS_ALGORITHMS,
     NS_EPS,
+    SCALE_MODES,
     check_steps,
     coefficient_table,
     resolve_precision,
@@ -292,10 +293,8 @@ def newton_schulz_split(
         raise ValueError(
             f"x has {rows} rows, which is not num_groups * sum(split_sizes) = {num_groups} * {group_rows}"
         )
-    if scale_mode is not None and scale_mode not in ("spectral", "shape_scaling", "unit_rms_norm"):
-        raise ValueError(
-            f"scale_mode must be one of spectral, shape_scaling, unit_rms_norm or None; got {scale_mode!r}"
-        )
+    if scale_mode is not None and scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)} or None; got {scale_mode!r}")
     extra_scale_factor = float(extra_scale_factor)
     if not math.isfinite(extra_scale_factor):
         raise ValueError(f"extra_scale_factor must be finite, got {extra_scale_factor}")
