@@ -172,7 +172,7 @@ def check_second_moment(device: str, seed: int) -> list[Result]:
     shapes = [(1, 37), (37, 1), (97, 37), (16, 16)]
     updates = [_randn(s, gen) / math.sqrt(max(s)) for s in shapes]
     grads = [_randn(s, gen) for s in shapes]
-    for method in ("adamuon", "normuon", "namo"):
+    for method in me.MOMENT2_METHODS:
         def run(d, method=method):
             u = [_on(t, d) for t in updates]
             v = [me.new_moment2_buffer(method, t) + 0.5 for t in u]
