@@ -1,6 +1,5 @@
 """foreach_momentum_ and foreach_update_: parity, op contract, torch.compile, bad input."""
 
-import math
 
 import pytest
 import torch

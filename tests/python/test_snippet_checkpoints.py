@@ -8,7 +8,6 @@ p -= lr * sqrt(max(1, m / n)) * update.
 """
 
 import copy
-import math
 import warnings
 
 import pytest
