@@ -86,7 +86,7 @@ def test_gram_bf16_matches_float64_standard(device, coefficient_type, shape, gen
     steps = _steps(coefficient_type)
     out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision="medium", algorithm="gram")
     if steps > 5 and shape[-1] == shape[-2]:
-        # Known limit (README): over deepseekv4's 10 steps, a square input with a near-zero singular
+        # Known limit (docs/limits.md): over deepseekv4's 10 steps, a square input with a near-zero singular
         # value (about 1 draw in 400 at 48 x 48) carries its bf16 rounding of W along that direction,
         # where an error in R weighs 1/sigma^2: up to 29% from float64 over 6,000 draws.
         ref = newton_schulz_ref(x.cpu(), steps=steps, coefficient_type=coefficient_type)
@@ -216,7 +216,7 @@ def test_auto_meets_the_standard_tolerances(device, coefficient_type, shape, gen
         allowed = max(TOLERANCE["medium"], bf16_input_tolerance(x.cpu(), coefficient_type, steps),
                       2.0 * rel_err(bf16_ref, ref))
         if device == "cpu" and steps > 5 and shape[-1] == shape[-2]:
-            # Known limit (README): over deepseekv4's 10 steps, P's bf16 diagonal rounding on a
+            # Known limit (docs/limits.md): over deepseekv4's 10 steps, P's bf16 diagonal rounding on a
             # square input with a near-zero singular value (about 1 draw in 200 at 48 x 48) grows
             # along that direction: up to 26% from float64 where the recipe stays at 1.3%.
             allowed = max(allowed, 0.3)
