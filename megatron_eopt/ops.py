@@ -220,7 +220,7 @@ def newton_schulz_tp(
 def _tensor_parallel_newton_schulz(
     x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
 ) -> torch.Tensor:
-    """The distributed iteration of Megatron's tp_mode "distributed" over ``tp_group`` (DESIGN §4.6)."""
+    """The distributed iteration of Megatron's tp_mode "distributed" over ``tp_group`` (docs/design.md §4.9)."""
     import torch.distributed as dist
 
     from .optim._config import make_config

@@ -63,7 +63,7 @@ def _gram_restarts(config: OrthogonalizationConfig, m: int, n: int, transpose: b
 
 
 def _distributed_gram(X: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, restarts) -> torch.Tensor:
-    """The Gram iteration (DESIGN §11) on local shards X (k, s, l_local) of the working matrices:
+    """The Gram iteration (docs/design.md §4.4) on local shards X (k, s, l_local) of the working matrices:
     R = sum over ranks of X X^T (one all-reduce per (re)start), then the s x s recursion, identical
     on every rank, and X Q-applied locally. R and Q stay fp32; X keeps the compute dtype (bf16 for
     "medium", rounded after each restart as in the fused op)."""
@@ -94,7 +94,7 @@ def _distributed_gram(X: torch.Tensor, tp: TPLayout, config: OrthogonalizationCo
 def distributed_newton_schulz(
     x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float | None = None
 ) -> torch.Tensor:
-    """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (DESIGN §4.1, §4.6)."""
+    """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (docs/design.md §4.1, §4.9)."""
     transpose = tp.partition_dim == 0  # iterate so that the sharded side is the contracted one
     w = x.mT if transpose else x
     sq = w.square().sum(dim=(-2, -1))
@@ -166,7 +166,7 @@ def _lerp_weight(beta2: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def tp_normuon_normalize_(updates, moment2, entries, *, beta2, eps, found_inf=None) -> None:
-    """NorMuon (DESIGN §4.4) on shards of one TP group, statistics of the global matrices.
+    """NorMuon (docs/design.md §4.7) on shards of one TP group, statistics of the global matrices.
 
     beta2 and eps are 0-dim tensors; a non-zero found_inf leaves the state as it was.
     """
@@ -200,7 +200,7 @@ def _reduces_over_shards(e) -> bool:
 
 def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2, eps, grad_scale=None,
                        found_inf=None) -> None:
-    """NAMO (DESIGN §4.4) on shards of one TP group: the two Frobenius norms are global.
+    """NAMO (docs/design.md §4.7) on shards of one TP group: the two Frobenius norms are global.
 
     beta2 and eps are 0-dim tensors; gradients scaled by grad_scale (GradScaler) are unscaled in
     the norm, and a non-zero found_inf leaves the state as it was.
