@@ -18,7 +18,7 @@ How to read a table:
   optimizer step) after a warm-up; the first call (compilation, lazy state) is never timed.
 - **peer / ours**: the peer's median divided by megatron-eopt's; above 1 means megatron-eopt is faster.
 - **GFLOP**: the FLOPs an implementation performs per call by the Newton–Schulz algorithm it runs,
-  with full GEMMs: standard, per step 4·s²·l + 2·s³ for an s×l matrix, s ≤ l; Gram (DESIGN §11),
+  with full GEMMs: standard, per step 4·s²·l + 2·s³ for an s×l matrix, s ≤ l; Gram (docs/design.md §4.4),
   4·s²·l per (re)start and at the end plus 2 to 8·s³ per step (megatron-eopt counts what its
   `auto` chose per matrix; gram-newton-schulz its Gram iteration with one restart).
 - **throughput**: TFLOP/s of those FLOPs, or GB/s (bytes each op must read and write, each tensor once).

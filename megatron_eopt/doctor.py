@@ -56,7 +56,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------ float64 references (CPU checks)
 def ns_ref(x: torch.Tensor, steps: int = 5, coefficient_type: str = "quintic") -> torch.Tensor:
-    """DESIGN §4.1 in float64: Frobenius-normalize, iterate on the short side."""
+    """docs/design.md §4.1 in float64: Frobenius-normalize, iterate on the short side."""
     x = x.double()
     tall = x.shape[-2] > x.shape[-1]
     w = x.mT if tall else x
@@ -234,7 +234,7 @@ def check_optimizers(device: str, seed: int) -> list[Result]:
             return torch.cat([(p.detach() - s.to(d)).flatten() for p, s in zip(params, start)])
 
         def reference(name=name):
-            # Muon in float64 (DESIGN §4.3; NorMuon §4.4), decoupled decay, Nesterov for Muon.
+            # Muon in float64 (docs/design.md §4.6; NorMuon §4.7), decoupled decay, Nesterov for Muon.
             params = [p.double() for p in start]
             bufs = [torch.zeros_like(p) for p in params]
             vs = [None] * len(params)

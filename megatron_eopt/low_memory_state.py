@@ -1,6 +1,6 @@
 """Low-memory optimizer state: the formats, the fused ops that step them, and conversions.
 
-``state_dtype`` of the optimizers (see the README's table):
+``state_dtype`` of the optimizers (see the table in docs/optimizers.md):
 
 * ``"fp32"``: today's state, in the parameter's dtype (fp32 for fp32 params); bit for bit the default.
 * ``"bf16"``: momentum stored in bf16 with stochastic rounding (2 bytes per value).

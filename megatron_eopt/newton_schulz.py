@@ -17,8 +17,8 @@ SCALE_MODES: tuple[str, ...] = get_args(MuonScaleT)
 PrecisionT = Literal["medium", "high", "highest"]
 NSAlgorithmT = Literal["auto", "standard", "gram"]
 
-# "standard": the iteration on X (DESIGN §4.1). "gram": the same iteration run on the Gram matrix
-# X·Xᵀ of the short side (§11), fewer FLOPs for rectangular matrices. "auto": gram where it does
+# "standard": the iteration on X (docs/design.md §4.1). "gram": the same iteration run on the Gram matrix
+# X·Xᵀ of the short side (§4.4), fewer FLOPs for rectangular matrices. "auto": gram where it does
 # less work on the device (and its precision keeps it within the standard tolerances), else standard.
 NS_ALGORITHMS = ("auto", "standard", "gram")
 

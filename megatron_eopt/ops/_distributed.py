@@ -1,4 +1,4 @@
-"""The distributed Newton–Schulz iteration (Megatron's tp_mode "distributed", DESIGN §4.6): each
+"""The distributed Newton–Schulz iteration (Megatron's tp_mode "distributed", docs/design.md §4.9): each
 rank holds a shard of every matrix, and the result is each rank's shard of the unsharded result.
 
 Newton–Schulz cannot call a collective from inside the fused op, so it runs here in plain PyTorch
@@ -46,7 +46,7 @@ def gram_restarts(table: tuple[float, ...], steps: int, repeat_last: bool, m: in
 
 
 def _distributed_gram(X: torch.Tensor, group, coefficients: Sequence[Sequence[float]], restarts) -> torch.Tensor:
-    """The Gram iteration (DESIGN §11) on local shards X (k, s, l_local) of the working matrices:
+    """The Gram iteration (docs/design.md §4.4) on local shards X (k, s, l_local) of the working matrices:
     R = sum over ranks of X X^T (one all-reduce per (re)start), then the s x s recursion, identical
     on every rank, and X Q-applied locally. R and Q stay fp32; X keeps the compute dtype (bf16 for
     "medium", rounded after each restart as in the fused op)."""
@@ -89,7 +89,7 @@ def distributed_newton_schulz(
 ) -> torch.Tensor:
     """Newton–Schulz of a batch ``x`` (k, m_local, n_local) of matrices sharded over ``group`` (of
     ``size`` ranks) along ``partition_dim`` (0: rows, 1: columns), equal to the unsharded result
-    (DESIGN §4.1, §4.6). ``coefficients``: the (a, b, c) row of each of the ``steps`` iterations;
+    (docs/design.md §4.1, §4.9). ``coefficients``: the (a, b, c) row of each of the ``steps`` iterations;
     ``table`` and ``repeat_last``: the schedule as the fused op takes it (flattened), which decides
     with ``precision`` and ``algorithm`` whether the Gram iteration runs."""
     transpose = partition_dim == 0  # iterate so that the sharded side is the contracted one
@@ -121,7 +121,7 @@ def distributed_newton_schulz(
 def _tensor_parallel_newton_schulz(
     x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
 ) -> torch.Tensor:
-    """The distributed iteration of Megatron's tp_mode "distributed" over ``tp_group`` (DESIGN §4.6)."""
+    """The distributed iteration of Megatron's tp_mode "distributed" over ``tp_group`` (docs/design.md §4.9)."""
     table, repeat_last = coefficient_table(coefficient_type, custom_coefficient_sets)
     if transpose is None:
         transpose = x.size(-2) > x.size(-1)

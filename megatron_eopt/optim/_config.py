@@ -155,7 +155,7 @@ def make_config(
 
 # Emerging-Optimizers 0.4 takes these arguments as given and raises when step() first uses one:
 # an unknown moment2_method is a TypeError, an unknown weight-decay method, coefficient type or
-# scale mode a ValueError. The fused classes keep that timing (DESIGN §14) with their own messages.
+# scale mode a ValueError. The fused classes keep that timing (docs/design.md §8.3) with their own messages.
 STEP_TIME_ARGUMENTS = ("moment2_method", "weight_decay_method", "coefficient_type", "scale_mode")
 
 

@@ -45,7 +45,7 @@ def _gram_restarts(config: OrthogonalizationConfig, m: int, n: int, transpose: b
 def distributed_newton_schulz(
     x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float | None = None
 ) -> torch.Tensor:
-    """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (DESIGN §4.1, §4.6)."""
+    """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (docs/design.md §4.1, §4.9)."""
     return _distributed_newton_schulz(
         x, tp.group, tp.size, tp.partition_dim, coefficients=config.coefficients, table=config.table,
         steps=config.num_ns_steps, repeat_last=config.repeat_last, precision=config.precision,
@@ -98,7 +98,7 @@ def _lerp_weight(beta2: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def tp_normuon_normalize_(updates, moment2, entries, *, beta2, eps, found_inf=None) -> None:
-    """NorMuon (DESIGN §4.4) on shards of one TP group, statistics of the global matrices.
+    """NorMuon (docs/design.md §4.7) on shards of one TP group, statistics of the global matrices.
 
     beta2 and eps are 0-dim tensors; a non-zero found_inf leaves the state as it was.
     """
@@ -132,7 +132,7 @@ def _reduces_over_shards(e) -> bool:
 
 def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2, eps, grad_scale=None,
                        found_inf=None) -> None:
-    """NAMO (DESIGN §4.4) on shards of one TP group: the two Frobenius norms are global.
+    """NAMO (docs/design.md §4.7) on shards of one TP group: the two Frobenius norms are global.
 
     beta2 and eps are 0-dim tensors; gradients scaled by grad_scale (GradScaler) are unscaled in
     the norm, and a non-zero found_inf leaves the state as it was.

@@ -35,7 +35,7 @@ class TPLayout:
 
 @dataclass
 class QKVSplit:
-    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (DESIGN §4.5)."""
+    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8)."""
 
     sizes: tuple[int, ...]
     local_groups: int  # query groups in the local rows

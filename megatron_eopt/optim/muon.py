@@ -67,7 +67,7 @@ class Muon(OrthogonalizedOptimizer):
     ``ns_eps`` (an extension) is the Frobenius-normalization floor of Newton–Schulz: 1e-15 as in
     Emerging-Optimizers 0.4; ``ns_eps=1e-7`` reproduces 0.3.0 (it differs only for updates of
     norm below about 1e-7, which 0.3.0 shrinks instead of orthogonalizing).
-    
+
     ``state_dtype`` (an extension): how the momentum is stored between steps. ``"fp32"`` (default:
     the parameter's dtype, Emerging-Optimizers' numerics bit for bit), ``"bf16"``, ``"int8"`` or
     ``"fp8"`` (1 byte per value plus one fp32 scale per ``state_block_size`` values of a row), each

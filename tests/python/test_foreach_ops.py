@@ -1,6 +1,5 @@
 """foreach_momentum_ and foreach_update_: parity, op contract, torch.compile, bad input."""
 
-import math
 
 import pytest
 import torch
@@ -53,7 +52,7 @@ def _momentum_inputs(gen, device, dtypes, shapes=SHAPES):
 
 
 def _momentum_ref64(grads, bufs, params, momentum, nesterov, wd, method):
-    """DESIGN §4.3 steps 1-3 in float64."""
+    """docs/design.md §4.6 steps 1-3 in float64."""
     out_bufs, out_ns = [], []
     for g, m, p in zip(grads, bufs, params):
         g = g.double()
