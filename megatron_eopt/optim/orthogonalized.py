@@ -633,12 +633,16 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         every chunk of the step writes its inputs into it (sharded matrices have their own)."""
         sizes: dict[torch.device, int] = {}
         for members in chunks:
-            per_chunk: dict[torch.device, int] = {}
+            per_stack: dict[int, int] = {}
             for i in members:
                 e = plan.entries[i]
                 if e.stack_index >= 0:
-                    device = plan.stacks[e.stack_index].device
-                    per_chunk[device] = per_chunk.get(device, 0) + e.batch * e.local_shape[-2] * e.local_shape[-1]
+                    per_stack[e.stack_index] = per_stack.get(e.stack_index, 0) + e.batch * e.local_shape[-2] * \
+                        e.local_shape[-1]
+            per_chunk: dict[torch.device, int] = {}
+            for si, size in per_stack.items():
+                device = plan.stacks[si].device
+                per_chunk[device] = per_chunk.get(device, 0) + _aligned(size)
             for device, size in per_chunk.items():
                 sizes[device] = max(sizes.get(device, 0), size)
         return {device: torch.empty(size, dtype=torch.float32, device=device) for device, size in sizes.items()}
@@ -664,7 +668,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             rows, cols = stack.local_shape
             count = sum(entries[i].batch for i in stack_members)
             start = offsets.get(stack.device, 0)
-            offsets[stack.device] = start + count * rows * cols
+            offsets[stack.device] = start + _aligned(count * rows * cols)
             buf = inputs[stack.device][start : start + count * rows * cols].view(count, rows, cols)
             stacked[si] = (stack_members, buf)
             k = 0
@@ -1000,6 +1004,16 @@ def _write_scalar(buf: torch.Tensor, value) -> None:
         # A Python number, or a CPU tensor for a device buffer: read on the host and written by a
         # fill kernel (a copy_ from pageable host memory would synchronize with the device).
         buf.fill_(_host_value(value))
+
+
+# Each stack's NS input starts this many floats (256 bytes) into the flat buffer after the previous
+# one, as a tensor of its own would be aligned: vectorized kernels and cuBLASLt see the same
+# alignment as without the shared buffer.
+_STACK_ALIGN_FLOATS = 64
+
+
+def _aligned(floats: int) -> int:
+    return -(-floats // _STACK_ALIGN_FLOATS) * _STACK_ALIGN_FLOATS
 
 
 def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:

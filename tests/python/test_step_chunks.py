@@ -129,6 +129,25 @@ def test_workspace_mib_survives_copy_and_pickle_and_stays_out_of_the_state_dict(
     assert "workspace_mib" not in str(sd["param_groups"])
 
 
+def test_stack_inputs_share_one_flat_buffer_each_256_byte_aligned_without_overlap():
+    gen = torch.Generator().manual_seed(8)
+    opt = Muon(make_params(SHAPES, gen), lr=0.01, workspace_mib=None)
+    plan = opt._plan
+    chunks = [list(c) for c in plan.chunks]
+    inputs = opt._ns_input_buffers(plan, chunks)
+    flat = inputs[torch.device("cpu")]
+    ns_inputs, stacked = opt._ns_input_views(plan, chunks[0], inputs)
+    assert len(stacked) == len(plan.stacks) and len(ns_inputs) == len(SHAPES)
+    spans = []
+    for members, x in stacked.values():
+        offset = x.data_ptr() - flat.data_ptr()
+        assert offset % 256 == 0 and x.is_contiguous()
+        assert x.shape[0] == len(members)
+        spans.append((offset, offset + x.numel() * 4))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] <= flat.numel() * 4
+
+
 # ------------------------------------------------------------------ every path: chunked == one piece
 class _HalfOfTheOverride(Muon):
     """An orthogonalize() override handling some params itself and leaving the rest to the base."""
