@@ -155,7 +155,7 @@ def test_step_memory_rows_are_measured_and_positive(step_memory_run):
         expected.append(("ours", "64"))
     else:
         assert any("workspace" in name for name in doc["not_run"])
-    assert sorted(rows) == sorted(expected), sorted(rows)
+    assert sorted(rows, key=repr) == sorted(expected, key=repr), sorted(rows, key=repr)
     assert "torch.optim.Muon" in doc["not_run"]
     for key, r in rows.items():
         assert "error" not in r, (key, r.get("stderr_tail") or r["error"])
