@@ -106,9 +106,12 @@ def foreach_update_(
     for i, s in enumerate(scales):
         if isinstance(s, bool) or not isinstance(s, (int, float)):
             raise TypeError(f"scales[{i}] must be a float, got {type(s).__name__}")
-        if not math.isfinite(s):
+        # Comparisons rather than math.isfinite: under torch.compile a float the step reads from a
+        # plan may be traced as a symbol (dynamo's automatic dynamic floats), which the comparisons
+        # guard on and math.isfinite cannot take. NaN fails both.
+        if not -math.inf < s < math.inf:
             raise ValueError(f"scales[{i}] must be finite, got {s}")
-        scale_values.append(float(s))
+        scale_values.append(float(s) if isinstance(s, int) else s)
     _check_weight_decay_method(weight_decay_method)
     device = _lists_device(params, updates)
     if device is None:
