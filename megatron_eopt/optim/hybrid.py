@@ -234,16 +234,25 @@ class HybridMuon(torch.optim.Optimizer):
             self._muon.init_state()
 
     # ------------------------------------------------------------------ step
-    def _adamw_step(self) -> None:
-        """torch's AdamW over the AdamW groups: its own state init and functional kernel (fused on
-        CUDA, foreach otherwise), called directly so the whole step stays one graph under
-        torch.compile (AdamW.step's grad-mode wrapper breaks the graph)."""
+    def _adamw_lists(self) -> list[tuple] | None:
+        """torch's AdamW state init over the AdamW groups (``_init_group`` creates the state of a
+        param stepped for the first time) and, per group, the lists its functional kernel takes."""
         adamw = self._adamw
+        lists = []
         for group in adamw.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             has_complex = adamw._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-            if not params:
-                continue
+            if params:
+                lists.append((group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps))
+        return lists
+
+    def _adamw_step(self, lists: list[tuple] | None = None) -> None:
+        """torch's AdamW over the AdamW groups: its own state init (``lists``: :meth:`_adamw_lists`,
+        made now when None) and functional kernel (fused on CUDA, foreach otherwise), called
+        directly so the whole step stays one graph under torch.compile (AdamW.step's grad-mode
+        wrapper breaks the graph)."""
+        for group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps in (
+                self._adamw_lists() if lists is None else lists):
             beta1, beta2 = group["betas"]
             adam_functional(
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
@@ -292,10 +301,15 @@ class HybridMuon(torch.optim.Optimizer):
                 loss = closure()
         self._check_step_input(qk_logits)
         self._offload.bring_in()
+        # Compiled, the AdamW side's state is created before the Muon side's: Dynamo runs torch's
+        # AdamW ``_init_group`` for real while it traces, and the Muon side's traced insertions
+        # into the shared state dict, written back after the graph, would drop the entries it
+        # created (torch 2.14). Eager, it waits for the Muon side's checks.
+        adamw_lists = self._adamw_lists() if self._adamw is not None and torch.compiler.is_compiling() else None
         if self._muon is not None:
             self._muon.step()
         if self._adamw is not None:
-            self._adamw_step()
+            self._adamw_step(adamw_lists)
         self._offload.send_out()
         self._apply_qk_clip(qk_logits)
         return loss
