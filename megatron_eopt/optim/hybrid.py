@@ -251,16 +251,36 @@ class HybridMuon(torch.optim.Optimizer):
         made now when None) and functional kernel (fused on CUDA, foreach otherwise), called
         directly so the whole step stays one graph under torch.compile (AdamW.step's grad-mode
         wrapper breaks the graph)."""
-        for group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps in (
+        for j, (group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) in enumerate(
                 self._adamw_lists() if lists is None else lists):
             beta1, beta2 = group["betas"]
+            lr, capturable = group["lr"], group["capturable"]
+            if torch.compiler.is_compiling() and not group["fused"]:
+                # compiled foreach: the lr as a tensor, so a schedule writing a new float every step
+                # is a graph input (torch's AdamW makes a float lr a constant of the graph); a tensor
+                # lr takes torch's capturable formulation
+                lr, capturable = self._adamw_lr(j, group["lr"], params[0].device), True
             adam_functional(
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=lr,
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                foreach=group["foreach"], capturable=group["capturable"], differentiable=False, fused=group["fused"],
+                foreach=group["foreach"], capturable=capturable, differentiable=False, fused=group["fused"],
                 decoupled_weight_decay=True,
             )
+
+    def _adamw_lr(self, index: int, value, device: torch.device) -> torch.Tensor:
+        """``value``, the lr of the index-th AdamW group stepped, in a 1-element fp64 buffer of its
+        own (one dimension: torch.compile gives a 0-dim fp64 CPU tensor input a float symbol, see
+        OrthogonalizedOptimizer._rebuild_plan)."""
+        buffers = self.__dict__.setdefault("_adamw_lr_buffers", {})
+        buf = buffers.get((index, device))
+        if buf is None:
+            buf = buffers[(index, device)] = torch.zeros(1, dtype=torch.float64, device=device)
+        if isinstance(value, torch.Tensor):
+            buf.copy_(value.reshape(1))
+        else:
+            buf.zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
+        return buf
 
     def _check_adamw_grads(self) -> None:
         """The AdamW side's gradients, checked before the Muon side changes anything. Skipped while
