@@ -33,7 +33,7 @@ NESTEROV = True
 SCALE_MODE = "shape_scaling"
 EXTRA_SCALE = 1.0
 
-# AdaptiveMuon second-moment constants (DESIGN §4.4 defaults).
+# AdaptiveMuon second-moment constants (docs/design.md §4.7 defaults).
 BETA2 = 0.95
 MOMENT2_EPS = 1e-8
 
@@ -59,7 +59,7 @@ def ns_flops(m: int, n: int, steps: int = NS_STEPS) -> float:
 
 
 def gram_ns_flops(m: int, n: int, restarts, steps: int = NS_STEPS) -> float:
-    """FLOPs of one Gram Newton–Schulz (DESIGN §11) on an (m, n) matrix with full GEMMs, restarting
+    """FLOPs of one Gram Newton–Schulz (docs/design.md §4.4) on an (m, n) matrix with full GEMMs, restarting
     before the steps flagged in ``restarts``: R = X·Xᵀ and X = Q·X with the long side once per
     (re)start and at the end; per step P = aI + bR + cR² (one s³ product), R ← P·R·P (two, not
     at the last step of a segment) and Q ← Q·P (one, not at the first)."""

@@ -213,7 +213,7 @@ class PlainBatchedMuon:
 
 # ------------------------------------------------------------------ plain batched AdaptiveMuon
 def plain_moment2_normalize(O, V, grads, ns_inputs, method: str, beta2: float, eps: float):
-    """DESIGN §4.4 on a stacked batch O (B, m, n) of raw NS outputs; V is the stacked state."""
+    """docs/design.md §4.7 on a stacked batch O (B, m, n) of raw NS outputs; V is the stacked state."""
     if method == "adamuon":
         V.lerp_(O.square(), 1.0 - beta2)
         return O / (V.sqrt() + eps)

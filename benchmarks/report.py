@@ -18,14 +18,16 @@ How to read a table:
   optimizer step) after a warm-up; the first call (compilation, lazy state) is never timed.
 - **peer / ours**: the peer's median divided by megatron-eopt's; above 1 means megatron-eopt is faster.
 - **GFLOP**: the FLOPs an implementation performs per call by the Newton–Schulz algorithm it runs,
-  with full GEMMs: standard, per step 4·s²·l + 2·s³ for an s×l matrix, s ≤ l; Gram (DESIGN §11),
+  with full GEMMs: standard, per step 4·s²·l + 2·s³ for an s×l matrix, s ≤ l; Gram (docs/design.md §4.4),
   4·s²·l per (re)start and at the end plus 2 to 8·s³ per step (megatron-eopt counts what its
   `auto` chose per matrix; gram-newton-schulz its Gram iteration with one restart).
 - **throughput**: TFLOP/s of those FLOPs, or GB/s (bytes each op must read and write, each tensor once).
 - **peak MiB** (GPU only): memory an implementation holds at the peak of a call beyond the inputs
   all implementations share: its optimizer state plus transient workspace
   (torch.cuda.max_memory_allocated). The CPU tables show n/a: tracemalloc does not see tensor
-  storage and RSS deltas depend on the allocator's caching.
+  storage and RSS deltas depend on the allocator's caching. The "Optimizer-step memory" sections
+  (`benchmarks/step_memory.py`) measure whole steps on CPUs too, one fresh process per
+  implementation and the resident peak of each step.
 - **rel. diff vs ours**: ‖peer − ours‖ / ‖ours‖ of the outputs (NS), or of the parameter change
   after two steps from the same start on a few of the set's matrices (optimizer steps). bf16
   Newton–Schulz makes 1e-3…3e-2 normal; it shows that every implementation ran the same math.

@@ -36,7 +36,7 @@ from megatron_eopt import low_memory_state as lms  # noqa: E402
 from megatron_eopt.optim import Muon  # noqa: E402
 from megatron_eopt.optim import state_bytes  # noqa: E402
 
-STATE_DTYPES = ("fp32", "bf16", "int8", "fp8")
+STATE_DTYPES = lms.STATE_DTYPES
 
 
 def _sync(device):

@@ -1,6 +1,6 @@
 """Memory-bound ops alone, over a model's list of matrices, against torch._foreach_* and a per-tensor
 loop doing the same math. Throughput counts the bytes each op must move: every tensor it reads
-once plus every tensor it writes once (DESIGN §7: momentum over 1e9 fp32 params moves 16 GB)."""
+once plus every tensor it writes once (docs/design.md §10: momentum over 1e9 fp32 params moves 16 GB)."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def _shorter_side_mean_square(o: torch.Tensor) -> torch.Tensor:
 
 
 def moment2_impls(method: str):
-    """name -> run(state), state = (updates O, moment2 v, grads, ns_inputs); DESIGN §4.4 math.
+    """name -> run(state), state = (updates O, moment2 v, grads, ns_inputs); docs/design.md §4.7 math.
 
     torch._foreach has no row/column reductions: the NorMuon peer takes those per tensor and
     everything else as foreach ops; NAMO's norms are torch._foreach_norm.

@@ -3,11 +3,11 @@
 #include <torch/csrc/stable/library.h>
 
 STABLE_TORCH_LIBRARY(megatron_eopt, m) {
-  // ---- Newton–Schulz orthogonalization (DESIGN §4.1) ----
+  // ---- Newton–Schulz orthogonalization (docs/design.md §4.1) ----
   // x: fp32 (m, n) or (batch, m, n). coefficients: the (a, b, c) table flattened row by row;
   // `steps` rows are consumed, cycling through the table or, with repeat_last, repeating its last
   // row. transpose: iterate on x^T (default: when m > n). precision: medium | high | highest.
-  // algorithm: standard (§4.1) | gram (the same iteration on the Gram matrix, §11) | auto (gram
+  // algorithm: standard (§4.1) | gram (the same iteration on the Gram matrix, §4.4) | auto (gram
   // where it does less work on this device, see ns_algorithm.h). The 2026 recipe, folded into the
   // first and last passes (ns_recipe.h; the defaults leave the results unchanged): eps_mode "clamp"
   // divides by max(||x||, eps), "add" by ||x|| + eps; norm_divisor s >= 1 multiplies the norm;
@@ -23,7 +23,7 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
       "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
       "bool row_equilibration=False, bool frobenius_renorm=False) -> Tensor[]");
 
-  // ---- Foreach momentum + weight decay and update (DESIGN §4.3), multi-tensor style ----
+  // ---- Foreach momentum + weight decay and update (docs/design.md §4.6), multi-tensor style ----
   // Per index i: unscaling by grad_scale, l2 decay of the gradient (params read only then), the EMA
   // of the momentum buffer and the Newton–Schulz input (nesterov or not) written in ns_inputs'
   // dtype. The parameter-side decays (decoupled, independent, palm) are applied by foreach_update_.
@@ -60,7 +60,7 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
       "adamuon_normalize_quantized_(Tensor(a!)[] updates, Tensor(b!)[] moment2, Tensor(c!)[] scales, "
       "Tensor beta2, Tensor eps, int block_size, Tensor seed, Tensor? found_inf=None) -> ()");
 
-  // ---- Second-moment normalization of the raw NS output O (DESIGN §4.4, AdaptiveMuon) ----
+  // ---- Second-moment normalization of the raw NS output O (docs/design.md §4.7, AdaptiveMuon) ----
   // Per list entry i: updates[i] is O (fp32, 2-D), normalized in place; moment2[i] its fp32 state:
   // adamuon (m, n); normuon (m, 1) if m >= n else (1, n); namo (1,) (or 0-D). No bias correction.
   // namo also reads grads[i] (the gradient, divided by grad_scale when given) and ns_inputs[i] (the
@@ -75,7 +75,7 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
       "namo_normalize_(Tensor(a!)[] updates, Tensor(b!)[] moment2, Tensor[] grads, Tensor[] ns_inputs, "
       "Tensor beta2, Tensor eps, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
 
-  // ---- Split orthogonalization of fused projections (DESIGN §4.5, Megatron's QKV split) ----
+  // ---- Split orthogonalization of fused projections (docs/design.md §4.8, Megatron's QKV split) ----
   // x (rows, n) fp32 = (num_groups, sum(split_sizes), n); part k = its rows of size
   // split_sizes[k] across the groups, orthogonalized as one (num_groups * split_sizes[k], n)
   // matrix (the NS arguments as in newton_schulz), times its Muon scale for (rows_k, n) and

@@ -56,7 +56,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------ float64 references (CPU checks)
 def ns_ref(x: torch.Tensor, steps: int = 5, coefficient_type: str = "quintic") -> torch.Tensor:
-    """DESIGN §4.1 in float64: Frobenius-normalize, iterate on the short side."""
+    """docs/design.md §4.1 in float64: Frobenius-normalize, iterate on the short side."""
     x = x.double()
     tall = x.shape[-2] > x.shape[-1]
     w = x.mT if tall else x
@@ -172,7 +172,7 @@ def check_second_moment(device: str, seed: int) -> list[Result]:
     shapes = [(1, 37), (37, 1), (97, 37), (16, 16)]
     updates = [_randn(s, gen) / math.sqrt(max(s)) for s in shapes]
     grads = [_randn(s, gen) for s in shapes]
-    for method in ("adamuon", "normuon", "namo"):
+    for method in me.MOMENT2_METHODS:
         def run(d, method=method):
             u = [_on(t, d) for t in updates]
             v = [me.new_moment2_buffer(method, t) + 0.5 for t in u]
@@ -234,7 +234,7 @@ def check_optimizers(device: str, seed: int) -> list[Result]:
             return torch.cat([(p.detach() - s.to(d)).flatten() for p, s in zip(params, start)])
 
         def reference(name=name):
-            # Muon in float64 (DESIGN §4.3; NorMuon §4.4), decoupled decay, Nesterov for Muon.
+            # Muon in float64 (docs/design.md §4.6; NorMuon §4.7), decoupled decay, Nesterov for Muon.
             params = [p.double() for p in start]
             bufs = [torch.zeros_like(p) for p in params]
             vs = [None] * len(params)

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 import math
 from itertools import chain, cycle, islice, repeat
-from typing import Iterator, Literal, Sequence
+from typing import Iterator, Literal, Sequence, get_args
 
 CoefficientRow = tuple[float, float, float]
 NSCoeffT = Literal["simple", "quintic", "polar_express", "cans", "aol", "deepseekv4", "cubic5", "custom"]
 CoeffIterMode = Literal["cycle", "repeat_last"]
 MuonScaleT = Literal["spectral", "shape_scaling", "unit_rms_norm"]
+SCALE_MODES: tuple[str, ...] = get_args(MuonScaleT)
 PrecisionT = Literal["medium", "high", "highest"]
 NSAlgorithmT = Literal["auto", "standard", "gram"]
 
-# "standard": the iteration on X (DESIGN §4.1). "gram": the same iteration run on the Gram matrix
-# X·Xᵀ of the short side (§11), fewer FLOPs for rectangular matrices. "auto": gram where it does
+# "standard": the iteration on X (docs/design.md §4.1). "gram": the same iteration run on the Gram matrix
+# X·Xᵀ of the short side (§4.4), fewer FLOPs for rectangular matrices. "auto": gram where it does
 # less work on the device (and its precision keeps it within the standard tolerances), else standard.
 NS_ALGORITHMS = ("auto", "standard", "gram")
 
@@ -175,8 +176,7 @@ def get_muon_scale_factor(size_out: int, size_in: int, mode: MuonScaleT = "spect
     if mode == "unit_rms_norm":
         return math.sqrt(size_out / size_in)
     raise ValueError(
-        f"Invalid mode for Muon update scale factor: {mode!r}; scale_mode must be one of spectral, shape_scaling, "
-        "unit_rms_norm"
+        f"Invalid mode for Muon update scale factor: {mode!r}; scale_mode must be one of {', '.join(SCALE_MODES)}"
     )
 
 

@@ -12,7 +12,7 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence, TextIO
+from typing import Any, Mapping, Sequence, TextIO
 
 import torch
 from torch import nn

@@ -6,10 +6,10 @@ as Emerging-Optimizers 0.3.0's ``AdaptiveMuon`` creates its ``moment2_buffer``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 Moment2MethodT = Literal["adamuon", "normuon", "namo"]
-MOMENT2_METHODS: tuple[str, ...] = ("adamuon", "normuon", "namo")
+MOMENT2_METHODS: tuple[str, ...] = get_args(Moment2MethodT)
 
 
 def validate_moment2_method(method: str) -> None:

@@ -11,6 +11,8 @@ if ! dpkg -s libgtest-dev >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v ap
 fi
 "$PY" -m pip install -q torch==2.14.1
 "$PY" -m pip install -q "scikit-build-core>=0.10" ninja "cmake>=3.26" pytest numpy expecttest matplotlib
+# Linters of scripts/lint.sh (pinned: a new release may add rules or change the C++ layout).
+"$PY" -m pip install -q ruff==0.17.6 clang-format==23.1.5
 # Reference implementations the parity tests compare against (no torch from their requirements).
 "$PY" -m pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py typing_extensions
 # Emerging-Optimizers 0.4.0 is not on the package index and is not installed: its behaviour is

@@ -1,4 +1,4 @@
-// CPU executors of the two Newton–Schulz algorithms (DESIGN §4.1 and §11).
+// CPU executors of the two Newton–Schulz algorithms (docs/design.md §4.1 and §4.4).
 #pragma once
 
 #include "megatron_eopt/ns_gram_plan.h"

@@ -1,8 +1,8 @@
-// The standard Newton–Schulz iteration (DESIGN §4.1) on the CPU in the compute type: bf16 for
+// The standard Newton–Schulz iteration (docs/design.md §4.1) on the CPU in the compute type: bf16 for
 // "medium" (fp32 accumulation, as the CUDA path and the peers), fp32 otherwise ("high" has no TF32
 // on a CPU). W P runs on ATen's GEMMs, the symmetric W W^T and G G on gram_product_out.
 //
-// Each product is one plain GEMM (DESIGN §12): with G = W W^T and H = G G, a step is
+// Each product is one plain GEMM (docs/design.md §4.3): with G = W W^T and H = G G, a step is
 //   W' = a W + b G W + c G^2 W = P W,   P = c H + b G + a I,
 // where P is formed in one s x s pass (fp32 arithmetic, rounded once) instead of a full-size pass
 // over W after the product. Rounding P once keeps its diagonal, a small difference of large terms

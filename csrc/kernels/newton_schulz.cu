@@ -1,4 +1,4 @@
-// Batched Newton–Schulz orthogonalization on CUDA (the standard iteration, §4.1): a Frobenius-norm
+// Batched Newton–Schulz orthogonalization on CUDA (the standard iteration, docs/design.md §4.1): a Frobenius-norm
 // reduction and one fused normalize-and-cast pass (ns_normalize.cu), then three cuBLASLt GEMMs
 // per step with the polynomial's scaled additions folded into their epilogues. Torch-free: raw
 // pointers and a stream.

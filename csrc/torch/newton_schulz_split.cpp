@@ -1,4 +1,4 @@
-// Split orthogonalization of a fused projection (DESIGN §4.5): x (rows, n) viewed as
+// Split orthogonalization of a fused projection (docs/design.md §4.8): x (rows, n) viewed as
 // (num_groups, sum(split_sizes), n) is cut along the middle dimension; each part, the
 // (num_groups * size, n) matrix of its rows across the groups, is orthogonalized (parts of equal
 // size as one batch through the newton_schulz op), optionally scaled by its own Muon factor, and

@@ -35,6 +35,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
+from ..optim._plan import DEFAULT_WORKSPACE_MIB
 from ..optim._config import OrthogonalizationConfig, check_matmul_precision, make_config
 from ..optim._plan import Plan
 from ..optim.orthogonalized import OrthogonalizedOptimizer, _plan_matches
@@ -77,6 +78,7 @@ class Muon(OrthogonalizedOptimizer):
     - ``fp32_matmul_prec``: the Newton–Schulz products. ``"medium"`` (default) multiplies bf16
       operands with fp32 accumulation, as torch's bf16 iteration does; ``"high"`` TF32 on CUDA;
       ``"highest"`` fp32 throughout (closer to exact than torch's own bf16 result);
+    - ``workspace_mib``: the step's workspace budget (see :class:`megatron_eopt.optim.Muon`);
     - ``state_dtype`` / ``state_block_size``: low-memory momentum (see
       :mod:`megatron_eopt.low_memory_state`).
 
@@ -107,6 +109,7 @@ class Muon(OrthogonalizedOptimizer):
         fp32_matmul_prec: str = "medium",
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
+        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
         # torch's checks, in torch's order and words.
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -129,7 +132,8 @@ class Muon(OrthogonalizedOptimizer):
         if _HAS_FOREACH:
             defaults["foreach"] = foreach
         base, _ = self._settings(defaults)
-        self._init_fused(params, defaults, base, state_dtype=state_dtype, state_block_size=state_block_size)
+        self._init_fused(params, defaults, base, state_dtype=state_dtype, state_block_size=state_block_size,
+                         workspace_mib=workspace_mib)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.ndim != 2:

@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import sys
 import threading
@@ -201,6 +202,38 @@ def _align_layer_wise_ownership(factory: Any) -> None:
         _set_global(factory, _LAYER_WISE_RULE, aligned)
 
 
+# The step's memory options install() sets for the optimizers its entries build: a key absent means
+# the class default. A Megatron config attribute of the same meaning (STEP_OPTION_FIELDS) wins.
+_STEP_OPTIONS: dict[str, Any] = {}
+_UNSET = object()
+
+# (constructor argument, OptimizerConfig attribute): not fields of Megatron-LM's config, set them on
+# it (``config.muon_workspace_mib = 512``) to choose per optimizer build.
+STEP_OPTION_FIELDS: tuple[tuple[str, str], ...] = (
+    ("state_dtype", "muon_state_dtype"),
+    ("state_block_size", "muon_state_block_size"),
+    ("workspace_mib", "muon_workspace_mib"),
+)
+
+
+def _with_step_options(optimizer_cls: type, config_to_kwargs: Any) -> Any:
+    """``config_to_kwargs`` plus the step options for the constructor arguments ``optimizer_cls`` takes."""
+    accepted = set(inspect.signature(optimizer_cls).parameters)
+
+    def with_step_options(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
+        kwargs = dict(config_to_kwargs(config, model_chunks, pg_collection)) if config_to_kwargs is not None else {}
+        for kwarg, field in STEP_OPTION_FIELDS:
+            if kwarg not in accepted:
+                continue
+            if hasattr(config, field):
+                kwargs[kwarg] = getattr(config, field)
+            elif kwarg in _STEP_OPTIONS:
+                kwargs[kwarg] = _STEP_OPTIONS[kwarg]
+        return kwargs
+
+    return with_step_options
+
+
 def _to_megatron_entry(
     entry: registry.EmergingOptimizerEntry, emerging: Any, optimizer_config: Any, stock: Any = None
 ) -> Any:
@@ -212,7 +245,7 @@ def _to_megatron_entry(
     megatron_entry = emerging.EmergingOptimizerEntry(
         optimizer_cls=entry.optimizer_cls,
         init_state_fn=entry.init_state_fn,
-        config_to_kwargs=entry.config_to_kwargs,
+        config_to_kwargs=_with_step_options(entry.optimizer_cls, entry.config_to_kwargs),
         default_param_overrides=overrides,
     )
     megatron_entry._megatrons_routing = megatrons_routing
@@ -253,7 +286,8 @@ def classes_replaced() -> bool:
     return all(getattr(emerging, name, None) is getattr(optim, name) for name in _CLASS_NAMES)
 
 
-def install(names: list[str] | None = None, *, replace_classes: bool = False) -> dict[str, Any]:
+def install(names: list[str] | None = None, *, replace_classes: bool = False, state_dtype: str | None = None,
+            state_block_size: int | None = None, workspace_mib: Any = _UNSET) -> dict[str, Any]:
     """Puts megatron-eopt's registry entries into Megatron-LM's emerging-optimizer registry.
 
     ``names`` selects entries of :mod:`megatron_eopt.registry` (default: all of them, i.e.
@@ -279,9 +313,21 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
     before install() keeps the name it bound.
     :func:`uninstall` restores the names.
 
+    Memory of the optimizers built through the installed entries (those whose constructor takes
+    them: Muon and AdaptiveMuon, i.e. "muon" and "adaptive_muon"): ``state_dtype`` ("fp32", "bf16",
+    "int8", "fp8") and ``state_block_size`` store the momentum (and AdaMuon's second moment) in
+    low precision; ``workspace_mib`` is the step's workspace budget in MiB (None: no bound). Left
+    out, the class defaults (fp32 state, 256 MiB); a later call changes them for the optimizers
+    built after it. Per build, an attribute set on Megatron-LM's ``OptimizerConfig`` wins:
+    ``muon_state_dtype``, ``muon_state_block_size``, ``muon_workspace_mib``.
+
     Raises ImportError with the reason when megatron-core is missing, older than 0.18, or fails
     to import.
     """
+    options = {k: v for k, v in (("state_dtype", state_dtype), ("state_block_size", state_block_size)) if v is not None}
+    if workspace_mib is not _UNSET:
+        options["workspace_mib"] = workspace_mib
+    _check_step_options(options)
     factory, emerging = _megatron_modules()
     optimizer_config = importlib.import_module("megatron.core.optimizer.optimizer_config")
     selected = registry.names() if names is None else list(names)
@@ -306,6 +352,7 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
                 _REPLACED[name] = current
             replaced[name] = current
             table[name] = megatron_entry
+        _STEP_OPTIONS.update(options)
         if replace_classes:
             _bind_classes(emerging)
         # The layer-wise buffer rule follows the routing of use_muon = False only where our
@@ -321,6 +368,19 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False) ->
     return replaced
 
 
+def _check_step_options(options: dict[str, Any]) -> None:
+    """Refuses a bad memory option at install() rather than at the first optimizer build."""
+    from .. import low_memory_state as lms
+    from ..optim._plan import check_workspace_mib
+
+    if "state_dtype" in options:
+        lms.validate_state_dtype(options["state_dtype"])
+    if "state_block_size" in options:
+        lms.validate_block_size(options["state_block_size"])
+    if "workspace_mib" in options:
+        check_workspace_mib(options["workspace_mib"])
+
+
 def installed() -> list[str]:
     """Names whose Megatron-LM registry entry is currently megatron-eopt's."""
     if "megatron.core.optimizer.emerging_optimizers" not in sys.modules:
@@ -330,7 +390,8 @@ def installed() -> list[str]:
 
 
 def uninstall() -> None:
-    """Restores the Megatron-LM registry, module flags and class names as they were before :func:`install`."""
+    """Restores the Megatron-LM registry, module flags and class names as they were before :func:`install`
+    (and forgets its memory options)."""
     if "megatron.core.optimizer.emerging_optimizers" not in sys.modules:
         return
     table = sys.modules["megatron.core.optimizer.emerging_optimizers"]._EMERGING_OPTIMIZERS
@@ -341,6 +402,7 @@ def uninstall() -> None:
             else:
                 table[name] = previous
         _REPLACED.clear()
+        _STEP_OPTIONS.clear()
         while _PATCHED_GLOBALS:
             module, name, value, had = _PATCHED_GLOBALS.pop()
             if had:

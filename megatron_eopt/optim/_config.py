@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 
@@ -17,18 +17,14 @@ from ._recipe import NSRecipe, polar_express_rows
 from ..newton_schulz import (
     NS_ALGORITHMS,
     NS_EPS,
+    SCALE_MODES,
     check_steps,
     coefficient_table,
     get_muon_scale_factor,
     validate_precision,
 )
-
-WeightDecayT = Literal["decoupled", "independent", "l2", "palm", "cautious"]
-Moment2MethodT = Literal["adamuon", "normuon", "namo"]
-
-WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm", "cautious")
-MOMENT2_METHODS = ("adamuon", "normuon", "namo")
-SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+from ..ops._constants import WEIGHT_DECAY_METHODS
+from ..second_moment import MOMENT2_METHODS
 
 
 @dataclass(frozen=True)
@@ -159,7 +155,7 @@ def make_config(
 
 # Emerging-Optimizers 0.4 takes these arguments as given and raises when step() first uses one:
 # an unknown moment2_method is a TypeError, an unknown weight-decay method, coefficient type or
-# scale mode a ValueError. The fused classes keep that timing (DESIGN §14) with their own messages.
+# scale mode a ValueError. The fused classes keep that timing (docs/design.md §8.3) with their own messages.
 STEP_TIME_ARGUMENTS = ("moment2_method", "weight_decay_method", "coefficient_type", "scale_mode")
 
 

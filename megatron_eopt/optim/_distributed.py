@@ -4,14 +4,9 @@ What runs where:
 - duplicated: the local (k, m, n) batch of NS inputs is all-gathered along partition_dim (one
   all_gather per stack), the fused batched Newton–Schulz op runs on the global matrices on every
   rank, and each rank keeps its chunk.
-- distributed: Newton–Schulz cannot call a collective from inside the fused op, so it runs here in
-  plain PyTorch on the local shards, batched per stack: one all-reduce of the k squared Frobenius
-  norms, then per iteration one all-reduce of the k Gram matrices (of the unsharded side, as in
-  Megatron: partition_dim 0 iterates on the transpose). The Gram partials are summed in fp32
-  (bf16 products accumulate in fp32, like the fused op's GEMMs) and rounded to the compute dtype
-  once, after the sum. Where the fused op would take the Gram iteration for the global matrix
-  (same choice and restarts, ns_algorithm.h), it runs here too: the s x s recursion needs no
-  communication, so there is one Gram all-reduce per (re)start instead of one per iteration.
+- distributed: Newton–Schulz cannot call a collective from inside the fused op, so it runs in
+  plain PyTorch on the local shards, batched per stack, with all-reduces of the norms and Gram
+  matrices (:mod:`megatron_eopt.ops._distributed`, shared with ``newton_schulz(tp_group=...)``).
 - AdaptiveMuon's NorMuon / NAMO statistics (row means, Frobenius norms) reduce over the whole
   matrix, so for sharded parameters they are computed here with all-reduces of the partial sums
   (one or two per bucket); AdaMuon is elementwise and uses the fused op.
@@ -19,14 +14,12 @@ What runs where:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .._library import ns_plan
+from ..ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
 from ._config import OrthogonalizationConfig
 from ._plan import QKVSplit, TPLayout
 
@@ -43,82 +36,21 @@ def local_chunk(x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
     return x.chunk(tp.size, dim=x.ndim - 2 + tp.partition_dim)[tp.rank].contiguous()
 
 
-@contextlib.contextmanager
-def _matmul_precision(precision: str):
-    # Only the plain-PyTorch distributed iteration needs this: "high" means TF32 GEMMs.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if precision == "high" else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-@functools.lru_cache(maxsize=256)
 def _gram_restarts(config: OrthogonalizationConfig, m: int, n: int, transpose: bool, device_type: str):
     """The restart flags when the fused op would run the Gram iteration on this global matrix, else None."""
-    use_gram, restarts = ns_plan(config.table, config.num_ns_steps, config.repeat_last, m, n, transpose, config.precision,
-                                 config.algorithm, device_type)
-    return restarts if use_gram else None
-
-
-def _distributed_gram(X: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, restarts) -> torch.Tensor:
-    """The Gram iteration (DESIGN §11) on local shards X (k, s, l_local) of the working matrices:
-    R = sum over ranks of X X^T (one all-reduce per (re)start), then the s x s recursion, identical
-    on every rank, and X Q-applied locally. R and Q stay fp32; X keeps the compute dtype (bf16 for
-    "medium", rounded after each restart as in the fused op)."""
-    compute = X.dtype
-
-    def gram(W):
-        Wf = W.float()
-        R = torch.bmm(Wf, Wf.mT)
-        dist.all_reduce(R, group=tp.group)
-        return R
-
-    R = gram(X)
-    Q = None
-    coefficients = config.coefficients
-    for k, (a, b, c) in enumerate(coefficients):
-        if k > 0 and restarts[k]:
-            X = torch.bmm(Q.to(compute).float(), X.float()).to(compute)
-            R = gram(X)
-            Q = None
-        P = torch.baddbmm(R, R, R, beta=b, alpha=c)
-        P.diagonal(0, -2, -1).add_(a)
-        if k + 1 < len(coefficients) and not restarts[k + 1]:
-            R = torch.bmm(P, torch.bmm(R, P))
-        Q = P if Q is None else torch.bmm(Q, P)
-    return torch.bmm(Q.to(compute).float(), X.float())
+    return gram_restarts(config.table, config.num_ns_steps, config.repeat_last, m, n, transpose, config.precision,
+                         config.algorithm, device_type)
 
 
 def distributed_newton_schulz(
     x: torch.Tensor, tp: TPLayout, config: OrthogonalizationConfig, eps: float | None = None
 ) -> torch.Tensor:
-    """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (DESIGN §4.1, §4.6)."""
-    transpose = tp.partition_dim == 0  # iterate so that the sharded side is the contracted one
-    w = x.mT if transpose else x
-    sq = w.square().sum(dim=(-2, -1))
-    dist.all_reduce(sq, group=tp.group)
-    norm = sq.sqrt().clamp_min(config.ns_eps if eps is None else eps)
-    compute = torch.bfloat16 if config.precision == "medium" else torch.float32
-    X = (w / norm[:, None, None]).to(compute)
-    s, l_global = w.shape[-2], w.shape[-1] * tp.size
-    m, n = (l_global, s) if transpose else (s, l_global)
-    restarts = _gram_restarts(config, m, n, transpose, x.device.type)
-    if restarts is not None:
-        with _matmul_precision(config.precision):
-            out = _distributed_gram(X, tp, config, restarts)
-        return (out.mT if transpose else out).contiguous()
-    with _matmul_precision(config.precision):
-        for a, b, c in config.coefficients:
-            Xf = X.float()
-            gram = torch.bmm(Xf, Xf.mT)
-            dist.all_reduce(gram, group=tp.group)
-            gram = gram.to(compute)
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            X = torch.baddbmm(X, poly, X, beta=a, alpha=1.0)
-    out = X.float()
-    return (out.mT if transpose else out).contiguous()
+    """Newton–Schulz of a batch of sharded matrices, equal to the unsharded result (docs/design.md §4.1, §4.9)."""
+    return _distributed_newton_schulz(
+        x, tp.group, tp.size, tp.partition_dim, coefficients=config.coefficients, table=config.table,
+        steps=config.num_ns_steps, repeat_last=config.repeat_last, precision=config.precision,
+        algorithm=config.algorithm, eps=config.ns_eps if eps is None else eps,
+    )
 
 
 def distributed_orthogonalize(
@@ -166,7 +98,7 @@ def _lerp_weight(beta2: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def tp_normuon_normalize_(updates, moment2, entries, *, beta2, eps, found_inf=None) -> None:
-    """NorMuon (DESIGN §4.4) on shards of one TP group, statistics of the global matrices.
+    """NorMuon (docs/design.md §4.7) on shards of one TP group, statistics of the global matrices.
 
     beta2 and eps are 0-dim tensors; a non-zero found_inf leaves the state as it was.
     """
@@ -200,7 +132,7 @@ def _reduces_over_shards(e) -> bool:
 
 def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2, eps, grad_scale=None,
                        found_inf=None) -> None:
-    """NAMO (DESIGN §4.4) on shards of one TP group: the two Frobenius norms are global.
+    """NAMO (docs/design.md §4.7) on shards of one TP group: the two Frobenius norms are global.
 
     beta2 and eps are 0-dim tensors; gradients scaled by grad_scale (GradScaler) are unscaled in
     the norm, and a non-zero found_inf leaves the state as it was.

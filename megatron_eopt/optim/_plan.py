@@ -2,7 +2,10 @@
 
 A step launches one fused op per *bucket* (param group, dtype, device) for momentum, second
 moment and update, and one Newton–Schulz call per *stack* (matrices orthogonalized together:
-same local shape and device, same QKV split, same tensor-parallel layout). Building this needs
+same local shape and device, same QKV split, same tensor-parallel layout), within each *chunk*:
+the entries whose Newton–Schulz buffers fit the optimizer's workspace budget together
+(:func:`chunk_entries`), so a step's transient memory is bounded by the budget (or by the largest
+matrix), not by the number of matrices. Building this needs
 parameter attributes and process-group sizes, so it runs eagerly (construction, add_param_group,
 load_state_dict), never inside a compiled step; a step only filters it by which grads exist.
 """
@@ -35,7 +38,7 @@ class TPLayout:
 
 @dataclass
 class QKVSplit:
-    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (DESIGN §4.5)."""
+    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8)."""
 
     sizes: tuple[int, ...]
     local_groups: int  # query groups in the local rows
@@ -111,6 +114,58 @@ class Plan:
     rejected: list[tuple[int, int]] = field(default_factory=list)
     params: tuple[torch.Tensor, ...] = ()  # every param of the groups, in order (detects edits)
     configs: tuple[OrthogonalizationConfig, ...] = ()  # each param group's settings when built
+    # entry indices stepped together, in step order (stacks' members, then sharded matrices);
+    # set by the optimizer from its workspace budget (chunk_entries)
+    chunks: tuple[tuple[int, ...], ...] = ()
+
+
+# The workspace budget of a step when none is given (``workspace_mib``): the Newton–Schulz
+# buffers of the matrices stepped together. A matrix larger than the budget is stepped alone.
+DEFAULT_WORKSPACE_MIB = 256
+
+
+def check_workspace_mib(value, where: str = "workspace_mib") -> float | None:
+    """The budget in MiB (a positive number), or None for no bound (every matrix in one chunk)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"{where} must be a positive number of MiB or None (no bound), got {value!r}")
+    return value
+
+
+def entry_step_bytes(entry: ParamEntry) -> int:
+    """The bytes of fp32 buffers one entry needs while its matrices are orthogonalized: its local
+    Newton–Schulz input, then for each matrix at the size it is orthogonalized (the global matrix
+    for tensor-parallel and sharded params) the output, two iterates and the two s×s products.
+    An estimate of what the Newton–Schulz kernels take (the standard iteration's buffers; the Gram
+    iteration's are no larger), used only to cut the step into chunks."""
+    rows, cols = entry.local_shape[-2:]
+    g_rows, g_cols = entry.global_shape
+    side = min(g_rows, g_cols)
+    return 4 * entry.batch * (rows * cols + 3 * g_rows * g_cols + 2 * side * side)
+
+
+def chunk_entries(plan: Plan, budget_bytes: float | None) -> tuple[tuple[int, ...], ...]:
+    """Every entry of ``plan`` once, in step order (each stack's members, then the sharded matrices),
+    cut greedily into chunks whose :func:`entry_step_bytes` sum to at most ``budget_bytes``. An
+    entry larger than the budget is a chunk of its own; None keeps everything in one chunk (one
+    Newton–Schulz call per stack). Depends only on the plan, so every rank cuts alike."""
+    order = [i for stack in plan.stacks for i in stack.members] + list(plan.sharded)
+    if budget_bytes is None:
+        return (tuple(order),) if order else ()
+    chunks: list[tuple[int, ...]] = []
+    current: list[int] = []
+    used = 0
+    for i in order:
+        size = entry_step_bytes(plan.entries[i])
+        if current and used + size > budget_bytes:
+            chunks.append(tuple(current))
+            current, used = [], 0
+        current.append(i)
+        used += size
+    if current:
+        chunks.append(tuple(current))
+    return tuple(chunks)
 
 
 def not_a_matrix(p: torch.Tensor, nd_mode: str) -> bool:

@@ -559,7 +559,7 @@ def _matrix_dims(lay: ShardLayout) -> tuple[int, int]:
 
 
 def sharded_normuon_(updates, moment2, layouts, normuon_dims, *, beta2, eps, found_inf=None) -> None:
-    """NorMuon (DESIGN §4.4) on local (E, m, n) views of sharded matrices, statistics of the full ones.
+    """NorMuon (docs/design.md §4.7) on local (E, m, n) views of sharded matrices, statistics of the full ones.
 
     moment2[k] is the (E, m, 1) or (E, 1, n) local view; normuon_dims[k] is -1 or -2.
     """
@@ -580,7 +580,7 @@ def sharded_normuon_(updates, moment2, layouts, normuon_dims, *, beta2, eps, fou
 
 
 def sharded_namo_(updates, moment2, grads, ns_inputs, layouts, *, beta2, eps, grad_scale=None, found_inf=None) -> None:
-    """NAMO (DESIGN §4.4) on local (E, m, n) views of sharded matrices; moment2[k] is the (E,) view."""
+    """NAMO (docs/design.md §4.7) on local (E, m, n) views of sharded matrices; moment2[k] is the (E,) view."""
     sums = [torch.stack([g.float().square().sum(dim=(-2, -1)), x.square().sum(dim=(-2, -1))])
             for g, x in zip(grads, ns_inputs)]
     _reduce_dims(sums, layouts, [_matrix_dims(l) for l in layouts])

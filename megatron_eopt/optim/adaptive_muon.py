@@ -10,6 +10,7 @@ from torch.optim.optimizer import ParamsT
 from ..newton_schulz import NS_EPS, get_muon_scale_factor
 from ._config import defer_step_time_errors, make_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
+from ._plan import DEFAULT_WORKSPACE_MIB
 from .orthogonalized import OrthogonalizedOptimizer
 
 
@@ -34,7 +35,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     ``polar_express_safety``) are those of :class:`Muon`; Muon+ renormalizes O before the second
     moment, as nanochat does.
     ``ns_eps`` as in :class:`Muon` (1e-15, Emerging-Optimizers 0.4; 1e-7 for 0.3.0).
-    ``state_dtype`` / ``state_block_size`` as in :class:`Muon`; AdaMuon's elementwise second moment
+    ``state_dtype`` / ``state_block_size`` / ``workspace_mib`` as in :class:`Muon`; AdaMuon's elementwise second moment
     follows it (bf16, or ``sqrt(v)`` in fp8 e4m3 with block scales for "int8" and "fp8"); NorMuon's
     and NAMO's statistics (a vector or a scalar per matrix) stay fp32.
 
@@ -73,6 +74,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         ns_eps: float = NS_EPS,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
+        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
         arguments, deferred_error = defer_step_time_errors(dict(
             nesterov=nesterov,
@@ -101,7 +103,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode,
                          state_dtype=state_dtype, state_block_size=state_block_size,
-                         deferred_error=deferred_error)
+                         workspace_mib=workspace_mib, deferred_error=deferred_error)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension points
     # The fused step runs these rules in its normalization ops; a subclass overriding one of them

@@ -36,7 +36,7 @@ class HybridMuon(torch.optim.Optimizer):
     ``momentum``, ``weight_decay`` and every :class:`Muon` keyword (``nesterov``,
     ``fp32_matmul_prec``, ``coefficient_type``, ``num_ns_steps``, ``scale_mode``,
     ``extra_scale_factor``, ``weight_decay_method``, ``nd_mode``, ``state_dtype`` (the Muon side's state;
-    AdamW keeps fp32), ...; with ``moment2_method`` the
+    AdamW keeps fp32), ``workspace_mib`` (the Muon side's step budget, also an attribute), ...; with ``moment2_method`` the
     Muon side is :class:`AdaptiveMuon`, with ``beta2`` and ``eps``) are the Muon groups' defaults;
     ``adamw_lr`` (default: ``lr``), ``adamw_betas``, ``adamw_eps`` and ``adamw_weight_decay`` the
     AdamW groups' defaults. ``clip_config`` (Motif's dict: ``threshold``, ``head_dim``,
@@ -197,6 +197,16 @@ class HybridMuon(torch.optim.Optimizer):
     @property
     def cpu_offload(self) -> bool:
         return self._offload.enabled
+
+    @property
+    def workspace_mib(self) -> float | None:
+        """The Muon side's step workspace budget (see :class:`Muon`); None without Muon groups."""
+        return None if self._muon is None else self._muon.workspace_mib
+
+    @workspace_mib.setter
+    def workspace_mib(self, value: float | None) -> None:
+        if self._muon is not None:
+            self._muon.workspace_mib = value
 
     def state_dict(self) -> dict[str, Any]:
         self._offload.refuse("state_dict()")

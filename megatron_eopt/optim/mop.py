@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import get_muon_scale_factor
+from ..newton_schulz import SCALE_MODES, get_muon_scale_factor
 from .orthogonalized import OrthogonalizedOptimizer
 
 __all__ = ["MOP", "polar_via_svd"]
 
-MOP_SCALE_MODES = ("nuclear_norm", "spectral", "shape_scaling", "unit_rms_norm")
+MOP_SCALE_MODES = ("nuclear_norm", *SCALE_MODES)
 
 
 class MOP(OrthogonalizedOptimizer):

@@ -9,6 +9,7 @@ from torch.optim.optimizer import ParamsT
 from ..newton_schulz import NS_EPS
 from ._config import defer_step_time_errors, make_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
+from ._plan import DEFAULT_WORKSPACE_MIB
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -67,12 +68,18 @@ class Muon(OrthogonalizedOptimizer):
     ``ns_eps`` (an extension) is the Frobenius-normalization floor of Newton–Schulz: 1e-15 as in
     Emerging-Optimizers 0.4; ``ns_eps=1e-7`` reproduces 0.3.0 (it differs only for updates of
     norm below about 1e-7, which 0.3.0 shrinks instead of orthogonalizing).
-    
+
     ``state_dtype`` (an extension): how the momentum is stored between steps. ``"fp32"`` (default:
     the parameter's dtype, Emerging-Optimizers' numerics bit for bit), ``"bf16"``, ``"int8"`` or
     ``"fp8"`` (1 byte per value plus one fp32 scale per ``state_block_size`` values of a row), each
     rounded stochastically (unbiased) inside the fused momentum op; see
     :mod:`megatron_eopt.low_memory_state`. Checkpoints convert between state dtypes on load.
+
+    ``workspace_mib`` (an extension, default 256): the step's workspace budget in MiB. Matrices are
+    stepped in chunks whose Newton–Schulz buffers fit it together, so the memory a step needs beyond
+    params, grads and state is bounded by the budget (or by the largest matrix, stepped alone), not by
+    the size of the model; small matrices still share one batched call. ``None``: no bound (every
+    same-shape matrix in one call). Also a settable attribute, ``opt.workspace_mib``.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class Muon(OrthogonalizedOptimizer):
         ns_eps: float = NS_EPS,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
+        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
         arguments, deferred_error = defer_step_time_errors(dict(
             nesterov=nesterov,
@@ -126,5 +134,5 @@ class Muon(OrthogonalizedOptimizer):
         self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
             sharded_mode=sharded_mode, weight_update_hook=weight_update_hook, state_dtype=state_dtype,
-            state_block_size=state_block_size, deferred_error=deferred_error,
+            state_block_size=state_block_size, workspace_mib=workspace_mib, deferred_error=deferred_error,
         )

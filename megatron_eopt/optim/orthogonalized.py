@@ -1,10 +1,13 @@
 """The fused step shared by Muon, AdaptiveMuon and their tensor-parallel variants.
 
-Per step, with the parameters grouped once (see ``_plan``):
+Per step, with the parameters grouped once (see ``_plan``), for each *chunk* (the matrices whose
+Newton–Schulz buffers fit the workspace budget ``workspace_mib`` together; small models are one
+chunk, a large matrix is a chunk of its own, so the step's transient memory is bounded by the
+budget or by the largest matrix, not by the size of the model):
 
 1. per bucket (param group, dtype, device): one ``foreach_momentum_`` — momentum EMA, L2 decay,
    Nesterov — writing the Newton–Schulz inputs straight into a stacked fp32 (k, m, n) buffer per
-   stack;
+   stack (views of one flat buffer per device, reused by every chunk of the step);
 2. per stack: one batched ``newton_schulz`` (QKV projections: ``newton_schulz_split``; tensor
    parallel: see ``_distributed``);
 3. AdaptiveMuon: per bucket one second-moment normalization launch on the raw NS output;
@@ -49,7 +52,17 @@ from ._distributed import (
     tp_namo_normalize_,
     tp_normuon_normalize_,
 )
-from ._plan import Plan, QKVSplit, Stack, TPLayout, build_plan, not_a_matrix
+from ._plan import (
+    DEFAULT_WORKSPACE_MIB,
+    Plan,
+    QKVSplit,
+    Stack,
+    TPLayout,
+    build_plan,
+    check_workspace_mib,
+    chunk_entries,
+    not_a_matrix,
+)
 from ._sharded import (
     ND_MODES,
     SHARDED_MODES,
@@ -100,6 +113,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
     _nd_error_type: type = ValueError  # Muown: TypeError, as EO's
     _nd_error_without_grad = False  # AdaptiveMuon: True (EO checks every param before its grad)
     _momentum_below_one = True  # torch.optim.Muon's front end: any momentum >= 0
+    _workspace_mib: float | None = DEFAULT_WORKSPACE_MIB  # see the workspace_mib property
 
     def __init__(
         self,
@@ -131,13 +145,15 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
 
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
                     sharded_mode: str = "owner", weight_update_hook: Any | None = None, state_dtype: str = "fp32",
-                    state_block_size: int = lms.DEFAULT_BLOCK_SIZE,
+                    state_block_size: int = lms.DEFAULT_BLOCK_SIZE, workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
                     deferred_error: tuple[str, type, str] | None = None) -> None:
         """Sets up the fused step: ``config`` says how every parameter is orthogonalized; ``state_dtype``
-        and ``state_block_size`` how its state is stored (:mod:`megatron_eopt.low_memory_state`).
+        and ``state_block_size`` how its state is stored (:mod:`megatron_eopt.low_memory_state`);
+        ``workspace_mib`` bounds a step's transient memory (the ``workspace_mib`` property).
         ``deferred_error`` (``_config.defer_step_time_errors``) is what ``step()`` raises."""
         self.state_dtype = lms.validate_state_dtype(state_dtype)
         self.state_block_size = lms.validate_block_size(state_block_size)
+        self._workspace_mib = check_workspace_mib(workspace_mib)
         self._state_seeds: dict[torch.device, torch.Tensor] = {}
         self._deferred_error = deferred_error
         self._weight_update_hook = _effective_hook(weight_update_hook)
@@ -348,7 +364,26 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 hyper[key] = {
                     k: torch.zeros(1, dtype=torch.float64, device=bucket.device) for k in self._step_keys()
                 }
+        plan.chunks = chunk_entries(plan, self._workspace_bytes())
         self._plan, self._hyper = plan, hyper
+
+    # ------------------------------------------------------------------ workspace budget
+    @property
+    def workspace_mib(self) -> float | None:
+        """The step's workspace budget in MiB: matrices are stepped in chunks whose Newton–Schulz
+        buffers (inputs, outputs, iterates) fit it together, so a step's transient memory does not
+        grow with the number of matrices; a matrix larger than the budget is stepped alone. None:
+        one chunk (every same-shape matrix in one Newton–Schulz call). Settable at any time."""
+        return self._workspace_mib
+
+    @workspace_mib.setter
+    def workspace_mib(self, value: float | None) -> None:
+        self._workspace_mib = check_workspace_mib(value)
+        if getattr(self, "_plan", None) is not None:
+            self._plan.chunks = chunk_entries(self._plan, self._workspace_bytes())
+
+    def _workspace_bytes(self) -> float | None:
+        return None if self._workspace_mib is None else self._workspace_mib * 2**20
 
     def _current_plan(self) -> Plan:
         plan = self._plan
@@ -567,62 +602,109 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 )
             return self._hook_step()
         plan = self._current_plan()
-        entries = plan.entries
-        active = [e.param.grad is not None for e in entries]
+        active = [e.param.grad is not None for e in plan.entries]
         # Everything that can reject the input runs before anything is written.
         self._check_grads(plan, active)
         self._write_hyperparameters(plan, active)
-        cfg = self._config
         for seed in self._state_seeds.values():  # new draws for the stochastic rounding of this step
             seed.add_(1)
+        scalers = self._scaler_tensors_per_device(plan)
+        chunks = [members for members in ([i for i in chunk if active[i]] for chunk in plan.chunks) if members]
+        inputs = self._ns_input_buffers(plan, chunks)
+        for members in chunks:  # the matrices whose buffers fit the workspace budget together
+            ns_inputs, stacked = self._ns_input_views(plan, members, inputs)
+            launches = self._momentum_phase(plan, members, ns_inputs, scalers)
+            updates, scales = self._orthogonalize_phase(plan, members, ns_inputs, stacked)
+            self._update_phase(plan, launches, updates, scales, ns_inputs)
+        return None
+
+    # The phases of one chunk. ``members`` are the chunk's entries with a grad; ``ns_inputs``,
+    # ``updates`` and ``scales`` are dicts keyed by entry index.
+    def _scaler_tensors_per_device(self, plan: Plan) -> dict:
+        """GradScaler's (grad_scale, found_inf), one copy per device, as torch's fused optimizers do."""
         grad_scale, found_inf = self._grad_scaler_tensors()
-        scaler_on: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        for bucket in plan.buckets:  # one copy per device, as torch's fused optimizers do
-            if bucket.device not in scaler_on:
-                scaler_on[bucket.device] = (
+        scalers: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        for bucket in plan.buckets:
+            if bucket.device not in scalers:
+                scalers[bucket.device] = (
                     None if grad_scale is None else grad_scale.to(bucket.device, non_blocking=True),
                     None if found_inf is None else found_inf.to(bucket.device, non_blocking=True),
                 )
-        custom = type(self).orthogonalize is not OrthogonalizedOptimizer.orthogonalize
+        return scalers
 
-        # NS inputs: one stacked fp32 buffer per stack, each active entry writes its slice (an
-        # nd_mode "batch" entry its E consecutive slices); a sharded matrix its local part.
-        ns_inputs: list[torch.Tensor | None] = [None] * len(entries)
-        runs = []
-        for stack in plan.stacks:
-            members = [i for i in stack.members if active[i]]
-            if not members:
-                continue
-            count = sum(entries[i].batch for i in members)
-            buf = torch.empty((count, *stack.local_shape), dtype=torch.float32, device=stack.device)
-            offset = 0
+    @staticmethod
+    def _ns_input_buffers(plan: Plan, chunks: list[list[int]]) -> dict[torch.device, torch.Tensor]:
+        """One flat fp32 buffer per device, as large as the stacked NS inputs of the largest chunk:
+        every chunk of the step writes its inputs into it (sharded matrices have their own)."""
+        sizes: dict[torch.device, int] = {}
+        for members in chunks:
+            per_stack: dict[int, int] = {}
             for i in members:
-                e = entries[i]
-                ns_inputs[i] = buf[offset] if len(e.local_shape) == 2 else buf[offset : offset + e.batch]
-                offset += e.batch
-            runs.append((stack, members, buf))
-        sharded = [i for i in plan.sharded if active[i]]
-        for i in sharded:
-            ns_inputs[i] = torch.empty(entries[i].local_shape, dtype=torch.float32, device=entries[i].param.device)
+                e = plan.entries[i]
+                if e.stack_index >= 0:
+                    per_stack[e.stack_index] = per_stack.get(e.stack_index, 0) + e.batch * e.local_shape[-2] * \
+                        e.local_shape[-1]
+            per_chunk: dict[torch.device, int] = {}
+            for si, size in per_stack.items():
+                device = plan.stacks[si].device
+                per_chunk[device] = per_chunk.get(device, 0) + _aligned(size)
+            for device, size in per_chunk.items():
+                sizes[device] = max(sizes.get(device, 0), size)
+        return {device: torch.empty(size, dtype=torch.float32, device=device) for device, size in sizes.items()}
 
-        # 1. momentum (and L2 decay, Nesterov) per bucket
+    @staticmethod
+    def _ns_input_views(plan: Plan, members: list[int], inputs: dict) -> tuple[dict, dict]:
+        """The NS input of each member, and per stack its members with their (k, m, n) input: the
+        stacks lie one after another in the device's flat buffer and each member's input is its slice
+        (an nd_mode "batch" entry its E consecutive slices); a sharded matrix has its own local part."""
+        entries = plan.entries
+        ns_inputs: dict[int, torch.Tensor] = {}
+        by_stack: dict[int, list[int]] = {}
+        for i in members:
+            if entries[i].stack_index >= 0:
+                by_stack.setdefault(entries[i].stack_index, []).append(i)
+            else:
+                e = entries[i]
+                ns_inputs[i] = torch.empty(e.local_shape, dtype=torch.float32, device=e.param.device)
+        offsets: dict[torch.device, int] = {}
+        stacked: dict[int, tuple[list[int], torch.Tensor]] = {}
+        for si, stack_members in by_stack.items():
+            stack = plan.stacks[si]
+            rows, cols = stack.local_shape
+            count = sum(entries[i].batch for i in stack_members)
+            start = offsets.get(stack.device, 0)
+            offsets[stack.device] = start + _aligned(count * rows * cols)
+            buf = inputs[stack.device][start : start + count * rows * cols].view(count, rows, cols)
+            stacked[si] = (stack_members, buf)
+            k = 0
+            for i in stack_members:
+                e = entries[i]
+                ns_inputs[i] = buf[k] if len(e.local_shape) == 2 else buf[k : k + e.batch]
+                k += e.batch
+        return ns_inputs, stacked
+
+    def _momentum_phase(self, plan: Plan, members: list[int], ns_inputs: dict, scalers: dict) -> list[tuple]:
+        """1. Momentum (and L2 decay, Nesterov) per bucket, writing the NS inputs. Returns what the
+        update phase needs per bucket."""
+        entries = plan.entries
+        in_chunk = set(members)
         launches = []
         for bucket in plan.buckets:
-            members = [i for i in bucket.members if active[i]]
-            if not members:
+            bucket_members = [i for i in bucket.members if i in in_chunk]
+            if not bucket_members:
                 continue
-            for i in members:
+            for i in bucket_members:
                 self._init_entry_state(i)
             group = self.param_groups[bucket.group_index]
             group_cfg = plan.configs[bucket.group_index]
             # The ops run on local matrix views (DTensor: to_local(); nd_mode: (E, m, n) or
             # (size(0), -1)); they take any dense layout (a transposed parameter and its
             # row-major NS input).
-            params = [entries[i].view(entries[i].param) for i in members]
-            grads = [entries[i].view(entries[i].param.grad) for i in members]
-            states = [self.state[entries[i].param] for i in members]
+            params = [entries[i].view(entries[i].param) for i in bucket_members]
+            grads = [entries[i].view(entries[i].param.grad) for i in bucket_members]
+            states = [self.state[entries[i].param] for i in bucket_members]
             hyper = {k: buf.view(()) for k, buf in self._hyper[(bucket.group_index, bucket.device)].items()}
-            scale_t, inf_t = scaler_on[bucket.device]
+            scale_t, inf_t = scalers[bucket.device]
             momentum_args = dict(
                 momentum=hyper["momentum"],
                 nesterov=group_cfg.nesterov,
@@ -632,74 +714,65 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
                 found_inf=inf_t,
             )
             l2_params = params if group_cfg.weight_decay_method == "l2" else ()
+            outs = [ns_inputs[i] for i in bucket_members]
             if self.state_dtype == "fp32":
-                ops.foreach_momentum_(grads, [entries[i].view(s["momentum_buffer"]) for i, s in zip(members, states)],
-                                      [ns_inputs[i] for i in members], l2_params, **momentum_args)
+                bufs = [entries[i].view(s["momentum_buffer"]) for i, s in zip(bucket_members, states)]
+                ops.foreach_momentum_(grads, bufs, outs, l2_params, **momentum_args)
             else:  # codes shaped like the local param; the other lists pair up element by element
                 codes = [local(s["momentum_buffer"]) for s in states]
                 scales = [local(s["momentum_buffer_scales"]) for s in states if "momentum_buffer_scales" in s]
-                ops.foreach_momentum_quantized_(grads, codes, scales, [ns_inputs[i] for i in members], l2_params,
-                                                block_size=self.state_block_size,
+                ops.foreach_momentum_quantized_(grads, codes, scales, outs, l2_params, block_size=self.state_block_size,
                                                 seed=self._state_seeds[bucket.device], **momentum_args)
-            launches.append((bucket, group, group_cfg, members, params, grads, states, hyper, scale_t, inf_t))
+            launches.append((bucket, group, group_cfg, bucket_members, params, grads, states, hyper, scale_t, inf_t))
+        return launches
 
-        # 2. orthogonalize per stack; only NAMO and an orthogonalize() override read the NS inputs
-        # again, otherwise each input stack is released as soon as its result exists (peak: the
-        # results plus one input stack).
-        updates: list[torch.Tensor | None] = [None] * len(entries)
-        keep_inputs = cfg.moment2_method == "namo" or custom
-        if sharded:  # matrices spanning ranks: owner (all-to-all) or gather mode, see _sharded
-            by_config: dict[int, list[int]] = {}  # groups with their own settings run apart
-            for i in sharded:
+    def _orthogonalize_phase(self, plan: Plan, members: list[int], ns_inputs: dict,
+                             stacked: dict) -> tuple[dict, dict]:
+        """2. Newton–Schulz per stack (sharded matrices: owner or gather mode, see _sharded), then a
+        subclass's orthogonalize() override. Returns the raw updates and their scales."""
+        entries = plan.entries
+        updates: dict[int, torch.Tensor] = {}
+        by_config: dict[int, list[int]] = {}  # sharded matrices: groups with their own settings run apart
+        for i in members:
+            if entries[i].stack_index < 0:
                 by_config.setdefault(id(plan.configs[entries[i].group_index]), []).append(i)
-            for members in by_config.values():
-                outs = self._sharded.run([entries[i].sharding for i in members], [ns_inputs[i] for i in members],
-                                         plan.configs[entries[members[0]].group_index])
-                for i, update in zip(members, outs):
-                    updates[i] = update
-                    if not keep_inputs:
-                        ns_inputs[i] = None
-        while runs:
-            stack, members, buf = runs.pop(0)
-            results = self._orthogonalize(stack, buf)
-            offset = 0
-            for i in members:
+        for sharded in by_config.values():
+            outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
+                                     plan.configs[entries[sharded[0]].group_index])
+            updates.update(zip(sharded, outs))
+        for si, (stack_members, x) in stacked.items():
+            results = self._orthogonalize(plan.stacks[si], x)
+            k = 0
+            for i in stack_members:
                 e = entries[i]
                 if len(e.local_shape) == 2:
-                    updates[i] = results[offset]
+                    updates[i] = results[k]
                 else:  # the E results of a batch entry: contiguous slices of one output
-                    updates[i] = torch.stack(results[offset : offset + e.batch]) if isinstance(results, list) \
-                        else results[offset : offset + e.batch]
-                offset += e.batch
-                if not keep_inputs:
-                    ns_inputs[i] = None
-            del buf
-        scales = [e.update_scale for e in entries]
-        if custom:
-            self._call_orthogonalize_override(entries, active, ns_inputs, updates, scales)
+                    updates[i] = torch.stack(results[k : k + e.batch]) if isinstance(results, list) \
+                        else results[k : k + e.batch]
+                k += e.batch
+        scales = {i: entries[i].update_scale for i in members}
+        if type(self).orthogonalize is not OrthogonalizedOptimizer.orthogonalize:
+            self._call_orthogonalize_override(entries, members, ns_inputs, updates, scales)
+        return updates, scales
 
-        # 3. second moment (AdaptiveMuon), 4. decay + update per bucket
+    def _update_phase(self, plan: Plan, launches: list[tuple], updates: dict, scales: dict, ns_inputs: dict) -> None:
+        """3. Second-moment normalization (AdaptiveMuon), 4. decay + update, per bucket."""
         hook = self._weight_update_hook
         for bucket, group, group_cfg, members, params, grads, states, hyper, scale_t, inf_t in launches:
             bucket_updates = [updates[i] for i in members]
-            if cfg.moment2_method is not None:
+            bucket_scales = [scales[i] for i in members]
+            if self._config.moment2_method is not None:
                 self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
                                 hyper, scale_t, inf_t)
             # cautious decay too: its mask reads the unscaled update and p before the decay, in the op
             if hook is None:
-                ops.foreach_update_(
-                    params,
-                    bucket_updates,
-                    [scales[i] for i in members],
-                    lr=hyper["lr"],
-                    weight_decay=hyper["weight_decay"],
-                    weight_decay_method=group_cfg.weight_decay_method,
-                    found_inf=inf_t,
-                )
+                ops.foreach_update_(params, bucket_updates, bucket_scales, lr=hyper["lr"],
+                                    weight_decay=hyper["weight_decay"],
+                                    weight_decay_method=group_cfg.weight_decay_method, found_inf=inf_t)
             else:
-                self._hooked_update(hook, params, bucket_updates, [scales[i] for i in members], hyper, inf_t,
+                self._hooked_update(hook, params, bucket_updates, bucket_scales, hyper, inf_t,
                                     group_cfg.weight_decay_method)
-        return None
 
     def _hooked_update(self, hook, params, updates, scales, hyper, found_inf, weight_decay_method) -> None:
         """Decay, weight-update hook around ``p -= lr·update``, batched over one bucket (EO main's order:
@@ -753,20 +826,19 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             out = res[0] if x.ndim == 2 else (res if isinstance(res, torch.Tensor) else torch.stack(res))
         return out if self._config.moment2_method is not None else out * entry.update_scale
 
-    def _call_orthogonalize_override(self, entries, active, ns_inputs, updates, scales) -> None:
-        """Runs a subclass's orthogonalize() for every active parameter (results replace the batched ones)."""
+    def _call_orthogonalize_override(self, entries, members, ns_inputs, updates, scales) -> None:
+        """Runs a subclass's orthogonalize() for every member (its results replace the batched ones)."""
         muon = self._config.moment2_method is None
         batched = {}
-        for i, e in enumerate(entries):
-            if active[i]:
-                # Muon's orthogonalize returns the scaled update; QKV parts are scaled already.
-                result = updates[i] * e.update_scale if muon and e.update_scale != 1.0 else updates[i]
-                batched[id(e.param)] = (ns_inputs[i], result)
+        for i in members:
+            e = entries[i]
+            # Muon's orthogonalize returns the scaled update; QKV parts are scaled already.
+            result = updates[i] * e.update_scale if muon and e.update_scale != 1.0 else updates[i]
+            batched[id(e.param)] = (ns_inputs[i], result)
         self._batched = batched
         try:
-            for i, e in enumerate(entries):
-                if not active[i]:
-                    continue
+            for i in members:
+                e = entries[i]
                 group = self.param_groups[e.group_index]
                 out = self.orthogonalize(e.param, ns_inputs[i], **{k: v for k, v in group.items() if k != "params"})
                 if not isinstance(out, torch.Tensor) or tuple(out.shape) != e.local_shape:
@@ -938,6 +1010,16 @@ def _write_scalar(buf: torch.Tensor, value) -> None:
         # A Python number, or a CPU tensor for a device buffer: read on the host and written by a
         # fill kernel (a copy_ from pageable host memory would synchronize with the device).
         buf.fill_(_host_value(value))
+
+
+# Each stack's NS input starts this many floats (256 bytes) into the flat buffer after the previous
+# one, as a tensor of its own would be aligned: vectorized kernels and cuBLASLt see the same
+# alignment as without the shared buffer.
+_STACK_ALIGN_FLOATS = 64
+
+
+def _aligned(floats: int) -> int:
+    return -(-floats // _STACK_ALIGN_FLOATS) * _STACK_ALIGN_FLOATS
 
 
 def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:

@@ -27,6 +27,7 @@ from ..newton_schulz import NS_EPS_EO_030
 from ._config import make_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
+from ._plan import DEFAULT_WORKSPACE_MIB
 from ._plan import TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
@@ -113,7 +114,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``use_decoupled_weight_decay=False`` selects L2 decay. ``custom_coefficient_sets`` (an
     extension) gives the rows of ``coefficient_type="custom"``. Without ``pg_collection`` every
     parameter is orthogonalized locally. State: ``momentum_buffer``. ``state_dtype`` /
-    ``state_block_size`` and the 2026 recipe's ``row_equilibration``, ``frobenius_renorm``,
+    ``state_block_size``, ``workspace_mib`` and the 2026 recipe's ``row_equilibration``, ``frobenius_renorm``,
     ``ns_eps_mode``, ``ns_norm_divisor`` (extensions, inside the Newton–Schulz ops; QKV parts each
     their own matrix; not with ``tp_mode="distributed"``) as in :class:`~megatron_eopt.optim.Muon`.
     """
@@ -143,6 +144,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
+        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
         row_equilibration: bool = False,
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",
@@ -169,7 +171,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             tp_mode,
             custom_coefficient_sets,
             moment2=None,
-            state=(state_dtype, state_block_size),
+            state=(state_dtype, state_block_size, workspace_mib),
             recipe=recipe,
         )
 
@@ -193,7 +195,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         tp_mode,
         custom_coefficient_sets,
         moment2: tuple[str, float, float] | None,
-        state: tuple[str, int] = ("fp32", DEFAULT_BLOCK_SIZE),
+        state: tuple[str, int, float | None] = ("fp32", DEFAULT_BLOCK_SIZE, DEFAULT_WORKSPACE_MIB),
         recipe: dict | None = None,
     ) -> None:
         weight_decay_method = "decoupled" if use_decoupled_weight_decay else "l2"
@@ -224,7 +226,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             self.scale_mode = scale_mode
             self.extra_scale_factor = config.extra_scale_factor
             defaults.update(beta2=moment2[1], eps=moment2[2])
-        self._init_fused(params, defaults, config, state_dtype=state[0], state_block_size=state[1])
+        self._init_fused(params, defaults, config, state_dtype=state[0], state_block_size=state[1],
+                         workspace_mib=state[2])
 
 
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
@@ -263,6 +266,7 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
+        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
         row_equilibration: bool = False,
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",
@@ -289,6 +293,6 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
             tp_mode,
             custom_coefficient_sets,
             moment2=(moment2_method, beta2, eps),
-            state=(state_dtype, state_block_size),
+            state=(state_dtype, state_block_size, workspace_mib),
             recipe=recipe,
         )

@@ -54,7 +54,7 @@ void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector
   d = out;
 }
 
-// The standard iteration (§4.1) on row-major X (batch, m, n), exactly, from normalized input.
+// The standard iteration (docs/design.md §4.1) on row-major X (batch, m, n), exactly, from normalized input.
 std::vector<double> direct_standard(std::vector<double> x, int64_t batch, int64_t m, int64_t n, bool transpose,
                                     const std::vector<NsCoefficients>& sched) {
   const int64_t p = transpose ? n : m, q = transpose ? m : n;

@@ -37,7 +37,7 @@ class _CpuScratchBuffer:
 
 def init_megatron_single_rank() -> None:
     """One-rank gloo process group and Megatron's model-parallel state with TP = PP = 1."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state
 
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

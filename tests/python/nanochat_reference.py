@@ -128,7 +128,7 @@ class RefMuonAdamW(torch.optim.Optimizer):
 
 
 def assert_fp32_close(params, refs, start, grads):
-    """Each param's change within the fp32 tolerance of its float64 reference: DESIGN's 1e-5, or
+    """Each param's change within the fp32 tolerance of its float64 reference: docs/design.md §9's 1e-5, or
     fp32 rounding times what the Polar Express rows magnify it by on that param's inputs."""
     for i, (p, r, s) in enumerate(zip(params, refs, start)):
         tol = TOLERANCE["highest"]

@@ -7,7 +7,7 @@ import torch
 from megatron_eopt.newton_schulz import get_muon_scale_factor
 from reference import newton_schulz_ref, rel_err
 
-# Awkward shapes (DESIGN §6): row / column vectors, primes both ways, square, repeats (batched).
+# Awkward shapes (docs/design.md §9): row / column vectors, primes both ways, square, repeats (batched).
 SHAPES = [(1, 9), (9, 1), (97, 37), (37, 97), (16, 16), (24, 40), (24, 40), (40, 24)]
 
 
@@ -96,9 +96,9 @@ def max_state_err(opt, params, ref_opt, ref_params, keys=("momentum_buffer",)):
 
 
 class ReferenceMuon:
-    """DESIGN §4.3 / §4.4 in float64 (Newton–Schulz in float64 too), one state dict per param.
+    """docs/design.md §4.6 / §4.7 in float64 (Newton–Schulz in float64 too), one state dict per param.
 
-    qkv: {param index: split sizes} orthogonalizes those per part (DESIGN §4.5).
+    qkv: {param index: split sizes} orthogonalizes those per part (docs/design.md §4.8).
     """
 
     def __init__(

@@ -6,7 +6,7 @@ import torch
 
 from megatron_eopt.newton_schulz import get_coefficients
 
-# DESIGN §6 tolerances on ||out - ref|| / ||ref||, by compute precision.
+# docs/design.md §9 tolerances on ||out - ref|| / ||ref||, by compute precision.
 TOLERANCE = {"highest": 1e-5, "high": 1e-3, "medium": 2e-2}
 
 
@@ -21,7 +21,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def newton_schulz_ref(x, steps=5, coefficient_type="quintic", custom=None, eps=1e-7, transpose=None,
                       dtype=torch.float64):
-    """NS exactly as DESIGN §4.1, result in float64.
+    """NS exactly as docs/design.md §4.1, result in float64.
 
     dtype float64: everything in float64. Otherwise the reference packages' own recipe:
     normalize in fp32, then iterate with `dtype` storage (bf16 products accumulate in fp32).
@@ -88,7 +88,7 @@ def ns_amplification(x, coefficient_type="quintic", steps=5, custom=None):
 def ns_tolerance(x, precision, device, coefficient_type="quintic", steps=5, custom=None):
     """Tolerance of an fp32 or TF32 Newton-Schulz result against the float64 reference.
 
-    DESIGN §6's figure where the arithmetic allows it, else 4 unit roundoffs times the input's
+    docs/design.md §9's figure where the arithmetic allows it, else 4 unit roundoffs times the input's
     amplification (ns_amplification): TF32 operands alone put a 5-step result 1e-3 to 6e-3 from the
     exact one (measured by emulating TF32 rounding on the CPU, and on an H100), and expanding
     schedules magnify fp32 rounding on inputs with a dominant singular value.
@@ -104,7 +104,7 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 
 def bf16_input_tolerance(x, coefficient_type="quintic", steps=5, custom=None):
     """Tolerance against float64 of a result whose input was rounded to bf16 once and then iterated
-    with fp32 products (the Gram iteration's "medium"): DESIGN §6's 2e-2, or one bf16 rounding
+    with fp32 products (the Gram iteration's "medium"): docs/design.md §9's 2e-2, or one bf16 rounding
     times the input's amplification (ns_amplification) where the schedule magnifies it more
     (polar_express on a 1 x n input: 238)."""
     return max(TOLERANCE["medium"], BF16_UNIT_ROUNDOFF * ns_amplification(x, coefficient_type, steps, custom))

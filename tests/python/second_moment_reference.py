@@ -1,5 +1,5 @@
 """Plain-PyTorch float64 references of the second-moment normalizations and the split
-orthogonalization (DESIGN §4.4, §4.5), written from the formulas, independent of the package."""
+orthogonalization (docs/design.md §4.7, §4.8), written from the formulas, independent of the package."""
 
 from __future__ import annotations
 

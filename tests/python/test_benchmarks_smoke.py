@@ -125,3 +125,61 @@ def test_state_dtype_benchmark_quick_run_writes_its_section(tmp_path):
     assert len(rows) == 8, rows
     assert [r.split("|")[2].strip() for r in rows[:4]] == ["fp32", "bf16", "int8", "fp8"]
     assert rows[0].split("|")[3].strip() == "4.000" and rows[1].split("|")[3].strip() == "2.000"
+
+
+STEP_MEMORY_SET = "4x64x4096"  # four 1 MiB matrices: cheap steps, yet every state tensor a whole MiB
+
+
+@pytest.fixture(scope="module")
+def step_memory_run(tmp_path_factory):
+    """benchmarks/step_memory.py on a tiny set, one fresh process per implementation (fp32 products:
+    fast on every CPU, so torch.optim.Muon, bf16 only, is listed as not measured)."""
+    script = os.path.join(os.path.dirname(RUN_PY), "step_memory.py")
+    out = tmp_path_factory.mktemp("step_memory")
+    json_path, md_path = out / "step_memory.json", out / "RESULTS.md"
+    proc = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--sets", STEP_MEMORY_SET, "--steps", "2", "--precision",
+         "highest", "--threads", "1", "--workspace-mib", "64", "--out", str(json_path), "--results-md", str(md_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return script, json.loads(json_path.read_text()), md_path.read_text()
+
+
+def test_step_memory_rows_are_measured_and_positive(step_memory_run):
+    _, doc, md = step_memory_run
+    assert doc["schema"] == "megatron-eopt-benchmarks/step-memory/1" and doc["steps"] == 2
+    rows = {(r["impl"], r["workspace"]): r for r in doc["rows"]}
+    expected = [("ours", None), ("ours-bf16", None), ("ours-int8", None), ("ours-fp8", None), ("eo", None)]
+    if doc["workspace_option"]:
+        expected.append(("ours", "64"))
+    else:
+        assert any("workspace" in name for name in doc["not_run"])
+    assert sorted(rows, key=repr) == sorted(expected, key=repr), sorted(rows, key=repr)
+    assert "torch.optim.Muon" in doc["not_run"]
+    for key, r in rows.items():
+        assert "error" not in r, (key, r.get("stderr_tail") or r["error"])
+        assert r["set"] == STEP_MEMORY_SET and r["params"] == 4 * 64 * 4096 and r["matrices"] == 4
+        assert r["method"] in ("VmHWM", "ru_maxrss")
+        assert r["state_mib"] > 0 and r["first_peak_mib"] > 0 and r["median_ms"] > 0, (key, r)
+        assert len(r["samples_ms"]) == 2 and len(r["step_peaks_mib"]) == 2
+        if r["method"] == "VmHWM":
+            assert r["peak_mib"] > 0 and r["transient_mib"] == pytest.approx(r["peak_mib"] - r["state_mib"])
+    assert rows[("ours", None)]["state_mib"] == pytest.approx(4.0)  # fp32 momentum: 4 x 256 Ki values x 4 bytes
+    assert rows[("eo", None)]["state_mib"] == pytest.approx(4.0)
+    assert rows[("ours-bf16", None)]["state_mib"] == pytest.approx(2.0)
+    assert 1.0 <= rows[("ours-int8", None)]["state_mib"] < 1.1  # 1 byte per value plus block scales
+    assert rows[("eo", None)]["peak_vs_eo"] == pytest.approx(1.0)
+    assert "<!-- section: step memory: " in md and "| parameter set | implementation | state MiB |" in md
+
+
+def test_step_memory_render_rebuilds_the_section(step_memory_run, tmp_path):
+    script, doc, md = step_memory_run
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(doc))
+    rendered = tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, script, "--render", str(saved), "--results-md", str(rendered)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    table = [line for line in md.splitlines() if line.startswith("| ")]
+    assert table and all(line in rendered.read_text() for line in table)

@@ -135,7 +135,7 @@ def test_production_sizes_against_float64(shape, precisions, gen):
     # At 4096 x 14336 a "medium" split-K reduction with bf16 partial sums would show here.
     x = torch.randn(shape, generator=gen).cuda()
     ref = newton_schulz_ref(x)  # float64, on the GPU
-    # Tolerances from the input's amplification where its SVD is cheap, else DESIGN's figure.
+    # Tolerances from the input's amplification where its SVD is cheap, else docs/design.md §9's figure.
     tolerance = _tolerance if shape[-2] * shape[-1] <= 2**22 else (lambda _x, p: TOLERANCE[p])
     for precision in precisions:
         tol = tolerance(x, precision)

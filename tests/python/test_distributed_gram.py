@@ -1,5 +1,5 @@
 """tp_mode "distributed" with the Gram iteration at TP 2 (gloo, CPU) equals the fused op on the
-unsharded matrices (DESIGN §4.6, §11)."""
+unsharded matrices (docs/design.md §4.9, §4.4)."""
 
 import os
 

@@ -4,7 +4,7 @@ extension point selects, the weight-update hooks, Newton–Schulz tables, modes 
 spectral clipping, the registry, constructor signatures, checkpoint layout and where and as EO
 raises.
 
-fp32 matmuls ("highest") are compared at DESIGN §6's 1e-5 on the parameter changes over a few
+fp32 matmuls ("highest") are compared at docs/design.md §9's 1e-5 on the parameter changes over a few
 steps with fresh random gradients; EO's default "medium" (bf16) at 2e-2.
 """
 

@@ -1,6 +1,5 @@
 """foreach_momentum_ and foreach_update_: parity, op contract, torch.compile, bad input."""
 
-import math
 
 import pytest
 import torch
@@ -53,7 +52,7 @@ def _momentum_inputs(gen, device, dtypes, shapes=SHAPES):
 
 
 def _momentum_ref64(grads, bufs, params, momentum, nesterov, wd, method):
-    """DESIGN §4.3 steps 1-3 in float64."""
+    """docs/design.md §4.6 steps 1-3 in float64."""
     out_bufs, out_ns = [], []
     for g, m, p in zip(grads, bufs, params):
         g = g.double()
@@ -710,3 +709,23 @@ def test_cuda_tensor_over_2_pow_31_elements(gen):
     for w, p0 in zip(windows, p_windows):
         mirror = _update_mirror(p0, ns[0][w], 2.0, 0.01, 0.1 * 0.01)
         torch.testing.assert_close(params[0][w], mirror, rtol=_one_ulp(torch.bfloat16), atol=1e-30)
+
+
+def test_foreach_update_takes_a_scale_traced_as_a_symbol():
+    """A compiled step may trace a float scale as a symbol (dynamo's automatic dynamic floats, after
+    a recompile on a changed value): the argument checks must take it."""
+    p = [torch.randn(4, 4)]
+    u = [torch.randn(4, 4)]
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    wd = torch.tensor(0.0, dtype=torch.float64)
+    expected = p[0].clone()
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def update(scale):
+        ops.foreach_update_(p, u, [scale], lr=lr, weight_decay=wd, weight_decay_method="decoupled")
+
+    torch._dynamo.reset()
+    for scale in (1.5, 2.5, 3.5):
+        update(scale)
+        expected -= 0.1 * scale * u[0]
+    torch.testing.assert_close(p[0], expected)

@@ -86,7 +86,7 @@ def test_zeropower_matches_the_snippet(gen, shape, steps):
     # (bf16 storage of every intermediate), ours no farther (bf16 products, each step's
     # P = c G^2 + b G + a I rounded once): 4e-2 bounds both, while a wrong coefficient, transpose or
     # normalization is off by far more. Two bf16 runs round independently, so ours is held to the
-    # exact result: §6's bf16 tolerance, one bf16 rounding times the input's amplification, or
+    # exact result: §9's bf16 tolerance, one bf16 rounding times the input's amplification, or
     # within 1.5x of the snippet's own error, whichever is largest (over 2,400 draws: at most 0.82).
     exact = snippet_zeropower(G.double(), steps, torch.float64)
     amplified = bf16_input_tolerance(flat, "simple", steps)
@@ -347,7 +347,7 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
             # nanochat's algorithm (its own reduce-scatter averaging, the same Newton–Schulz recipe)
             # rounds every update to bf16, as its zeropower returns bf16. Its averaged grads differ
             # from ours in the last bits, which bf16 Newton–Schulz turns into independent roundings:
-            # each within DESIGN's bf16 tolerance of the exact update, so within twice it of each other.
+            # each within docs/design.md §9's bf16 tolerance of the exact update, so within twice it of each other.
             nano = result["nanochat"][i].float()
             assert rel_err(got.float() - start[i].float(), nano - start[i].float()) <= 4e-2, (r, i, shapes[i])
     # every parameter is owned (and has momentum state) on exactly one rank; the momentum is that

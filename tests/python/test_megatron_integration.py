@@ -119,6 +119,36 @@ def test_factory_builds_ours_and_routes_like_megatron(stock_registry, megatron_e
     assert qkv.is_qkv and muon_opt.is_qkv_fn(qkv)
 
 
+@needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_install_sets_the_state_dtype_and_workspace_of_what_megatron_builds(stock_registry, megatron_env, name, cls):
+    model = megatron_env.build_gpt(seed=1)
+    with pytest.raises(ValueError, match="workspace_mib"):
+        integration.install(workspace_mib=0)
+    with pytest.raises(ValueError, match="state_dtype"):
+        integration.install(state_dtype="int4")
+
+    def built(config):
+        with megatron_env.megatron_optimizer_on_cpu():
+            chained = mcore_optimizer.get_megatron_optimizer(config, [model])
+        return next(opt for opt in _inner_by_param_name(model, chained).values() if isinstance(opt, cls))
+
+    integration.install()
+    default = built(_config(name))
+    assert default.state_dtype == "fp32" and default.workspace_mib == 256
+    integration.install(state_dtype="int8", workspace_mib=64)  # already installed: the options change
+    ours = built(_config(name))
+    assert ours.state_dtype == "int8" and ours.workspace_mib == 64
+    config = _config(name)
+    config.muon_workspace_mib = None  # the config's attribute wins, per build
+    config.muon_state_dtype = "bf16"
+    ours = built(config)
+    assert ours.state_dtype == "bf16" and ours.workspace_mib is None
+    integration.uninstall()
+    integration.install()
+    assert built(_config(name)).workspace_mib == 256  # uninstall forgot the options
+
+
 def _emerging_optimizers_adaptive_muon_entry():
     """Emerging-Optimizers' AdaptiveMuon as a Megatron registry entry (no QKV split, TP = 1).
 

@@ -27,7 +27,7 @@ except ModuleNotFoundError as exc:  # only a missing megatron-core skips; a brok
 pytestmark = pytest.mark.skipif(mcore_optimizer is None, reason="megatron-core is not installed")
 
 BEFORE, AFTER = 3, 2  # steps before the checkpoint, steps after it
-# fp32 Newton–Schulz on both sides; the losses after a few steps agree to ~1e-7 (DESIGN §6: 1e-5).
+# fp32 Newton–Schulz on both sides; the losses after a few steps agree to ~1e-7 (docs/design.md §9: 1e-5).
 LOSS_TOLERANCE = 1e-5
 
 

@@ -51,7 +51,7 @@ def test_parity_reduced_precision(device, precision, coefficient_type, shape, ge
     # TF32 ("high") is compared with float64 at the tolerance its rounding allows (ns_tolerance).
     # On the CPU, "medium" runs bf16 GEMMs and forms P = c G^2 + b G + a I in one pass (rounded
     # once), where the recipe fuses each step's scalars into its products: compared with float64,
-    # at §6's bf16 tolerance, the input's bf16 amplification (aol and steep schedules on rank-1
+    # at docs/design.md §9's bf16 tolerance, the input's bf16 amplification (aol and steep schedules on rank-1
     # inputs), or within 1.25x of the bf16 recipe's own error, whichever is largest (over 2,400
     # draws: at most 0.77 of this bound).
     x = _input(shape, gen, device)

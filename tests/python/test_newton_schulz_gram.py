@@ -1,7 +1,7 @@
-"""The Gram Newton–Schulz iteration (algorithm="gram", DESIGN §11) and the "auto" choice.
+"""The Gram Newton–Schulz iteration (algorithm="gram", docs/design.md §4.4) and the "auto" choice.
 
 Every result is compared with the float64 *standard* iteration (reference.newton_schulz_ref) at
-the tolerances of DESIGN §6; inputs the standard fp32 iteration itself cannot meet those on
+the tolerances of docs/design.md §9; inputs the standard fp32 iteration itself cannot meet those on
 (rank-deficient ones) are compared with that iteration's own error instead.
 """
 
@@ -86,7 +86,7 @@ def test_gram_bf16_matches_float64_standard(device, coefficient_type, shape, gen
     steps = _steps(coefficient_type)
     out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision="medium", algorithm="gram")
     if steps > 5 and shape[-1] == shape[-2]:
-        # Known limit (README): over deepseekv4's 10 steps, a square input with a near-zero singular
+        # Known limit (docs/limits.md): over deepseekv4's 10 steps, a square input with a near-zero singular
         # value (about 1 draw in 400 at 48 x 48) carries its bf16 rounding of W along that direction,
         # where an error in R weighs 1/sigma^2: up to 29% from float64 over 6,000 draws.
         ref = newton_schulz_ref(x.cpu(), steps=steps, coefficient_type=coefficient_type)
@@ -99,7 +99,7 @@ def test_gram_bf16_matches_float64_standard(device, coefficient_type, shape, gen
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gram_bf16_quintic_within_design_tolerance(device, shape, gen):
-    # The default schedule in bf16: within DESIGN §6's 2e-2 of float64 on every shape, as the
+    # The default schedule in bf16: within docs/design.md §9's 2e-2 of float64 on every shape, as the
     # standard bf16 iteration is (test_newton_schulz.test_bf16_close_to_exact_for_quintic).
     x = _input(shape, gen, device)
     out = me.newton_schulz(x, precision="medium", algorithm="gram")
@@ -148,7 +148,7 @@ def _hard_inputs(gen):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("coefficient_type", ALL_SETS)
 def test_gram_fp32_on_hard_spectra_is_as_accurate_as_standard(device, coefficient_type, gen):
-    # The standard fp32 iteration misses the §6 tolerance on rank-deficient inputs itself (the
+    # The standard fp32 iteration misses the §9 tolerance on rank-deficient inputs itself (the
     # rounding noise in the null space grows with the schedule); there the Gram iteration's error
     # must stay within 2.5x of the standard's, elsewhere within the tolerance (an H100 measured
     # 2.0x on a rank-3 150 x 50 input, where the CPU stays under 2x).
@@ -210,13 +210,13 @@ def test_auto_meets_the_standard_tolerances(device, coefficient_type, shape, gen
     if coefficient_type != "cans":  # see test_gram_bf16_matches_float64_standard
         out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision="medium")
         bf16_ref = newton_schulz_ref(x.cpu(), steps=steps, coefficient_type=coefficient_type, dtype=torch.bfloat16)
-        # The standard bf16 recipe's own distance from float64 is what §6 allows it; a bf16
+        # The standard bf16 recipe's own distance from float64 is what §9 allows it; a bf16
         # iteration rounding at other points (the CPU's P = c G^2 + b G + a I, rounded once) lands
         # within 2x of it (polar_express on 128 x 512: 1.9% mean against the recipe's 1.3%).
         allowed = max(TOLERANCE["medium"], bf16_input_tolerance(x.cpu(), coefficient_type, steps),
                       2.0 * rel_err(bf16_ref, ref))
         if device == "cpu" and steps > 5 and shape[-1] == shape[-2]:
-            # Known limit (README): over deepseekv4's 10 steps, P's bf16 diagonal rounding on a
+            # Known limit (docs/limits.md): over deepseekv4's 10 steps, P's bf16 diagonal rounding on a
             # square input with a near-zero singular value (about 1 draw in 200 at 48 x 48) grows
             # along that direction: up to 26% from float64 where the recipe stays at 1.3%.
             allowed = max(allowed, 0.3)

@@ -76,7 +76,7 @@ def check_against_ref(out, x, precision, opts):
     if precision == "highest":
         assert rel_err(out, exact) <= TOLERANCE["highest"]
         return
-    # bf16 storage, as the existing Newton–Schulz tests bound it: §6's 2e-2, the input's bf16
+    # bf16 storage, as the existing Newton–Schulz tests bound it: docs/design.md §9's 2e-2, the input's bf16
     # amplification, or 1.25x the bf16 re-expression's own distance from float64.
     bf16 = recipe_ref(x, dtype=torch.bfloat16, **opts)
     bound = max(TOLERANCE["medium"], bf16_input_tolerance(prepare_ref(x, **opts).float()), 1.25 * rel_err(bf16, exact))

@@ -192,7 +192,7 @@ def test_adaptive_muon_medium_precision(moment2_method, gen):
         eo.AdaptiveMuon,
         kwargs,
         gen,
-        # Two bf16 Newton-Schulz implementations rounding at different points, each within §6's
+        # Two bf16 Newton-Schulz implementations rounding at different points, each within docs/design.md §9's
         # bf16 tolerance of the exact result, are within twice it of each other; the second
         # moment's elementwise division passes that on to the update.
         tol=2 * TOLERANCE["medium"],

@@ -1,4 +1,4 @@
-"""nd_mode on plain tensors (DESIGN §9): "batch" steps every leading-dim slice as its own Muon matrix,
+"""nd_mode on plain tensors (docs/design.md §5): "batch" steps every leading-dim slice as its own Muon matrix,
 "flatten" steps the (size(0), -1) view, "error" (default) rejects params that are not 2-D."""
 
 import copy

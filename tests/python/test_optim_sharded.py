@@ -1,5 +1,5 @@
 """DTensor parameters (FSDP2 Shard(0) with uneven shards, Shard(1), Replicate, 2-D meshes, MoE experts)
-step exactly like the unsharded optimizer, in owner and gather mode (DESIGN §9); gloo on CPU."""
+step exactly like the unsharded optimizer, in owner and gather mode (docs/design.md §5); gloo on CPU."""
 
 import os
 

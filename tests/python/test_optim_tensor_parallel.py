@@ -1,4 +1,4 @@
-"""Tensor-parallel modes at TP 2 and TP 4 (gloo, CPU) equal the single-device optimizer (DESIGN §4.6)."""
+"""Tensor-parallel modes at TP 2 and TP 4 (gloo, CPU) equal the single-device optimizer (docs/design.md §4.9)."""
 
 import os
 

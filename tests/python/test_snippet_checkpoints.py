@@ -8,7 +8,6 @@ p -= lr * sqrt(max(1, m / n)) * update.
 """
 
 import copy
-import math
 import warnings
 
 import pytest
@@ -109,7 +108,7 @@ def test_checkpoints_cross_and_continue(direction, gen):
     _step(first, params, grads[2])
     _step(second, other, grads[2])
     for p, q, s in zip(params, other, start):
-        # both run Newton–Schulz in bf16, rounding at different places: DESIGN's bf16 tolerance
+        # both run Newton–Schulz in bf16, rounding at different places: docs/design.md §9's bf16 tolerance
         assert rel_err(q.detach() - s, p.detach() - s) <= TOLERANCE["medium"], tuple(p.shape)
     if direction == "nanochat_to_ours":
         # nanochat saved no weight_decay: the group gets the default (none), and steps
@@ -124,7 +123,7 @@ def test_snippet_normalization_is_norm_plus_eps(gen):
         warnings.simplefilter("ignore", DeprecationWarning)
         out = legacy.zeropower_via_newtonschulz5(g, 5).double()
     want = Nanochat4ddc803Muon.orthogonalize(g, 5)
-    # bf16 against float64: §6's tolerance, or 1.5x the bf16 recipe's own error on this input
+    # bf16 against float64: §9's tolerance, or 1.5x the bf16 recipe's own error on this input
     # (half-norm singular values sit where the simple quintic amplifies rounding most)
     halved = (g.double() / (g.double().norm() + 1e-7)).float()
     recipe = newton_schulz_ref(halved, 5, "simple", eps=1e-30, dtype=torch.bfloat16)

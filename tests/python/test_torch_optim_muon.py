@@ -121,7 +121,7 @@ def test_fp32_matches_float64_reference_with_per_group_settings(seed):
             reference_step(ref[k:k + n], grads[k:k + n], bufs[k:k + n], group)
             k += n
     for p, r, s in zip(params, ref, start):
-        # the movement of each parameter: fp32 Newton–Schulz against float64 (DESIGN: fp32 <= 1e-5
+        # the movement of each parameter: fp32 Newton–Schulz against float64 (docs/design.md §9: fp32 <= 1e-5
         # per product; four steps of five to six products each)
         assert rel(p.detach() - s, r - s) < 1e-4, p.shape
 
@@ -367,7 +367,7 @@ def test_built_and_stepped_inside_dynamo():
 
     torch._dynamo.reset()
     opt = torch._dynamo.optimize("eager")(train)(params, Muon)
-    eager = train(twins, Muon)
+    train(twins, Muon)
     for p, q in zip(params, twins):
         assert torch.equal(p, q)
     assert set(opt.state_dict()["state"]) == {0, 1}

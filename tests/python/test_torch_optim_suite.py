@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import copy
 import io
-import re
-import warnings
 from typing import Any, Callable
 
 import pytest

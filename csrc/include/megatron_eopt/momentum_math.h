@@ -1,4 +1,4 @@
-// Per-element math of the foreach momentum and update ops (DESIGN §4.3), shared verbatim by the
+// Per-element math of the foreach momentum and update ops (docs/design.md §4.6), shared verbatim by the
 // CUDA functors and the CPU loops so both backends compute the same values. Everything is fp32;
 // values are rounded to their storage type exactly where the reference (Emerging-Optimizers'
 // per-parameter torch ops) stores them, and products that torch's kernels fuse are fused here

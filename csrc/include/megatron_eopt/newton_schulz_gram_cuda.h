@@ -1,4 +1,4 @@
-// Host launcher of the Gram Newton–Schulz iteration on CUDA (DESIGN §11). Raw pointers and a
+// Host launcher of the Gram Newton–Schulz iteration on CUDA (docs/design.md §4.4). Raw pointers and a
 // stream only: the torch glue owns allocation, checks and device selection.
 #pragma once
 

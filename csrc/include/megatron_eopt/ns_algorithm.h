@@ -1,4 +1,4 @@
-// Which Newton–Schulz algorithm runs: the standard iteration (§4.1) or the Gram iteration
+// Which Newton–Schulz algorithm runs: the standard iteration (docs/design.md §4.1) or the Gram iteration
 // (ns_gram_plan.h), and how "auto" chooses between them. Torch-free (GoogleTest checks the rules).
 #pragma once
 

@@ -1,4 +1,4 @@
-// Gram Newton–Schulz (DESIGN §11): the same iteration as §4.1, run on the small Gram matrix.
+// Gram Newton–Schulz (docs/design.md §4.4): the same iteration as §4.1, run on the small Gram matrix.
 //
 // With W the working matrix (X, or X^T when iterating transposed; s x l, s the Gram side),
 // R = W W^T is s x s. One step with coefficients (a, b, c) is W <- (a I + b R + c R^2) W. Every
@@ -48,14 +48,14 @@ constexpr float kSteepRowA = 6.0f;
 // recomputing R from the current W, whose small singular values have grown meanwhile, resets it.
 //   kFp32, every 3 steps, every 2 with a steep row: measured against the float64 standard
 //     iteration on Gaussian (1 x n, n x 1, 97 x 37, square, batched), rank-deficient and
-//     log-spectrum (1 .. 1e-6) inputs, the Gram result stays within the §6 tolerance wherever
+//     log-spectrum (1 .. 1e-6) inputs, the Gram result stays within the §9 tolerance wherever
 //     the standard fp32 iteration does, and within 2x of the standard's own error on the inputs
 //     where neither does (rank-deficient ones: quintic 1.6x, simple and aol 1.1x with one restart
 //     in five steps). A steep row needs the shorter segments: one restart left polar_express and
 //     cans 3x to 6x off there, two bring them to 1.0x and 1.8x.
 //   kBf16W, every 3 steps: each restart also rounds W to bf16, an error the remaining steps
 //     amplify like the standard iteration's per-step rounding, so fewer, later restarts are more
-//     accurate: within the §6 bf16 tolerance (2e-2) wherever the standard bf16 iteration is, and
+//     accurate: within the §9 bf16 tolerance (2e-2) wherever the standard bf16 iteration is, and
 //     more accurate than it on most inputs (two bf16 roundings of W instead of one per step).
 //   kTf32, every step: a TF32-rounded R is off by 5e-4, which no restart cadence that saves work
 //     brings back within the TF32 tolerance on rank-deficient inputs; restarting at every step

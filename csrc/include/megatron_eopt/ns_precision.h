@@ -23,7 +23,7 @@ inline NsPrecision parse_ns_precision(const std::string& name) {
 // On the CPU, "medium" iterates in fp32 when the Gram side (the short side) is below this: a
 // matrix of rank 1 or 2, where each step's bf16 rounding of the s x s polynomial P lands on its one
 // or two singular values whole. In bf16 a rank-1 input ends up to 3.5% from float64 (5x a bf16
-// re-expression of the iteration, past DESIGN §6's 2e-2), a rank-2 one 3.3%; from rank 3 on the bf16
+// re-expression of the iteration, past docs/design.md §9's 2e-2), a rank-2 one 3.3%; from rank 3 on the bf16
 // iteration is within its re-expression's error. The work of such a matrix is negligible.
 constexpr int64_t kCpuMediumMinSide = 3;
 

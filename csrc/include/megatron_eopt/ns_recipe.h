@@ -1,5 +1,5 @@
 // The 2026 recipe around the Newton–Schulz iteration, folded into the op's first and last passes
-// (DESIGN §13): MuonEq row equilibration (arXiv 2603.28254), the two normalization conventions and a
+// (docs/design.md §4.10): MuonEq row equilibration (arXiv 2603.28254), the two normalization conventions and a
 // normalization divisor s >= 1 (Polar Express's safety factor, arXiv 2505.16932), and Muon+
 // Frobenius renormalization of the result (arXiv 2602.21545). Torch-free: shared by the CPU
 // kernels, the CUDA kernels and the GoogleTest suite.

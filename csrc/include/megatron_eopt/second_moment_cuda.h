@@ -1,5 +1,5 @@
-// Host launchers of the second-moment normalizations on CUDA (AdaMuon, NorMuon, NAMO; DESIGN
-// §4.4). Raw pointers and a stream only: the torch glue owns checks, allocation and devices.
+// Host launchers of the second-moment normalizations on CUDA (AdaMuon, NorMuon, NAMO; docs/design.md
+// §4.7). Raw pointers and a stream only: the torch glue owns checks, allocation and devices.
 // Each call enqueues a fixed number of kernels per list (per 32 tensors), with no host
 // synchronisation and no host-to-device copies (tensor descriptors travel in kernel arguments).
 #pragma once

@@ -1,4 +1,4 @@
-// Second-moment normalization of the raw Newton–Schulz output O (DESIGN §4.4): the per-element /
+// Second-moment normalization of the raw Newton–Schulz output O (docs/design.md §4.7): the per-element /
 // per-slice / per-matrix math of AdaMuon, NorMuon and NAMO, shared by the CUDA kernels, the CPU
 // kernels and the GoogleTest suite. The reductions (slice sums, Frobenius norms) are done by the
 // callers; these functions get their results. Operation order follows Emerging-Optimizers 0.3.0

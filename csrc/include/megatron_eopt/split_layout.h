@@ -1,4 +1,4 @@
-// Row layout of a fused projection split into parts (DESIGN §4.5): rows = num_groups * sum(sizes),
+// Row layout of a fused projection split into parts (docs/design.md §4.8): rows = num_groups * sum(sizes),
 // viewed as (num_groups, sum(sizes), n) and cut along the middle dimension; part k is the
 // (num_groups * sizes[k], n) matrix of its rows across the groups. With Megatron's QKV layout the
 // groups are the query groups and sizes = [q, kv, kv] (or [q, q, kv, kv] with an output gate);

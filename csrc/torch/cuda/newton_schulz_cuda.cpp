@@ -39,7 +39,7 @@ LtContext blas_context(const Tensor& x, TorchWorkspace& workspace) {
   return cuda::blas_context(cuda::device_of(x), LtWorkspace{&workspace, &TorchWorkspace::get});
 }
 
-// The Gram iteration (DESIGN §11): one scratch allocation laid out for its program.
+// The Gram iteration (docs/design.md §4.4): one scratch allocation laid out for its program.
 void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const GramProgram& program,
               float* row_scales) {
   const GramScratchLayout layout = gram_scratch_layout(program, opts.batch, opts.rows, opts.cols,
