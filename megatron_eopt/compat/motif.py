@@ -235,7 +235,10 @@ class MotifMuon(HybridMuon):
         super().load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ AdamW with Motif's state keys
-    def _adamw_step(self) -> None:
+    def _adamw_lists(self) -> None:
+        return None  # Motif's state is created by _adamw_step itself (traced code under torch.compile)
+
+    def _adamw_step(self, lists: None = None) -> None:
         """torch's AdamW kernel (fused, as Motif runs it) over Motif's state: ``step`` (fp32 0-dim
         on the param's device), ``moment1``, ``moment2``; betas and eps from the group's
         ``adamw_betas`` / ``adamw_eps``."""

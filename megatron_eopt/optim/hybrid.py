@@ -244,24 +244,53 @@ class HybridMuon(torch.optim.Optimizer):
             self._muon.init_state()
 
     # ------------------------------------------------------------------ step
-    def _adamw_step(self) -> None:
-        """torch's AdamW over the AdamW groups: its own state init and functional kernel (fused on
-        CUDA, foreach otherwise), called directly so the whole step stays one graph under
-        torch.compile (AdamW.step's grad-mode wrapper breaks the graph)."""
+    def _adamw_lists(self) -> list[tuple] | None:
+        """torch's AdamW state init over the AdamW groups (``_init_group`` creates the state of a
+        param stepped for the first time) and, per group, the lists its functional kernel takes."""
         adamw = self._adamw
+        lists = []
         for group in adamw.param_groups:
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             has_complex = adamw._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-            if not params:
-                continue
+            if params:
+                lists.append((group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps))
+        return lists
+
+    def _adamw_step(self, lists: list[tuple] | None = None) -> None:
+        """torch's AdamW over the AdamW groups: its own state init (``lists``: :meth:`_adamw_lists`,
+        made now when None) and functional kernel (fused on CUDA, foreach otherwise), called
+        directly so the whole step stays one graph under torch.compile (AdamW.step's grad-mode
+        wrapper breaks the graph)."""
+        for j, (group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) in enumerate(
+                self._adamw_lists() if lists is None else lists):
             beta1, beta2 = group["betas"]
+            lr, capturable = group["lr"], group["capturable"]
+            if torch.compiler.is_compiling() and not group["fused"]:
+                # compiled foreach: the lr as a tensor, so a schedule writing a new float every step
+                # is a graph input (torch's AdamW makes a float lr a constant of the graph); a tensor
+                # lr takes torch's capturable formulation
+                lr, capturable = self._adamw_lr(j, group["lr"], params[0].device), True
             adam_functional(
                 params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=lr,
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                foreach=group["foreach"], capturable=group["capturable"], differentiable=False, fused=group["fused"],
+                foreach=group["foreach"], capturable=capturable, differentiable=False, fused=group["fused"],
                 decoupled_weight_decay=True,
             )
+
+    def _adamw_lr(self, index: int, value, device: torch.device) -> torch.Tensor:
+        """``value``, the lr of the index-th AdamW group stepped, in a 1-element fp64 buffer of its
+        own (one dimension: torch.compile gives a 0-dim fp64 CPU tensor input a float symbol, see
+        OrthogonalizedOptimizer._rebuild_plan)."""
+        buffers = self.__dict__.setdefault("_adamw_lr_buffers", {})
+        buf = buffers.get((index, device))
+        if buf is None:
+            buf = buffers[(index, device)] = torch.zeros(1, dtype=torch.float64, device=device)
+        if isinstance(value, torch.Tensor):
+            buf.copy_(value.reshape(1))
+        else:
+            buf.zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
+        return buf
 
     def _check_adamw_grads(self) -> None:
         """The AdamW side's gradients, checked before the Muon side changes anything. Skipped while
@@ -302,10 +331,15 @@ class HybridMuon(torch.optim.Optimizer):
                 loss = closure()
         self._check_step_input(qk_logits)
         self._offload.bring_in()
+        # Compiled, the AdamW side's state is created before the Muon side's: Dynamo runs torch's
+        # AdamW ``_init_group`` for real while it traces, and the Muon side's traced insertions
+        # into the shared state dict, written back after the graph, would drop the entries it
+        # created (torch 2.14). Eager, it waits for the Muon side's checks.
+        adamw_lists = self._adamw_lists() if self._adamw is not None and torch.compiler.is_compiling() else None
         if self._muon is not None:
             self._muon.step()
         if self._adamw is not None:
-            self._adamw_step()
+            self._adamw_step(adamw_lists)
         self._offload.send_out()
         self._apply_qk_clip(qk_logits)
         return loss

@@ -356,8 +356,13 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             key = (bucket.group_index, bucket.device)
             if key not in hyper:
                 # fp64: the kernels round e.g. 1 - momentum as the reference's Python floats do.
+                # One dimension, handed to the ops as 0-dim views made inside the step: torch.compile
+                # gives a 0-dim fp64 CPU tensor input a float symbol of its own, and torch 2.14 keeps
+                # the ids of such unused symbols as "specialize" for the rest of the process, so a
+                # group's Python-float lr whose id collides becomes a constant of the graph and the
+                # step recompiles whenever the schedule changes it.
                 hyper[key] = {
-                    k: torch.zeros((), dtype=torch.float64, device=bucket.device) for k in self._step_keys()
+                    k: torch.zeros(1, dtype=torch.float64, device=bucket.device) for k in self._step_keys()
                 }
         plan.chunks = chunk_entries(plan, self._workspace_bytes())
         self._plan, self._hyper = plan, hyper
@@ -698,7 +703,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             params = [entries[i].view(entries[i].param) for i in bucket_members]
             grads = [entries[i].view(entries[i].param.grad) for i in bucket_members]
             states = [self.state[entries[i].param] for i in bucket_members]
-            hyper = self._hyper[(bucket.group_index, bucket.device)]
+            hyper = {k: buf.view(()) for k, buf in self._hyper[(bucket.group_index, bucket.device)].items()}
             scale_t, inf_t = scalers[bucket.device]
             momentum_args = dict(
                 momentum=hyper["momentum"],
@@ -993,8 +998,9 @@ def _host_value(value) -> float | None:
 
 
 def _write_scalar(buf: torch.Tensor, value) -> None:
-    # Compiled writes go through a 1-element view: torch 2.13's inductor drops in-place writes to
-    # a 0-dim float64 tensor (the step would run with lr = 0).
+    # ``buf`` has one element (see _rebuild_plan). Compiled writes go through a 1-element view:
+    # torch 2.13's inductor drops in-place writes to a 0-dim float64 tensor (the step would run
+    # with lr = 0).
     host_tensor = isinstance(value, torch.Tensor) and value.device.type == "cpu" and buf.device.type != "cpu"
     if isinstance(value, torch.Tensor) and (not host_tensor or torch.compiler.is_compiling()):
         buf.view(1).copy_(value.reshape(1))  # a device tensor keeps the step capturable in a CUDA graph

@@ -257,7 +257,7 @@ class OrthogonalizedOptimizer(torch.optim.Optimizer):
                 x = self._momentum_input(grad, self.state[p]["momentum_buffer"], group["momentum"])
                 update = self.orthogonalize(p, x, **{k: v for k, v in group.items() if k != "params"})
                 self.pre_weight_update_fn_inplace(p, update)
-                p.sub_(lr * update)
+                p.add_(update, alpha=-lr)
                 self.post_weight_update_fn_inplace(p)
         return None
 
@@ -343,16 +343,16 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
                 raise TypeError(f"Invalid second moment method: {self.moment2_method}")
 
     def _apply_muon_scale(self, update, size_out, size_in):
-        return update * (get_muon_scale_factor(size_out, size_in, self.scale_mode) * self.extra_scale_factor)
+        return update * get_muon_scale_factor(size_out, size_in, self.scale_mode) * self.extra_scale_factor
 
     def _match_frobenius_norm(self, update, reference, eps):
         """update · ||reference|| / max(||update||, eps)."""
-        return update * (reference.norm() / update.norm().clamp_min(eps))
+        return update * (torch.linalg.vector_norm(reference) / torch.linalg.vector_norm(update).clamp_min(eps))
 
     def _apply_moment2_normalization(self, orth_grad, moment2, beta2, eps, *, raw_grad=None, pre_orth_grad=None):
         """adamuon: v <- EMA(O²), O / (sqrt(v) + eps);
         normuon: v <- EMA(mean of O² per row when rows >= columns, else per column),
-        U = O / sqrt(max(v, eps)), then U rescaled to ||O||_F (``_match_frobenius_norm``);
+        U = O · rsqrt(max(v, eps)), then U rescaled to ||O||_F (``_match_frobenius_norm``);
         namo: v <- EMA(||raw grad||_F²), O · ||pre-orth momentum||_F / (sqrt(v) + eps)."""
         method = self.moment2_method
         if method == "adamuon":
@@ -361,7 +361,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         if method == "normuon":
             dim = -1 if orth_grad.shape[-2] >= orth_grad.shape[-1] else -2
             moment2.lerp_(orth_grad.square().mean(dim=dim, keepdim=True), 1 - beta2)
-            return self._match_frobenius_norm(orth_grad / moment2.clamp_min(eps).sqrt(), orth_grad, eps)
+            return self._match_frobenius_norm(orth_grad * moment2.clamp_min(eps).rsqrt(), orth_grad, eps)
         if method == "namo":
             if raw_grad is None or pre_orth_grad is None:
                 raise RuntimeError("NAMO requires raw_grad and pre_orth_grad")
@@ -392,7 +392,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
                     raw_grad=grad if namo else None, pre_orth_grad=x if namo else None)
                 update = self._apply_muon_scale(update, update.size(-2), update.size(-1))
                 self.pre_weight_update_fn_inplace(p, update)
-                p.sub_(lr * update)
+                p.add_(update, alpha=-lr)
                 self.post_weight_update_fn_inplace(p)
         return None
 

@@ -171,6 +171,45 @@ def test_compile_fullgraph_equals_eager(gen):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_step_with_a_float_lr_schedule_compiles_twice(gen):
+    # Both sides' Python-float lrs rewritten every step: inputs of the second graph, which every
+    # later step runs (the AdamW side hands torch's AdamW a tensor lr, a float one would be a
+    # constant of the graph). The grads are written in place, as after zero_grad(set_to_none=False):
+    # torch.compile guards a compiled torch AdamW on its grads' storage.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Model(layers=1)
+    ref = _clone(model)
+    opt = HybridMuon(_groups(model), fp32_matmul_prec="highest")
+    eager = HybridMuon(_groups(ref), fp32_matmul_prec="highest")
+
+    def train_step():
+        opt.step()
+
+    step = torch.compile(train_step, fullgraph=True)
+    graphs = []
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for t in range(5):
+            for p, q in zip(model.parameters(), ref.parameters()):
+                g = torch.randn(p.shape, generator=gen)
+                if p.grad is None:
+                    p.grad, q.grad = g.clone(), g.clone()
+                else:
+                    p.grad.copy_(g)
+                    q.grad.copy_(g)
+            for o in (opt, eager):
+                for group in o.param_groups:
+                    group["lr"] = group.setdefault("initial_lr", group["lr"]) * (1.0 - 0.15 * t)
+            step()
+            eager.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 2, 2, 2, 2], graphs
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------ QK-clip
 CLIP = {"threshold": 5.0, "head_dim": HEAD_DIM}
 

@@ -74,6 +74,60 @@ def test_compiled_step_matches_eager_without_recompiling_on_lr_change(case, lr_k
     assert max_delta_err(params, eager_params, start) <= TOLERANCE["highest"]
 
 
+def _float_specializations():
+    """The float symbols torch.compile has decided to make constants in this process (None where
+    this torch keeps no such record)."""
+    try:
+        from torch._dynamo.symbolic_convert import TensorifyState
+    except ImportError:
+        return None
+    return sorted(TensorifyState.force_specializations)
+
+
+def test_a_float_lr_per_group_changed_every_step_compiles_twice(gen):
+    # One group per layer, each with its own Python-float lr that a schedule rewrites every step,
+    # stepped from a training-step function compiled with cold caches (where dynamo's float pass
+    # runs). The float symbols of a graph are named by a hash of their source (two digits), and
+    # torch.compile keeps, for the process, the names of the float symbols it could not turn into
+    # tensor math as ones to make constants: a 0-dim fp64 CPU tensor input is such a symbol. The
+    # optimizer's per-group hyper-parameter buffers used to be such inputs; here group 4's lr got
+    # one of their names, became a constant of the graph and every step recompiled.
+    torch._dynamo.reset()
+    counters.clear()
+    shapes = [(8, 12), (12, 8), (5, 7), (1, 5), (12, 12)]
+    params = make_params(shapes, gen, scale=0.1)
+    eager_params = clone_params(params)
+    start = [p.detach().clone() for p in params]
+    base = [0.01 * (i + 1) for i in range(len(params))]
+
+    def build(ps):
+        return Muon([{"params": [p], "lr": lr} for p, lr in zip(ps, base)], lr=0.02, weight_decay=0.1,
+                    fp32_matmul_prec="highest")
+
+    opt, eager = build(params), build(eager_params)
+    opt.init_state()
+
+    def train_step():
+        opt.step()
+
+    step = torch.compile(train_step, fullgraph=True)
+    graphs = []
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for t, grads in enumerate(make_grads(params, gen, 5)):
+            for o, ps in ((opt, params), (eager, eager_params)):
+                for p, g in zip(ps, grads):
+                    p.grad = g.clone()
+                for group, lr in zip(o.param_groups, base):
+                    group["lr"] = lr * (1.0 - 0.15 * t)
+            step()
+            eager.step()
+            graphs.append(counters["stats"]["unique_graphs"])
+    # the lrs are constants of the first graph and inputs of the second, which every later step runs
+    assert graphs == [1, 2, 2, 2, 2], graphs
+    assert _float_specializations() in (None, []), _float_specializations()
+    assert max_delta_err(params, eager_params, start) <= TOLERANCE["highest"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["muon", "normuon"])
 def test_cuda_graph_capture_of_the_step(case, gen):
