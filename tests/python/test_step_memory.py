@@ -24,6 +24,15 @@ MATRIX_MIB = SHAPE[0] * SHAPE[1] * 4 / 2**20
 BUDGET_MIB = 16
 
 
+@pytest.fixture(autouse=True)
+def _resident_memory_follows_live_memory(monkeypatch):
+    # glibc raises its mmap threshold to the size of a freed block, after which blocks of a few MiB
+    # come from the heap and stay resident (and fragment) when freed: the resident peak then counts
+    # memory the step no longer holds, more of it the more blocks a step frees. A fixed threshold
+    # maps and unmaps every block above 64 KiB, so the peak measures what the step holds at once.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+
+
 def _transient_mib(k: int, workspace) -> float:
     """The largest (step peak - state) over two steps of our Muon on K matrices of SHAPE."""
     if not step_memory.peak_reset_works():
