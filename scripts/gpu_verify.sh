@@ -7,7 +7,7 @@
 #   scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]     (no step named: all four)
 #
 # OUT_DIR receives at most 8 files: summary.txt (environment, the doctor self-test, one line per step), build.log,
-# pytest.log, bench.log, bench_state_dtypes.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
+# pytest.log, bench.log, bench_state_dtypes.log, bench_step_memory.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
 # section added), train_gpt.log, train_gpt_loss.png.
 #
 # Extra wheels (emerging-optimizers, absl-py, megatron-core, typing_extensions, expecttest,
@@ -165,6 +165,14 @@ if want bench; then
     say "bench: state dtypes ok (table in bench_state_dtypes.log and RESULTS.md)"
   else
     say "bench: state dtypes FAILED (see bench_state_dtypes.log)"
+    failed_extra=1
+  fi
+  # A step's peak memory next to its time, one fresh process per implementation (workspace budgets too).
+  if "$PY" benchmarks/step_memory.py --device cuda --out "$OUT/bench_step_memory.json" --results-md "$OUT/RESULTS.md" \
+      >"$OUT/bench_step_memory.log" 2>&1; then
+    say "bench: step memory ok (table in bench_step_memory.log and RESULTS.md)"
+  else
+    say "bench: step memory FAILED (see bench_step_memory.log)"
     failed_extra=1
   fi
 fi
