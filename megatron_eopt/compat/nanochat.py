@@ -326,7 +326,40 @@ def _reduce_scatter_mean(chunks_out: torch.Tensor, stacked: torch.Tensor, world:
     return dist.reduce_scatter(chunks_out, list(stacked.chunk(world)), op=dist.ReduceOp.SUM, async_op=True)
 
 
-class _NanochatMuonBase(torch.optim.Optimizer):
+class _RecipeState:
+    """Pickling of an optimizer that holds a :class:`_StackedMuon`.
+
+    torch.optim.Optimizer pickles defaults, state and param_groups only: the Muon recipe goes along
+    (copy.deepcopy, pickle) and the inner optimizers are rebuilt on the other side, from the
+    recipe or, without one, from ``_default_recipe()``; ``_restored()`` then rebuilds the rest.
+    """
+
+    _muon: _StackedMuon
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()  # type: ignore[misc]
+        state["_muon_recipe"] = self._muon.recipe()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        recipe = state.pop("_muon_recipe", None)
+        super().__setstate__(state)  # type: ignore[misc]
+        if recipe is None and "_muon" in self.__dict__:
+            return  # torch's load_state_dict passes its state and groups through here: keep the recipe
+        default = self._default_recipe()
+        era, precision = recipe if recipe is not None else default
+        self._muon = _StackedMuon(dict(era), precision)
+        self._restored()
+
+    def _default_recipe(self) -> tuple[Any, str]:
+        raise NotImplementedError
+
+    def _restored(self) -> None:
+        raise NotImplementedError
+
+
+class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
     """Muon / DistMuon of 22a71aa: groups by sorted shape, stacked state on each group's first param."""
 
     _distributed = False
@@ -354,21 +387,10 @@ class _NanochatMuonBase(torch.optim.Optimizer):
         if hasattr(self, "_muon"):  # after construction: the inner optimizers follow the groups
             self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # torch.optim.Optimizer pickles defaults, state and param_groups only: the Muon recipe goes
-        # along (copy.deepcopy, pickle) and the inner optimizers are rebuilt on the other side
-        state = super().__getstate__()
-        state["_muon_recipe"] = self._muon.recipe()
-        return state
+    def _default_recipe(self) -> tuple[Any, str]:
+        return ERA_2201, "medium"
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        recipe = state.pop("_muon_recipe", None)
-        super().__setstate__(state)
-        if recipe is None and "_muon" in self.__dict__:
-            return  # torch's load_state_dict passes its state and groups through here: keep the recipe
-        era, precision = recipe if recipe is not None else (ERA_2201, "medium")
-        self._muon = _StackedMuon(dict(era), precision)
+    def _restored(self) -> None:
         self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
 
     def _world(self) -> tuple[int, int]:
@@ -451,7 +473,7 @@ class DistMuon(_NanochatMuonBase):
     _distributed = True
 
 
-class MuonAdamW(torch.optim.Optimizer):
+class MuonAdamW(_RecipeState, torch.optim.Optimizer):
     """nanochat's ``MuonAdamW`` (``nanochat/optim.py`` as of a9d0a86): ``MuonAdamW(param_groups)``
     with groups of ``kind='adamw'`` (``lr``, ``betas``, ``eps``, ``weight_decay``) and
     ``kind='muon'`` (``lr``, ``momentum``, ``ns_steps``, ``beta2``, ``weight_decay``; one shape per
@@ -502,24 +524,18 @@ class MuonAdamW(torch.optim.Optimizer):
             self._muon.prepare(self._muon_groups(), self.state, *_world(), create_state=False)
 
     def __getstate__(self) -> dict[str, Any]:
-        # torch.optim.Optimizer pickles defaults, state and param_groups only: the compute dtype
-        # and the Muon recipe go along (copy.deepcopy, pickle); the inner optimizers and the step /
-        # lr tensors handed to torch's AdamW (rewritten every step) are rebuilt on the other side
+        # the compute dtype goes along too; the step / lr tensors handed to torch's AdamW (rewritten
+        # every step) are rebuilt on the other side
         state = super().__getstate__()
         state["compute_dtype"] = self.compute_dtype
-        state["_muon_recipe"] = self._muon.recipe()
         return state
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state = dict(state)
-        recipe = state.pop("_muon_recipe", None)
-        super().__setstate__(state)
-        if recipe is None and "_muon" in self.__dict__:
-            return  # torch's load_state_dict passes its state and groups through here: keep the recipe
+    def _default_recipe(self) -> tuple[Any, str]:
         if "compute_dtype" not in self.__dict__:
             self.compute_dtype = compute_dtype()
-        era, precision = recipe if recipe is not None else (ERA_TODAY, _precision(self.compute_dtype))
-        self._muon = _StackedMuon(dict(era), precision)
+        return ERA_TODAY, _precision(self.compute_dtype)
+
+    def _restored(self) -> None:
         self._adam_steps = {}
         self._adam_lr_buffers = {}
         self._muon.prepare(self._muon_groups(), self.state, *_world(), create_state=False)

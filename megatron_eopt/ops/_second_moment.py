@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -48,6 +48,15 @@ def _check_moment2_lists(method: str, updates, moment2, grads=None, ns_inputs=No
     return updates, moment2, extra
 
 
+def _row_normalize(name: str, op: Any, updates: Sequence[torch.Tensor], moment2: Sequence[torch.Tensor],
+                   beta2: ScalarArg, eps: ScalarArg, found_inf: torch.Tensor | None) -> None:
+    """Checks the lists and scalars of ``adamuon`` / ``normuon`` and runs ``op`` on them."""
+    updates, moment2, _ = _check_moment2_lists(name, updates, moment2)
+    if updates:
+        b, e = _moment2_scalars(updates[0].device, beta2, eps)
+        call_op(op, updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
+
+
 def adamuon_normalize_(
     updates: Sequence[torch.Tensor],
     moment2: Sequence[torch.Tensor],
@@ -63,10 +72,7 @@ def adamuon_normalize_(
     ``eps`` are floats or 0-dim tensors on the lists' device; a non-zero ``found_inf`` (GradScaler)
     leaves everything untouched.
     """
-    updates, moment2, _ = _check_moment2_lists("adamuon", updates, moment2)
-    if updates:
-        b, e = _moment2_scalars(updates[0].device, beta2, eps)
-        call_op(_ops.adamuon_normalize_, updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
+    _row_normalize("adamuon", _ops.adamuon_normalize_, updates, moment2, beta2, eps, found_inf)
 
 
 def normuon_normalize_(
@@ -83,10 +89,7 @@ def normuon_normalize_(
     with ``r`` the mean of ``O**2`` over the shorter side; ``U' = O * rsqrt(max(v, eps))``;
     ``O <- U' * ||O||_F / max(||U'||_F, eps)``. Scalars as in :func:`adamuon_normalize_`.
     """
-    updates, moment2, _ = _check_moment2_lists("normuon", updates, moment2)
-    if updates:
-        b, e = _moment2_scalars(updates[0].device, beta2, eps)
-        call_op(_ops.normuon_normalize_, updates, moment2, b, e, _optional_scalar("found_inf", found_inf))
+    _row_normalize("normuon", _ops.normuon_normalize_, updates, moment2, beta2, eps, found_inf)
 
 
 def namo_normalize_(

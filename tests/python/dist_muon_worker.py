@@ -15,13 +15,11 @@ one more step on the same grads. A case ending in ``_balanced`` runs DistMuon wi
 """
 
 import copy
-
-import os
-import sys
 import warnings
 
 import torch
 import torch.distributed as dist
+from dist_harness import init_from_argv
 from worker_exit import exit_without_teardown
 
 CASES = {
@@ -166,12 +164,7 @@ def cross_checkpoints(seed, case, rank, world, DistMuon, zeropower):
 
 
 def main():
-    rank, world, port, seed, out, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
-                                          sys.argv[5], sys.argv[6])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = port
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    rank, world, seed, out, case = init_from_argv()
     from megatron_eopt.muon import DistMuon, zeropower_via_newtonschulz5
     from megatron_eopt.optim._sharded import ns_flops
 

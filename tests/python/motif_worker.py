@@ -25,6 +25,7 @@ from megatron_eopt.compat.motif import MotifMuon  # noqa: E402
 from megatron_eopt.optim import HybridMuon  # noqa: E402
 from motif_reference import clip_row_factors  # noqa: E402
 from reference import rel_err  # noqa: E402
+from dist_harness import gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
 HEAD_DIM, HIDDEN = 5, 7
@@ -228,10 +229,7 @@ def check_fsdp2(world, seed, motif: bool):
 
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        torch.set_float32_matmul_precision("highest")
+    with gloo_world(rank, world_size, init_file):
         world = init_device_mesh("cpu", (world_size,))
         check(world, seed, motif=False, tol=1e-6)  # fp32 "highest": the sharded step is the unsharded one
         check(world, seed, motif=True, tol=1e-6)
@@ -240,5 +238,3 @@ def worker(rank, world_size, init_file, seed):
         check_replicated_logits(world, seed)
         check_fsdp2(world, seed, motif=False)
         check_fsdp2(world, seed, motif=True)
-    finally:
-        dist.destroy_process_group()

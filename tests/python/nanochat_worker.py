@@ -9,11 +9,10 @@ DistMuon's Newton–Schulz runs in fp32 here, so the test can hold it to the fp3
 """
 
 import copy
-import os
-import sys
 
 import torch
 import torch.distributed as dist
+from dist_harness import init_from_argv
 from worker_exit import exit_without_teardown
 
 # Muon: runs of 1 to 5 same-shape matrices (chunks shorter than, equal to and longer than the
@@ -64,12 +63,7 @@ def run(opt, params, seed, rank, kind, steps):
 
 
 def main():
-    rank, world, port, seed, out, kind = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
-                                          sys.argv[5], sys.argv[6])
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = port
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    rank, world, seed, out, kind = init_from_argv()
     params = initial_params(seed, kind)
     opt = build(kind, params)
     run(opt, params, seed, rank, kind, range(STEPS))

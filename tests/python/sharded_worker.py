@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
 from reference import rel_err  # noqa: E402
+from dist_harness import gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
 TOL = 1e-6  # fp32, precision "highest": the sharded step must equal the unsharded one
@@ -370,10 +371,7 @@ def check_legacy_dist_muon(mesh, seed):
 
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        torch.set_float32_matmul_precision("highest")
+    with gloo_world(rank, world_size, init_file):
         world = init_device_mesh("cpu", (world_size,))
         grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         pair = grid["tp"]
@@ -393,17 +391,12 @@ def worker(rank, world_size, init_file, seed):
         ckpt = os.path.join(os.path.dirname(init_file), "ckpt")
         for k, (cls, extra) in enumerate((OPTIMIZERS[0], OPTIMIZERS[2])):
             check_dcp(world, pair, seed, f"{ckpt}{k}", cls, extra)
-    finally:
-        dist.destroy_process_group()
 
 
 @exits_without_teardown
 def small_worker(rank, world_size, init_file, seed):
     """A world of 1 or 2 processes: FSDP2 on the whole world, Shard(0) / Shard(1) matrices and experts."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        torch.set_float32_matmul_precision("highest")
+    with gloo_world(rank, world_size, init_file):
         world = init_device_mesh("cpu", (world_size,))
         for reshard in (True, False):
             check_fsdp(world, seed, reshard, Muon, {})
@@ -411,8 +404,6 @@ def small_worker(rank, world_size, init_file, seed):
             for placements in ([Shard(0)], [Shard(1)]):
                 check(world, [((37, 24), placements), ((24, 37), placements), ((4, 9, 6), placements)], cls, extra,
                       seed, nd_mode="batch", label=f"world of {world_size} {placements}")
-    finally:
-        dist.destroy_process_group()
 
 
 def _replica_splits_only(replica: set[int]):
@@ -434,10 +425,7 @@ def hsdp_tp_worker(rank, world_size, init_file, seed):
     """8 ranks, a 2 x 2 x 2 mesh (replicate, shard, tp): every matrix is split over the 4 ranks of
     its replica (2 mesh dims, no process group of their own). Owner mode runs over the world, each
     replica exchanging only among its own ranks, and equals the unsharded optimizer."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
-        torch.set_float32_matmul_precision("highest")
+    with gloo_world(rank, world_size, init_file):
         cube = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
         replica = set(cube["shard", "tp"].mesh.flatten().tolist())
         shapes = [(37, 24), (24, 37), (3, 8), (37, 24)]
@@ -456,8 +444,6 @@ def hsdp_tp_worker(rank, world_size, init_file, seed):
         check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in shapes], Muon, {}, seed, sharded_mode="gather",
               label="2x2x2 gather", ran="gather")
         check_stage_mesh(seed)
-    finally:
-        dist.destroy_process_group()
 
 
 def _no_world_collectives():

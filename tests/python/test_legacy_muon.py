@@ -1,8 +1,6 @@
 import copy
 import math
 import os
-import socket
-import subprocess
 import sys
 import warnings
 
@@ -13,6 +11,7 @@ import megatron_eopt
 from megatron_eopt import muon as legacy
 from megatron_eopt.optim import Muon as FusedMuon
 
+from dist_harness import run_workers
 from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, rel_err
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -291,27 +290,8 @@ def test_tensor_parallel_muon_alias_is_the_new_class():
         legacy.NoSuchName  # noqa: B018
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_dist_muon(tmp_path, world, seed, case):
-    port = str(_free_port())
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_eopt.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([package_root, HERE, env.get("PYTHONPATH", "")])
-    outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
-    procs = [
-        subprocess.Popen([sys.executable, os.path.join(HERE, "dist_muon_worker.py"), str(r), str(world), port,
-                          str(seed), str(outs[r]), case], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
-        for r in range(world)
-    ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    return [torch.load(o) for o in outs]
+    return run_workers("dist_muon_worker.py", tmp_path, world, seed, case, timeout=240)
 
 
 @pytest.mark.distributed

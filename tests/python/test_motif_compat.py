@@ -111,6 +111,16 @@ def _compare(opt, params, start, ref, steps):
                     assert rel_err(got, value) <= 1e-5, (key, rel_err(got, value))
 
 
+def _step_and_compare(opt, params, ref, gen, steps):
+    """``steps`` steps of ``opt`` and of the reference on the same fresh grads, then :func:`_compare`."""
+    start = [p.detach().double().clone() for p in params]
+    for _ in range(steps):
+        grads = _fresh_grads(params, gen)
+        opt.step()
+        ref.step(grads)
+    _compare(opt, params, start, ref, steps)
+
+
 # ------------------------------------------------------------------ numbers, routing, group keys
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_one_import_muon_matches_motif(nesterov, gen):
@@ -120,12 +130,7 @@ def test_one_import_muon_matches_motif(nesterov, gen):
     opt = _build(model, groups, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov)
     assert isinstance(opt, MotifMuon) and isinstance(opt, HybridMuon)
     params, ref = _reference(model, opt)
-    start = [p.detach().double().clone() for p in params]
-    for _ in range(3):
-        grads = _fresh_grads(params, gen)
-        opt.step()
-        ref.step(grads)
-    _compare(opt, params, start, ref, 3)
+    _step_and_compare(opt, params, ref, gen, 3)
     assert all(set(opt.state[p]) == {"momentum_buffer"} for p in opt.param_groups[0]["params"])
     assert all(set(opt.state[p]) == {"step", "moment1", "moment2"} for p in opt.param_groups[1]["params"])
 
@@ -226,12 +231,7 @@ def test_checkpoints_interchange_with_motifs_layout(gen):
             p.copy_(ref.p[i])
     opt.load_state_dict(ref.state_dict())
     assert [set(g) - {"params"} for g in opt.param_groups] == [set(g) - {"params"} for g in ref.groups]
-    start = [p.detach().double().clone() for p in params]
-    for _ in range(2):
-        grads = _fresh_grads(params, gen)
-        opt.step()
-        ref.step(grads)
-    _compare(opt, params, start, ref, 2)
+    _step_and_compare(opt, params, ref, gen, 2)
 
     # ours -> Motif: our state_dict has every key Motif reads, in Motif's layout.
     sd = opt.state_dict()
@@ -239,11 +239,7 @@ def test_checkpoints_interchange_with_motifs_layout(gen):
         assert set(MUON_KEYS) | {"use_muon", "params"} <= set(group)
     back = MotifReference(params, ref.groups)
     back.load_state_dict(sd)
-    start = [p.detach().double().clone() for p in params]
-    grads = _fresh_grads(params, gen)
-    opt.step()
-    back.step(grads)
-    _compare(opt, params, start, back, 1)
+    _step_and_compare(opt, params, back, gen, 1)
 
 
 def test_checkpoint_state_that_cannot_follow_its_param_is_refused(gen):

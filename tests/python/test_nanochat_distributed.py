@@ -3,38 +3,15 @@ re-expression of nanochat's optimizers run on the averaged grads: the results on
 each rank's state in nanochat's layout (rank r holds rows [r·chunk, (r+1)·chunk) of the Muon
 stacks, chunk = ceil(len / world); large AdamW params' state is the rank's row slice)."""
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
 
-import megatron_eopt
+from dist_harness import run_workers
 from nanochat_reference import RefMuon2201, RefMuonAdamW, assert_fp32_close
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_workers(tmp_path, world, seed, kind):
-    port = str(_free_port())
-    root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_eopt.__file__)))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([root, HERE, env.get("PYTHONPATH", "")])
-    outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "nanochat_worker.py"), str(r), str(world), port,
-                               str(seed), str(outs[r]), kind], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
-    return [torch.load(o) for o in outs]
+    return run_workers("nanochat_worker.py", tmp_path, world, seed, kind, timeout=300)
 
 
 @pytest.mark.distributed

@@ -54,23 +54,15 @@ def _assert_gram_accurate(x, out, precision, device, coefficient_type, steps, to
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("coefficient_type", ALL_SETS)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gram_fp32_matches_float64_standard(device, coefficient_type, shape, gen):
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_gram_fp32_and_high_match_float64_standard(device, coefficient_type, shape, precision, gen):
+    # "highest" is fp32; a CPU computes "high" in fp32 too, CUDA in TF32, where the Gram iteration
+    # restarts at every step.
     x = _input(shape, gen, device)
     steps = _steps(coefficient_type)
-    out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision="highest", algorithm="gram")
+    out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision=precision, algorithm="gram")
     assert out.dtype == torch.float32 and out.shape == x.shape and out.device == x.device
-    _assert_gram_accurate(x, out, "highest", device, coefficient_type, steps)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("coefficient_type", ALL_SETS)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_gram_high_matches_float64_standard(device, coefficient_type, shape, gen):
-    # A CPU computes "high" in fp32; CUDA in TF32, where the Gram iteration restarts at every step.
-    x = _input(shape, gen, device)
-    steps = _steps(coefficient_type)
-    out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision="high", algorithm="gram")
-    _assert_gram_accurate(x, out, "high", device, coefficient_type, steps)
+    _assert_gram_accurate(x, out, precision, device, coefficient_type, steps)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -73,17 +73,27 @@ def _compare(
     assert max_state_err(ours, params, ref, ref_params, state_keys) <= tol
 
 
+def _fp32(**kwargs):
+    """The optimizer keywords, with Newton–Schulz in full fp32."""
+    return dict(kwargs, fp32_matmul_prec="highest")
+
+
+def _compare_adaptive(kwargs, gen, **compare_kwargs):
+    """:func:`_compare` of AdaptiveMuon with EO's, momentum and second moment included."""
+    _compare(
+        AdaptiveMuon,
+        eo.AdaptiveMuon,
+        kwargs,
+        gen,
+        state_keys=("momentum_buffer", "moment2_buffer"),
+        **compare_kwargs,
+    )
+
+
 @pytest.mark.parametrize("weight_decay_method", ["decoupled", "independent", "l2", "palm"])
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_muon_weight_decay_and_nesterov(weight_decay_method, nesterov, gen):
-    kwargs = dict(
-        lr=0.03,
-        momentum=0.9,
-        weight_decay=0.2,
-        nesterov=nesterov,
-        weight_decay_method=weight_decay_method,
-        fp32_matmul_prec="highest",
-    )
+    kwargs = _fp32(lr=0.03, momentum=0.9, weight_decay=0.2, nesterov=nesterov, weight_decay_method=weight_decay_method)
     _compare(Muon, eo.Muon, kwargs, gen)
 
 
@@ -129,22 +139,11 @@ def test_muon_defaults_medium_precision(gen):
 @pytest.mark.parametrize("moment2_method", ["adamuon", "normuon", "namo"])
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_adaptive_muon_moment2_methods(moment2_method, nesterov, gen):
-    kwargs = dict(
-        lr=0.02,
-        momentum=0.9,
-        weight_decay=0.1,
-        nesterov=nesterov,
-        moment2_method=moment2_method,
-        beta2=0.9,
-        fp32_matmul_prec="highest",
-    )
-    _compare(
-        AdaptiveMuon,
-        eo.AdaptiveMuon,
+    kwargs = _fp32(lr=0.02, momentum=0.9, weight_decay=0.1, nesterov=nesterov, moment2_method=moment2_method, beta2=0.9)
+    _compare_adaptive(
         kwargs,
         gen,
         tol=_fp32_tolerance(moment2_method),
-        state_keys=("momentum_buffer", "moment2_buffer"),
         delta_err=_delta_err(moment2_method, flip_threshold=0.01),
     )
 
@@ -172,14 +171,11 @@ def test_adaptive_muon_configurations(moment2_method, weight_decay_method, scale
         num_ns_steps=6,
         fp32_matmul_prec="highest",
     )
-    _compare(
-        AdaptiveMuon,
-        eo.AdaptiveMuon,
+    _compare_adaptive(
         kwargs,
         gen,
         shapes=[s for s in SHAPES if min(s) > 1],
         tol=_fp32_tolerance(moment2_method),
-        state_keys=("momentum_buffer", "moment2_buffer"),
         delta_err=_delta_err(moment2_method, flip_threshold=0.01),
     )
 
@@ -187,16 +183,13 @@ def test_adaptive_muon_configurations(moment2_method, weight_decay_method, scale
 @pytest.mark.parametrize("moment2_method", ["adamuon", "normuon", "namo"])
 def test_adaptive_muon_medium_precision(moment2_method, gen):
     kwargs = dict(lr=0.01, momentum=0.95, weight_decay=0.01, moment2_method=moment2_method)
-    _compare(
-        AdaptiveMuon,
-        eo.AdaptiveMuon,
+    _compare_adaptive(
         kwargs,
         gen,
         # Two bf16 Newton-Schulz implementations rounding at different points, each within docs/design.md §9's
         # bf16 tolerance of the exact result, are within twice it of each other; the second
         # moment's elementwise division passes that on to the update.
         tol=2 * TOLERANCE["medium"],
-        state_keys=("momentum_buffer", "moment2_buffer"),
         delta_err=_delta_err(moment2_method, max_flip_fraction=0.05),
     )
 

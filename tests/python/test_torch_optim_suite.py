@@ -117,6 +117,16 @@ def make_closure(optimizer, weight, x):
     return closure
 
 
+def _step_both(closure, optimizer, weight, closure_c, optimizer_c, weight_c, steps):
+    """``steps`` steps of an optimizer and of its copy, the weights equal after each."""
+    for _ in range(steps):
+        closure()
+        closure_c()
+        optimizer.step()
+        optimizer_c.step()
+        torch.testing.assert_close(weight, weight_c)
+
+
 # ---------------------------------------------------------------- the inputs themselves
 def test_inputs_do_not_name_implementation_flags():
     for optim_input in optim_inputs():
@@ -322,12 +332,7 @@ def test_state_dict_is_deterministic(cls, mode, named0, named1):
             optimizer_c = cls(_named([weight_c], named1), **kwargs_of(optim_input))
             closure_c = make_closure(optimizer_c, weight_c, x)
             optimizer_c.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-            for _ in range(10):
-                closure()
-                closure_c()
-                optimizer.step()
-                optimizer_c.step()
-                torch.testing.assert_close(weight, weight_c)
+            _step_both(closure, optimizer, weight, closure_c, optimizer_c, weight_c, 10)
             assert_same(_without_param_names(optimizer.state_dict()), _without_param_names(optimizer_c.state_dict()))
             optimizer_c.param_groups.extend(optimizer_c.param_groups)
             assert_same(_without_param_names(optimizer.state_dict())["param_groups"][-1],
@@ -380,12 +385,7 @@ def test_save_load_with_weights_only(cls, mode):
             optimizer_c = cls([twin], **kwargs_of(optim_input))
             optimizer_c.load_state_dict(loaded)
             closure_c = make_closure(optimizer_c, twin, x)
-            for _ in range(3):
-                closure()
-                closure_c()
-                optimizer.step()
-                optimizer_c.step()
-                torch.testing.assert_close(weight, twin)
+            _step_both(closure, optimizer, weight, closure_c, optimizer_c, twin, 3)
 
     run_in_mode(mode, body)
 

@@ -1,0 +1,63 @@
+"""The distributed test workers' process groups, and their launch as separate processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+@contextlib.contextmanager
+def gloo_world(rank, world_size, init_file):
+    """A gloo process group over ``init_file`` for this rank, one torch thread and fp32 matmuls in
+    full precision ("highest"); the group is destroyed on the way out."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.set_num_threads(1)
+        torch.set_float32_matmul_precision("highest")
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def init_from_argv():
+    """For a worker started as ``worker.py RANK WORLD PORT SEED OUT CASE``: joins the gloo group at
+    127.0.0.1:PORT with one torch thread and returns ``(rank, world, seed, out, case)``."""
+    rank, world, port, seed, out, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
+                                          sys.argv[5], sys.argv[6])
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    return rank, world, seed, out, case
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(script, tmp_path, world, seed, case, timeout):
+    """Runs ``script`` (a file beside this one) as ``world`` processes on a free port, each as
+    ``script RANK WORLD PORT SEED OUT CASE`` (see :func:`init_from_argv`); returns what each rank
+    saved to its OUT, in rank order."""
+    import megatron_eopt
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    port = str(_free_port())
+    root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_eopt.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, here, env.get("PYTHONPATH", "")])
+    outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, script), str(r), str(world), port, str(seed),
+                               str(outs[r]), case], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(world)]
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+    return [torch.load(o) for o in outs]
