@@ -126,7 +126,9 @@ def test_muon_coefficient_types(coefficient_type, num_ns_steps, gen):
 )
 def test_muon_scale_modes(scale_mode, extra, gen):
     kwargs = dict(
-        lr=0.01, weight_decay=0.0, scale_mode=scale_mode, extra_scale_factor=extra, fp32_matmul_prec="highest"
+        # lr 0.05: with unit_rms_norm x 0.2 a 1 x 9 row moves ~7e-4 per step at lr 0.01, close enough to
+        # the fp32 rounding of its 0.1-sized weights to put 1e-5 of relative error into the change
+        lr=0.05, weight_decay=0.0, scale_mode=scale_mode, extra_scale_factor=extra, fp32_matmul_prec="highest"
     )
     _compare(Muon, eo.Muon, kwargs, gen)
 
