@@ -353,10 +353,11 @@ class _RecipeState:
         self._restored()
 
     def _default_recipe(self) -> tuple[Any, str]:
-        raise NotImplementedError
+        """The recipe of a copy saved without one: 22a71aa's, iterating in bf16."""
+        return ERA_2201, "medium"
 
     def _restored(self) -> None:
-        raise NotImplementedError
+        """Rebuilds what depends on the recipe once ``_muon`` is set (each optimizer its own)."""
 
 
 class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
@@ -386,9 +387,6 @@ class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
         super().add_param_group(param_group)
         if hasattr(self, "_muon"):  # after construction: the inner optimizers follow the groups
             self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
-
-    def _default_recipe(self) -> tuple[Any, str]:
-        return ERA_2201, "medium"
 
     def _restored(self) -> None:
         self._muon.prepare(self.param_groups, self.state, *self._world(), create_state=False)
