@@ -687,12 +687,14 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         """1. Momentum (and L2 decay, Nesterov) per bucket, writing the NS inputs. Returns what the
         update phase needs per bucket."""
         entries = plan.entries
-        in_chunk = set(members)
+        # The chunk's members per bucket, in the bucket's (entry) order: a one-chunk step launches
+        # exactly what an unchunked one does. Costs the chunk's size, not the model's.
+        by_bucket: dict[int, list[int]] = {}
+        for i in sorted(members):
+            by_bucket.setdefault(entries[i].bucket_index, []).append(i)
         launches = []
-        for bucket in plan.buckets:
-            bucket_members = [i for i in bucket.members if i in in_chunk]
-            if not bucket_members:
-                continue
+        for bi in sorted(by_bucket):
+            bucket, bucket_members = plan.buckets[bi], by_bucket[bi]
             for i in bucket_members:
                 self._init_entry_state(i)
             group = self.param_groups[bucket.group_index]
