@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""megatron-eopt's two Newton–Schulz algorithms against each other, over matrix shapes.
+"""megatron-eopt's Newton–Schulz algorithms against each other, over matrix shapes.
 
     python benchmarks/ns_algorithms.py [--device cpu|cuda] [--precision P] [--coefficients TYPE]
-                                       [--quick] [--results-md FILE]
+                                       [--variants V [V ...]] [--target-s S] [--quick] [--results-md FILE]
 
-For each shape, algorithm="standard" and algorithm="gram" are timed interleaved call by call
-(same inputs, medians), next to the ratio of their FLOPs (full GEMMs) and what algorithm="auto"
-runs there. This is the measurement the "auto" rule of csrc/include/megatron_eopt/ns_algorithm.h
-is calibrated on. With --results-md the table becomes that file's "algorithms: <device>" section.
+For each shape, the variants are timed interleaved call by call (same inputs, medians), next to
+the ratio of the standard and Gram FLOPs (full GEMMs) and what algorithm="auto" runs there. A
+variant is "standard" or "gram", optionally with CUDA's opt-in symmetric products:
+"standard@4" runs them with at most 4 block columns of at least --min-panel rows
+(megatron_eopt.set_cuda_symmetric_products). This is the measurement the "auto" rule of
+csrc/include/megatron_eopt/ns_algorithm.h is calibrated on. With --results-md the table becomes
+that file's "algorithms: <device>" section.
 """
 
 from __future__ import annotations
@@ -40,20 +43,45 @@ RATIOS = [1, 1.5, 2, 3, 4]
 MODEL_SHAPES = [(768, 2304), (3072, 768), (768, 2048), (2048, 768), (2048, 8192)]
 
 
-def shapes(quick: bool) -> list[tuple[int, int]]:
+# On a GPU small sides are launch-bound: the sides where the products' FLOPs decide, and the large
+# shapes of 8B-70B models (Llama-8B attention and MLP, a 70B MLP's 8192 x 28672).
+CUDA_SIDES = [256, 512, 1024, 2048, 4096]
+CUDA_RATIOS = [1, 2, 4]
+CUDA_MODEL_SHAPES = [(4096, 11008), (4096, 14336), (8192, 8192), (8192, 28672), (14336, 4096)]
+
+
+def shapes(quick: bool, device_type: str) -> list[tuple[int, int]]:
     if quick:
         return [(32, 128), (64, 256)]
+    if device_type == "cuda":
+        return [(s, int(s * r)) for s in CUDA_SIDES for r in CUDA_RATIOS] + CUDA_MODEL_SHAPES
     out = [(s, int(s * r)) for s in SIDES for r in RATIOS]
     out += [(4096, 1024)]  # a tall one: the transpose is a choice of products
     return out + MODEL_SHAPES
 
 
-def time_pair(x: torch.Tensor, device: torch.device, target_s: float, max_repeats: int) -> dict[str, float]:
-    fns = {
-        a: (lambda a=a: me.newton_schulz(x, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE,
-                                         precision=hyper.PRECISION, algorithm=a))
-        for a in ("standard", "gram")
-    }
+def parse_variant(name: str) -> tuple[str, int]:
+    """"gram@4" -> ("gram", 4): the algorithm and the symmetric products' most blocks (1: off)."""
+    algorithm, _, blocks = name.partition("@")
+    if algorithm not in ("standard", "gram") or (blocks and not blocks.isdigit()):
+        raise SystemExit(f"ns_algorithms.py: bad variant {name!r} (standard, gram, standard@K, gram@K)")
+    return algorithm, int(blocks or 1)
+
+
+def time_variants(x: torch.Tensor, device: torch.device, variants: list[str], min_panel: int, target_s: float,
+                  max_repeats: int) -> dict[str, float]:
+    def make(name):
+        algorithm, blocks = parse_variant(name)
+
+        def run():
+            if device.type == "cuda":
+                me.set_cuda_symmetric_products(blocks, min_panel)
+            return me.newton_schulz(x, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE,
+                                    precision=hyper.PRECISION, algorithm=algorithm)
+
+        return run
+
+    fns = {v: make(v) for v in variants}
     for fn in fns.values():  # first calls: plans, caches
         fn()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -71,6 +99,8 @@ def time_pair(x: torch.Tensor, device: torch.device, target_s: float, max_repeat
             fn()
             sync()
             samples[a].append(time.perf_counter() - t0)
+    if device.type == "cuda":
+        me.set_cuda_symmetric_products(1, min_panel)  # back to the default: off
     return {a: statistics.median(v) * 1e3 for a, v in samples.items()}
 
 
@@ -85,6 +115,12 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
     parser.add_argument("--precision", choices=["medium", "high", "highest"], default=None)
     parser.add_argument("--coefficients", default=None, metavar="TYPE")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="V",
+                        help="default: standard gram (cpu); standard gram standard@4 gram@4 standard@8 (cuda)")
+    parser.add_argument("--min-panel", type=int, default=256,
+                        help="smallest block column of the symmetric products (default 256)")
+    parser.add_argument("--target-s", type=float, default=None,
+                        help="seconds of timed calls per shape (default 3; 1 on cuda)")
     parser.add_argument("--quick", action="store_true", help="two tiny shapes: a smoke run")
     parser.add_argument("--results-md", metavar="FILE")
     args = parser.parse_args(argv)
@@ -93,18 +129,28 @@ def main(argv=None) -> int:
     env = env_info.collect(device)
     load_start = os.getloadavg() if device.type == "cpu" else None
     gen = torch.Generator(device=device).manual_seed(7)
+    variants = args.variants or (["standard", "gram", "standard@4", "gram@4", "standard@8"]
+                                 if device.type == "cuda" else ["standard", "gram"])
+    if device.type != "cuda" and any(parse_variant(v)[1] > 1 for v in variants):
+        raise SystemExit("ns_algorithms.py: symmetric-product variants (@K) are CUDA's")
+    for v in variants:
+        parse_variant(v)
+    target_s = 0.2 if args.quick else (args.target_s or (1.0 if device.type == "cuda" else 3.0))
     rows = []
-    for m, n in shapes(args.quick):
+    for m, n in shapes(args.quick, device.type):
         x = torch.randn(m, n, device=device, generator=gen)
-        ms = time_pair(x, device, target_s=0.2 if args.quick else 3.0, max_repeats=5 if args.quick else 25)
+        ms = time_variants(x, device, variants, args.min_panel, target_s=target_s,
+                           max_repeats=5 if args.quick else 25)
         flop_ratio = hyper.ns_flops(m, n) / ns_flops.ours_matrix_flops(m, n, device.type, "gram")
-        row = [f"{m}x{n}", f"{ms['standard']:.4g}", f"{ms['gram']:.4g}", f"{ms['standard'] / ms['gram']:.2f}x",
-               f"{flop_ratio:.2f}", auto_choice(x)]
+        base = ms[variants[0]]
+        row = [f"{m}x{n}"] + [f"{ms[v]:.4g}" for v in variants] + [f"{base / ms[v]:.2f}x" for v in variants[1:]]
+        row += [f"{flop_ratio:.2f}", auto_choice(x)]
         print(" | ".join(row), file=sys.stderr, flush=True)
         rows.append(row)
     load_end = os.getloadavg() if device.type == "cpu" else None
 
-    columns = ["shape", "standard ms", "gram ms", "standard / gram", "FLOP ratio", "auto runs"]
+    columns = (["shape"] + [f"{v} ms" for v in variants] + [f"{variants[0]} / {v}" for v in variants[1:]]
+               + ["FLOP ratio", "auto runs"])
     table = ["| " + " | ".join(columns) + " |", "|" + "|".join(["---"] * len(columns)) + "|"]
     table += ["| " + " | ".join(r) + " |" for r in rows]
     facts = [f"commit `{env['git_commit']}`", f"torch {env['torch']}", f"date {env['date_utc']}"]
@@ -115,9 +161,11 @@ def main(argv=None) -> int:
         f"## Newton–Schulz algorithms, {env['device_name']} ({device.type})",
         "",
         f"Measured by `python benchmarks/ns_algorithms.py`: {'; '.join(facts)}. NS {hyper.COEFFICIENT_TYPE} "
-        f"x{hyper.NS_STEPS}, precision {hyper.PRECISION}; both algorithms interleaved call by call. FLOP ratio: "
-        "standard over Gram FLOPs with full GEMMs (the CPU also computes symmetric products as blocks "
-        "above the diagonal, in both algorithms).",
+        f"x{hyper.NS_STEPS}, precision {hyper.PRECISION}; variants interleaved call by call"
+        + (f" (@K: CUDA's symmetric products, at most K block columns of at least {args.min_panel} rows)"
+           if any("@" in v for v in variants) else "")
+        + ". FLOP ratio: standard over Gram FLOPs with full GEMMs (the CPU also computes symmetric products "
+        "as blocks above the diagonal, in both algorithms).",
         "",
         *table,
         "",

@@ -46,6 +46,8 @@ import workloads as catalogue_module  # noqa: E402
 import workloads_dist  # noqa: E402
 from timing import measure, plan_for  # noqa: E402
 
+import megatron_eopt as me  # noqa: E402
+
 SCHEMA = "megatron-eopt-benchmarks/1"
 
 
@@ -66,6 +68,10 @@ def parse_args(argv=None):
                         help="Newton–Schulz coefficient type of every implementation (default: the device's)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], metavar="N",
                         help="process counts of the dist_* workloads (default: 2 4)")
+    parser.add_argument("--symmetric-products", default=None, metavar="K[:P]",
+                        help="CUDA: megatron-eopt computes symmetric products as at most K block columns of at "
+                             "least P rows (default P 1024; megatron_eopt.set_cuda_symmetric_products, off by "
+                             "default); the table's hyper-parameters say so")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--render", metavar="FILE.json",
                         help="measure nothing: print the table of a saved --out JSON and update --results-md "
@@ -187,6 +193,13 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: no CUDA device is available")
 
     hyper.configure(device.type, args.coefficients, args.precision)
+    symmetric = None
+    if args.symmetric_products:
+        if device.type != "cuda":
+            raise SystemExit("--symmetric-products applies to CUDA only")
+        blocks, _, panel = args.symmetric_products.partition(":")
+        symmetric = (int(blocks), int(panel or 1024))
+        me.set_cuda_symmetric_products(*symmetric)
     threads = args.threads if args.threads is not None else (1 if args.quick else None)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -201,6 +214,8 @@ def main(argv=None) -> int:
         # A CPU table per precision: "medium" (bf16 products, the optimizers' default) and fp32.
         environment["precision"] = hyper.PRECISION
         environment["device_key"] += f", precision {hyper.PRECISION}"
+    if symmetric:
+        environment["device_key"] += f", symmetric products {symmetric[0]}:{symmetric[1]}"
     print(f"# {environment['device_name']} | torch {environment['torch']} | commit {environment['git_commit']} | "
           f"{'quick' if args.quick else 'full'} run of {len(chosen)} workloads", file=sys.stderr)
 
@@ -225,7 +240,9 @@ def main(argv=None) -> int:
         "schema": SCHEMA,
         "mode": "quick" if args.quick else "full",
         "environment": environment,
-        "hyper_parameters": hyper.describe(),
+        "hyper_parameters": hyper.describe() + (
+            f"; megatron-eopt symmetric products on (at most {symmetric[0]} block columns of at least "
+            f"{symmetric[1]} rows)" if symmetric else ""),
         "workloads": results,
         "not_run": not_run,
         "registered_ops": registered_ops(),

@@ -4,7 +4,7 @@ Ops live in ``torch.ops.megatron_eopt``; this package adds typed wrappers, the c
 tables, and the optimizer classes built on them.
 """
 
-from ._library import LIBRARY_PATH, cuda_kernels_built
+from ._library import LIBRARY_PATH, cuda_kernels_built, cuda_symmetric_products, set_cuda_symmetric_products
 from .newton_schulz import (
     COEFFICIENT_SETS,
     NS_ALGORITHMS,
@@ -50,6 +50,7 @@ __all__ = [
     "build_optimizers",
     "build_schedulers",
     "cuda_kernels_built",
+    "cuda_symmetric_products",
     "foreach_momentum_",
     "foreach_update_",
     "get_coefficient_iterator",
@@ -58,6 +59,7 @@ __all__ = [
     "get_supported_coefficient_types",
     "moment2_shape",
     "namo_normalize_",
+    "set_cuda_symmetric_products",
     "new_moment2_buffer",
     "newton_schulz",
     "newton_schulz_list",

@@ -114,6 +114,32 @@ def forced_blas_fallback():
         _cuda_cdll.megatron_eopt_force_blas_fallback(0)
 
 
+def cuda_symmetric_products() -> tuple[int, int]:
+    """The rule the CUDA Newton–Schulz op follows for its products with a symmetric result, as set by
+    :func:`set_cuda_symmetric_products`: ``(max_blocks, min_panel)``; ``max_blocks == 1`` is off."""
+    if _cuda_cdll is None:
+        return 1, 1024
+    blocks, panel = ctypes.c_int64(), ctypes.c_int64()
+    _cuda_cdll.megatron_eopt_symmetric_panels(ctypes.byref(blocks), ctypes.byref(panel))
+    return blocks.value, panel.value
+
+
+def set_cuda_symmetric_products(max_blocks: int, min_panel: int = 1024) -> None:
+    """Opt-in, process-wide: on CUDA, compute the Newton–Schulz products whose result is symmetric
+    (X·Xᵀ and G·G of the standard iteration, X·Xᵀ and every s×s product of the Gram iteration) as
+    their lower block triangle, one cuBLASLt GEMM per block column, plus a mirror copy. A side of
+    ``s`` gets ``min(max_blocks, s // min_panel)`` blocks (panels are multiples of 64): with 4
+    blocks the products multiply 62.5% of the full FLOPs, with 8 56%. ``max_blocks=1`` (the
+    default) runs full GEMMs. Results equal the full products' within rounding (another GEMM
+    kernel per panel). Off until a GPU benchmark shows where it pays: ``docs/newton-schulz.md``."""
+    for name, value, low in (("max_blocks", max_blocks, 1), ("min_panel", min_panel, 64)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"set_cuda_symmetric_products: {name} must be an int >= {low}, got {value!r}")
+    if _cuda_cdll is None:
+        raise RuntimeError(f"set_cuda_symmetric_products: the CUDA kernels are not loaded: {CUDA_KERNELS_STATUS}")
+    _cuda_cdll.megatron_eopt_set_symmetric_panels(ctypes.c_int64(max_blocks), ctypes.c_int64(min_panel))
+
+
 def cuda_kernels_built() -> bool:
     """True when the CUDA kernels are loaded (built, and compatible with the running torch);
     ``CUDA_KERNELS_STATUS`` says why not otherwise."""

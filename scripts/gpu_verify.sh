@@ -6,6 +6,16 @@
 #
 #   scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]     (no step named: all four)
 #
+# Steps for a short lease, named explicitly (each also in "bench" or "tests" where noted):
+#   gputests    the doctor and the GPU-marked tests only (GPU_VERIFY_TESTS: pytest arguments, default
+#               tests/python; GPU_VERIFY_TESTS_TIMEOUT: seconds, default none)
+#   table       benchmarks/run.py alone (part of bench; GPU_VERIFY_BENCH_ARGS)
+#   memory      benchmarks/step_memory.py alone (part of bench; GPU_VERIFY_MEMORY_ARGS)
+#   symmetric   benchmarks/run.py on the Newton-Schulz and large step workloads with the opt-in
+#               symmetric products (GPU_VERIFY_SYMMETRIC, default 4:1024), into RESULTS.md's own section
+#   algorithms  benchmarks/ns_algorithms.py (algorithm and symmetric-product crossovers) and
+#               benchmarks/op_overhead.py --profile (host time per call)
+#
 # OUT_DIR receives at most 8 files: summary.txt (environment, the doctor self-test, one line per step), build.log,
 # pytest.log, bench.log, bench_state_dtypes.log, bench_step_memory.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
 # section added), train_gpt.log, train_gpt_loss.png.
@@ -32,7 +42,11 @@ shift
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build tests bench example)
 for s in "${STEPS[@]}"; do
-  case $s in build | tests | bench | example) ;; *) echo "gpu_verify.sh: unknown step '$s' (build, tests, bench, example)" >&2; exit 2 ;; esac
+  case $s in
+    build | tests | bench | example | gputests | table | memory | symmetric | algorithms) ;;
+    *) echo "gpu_verify.sh: unknown step '$s' (build, tests, bench, example, gputests, table, memory, symmetric," \
+         "algorithms)" >&2; exit 2 ;;
+  esac
 done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -122,17 +136,26 @@ build() {
 
 if want build; then
   build || failed_core=1
-elif ! ls megatron_eopt/_C*.so >/dev/null 2>&1; then
-  say "build: no built library in megatron_eopt/, building first"
+elif ! "$PY" -c "import megatron_eopt as me, sys; sys.exit(0 if me.cuda_kernels_built() else 1)" >/dev/null 2>&1; then
+  # None in megatron_eopt/, or ones built elsewhere that do not load here.
+  say "build: no loadable CUDA library in megatron_eopt/, building first"
   build || failed_core=1
+else
+  say "build: using the libraries in megatron_eopt/ ($("$PY" -c "import megatron_eopt._library as l; print(l.build_info())" 2>&1))"
 fi
 
 # ------------------------------------------------------------------ tests
-if want tests; then
+if want tests || want gputests; then
   # The self-test users run first on a new GPU: build facts and every op against the CPU path.
   "$PY" -m megatron_eopt.doctor 2>&1 | tee -a "$SUMMARY"
   if [ "${PIPESTATUS[0]}" -eq 0 ]; then say "doctor: ok"; else say "doctor: FAILED (see above)"; failed_core=1; fi
-  "$PY" -m pytest tests/python -v -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+  if want tests; then
+    "$PY" -m pytest tests/python -v -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+  else
+    # shellcheck disable=SC2086
+    timeout "${GPU_VERIFY_TESTS_TIMEOUT:-0}" "$PY" -m pytest ${GPU_VERIFY_TESTS:-tests/python} -m gpu -v -rs \
+      -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+  fi
   rc=$?
   result=$(tail -1 "$OUT/pytest.log")
   # "SKIPPED [N] file:line: needs a CUDA device": must be none on a GPU machine.
@@ -148,8 +171,10 @@ if want tests; then
 fi
 
 # ------------------------------------------------------------------ benchmark
-if want bench; then
+if want bench || want table || want memory || want symmetric; then
   [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+fi
+if want bench || want table; then
   # shellcheck disable=SC2086
   "$PY" benchmarks/run.py --device cuda --out "$OUT/bench_cuda.json" --results-md "$OUT/RESULTS.md" \
     ${GPU_VERIFY_BENCH_ARGS:-} >"$OUT/bench.log" 2>&1
@@ -160,6 +185,33 @@ if want bench; then
     say "bench: exit $rc: some measurements failed (see 'Not covered' in bench.log)"
     failed_extra=1
   fi
+fi
+if want symmetric; then
+  if "$PY" benchmarks/run.py --device cuda --results-md "$OUT/RESULTS.md" \
+      --symmetric-products "${GPU_VERIFY_SYMMETRIC:-4:1024}" --workload ns_1024x1024 ns_4096x4096 ns_8192x8192 \
+      ns_4096x11008 ns_batch_4x4096x4096 ns_batch_128x768x2048 step_llama_1b_layer step_llama_8b_4layers \
+      >"$OUT/bench_symmetric.log" 2>&1; then
+    say "bench: symmetric products ok (bench_symmetric.log, its own section in RESULTS.md)"
+  else
+    say "bench: symmetric products FAILED (see bench_symmetric.log)"
+    failed_extra=1
+  fi
+fi
+if want algorithms; then
+  if "$PY" benchmarks/ns_algorithms.py --device cuda --results-md "$OUT/RESULTS.md" >"$OUT/algorithms.log" 2>&1; then
+    say "algorithms: ok (algorithms.log)"
+  else
+    say "algorithms: FAILED (see algorithms.log)"
+    failed_extra=1
+  fi
+  if "$PY" benchmarks/op_overhead.py --device cuda --profile >"$OUT/overhead.log" 2>&1; then
+    say "overhead: ok (overhead.log)"
+  else
+    say "overhead: FAILED (see overhead.log)"
+    failed_extra=1
+  fi
+fi
+if want bench; then
   # State bytes and speed per state_dtype (fp32 / bf16 / int8 / fp8) on GPT-2 and Llama parameter sets.
   if "$PY" benchmarks/state_dtypes.py --device cuda --results-md "$OUT/RESULTS.md" >"$OUT/bench_state_dtypes.log" 2>&1; then
     say "bench: state dtypes ok (table in bench_state_dtypes.log and RESULTS.md)"
@@ -167,9 +219,12 @@ if want bench; then
     say "bench: state dtypes FAILED (see bench_state_dtypes.log)"
     failed_extra=1
   fi
+fi
+if want bench || want memory; then
   # A step's peak memory next to its time, one fresh process per implementation (workspace budgets too).
+  # shellcheck disable=SC2086
   if "$PY" benchmarks/step_memory.py --device cuda --out "$OUT/bench_step_memory.json" --results-md "$OUT/RESULTS.md" \
-      >"$OUT/bench_step_memory.log" 2>&1; then
+      ${GPU_VERIFY_MEMORY_ARGS:-} >"$OUT/bench_step_memory.log" 2>&1; then
     say "bench: step memory ok (table in bench_step_memory.log and RESULTS.md)"
   else
     say "bench: step memory FAILED (see bench_step_memory.log)"

@@ -23,6 +23,10 @@ std::atomic<bool> g_force_fallback{false};
 // what its algorithm reports (often nothing).
 constexpr std::size_t kMaxWorkspaceBytes = 32u << 20;
 
+// Pitches up to this take one 2-D copy (cudaMemcpy2D's limit is the device's maximum pitch,
+// at least 2 GiB on the GPUs built for); larger matrices are copied one by one.
+constexpr std::size_t kMaxCopyPitchBytes = std::size_t{1} << 30;
+
 void check_lt(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS) {
     throw std::runtime_error(std::string("megatron_eopt: cuBLAS ") + what + " failed with status " +
@@ -148,19 +152,33 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
 cudaDataType_t blas_type(LtElement e) { return e == LtElement::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F; }
 
 // cuBLAS computes C in place: D starts as a copy of C when beta reads it. C and D share one
-// layout (ldc, stride_c), so the copy is one span; its gaps are D's own padding.
+// layout (ldc, stride_c); each matrix's copy is one span from its first to its last element,
+// whose gaps are D's own rows outside the product. The span stops there: D may be a panel of a
+// larger matrix (lt_symmetric.h), whose other panels between two matrices of the batch must not
+// be overwritten.
 void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   const GemmShape& s = *args.shape;
   const std::size_t cd = lt_element_bytes(args.types.cd);
   if (args.beta != 0.f && args.c != args.d) {
-    const std::size_t span = static_cast<std::size_t>((args.batch - 1) * s.stride_c + (s.cols - 1) * s.ldc + s.rows);
-    MEGATRON_EOPT_CUDA_CHECK(cudaMemcpyAsync(args.d, args.c, span * cd, cudaMemcpyDeviceToDevice, ctx.stream));
+    const std::size_t span = static_cast<std::size_t>((s.cols - 1) * s.ldc + s.rows) * cd;
+    const std::size_t pitch = static_cast<std::size_t>(s.stride_c) * cd;
+    if (args.batch > 1 && pitch >= span && pitch <= kMaxCopyPitchBytes) {
+      MEGATRON_EOPT_CUDA_CHECK(cudaMemcpy2DAsync(args.d, pitch, args.c, pitch, span, static_cast<std::size_t>(args.batch),
+                                                 cudaMemcpyDeviceToDevice, ctx.stream));
+    } else {
+      for (int64_t t = 0; t < args.batch; ++t) {
+        MEGATRON_EOPT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(args.d) + t * pitch,
+                                                 static_cast<const char*>(args.c) + t * pitch, span,
+                                                 cudaMemcpyDeviceToDevice, ctx.stream));
+      }
+    }
   }
   // The handle is torch's, already bound by torch's getter to the current stream and to that
   // stream's workspace from torch's caching allocator. cublasSetStream is not called: it would
   // reset the handle's workspace to cuBLAS's default pool, shared by all streams.
+  const cublasHandle_t handle = ctx.blas();
   cudaStream_t bound = nullptr;
-  check_lt(cublasGetStream(ctx.blas, &bound), "GetStream");
+  check_lt(cublasGetStream(handle, &bound), "GetStream");
   if (bound != ctx.stream) {
     throw std::runtime_error("megatron_eopt: torch's cuBLAS handle is bound to another stream than the op's "
                              "current stream");
@@ -168,17 +186,17 @@ void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   // Its math mode may allow TF32 for fp32 products. The compute type says what this problem
   // wants, so the default math mode is set for the call and restored after.
   cublasMath_t previous = CUBLAS_DEFAULT_MATH;
-  check_lt(cublasGetMathMode(ctx.blas, &previous), "GetMathMode");
-  check_lt(cublasSetMathMode(ctx.blas, CUBLAS_DEFAULT_MATH), "SetMathMode");
+  check_lt(cublasGetMathMode(handle, &previous), "GetMathMode");
+  check_lt(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "SetMathMode");
   const cublasComputeType_t compute =
       args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   const cublasStatus_t status = cublasGemmStridedBatchedEx(
-      ctx.blas, s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(s.rows),
+      handle, s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(s.rows),
       static_cast<int>(s.cols), static_cast<int>(s.depth), &args.alpha, args.a, blas_type(args.types.ab),
       static_cast<int>(s.lda), s.stride_a, args.b, blas_type(args.types.ab), static_cast<int>(s.ldb), s.stride_b,
       &args.beta, args.d, blas_type(args.types.cd), static_cast<int>(s.ldc), s.stride_c,
       static_cast<int>(args.batch), compute, CUBLAS_GEMM_DEFAULT);
-  cublasSetMathMode(ctx.blas, previous);
+  cublasSetMathMode(handle, previous);
   check_lt(status, "GemmStridedBatchedEx");
 }
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "lt_matmul.h"
+#include "lt_symmetric.h"
 #include "ns_normalize.h"
 #include "megatron_eopt/cuda_check.h"
 #include "megatron_eopt/newton_schulz_cuda.h"
@@ -74,6 +75,9 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   const std::size_t elem_bytes = ns_element_bytes(precision);
   const LtTypes types = lt_types(precision);
 
+  // G and B are symmetric: with the opt-in rule, their lower block triangles plus a mirror.
+  const int64_t panel_width = symmetric_panel_width(plan.gram, symmetric_panel_rule());
+
   // Start where the last step lands in iterate[0].
   int cur = static_cast<int>(schedule.size() % 2);
   void* iterate[2] = {scratch.iterate[0], scratch.iterate[1]};
@@ -84,11 +88,12 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
     void* xin = iterate[cur];
     void* xout = iterate[1 - cur];
     // G = W W^T
-    lt_strided_batched_gemm({&plan.gram_gemm, batch, types, 1.f, xin, xin, 0.f, scratch.gram, scratch.gram}, blas);
+    lt_symmetric_batched_gemm({&plan.gram_gemm, batch, types, 1.f, xin, xin, 0.f, scratch.gram, scratch.gram},
+                              panel_width, blas);
     // B = c G G + b G
-    lt_strided_batched_gemm({&plan.poly_gemm, batch, types, k.c, scratch.gram, scratch.gram, k.b, scratch.gram,
-                             scratch.poly},
-                            blas);
+    lt_symmetric_batched_gemm({&plan.poly_gemm, batch, types, k.c, scratch.gram, scratch.gram, k.b, scratch.gram,
+                               scratch.poly},
+                              panel_width, blas);
     // W' = B W + a W: operand order per the plan (column-major view of row-major X).
     const void* lhs = plan.work_transposed ? scratch.poly : xin;
     const void* rhs = plan.work_transposed ? xin : scratch.poly;

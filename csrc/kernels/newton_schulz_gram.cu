@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "lt_matmul.h"
+#include "lt_symmetric.h"
 #include "megatron_eopt/cuda_check.h"
 #include "megatron_eopt/newton_schulz_gram_cuda.h"
 #include "megatron_eopt/ns_gemm_plan.h"
@@ -84,6 +85,9 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
   ns_normalize_cast(x, at(program.x_first), program.x_bf16, batch, m, n, eps, recipe, norm_partials, sum_squares,
                     row_scales, stream);
 
+  // Every s x s product and W W^T are symmetric: with the opt-in rule, lower block triangles plus a mirror.
+  const int64_t panel_width = symmetric_panel_width(side, symmetric_panel_rule());
+
   for (const GramOp& op : program.ops) {
     switch (op.kind) {
       case GramOpKind::kAddDiag:
@@ -103,7 +107,12 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
         const LtTypes types{element_of(program, op.a), element_of(program, op.d), compute};
         // beta == 0: C is not read; pass D so cuBLASLt sees a valid matrix of D's type.
         const void* c = op.beta != 0.f ? at(op.c) : at(op.d);
-        lt_strided_batched_gemm({shape, batch, types, op.alpha, at(op.a), at(op.b), op.beta, c, at(op.d)}, blas);
+        const LtGemmArgs args{shape, batch, types, op.alpha, at(op.a), at(op.b), op.beta, c, at(op.d)};
+        if (op.gemm == GramGemm::kApply) {
+          lt_strided_batched_gemm(args, blas);
+        } else {
+          lt_symmetric_batched_gemm(args, panel_width, blas);
+        }
         break;
       }
     }

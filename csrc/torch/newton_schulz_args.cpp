@@ -1,8 +1,11 @@
 #include "torch/newton_schulz_args.h"
 
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 
 
 namespace megatron_eopt {
@@ -38,9 +41,46 @@ NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficie
   return opts;
 }
 
+namespace {
+
+// Everything the choice depends on. The schedule's rows are compared as floats: equal rows, equal choice.
+struct ChoiceKey {
+  int algorithm, precision, device;
+  int64_t rows, cols;
+  bool transpose;
+  std::vector<float> schedule;
+  bool operator<(const ChoiceKey& o) const {
+    return std::tie(algorithm, precision, device, rows, cols, transpose, schedule) <
+           std::tie(o.algorithm, o.precision, o.device, o.rows, o.cols, o.transpose, o.schedule);
+  }
+};
+
+// Past this many distinct problems the cache starts over (a bound on memory, not expected in training).
+constexpr std::size_t kMaxCachedChoices = 4096;
+
+}  // namespace
+
 NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device) {
-  return choose_ns_algorithm(opts.algorithm, opts.rows, opts.cols, opts.transpose, opts.schedule, opts.precision,
-                             device);
+  if (opts.algorithm == NsAlgorithm::kStandard) return {NsAlgorithm::kStandard, {}};
+  // The choice and the Gram program (the schedule's peak, restarts, program) cost more host time
+  // than a small matrix's iteration: made once per problem and kept for the process.
+  ChoiceKey key{static_cast<int>(opts.algorithm), static_cast<int>(opts.precision), static_cast<int>(device),
+                opts.rows, opts.cols, opts.transpose, {}};
+  key.schedule.reserve(opts.schedule.size() * 3);
+  for (const NsCoefficients& k : opts.schedule) key.schedule.insert(key.schedule.end(), {k.a, k.b, k.c});
+  static auto* const mutex = new std::mutex;  // leaked: no destruction order to get wrong at exit
+  static auto* const cache = new std::map<ChoiceKey, NsAlgorithmChoice>;
+  {
+    const std::lock_guard<std::mutex> lock(*mutex);
+    const auto it = cache->find(key);
+    if (it != cache->end()) return it->second;
+  }
+  NsAlgorithmChoice choice = choose_ns_algorithm(opts.algorithm, opts.rows, opts.cols, opts.transpose, opts.schedule,
+                                                 opts.precision, device);
+  const std::lock_guard<std::mutex> lock(*mutex);
+  if (cache->size() >= kMaxCachedChoices) cache->clear();
+  cache->emplace(std::move(key), choice);
+  return choice;
 }
 
 }  // namespace megatron_eopt

@@ -12,6 +12,9 @@ SHAPES = [(8, 12), (12, 8), (8, 12), (1, 5)]
 CASES = {
     "muon": lambda ps, lr: Muon(ps, lr=lr, weight_decay=0.1, nesterov=True, fp32_matmul_prec="highest"),
     "normuon": lambda ps, lr: AdaptiveMuon(ps, lr, 0.9, 0.1, moment2_method="normuon", fp32_matmul_prec="highest"),
+    # one matrix per chunk: the NS inputs are views of one flat buffer reused by every chunk
+    "muon_chunked": lambda ps, lr: Muon(ps, lr=lr, weight_decay=0.1, nesterov=True, fp32_matmul_prec="highest",
+                                        workspace_mib=1e-9),
     # the 2026 recipe: cautious decay, MuonEq, Muon+, ||X|| + eps with a divisor, nanochat's normuon
     "recipe": lambda ps, lr: AdaptiveMuon(ps, lr, 0.9, 0.1, moment2_method="normuon", eps=1e-10,
                                           weight_decay_method="cautious", row_equilibration=True,
@@ -39,6 +42,7 @@ CASES = {
         pytest.param("muon", "tensor", "cuda", marks=pytest.mark.gpu),
         pytest.param("normuon", "float", "cuda", marks=pytest.mark.gpu),
         pytest.param("recipe", "tensor", "cuda", marks=pytest.mark.gpu),
+        pytest.param("muon_chunked", "tensor", "cuda", marks=pytest.mark.gpu),
     ],
 )
 def test_compiled_step_matches_eager_without_recompiling_on_lr_change(case, lr_kind, device, gen):
@@ -129,7 +133,7 @@ def test_a_float_lr_per_group_changed_every_step_compiles_twice(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["muon", "normuon"])
+@pytest.mark.parametrize("case", ["muon", "normuon", "muon_chunked"])
 def test_cuda_graph_capture_of_the_step(case, gen):
     # lr lives in a device tensor the graph reads at replay; state exists before capture.
     shapes = [(64, 96), (96, 64), (64, 96), (1, 33)]

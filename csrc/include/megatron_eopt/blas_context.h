@@ -23,7 +23,9 @@ struct LtWorkspace {
 struct LtContext {
   int device;
   cublasLtHandle_t lt;
-  cublasHandle_t blas;  // the fallback's handle
+  // The fallback's handle, fetched only when a GEMM takes the fallback: torch's getter rebinds
+  // the handle's stream and workspace, host work every call would otherwise pay.
+  cublasHandle_t (*blas)();
   LtWorkspace workspace;
   cudaStream_t stream;
 };

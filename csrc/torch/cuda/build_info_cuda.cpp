@@ -1,9 +1,11 @@
-// Build facts of the CUDA library (read with ctypes by megatron_eopt._library and the doctor).
+// Build facts and process-wide switches of the CUDA library (read and set with ctypes by
+// megatron_eopt._library and the doctor).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
 #include "kernels/lt_matmul.h"
+#include "kernels/lt_symmetric.h"
 #include "torch/c_export.h"
 
 // CUDA runtime version of the build, e.g. 13000.
@@ -22,3 +24,15 @@ MEGATRON_EOPT_C_EXPORT void megatron_eopt_gemm_counts(int64_t* lt_calls, int64_t
 
 // Nonzero: every GEMM takes the cuBLAS fallback until called again with 0.
 MEGATRON_EOPT_C_EXPORT void megatron_eopt_force_blas_fallback(int on) { megatron_eopt::lt_force_fallback(on != 0); }
+
+// The opt-in rule for Newton–Schulz products with a symmetric result (kernels/lt_symmetric.h):
+// max_blocks 1 runs them as full GEMMs (the default).
+MEGATRON_EOPT_C_EXPORT void megatron_eopt_set_symmetric_panels(int64_t max_blocks, int64_t min_panel) {
+  megatron_eopt::set_symmetric_panel_rule({max_blocks, min_panel});
+}
+
+MEGATRON_EOPT_C_EXPORT void megatron_eopt_symmetric_panels(int64_t* max_blocks, int64_t* min_panel) {
+  const megatron_eopt::SymmetricPanelRule rule = megatron_eopt::symmetric_panel_rule();
+  *max_blocks = rule.max_blocks;
+  *min_panel = rule.min_panel;
+}

@@ -32,7 +32,7 @@ inline int device_of(const Tensor& t) { return static_cast<int>(t.get_device_ind
 // The GEMM context of an op call on `device` with its workspace provider.
 inline LtContext blas_context(int device, LtWorkspace workspace) {
   const cudaStream_t stream = current_stream(device);
-  return LtContext{device, lt_handle(device, stream), blas_handle(), workspace, stream};
+  return LtContext{device, lt_handle(device, stream), &blas_handle, workspace, stream};
 }
 
 }  // namespace megatron_eopt::cuda

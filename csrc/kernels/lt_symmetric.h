@@ -1,0 +1,24 @@
+// Products with a symmetric result on CUDA: the lower block triangle through cuBLASLt panels
+// (symmetric_panels.h) and one mirror kernel for the rest. Opt-in per process until a GPU run
+// has measured where it pays (docs/newton-schulz.md). Torch-free.
+#pragma once
+
+#include <cstdint>
+
+#include "lt_matmul.h"
+#include "megatron_eopt/symmetric_panels.h"
+
+namespace megatron_eopt {
+
+// The process-wide rule the CUDA Newton–Schulz executors follow for their symmetric products.
+// Default {1, 1024}: off (one full GEMM per product).
+SymmetricPanelRule symmetric_panel_rule();
+void set_symmetric_panel_rule(const SymmetricPanelRule& rule);
+
+// D = alpha op(A) op(B) + beta C for a product whose result is symmetric (square, C symmetric when
+// read): panels of `width` columns, then the upper blocks copied from the lower ones. width >=
+// rows: one full GEMM. Enqueued on ctx.stream; graph-capturable once a call outside capture has
+// planned the panels' GEMMs.
+void lt_symmetric_batched_gemm(const LtGemmArgs& args, int64_t width, const LtContext& ctx);
+
+}  // namespace megatron_eopt
