@@ -70,8 +70,8 @@ def parse_args(argv=None):
                         help="process counts of the dist_* workloads (default: 2 4)")
     parser.add_argument("--symmetric-products", default=None, metavar="K[:P]",
                         help="CUDA: megatron-eopt computes symmetric products as at most K block columns of at "
-                             "least P rows (default P 1024; megatron_eopt.set_cuda_symmetric_products, off by "
-                             "default); the table's hyper-parameters say so")
+                             "least P rows everywhere (default P 1024; megatron_eopt.set_cuda_symmetric_products; "
+                             "without it, the measured default); the table's hyper-parameters say so")
     parser.add_argument("--list", action="store_true", help="list the workloads and exit")
     parser.add_argument("--render", metavar="FILE.json",
                         help="measure nothing: print the table of a saved --out JSON and update --results-md "
@@ -241,8 +241,8 @@ def main(argv=None) -> int:
         "mode": "quick" if args.quick else "full",
         "environment": environment,
         "hyper_parameters": hyper.describe() + (
-            f"; megatron-eopt symmetric products on (at most {symmetric[0]} block columns of at least "
-            f"{symmetric[1]} rows)" if symmetric else ""),
+            f"; megatron-eopt symmetric products on every shape (at most {symmetric[0]} block columns of at "
+            f"least {symmetric[1]} rows)" if symmetric else ""),
         "workloads": results,
         "not_run": not_run,
         "registered_ops": registered_ops(),

@@ -114,30 +114,34 @@ def forced_blas_fallback():
         _cuda_cdll.megatron_eopt_force_blas_fallback(0)
 
 
-def cuda_symmetric_products() -> tuple[int, int]:
+def cuda_symmetric_products() -> tuple[int, int] | None:
     """The rule the CUDA Newton–Schulz op follows for its products with a symmetric result, as set by
-    :func:`set_cuda_symmetric_products`: ``(max_blocks, min_panel)``; ``max_blocks == 1`` is off."""
+    :func:`set_cuda_symmetric_products`: ``(max_blocks, min_panel)``, or None for the measured
+    default (the initial state)."""
     if _cuda_cdll is None:
-        return 1, 1024
+        return None
     blocks, panel = ctypes.c_int64(), ctypes.c_int64()
     _cuda_cdll.megatron_eopt_symmetric_panels(ctypes.byref(blocks), ctypes.byref(panel))
-    return blocks.value, panel.value
+    return None if blocks.value == 0 else (blocks.value, panel.value)
 
 
-def set_cuda_symmetric_products(max_blocks: int, min_panel: int = 1024) -> None:
-    """Opt-in, process-wide: on CUDA, compute the Newton–Schulz products whose result is symmetric
-    (X·Xᵀ and G·G of the standard iteration, X·Xᵀ and every s×s product of the Gram iteration) as
-    their lower block triangle, one cuBLASLt GEMM per block column, plus a mirror copy. A side of
-    ``s`` gets ``min(max_blocks, s // min_panel)`` blocks (panels are multiples of 64): with 4
-    blocks the products multiply 62.5% of the full FLOPs, with 8 56%. ``max_blocks=1`` (the
-    default) runs full GEMMs. Results equal the full products' within rounding (another GEMM
-    kernel per panel). Off until a GPU benchmark shows where it pays: ``docs/newton-schulz.md``."""
-    for name, value, low in (("max_blocks", max_blocks, 1), ("min_panel", min_panel, 64)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"set_cuda_symmetric_products: {name} must be an int >= {low}, got {value!r}")
+def set_cuda_symmetric_products(max_blocks: int | None, min_panel: int = 1024) -> None:
+    """Process-wide: how the CUDA Newton–Schulz op computes the products whose result is symmetric
+    (X·Xᵀ and G·G of the standard iteration, X·Xᵀ and every s×s product of the Gram iteration): as
+    their lower block triangle, one cuBLASLt GEMM per block column, plus a mirror copy, or as full
+    GEMMs. With ``max_blocks`` k, a side of ``s`` gets ``min(k, s // min_panel)`` blocks (panels are
+    multiples of 64; 4 blocks multiply 62.5% of the full FLOPs, 8 blocks 56%); ``max_blocks=1``
+    runs full GEMMs everywhere. ``None`` returns to the default, which uses blocks only where an
+    H100 measured them faster: bf16 products ("medium") on a side of at least 8192, or of at least
+    4096 in a batch of at least 4 (``docs/newton-schulz.md``). Results equal the full products'
+    within rounding (each panel is another GEMM kernel)."""
+    if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1):
+        raise ValueError(f"set_cuda_symmetric_products: max_blocks must be None or an int >= 1, got {max_blocks!r}")
+    if isinstance(min_panel, bool) or not isinstance(min_panel, int) or min_panel < 64:
+        raise ValueError(f"set_cuda_symmetric_products: min_panel must be an int >= 64, got {min_panel!r}")
     if _cuda_cdll is None:
         raise RuntimeError(f"set_cuda_symmetric_products: the CUDA kernels are not loaded: {CUDA_KERNELS_STATUS}")
-    _cuda_cdll.megatron_eopt_set_symmetric_panels(ctypes.c_int64(max_blocks), ctypes.c_int64(min_panel))
+    _cuda_cdll.megatron_eopt_set_symmetric_panels(ctypes.c_int64(max_blocks or 0), ctypes.c_int64(min_panel))
 
 
 def cuda_kernels_built() -> bool:

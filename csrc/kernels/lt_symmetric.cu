@@ -14,7 +14,7 @@
 namespace megatron_eopt {
 namespace {
 
-std::atomic<int64_t> g_max_blocks{1};
+std::atomic<int64_t> g_max_blocks{0};  // 0: no rule set, the measured default
 std::atomic<int64_t> g_min_panel{1024};
 
 constexpr int kTile = 32;
@@ -68,8 +68,14 @@ void mirror_upper_blocks(void* d, std::size_t element_bytes, int64_t batch, int6
 SymmetricPanelRule symmetric_panel_rule() { return {g_max_blocks.load(), g_min_panel.load()}; }
 
 void set_symmetric_panel_rule(const SymmetricPanelRule& rule) {
-  g_max_blocks.store(rule.max_blocks < 1 ? 1 : rule.max_blocks);
+  g_max_blocks.store(rule.max_blocks < 0 ? 0 : rule.max_blocks);
   g_min_panel.store(rule.min_panel < kSymmetricPanelQuantum ? kSymmetricPanelQuantum : rule.min_panel);
+}
+
+int64_t cuda_symmetric_panel_width(int64_t side, int64_t batch, bool bf16) {
+  const SymmetricPanelRule rule = symmetric_panel_rule();
+  if (rule.max_blocks == 0) return symmetric_panel_width(side, measured_symmetric_blocks(side, batch, bf16));
+  return symmetric_panel_width(side, rule);
 }
 
 void lt_symmetric_batched_gemm(const LtGemmArgs& args, int64_t width, const LtContext& ctx) {

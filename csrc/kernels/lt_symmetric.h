@@ -1,6 +1,6 @@
 // Products with a symmetric result on CUDA: the lower block triangle through cuBLASLt panels
-// (symmetric_panels.h) and one mirror kernel for the rest. Opt-in per process until a GPU run
-// has measured where it pays (docs/newton-schulz.md). Torch-free.
+// (symmetric_panels.h) and one mirror kernel for the rest. By default only where a GPU run measured
+// it faster; a process-wide rule overrides that (docs/newton-schulz.md). Torch-free.
 #pragma once
 
 #include <cstdint>
@@ -11,9 +11,13 @@
 namespace megatron_eopt {
 
 // The process-wide rule the CUDA Newton–Schulz executors follow for their symmetric products.
-// Default {1, 1024}: off (one full GEMM per product).
+// Default {0, 1024}: none set, the measured default applies (measured_symmetric_blocks).
 SymmetricPanelRule symmetric_panel_rule();
 void set_symmetric_panel_rule(const SymmetricPanelRule& rule);
+
+// The panel width of a product of this side and batch (bf16: "medium" operands) under the
+// process rule, or under the measured default when none is set.
+int64_t cuda_symmetric_panel_width(int64_t side, int64_t batch, bool bf16);
 
 // D = alpha op(A) op(B) + beta C for a product whose result is symmetric (square, C symmetric when
 // read): panels of `width` columns, then the upper blocks copied from the lower ones. width >=

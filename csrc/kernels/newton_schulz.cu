@@ -75,8 +75,8 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   const std::size_t elem_bytes = ns_element_bytes(precision);
   const LtTypes types = lt_types(precision);
 
-  // G and B are symmetric: with the opt-in rule, their lower block triangles plus a mirror.
-  const int64_t panel_width = symmetric_panel_width(plan.gram, symmetric_panel_rule());
+  // G and B are symmetric: where it pays (lt_symmetric.h), their lower block triangles plus a mirror.
+  const int64_t panel_width = cuda_symmetric_panel_width(plan.gram, batch, precision == NsPrecision::kMedium);
 
   // Start where the last step lands in iterate[0].
   int cur = static_cast<int>(schedule.size() % 2);

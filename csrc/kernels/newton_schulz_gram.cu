@@ -85,8 +85,10 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
   ns_normalize_cast(x, at(program.x_first), program.x_bf16, batch, m, n, eps, recipe, norm_partials, sum_squares,
                     row_scales, stream);
 
-  // Every s x s product and W W^T are symmetric: with the opt-in rule, lower block triangles plus a mirror.
-  const int64_t panel_width = symmetric_panel_width(side, symmetric_panel_rule());
+  // Every s x s product and W W^T are symmetric: where it pays (lt_symmetric.h), lower block
+  // triangles plus a mirror. The s x s products are fp32 even under "medium": the measured default
+  // keeps them full.
+  const int64_t panel_width = cuda_symmetric_panel_width(side, batch, false);
 
   for (const GramOp& op : program.ops) {
     switch (op.kind) {

@@ -95,9 +95,12 @@ def quantize(x: torch.Tensor, dtype: torch.dtype, block_size: int = DEFAULT_BLOC
     absmax = blocks.abs().amax(dim=-1, keepdim=True)
     finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
     live = absmax >= _FP32_SMALLEST_NORMAL
-    scale = torch.where(finite, torch.where(live, absmax / top, torch.zeros_like(absmax)),
+    # Divisions by a tensor, not a Python number: torch computes x / scalar on CUDA as x * (1 / scalar)
+    # and scalar / x everywhere as reciprocal(x) * scalar, each one rounding off the kernels' IEEE quotient.
+    top_t = absmax.new_full((), top)
+    scale = torch.where(finite, torch.where(live, absmax / top_t, torch.zeros_like(absmax)),
                         torch.full_like(absmax, math.nan))
-    inverse = torch.where(finite & live, top / absmax, torch.zeros_like(absmax))
+    inverse = torch.where(finite & live, top_t / absmax, torch.zeros_like(absmax))
     y = torch.nan_to_num(blocks * inverse, nan=0.0).clamp(-top, top)
     if dtype == torch.int8:
         codes = y.round().to(torch.int8)

@@ -14,6 +14,7 @@
 using megatron_eopt::GemmPanel;
 using megatron_eopt::GemmShape;
 using megatron_eopt::make_ns_gemm_plan;
+using megatron_eopt::measured_symmetric_blocks;
 using megatron_eopt::mirror_source_is_lower;
 using megatron_eopt::padded_square_ld;
 using megatron_eopt::symmetric_panel_fraction;
@@ -147,6 +148,16 @@ TEST(SymmetricPanelWidth, FollowsTheRuleAndTheQuantum) {
   EXPECT_EQ(symmetric_panel_width(2048, SymmetricPanelRule{4, 1024}), 1024);
   EXPECT_EQ(symmetric_panel_width(8192, SymmetricPanelRule{8, 512}), 1024);
   EXPECT_EQ(symmetric_panel_width(11008, SymmetricPanelRule{4, 1024}), 2752);
+}
+
+TEST(MeasuredSymmetricBlocks, OnlyWhereTheH100RanThemFaster) {
+  EXPECT_EQ(measured_symmetric_blocks(8192, 1, true), 4);
+  EXPECT_EQ(measured_symmetric_blocks(14336, 1, true), 4);
+  EXPECT_EQ(measured_symmetric_blocks(4096, 4, true), 4);
+  EXPECT_EQ(measured_symmetric_blocks(4096, 1, true), 1);   // 0.88x measured
+  EXPECT_EQ(measured_symmetric_blocks(2048, 16, true), 1);  // 2048-wide: slower
+  EXPECT_EQ(measured_symmetric_blocks(8192, 1, false), 1);  // TF32 / fp32 not measured
+  EXPECT_EQ(symmetric_panel_width(8192, measured_symmetric_blocks(8192, 1, true)), 2048);
 }
 
 TEST(SymmetricPanelFraction, CountsTheLowerBlockTriangle) {

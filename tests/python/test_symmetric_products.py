@@ -1,8 +1,8 @@
-"""Products with a symmetric result on CUDA as block panels plus a mirror (opt-in,
-``set_cuda_symmetric_products``): the same results as the full products within rounding, in
-every precision, both algorithms, batched, on awkward shapes, from CUDA graphs and through the
-cuBLAS fallback. The panel plan itself is tested on the host by GoogleTest
-(tests/cpp/test_symmetric_panels.cpp)."""
+"""Products with a symmetric result on CUDA as block panels plus a mirror (by default where an H100
+measured them faster; any shape with ``set_cuda_symmetric_products``): the same results as the
+full products within rounding, in every precision, both algorithms, batched, on awkward shapes,
+from CUDA graphs and through the cuBLAS fallback. The panel plan and the default rule are tested on
+the host by GoogleTest (tests/cpp/test_symmetric_panels.cpp)."""
 
 import contextlib
 
@@ -17,17 +17,17 @@ OFF = (1, 1024)
 
 
 @contextlib.contextmanager
-def panels(max_blocks: int, min_panel: int):
+def panels(max_blocks: int | None, min_panel: int = 1024):
     before = me.cuda_symmetric_products()
     me.set_cuda_symmetric_products(max_blocks, min_panel)
     try:
         yield
     finally:
-        me.set_cuda_symmetric_products(*before)
+        me.set_cuda_symmetric_products(*(before or (None,)))
 
 
 @pytest.mark.parametrize("name, value", [("max_blocks", 0), ("max_blocks", 2.0), ("max_blocks", True),
-                                         ("min_panel", 32), ("min_panel", "64")])
+                                         ("min_panel", 32), ("min_panel", "64"), ("min_panel", None)])
 def test_bad_rule_names_the_argument_and_changes_nothing(name, value):
     before = me.cuda_symmetric_products()
     kwargs = {"max_blocks": 4, "min_panel": 256, name: value}
@@ -37,11 +37,14 @@ def test_bad_rule_names_the_argument_and_changes_nothing(name, value):
 
 
 @pytest.mark.skipif(not me.cuda_kernels_built(), reason="needs the CUDA kernels (not a GPU)")
-def test_rule_is_off_by_default_and_round_trips():
-    assert me.cuda_symmetric_products() == OFF
+def test_rule_is_the_measured_default_until_set_and_round_trips():
+    assert me.cuda_symmetric_products() is None
     with panels(8, 512):
         assert me.cuda_symmetric_products() == (8, 512)
-    assert me.cuda_symmetric_products() == OFF
+        with panels(*OFF):
+            assert me.cuda_symmetric_products() == OFF
+        assert me.cuda_symmetric_products() == (8, 512)
+    assert me.cuda_symmetric_products() is None
 
 
 SHAPES = [(1, 256, 640), (2, 640, 256), (3, 193, 193), (2, 300, 1000), (1, 64, 500), (1, 1, 300), (4, 130, 130)]
@@ -57,7 +60,8 @@ def _tolerance(x, precision):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_panels_match_float64_and_the_full_products(shape, precision, algorithm, gen):
     x = torch.randn(shape, generator=gen).cuda()
-    full = me.newton_schulz(x, precision=precision, algorithm=algorithm)
+    with panels(*OFF):
+        full = me.newton_schulz(x, precision=precision, algorithm=algorithm)
     with panels(4, 64):
         got = me.newton_schulz(x, precision=precision, algorithm=algorithm)
     ref = newton_schulz_ref(x.cpu().double())
@@ -78,7 +82,7 @@ def test_panels_run_one_gemm_per_block_column(algorithm, gen):
     me.newton_schulz(x, **kwargs)
     torch.cuda.synchronize()
     before = sum(gemm_counts())
-    me.newton_schulz(x, **kwargs)
+    me.newton_schulz(x, **kwargs)  # the default: full products at this size
     full_calls = sum(gemm_counts()) - before
     with panels(4, 128):  # side 512: 4 blocks of 128
         before = sum(gemm_counts())
@@ -117,3 +121,14 @@ def test_panels_are_run_to_run_identical(gen):
         first = me.newton_schulz(x, precision="medium")
         for _ in range(3):
             assert torch.equal(me.newton_schulz(x, precision="medium"), first)
+
+
+@pytest.mark.gpu
+def test_default_uses_panels_for_a_batch_of_four_4096_squares_in_bf16(gen):
+    x = torch.randn(4, 4096, 4096, generator=gen).cuda()
+    before = sum(gemm_counts())
+    auto = me.newton_schulz(x, steps=2, precision="medium")
+    assert sum(gemm_counts()) - before == 2 * (4 + 4 + 1)
+    with panels(*OFF):
+        full = me.newton_schulz(x, steps=2, precision="medium")
+    assert rel_err(auto, full) <= TOLERANCE["medium"]

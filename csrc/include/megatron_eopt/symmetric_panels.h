@@ -27,8 +27,9 @@ namespace megatron_eopt {
 // side of the block diagonal, except at the ragged edge.
 constexpr int64_t kSymmetricPanelQuantum = 64;
 
-// How many blocks a side gets: side / min_panel, clamped to [1, max_blocks]. max_blocks == 1
-// turns the panels off (one full GEMM).
+// A rule set by the user: a side gets side / min_panel blocks, clamped to [1, max_blocks].
+// max_blocks == 1 turns the panels off (one full GEMM); 0 means no rule is set (the measured
+// default above applies).
 struct SymmetricPanelRule {
   int64_t max_blocks;
   int64_t min_panel;
@@ -48,6 +49,17 @@ inline int64_t symmetric_panel_width(int64_t side, const SymmetricPanelRule& rul
   int64_t blocks = side / rule.min_panel;
   if (blocks > rule.max_blocks) blocks = rule.max_blocks;
   return symmetric_panel_width(side, blocks);
+}
+
+// What the CUDA Newton–Schulz executors do when no rule is set: the configurations an H100 run
+// measured faster than full products (benchmarks/RESULTS.md, "medium", 5 quintic steps): 4 block
+// columns on a side of at least 8192 (8192² 1.13x, 8192 x 28672 1.39x) or of at least 4096 in a
+// batch of 4 or more (4 x 4096² 1.04x; the Llama-3-8B 4-layer step 1.03x). Elsewhere full GEMMs:
+// single 4096² ran 0.88x, 2048-wide 0.57x to 0.75x, since the narrow panels fill few of the GPU's
+// SMs. TF32 and fp32 products were not measured: full GEMMs.
+inline int64_t measured_symmetric_blocks(int64_t side, int64_t batch, bool bf16) {
+  if (!bf16) return 1;
+  return side >= 8192 || (side >= 4096 && batch >= 4) ? 4 : 1;
 }
 
 // D[row, col] is copied from D[col, row]: it lies above the block diagonal, in a block that no

@@ -25,8 +25,8 @@ MEGATRON_EOPT_C_EXPORT void megatron_eopt_gemm_counts(int64_t* lt_calls, int64_t
 // Nonzero: every GEMM takes the cuBLAS fallback until called again with 0.
 MEGATRON_EOPT_C_EXPORT void megatron_eopt_force_blas_fallback(int on) { megatron_eopt::lt_force_fallback(on != 0); }
 
-// The opt-in rule for Newton–Schulz products with a symmetric result (kernels/lt_symmetric.h):
-// max_blocks 1 runs them as full GEMMs (the default).
+// The rule for Newton–Schulz products with a symmetric result (kernels/lt_symmetric.h): max_blocks
+// 1 runs them as full GEMMs, 0 returns to the measured default.
 MEGATRON_EOPT_C_EXPORT void megatron_eopt_set_symmetric_panels(int64_t max_blocks, int64_t min_panel) {
   megatron_eopt::set_symmetric_panel_rule({max_blocks, min_panel});
 }
