@@ -88,7 +88,8 @@ void expect_same_square(const std::vector<double>& got, const std::vector<double
       for (int64_t row = 0; row < ld; ++row) {
         const std::size_t o = static_cast<std::size_t>(t * stride + row + col * ld);
         if (row < side) {
-          ASSERT_NEAR(got[o], want[o], 1e-9 * (1 + std::abs(want[o]))) << "matrix " << t << " (" << row << ", " << col << ")";
+          ASSERT_NEAR(got[o], want[o], 1e-9 * (1 + std::abs(want[o])))
+              << "matrix " << t << " (" << row << ", " << col << ")";
         } else {
           ASSERT_TRUE(std::isnan(got[o])) << "padding row " << row << " of column " << col << " was written";
         }
