@@ -75,7 +75,7 @@ class ParamEntry:
     def view(self, t: torch.Tensor) -> torch.Tensor:
         """The local matrix view of the param, its grad or a state tensor shaped like it."""
         t = local(t)
-        return t if tuple(t.shape) == self.local_shape else t.view(self.local_shape)
+        return t if t.shape == self.local_shape else t.view(self.local_shape)
 
 
 @dataclass

@@ -676,10 +676,11 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             offsets[stack.device] = start + _aligned(count * rows * cols)
             buf = inputs[stack.device][start : start + count * rows * cols].view(count, rows, cols)
             stacked[si] = (stack_members, buf)
+            slices = buf.unbind(0)  # one call for every matrix's view: the step's host time counts
             k = 0
             for i in stack_members:
                 e = entries[i]
-                ns_inputs[i] = buf[k] if len(e.local_shape) == 2 else buf[k : k + e.batch]
+                ns_inputs[i] = slices[k] if len(e.local_shape) == 2 else buf[k : k + e.batch]
                 k += e.batch
         return ns_inputs, stacked
 
@@ -744,11 +745,12 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             updates.update(zip(sharded, outs))
         for si, (stack_members, x) in stacked.items():
             results = self._orthogonalize(plan.stacks[si], x)
+            slices = results.unbind(0) if isinstance(results, torch.Tensor) else results
             k = 0
             for i in stack_members:
                 e = entries[i]
                 if len(e.local_shape) == 2:
-                    updates[i] = results[k]
+                    updates[i] = slices[k]
                 else:  # the E results of a batch entry: contiguous slices of one output
                     updates[i] = torch.stack(results[k : k + e.batch]) if isinstance(results, list) \
                         else results[k : k + e.batch]
