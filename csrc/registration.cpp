@@ -90,4 +90,3 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
   // heads); block b multiplied in place by factors[i][b] (fp32 math, stored in the weight's dtype).
   m.def("qk_clip_(Tensor(a!)[] weights, Tensor[] factors, int[] block_rows) -> ()");
 }
-

@@ -8,7 +8,8 @@
 #
 # Steps for a short lease, named explicitly (each also in "bench" or "tests" where noted):
 #   gputests    the doctor and the GPU-marked tests only (GPU_VERIFY_TESTS: pytest arguments, default
-#               tests/python; GPU_VERIFY_TESTS_TIMEOUT: seconds, default none)
+#               tests/python; GPU_VERIFY_TESTS_TIMEOUT: seconds, default none; pytest prints the
+#               failures' tracebacks only when it finishes, so list the files that fit the time)
 #   table       benchmarks/run.py alone (part of bench; GPU_VERIFY_BENCH_ARGS)
 #   memory      benchmarks/step_memory.py alone (part of bench; GPU_VERIFY_MEMORY_ARGS)
 #   symmetric   benchmarks/run.py on the Newton-Schulz and large step workloads with the opt-in
@@ -171,7 +172,13 @@ if want tests || want gputests; then
 fi
 
 # ------------------------------------------------------------------ benchmark
-if want bench || want table || want memory || want symmetric; then
+# bench_step WHAT LOG COMMAND...: runs COMMAND into OUT/LOG and says whether it succeeded.
+bench_step() {
+  local what=$1 log=$2
+  shift 2
+  if "$@" >"$OUT/$log" 2>&1; then say "$what: ok ($log)"; else say "$what: FAILED (see $log)"; failed_extra=1; fi
+}
+if want bench || want table || want memory || want symmetric || want algorithms; then
   [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi
 if want bench || want table; then
@@ -187,49 +194,25 @@ if want bench || want table; then
   fi
 fi
 if want symmetric; then
-  if "$PY" benchmarks/run.py --device cuda --results-md "$OUT/RESULTS.md" \
-      --symmetric-products "${GPU_VERIFY_SYMMETRIC:-4:1024}" --workload ns_1024x1024 ns_4096x4096 ns_8192x8192 \
-      ns_4096x11008 ns_batch_4x4096x4096 ns_batch_128x768x2048 step_llama_1b_layer step_llama_8b_4layers \
-      >"$OUT/bench_symmetric.log" 2>&1; then
-    say "bench: symmetric products ok (bench_symmetric.log, its own section in RESULTS.md)"
-  else
-    say "bench: symmetric products FAILED (see bench_symmetric.log)"
-    failed_extra=1
-  fi
+  bench_step "bench: symmetric products" bench_symmetric.log "$PY" benchmarks/run.py --device cuda \
+    --results-md "$OUT/RESULTS.md" --symmetric-products "${GPU_VERIFY_SYMMETRIC:-4:1024}" --workload ns_1024x1024 \
+    ns_4096x4096 ns_8192x8192 ns_4096x11008 ns_batch_4x4096x4096 ns_batch_128x768x2048 step_llama_1b_layer \
+    step_llama_8b_4layers
 fi
 if want algorithms; then
-  if "$PY" benchmarks/ns_algorithms.py --device cuda --results-md "$OUT/RESULTS.md" >"$OUT/algorithms.log" 2>&1; then
-    say "algorithms: ok (algorithms.log)"
-  else
-    say "algorithms: FAILED (see algorithms.log)"
-    failed_extra=1
-  fi
-  if "$PY" benchmarks/op_overhead.py --device cuda --profile >"$OUT/overhead.log" 2>&1; then
-    say "overhead: ok (overhead.log)"
-  else
-    say "overhead: FAILED (see overhead.log)"
-    failed_extra=1
-  fi
+  bench_step algorithms algorithms.log "$PY" benchmarks/ns_algorithms.py --device cuda --results-md "$OUT/RESULTS.md"
+  bench_step overhead overhead.log "$PY" benchmarks/op_overhead.py --device cuda --profile
 fi
 if want bench; then
   # State bytes and speed per state_dtype (fp32 / bf16 / int8 / fp8) on GPT-2 and Llama parameter sets.
-  if "$PY" benchmarks/state_dtypes.py --device cuda --results-md "$OUT/RESULTS.md" >"$OUT/bench_state_dtypes.log" 2>&1; then
-    say "bench: state dtypes ok (table in bench_state_dtypes.log and RESULTS.md)"
-  else
-    say "bench: state dtypes FAILED (see bench_state_dtypes.log)"
-    failed_extra=1
-  fi
+  bench_step "bench: state dtypes" bench_state_dtypes.log "$PY" benchmarks/state_dtypes.py --device cuda \
+    --results-md "$OUT/RESULTS.md"
 fi
 if want bench || want memory; then
   # A step's peak memory next to its time, one fresh process per implementation (workspace budgets too).
   # shellcheck disable=SC2086
-  if "$PY" benchmarks/step_memory.py --device cuda --out "$OUT/bench_step_memory.json" --results-md "$OUT/RESULTS.md" \
-      ${GPU_VERIFY_MEMORY_ARGS:-} >"$OUT/bench_step_memory.log" 2>&1; then
-    say "bench: step memory ok (table in bench_step_memory.log and RESULTS.md)"
-  else
-    say "bench: step memory FAILED (see bench_step_memory.log)"
-    failed_extra=1
-  fi
+  bench_step "bench: step memory" bench_step_memory.log "$PY" benchmarks/step_memory.py --device cuda \
+    --out "$OUT/bench_step_memory.json" --results-md "$OUT/RESULTS.md" ${GPU_VERIFY_MEMORY_ARGS:-}
 fi
 
 # ------------------------------------------------------------------ training example

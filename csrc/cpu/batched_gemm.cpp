@@ -126,7 +126,8 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
 }
 
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
-  const SyrkShape shape{x.size(0), x.size(1), x.size(2), d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32};
+  const SyrkShape shape{x.size(0), x.size(1), x.size(2),
+                        d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32};
   if (!syrk_available(shape.type)) {
     symmetric_gemm_out(d, x, aten::mT(x), blocks);
     return;
@@ -140,9 +141,8 @@ void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
     syrk_pack(xp, x.stride(0), x.stride(1), x.stride(2), shape, words, begin, end);
   });
   void* dp = d.data_ptr();
-  torch::stable::parallel_for(0, shape.batch * shape.tiles_per_matrix(), 1, [&](int64_t begin, int64_t end) {
-    syrk_tiles(words, shape, dp, begin, end);
-  });
+  torch::stable::parallel_for(0, shape.batch * shape.tiles_per_matrix(), 1,
+                              [&](int64_t begin, int64_t end) { syrk_tiles(words, shape, dp, begin, end); });
 }
 
 void polynomial_out(Tensor& d, float c, const Tensor& h, float b, const Tensor& g, float a) {
@@ -188,11 +188,11 @@ void normalize_out(Tensor& out, const Tensor& w, const Tensor& norms) {
     using T = std::remove_pointer_t<decltype(o)>;
     torch::stable::parallel_for(0, batch * m, std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)),
                                 [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const int64_t i = r / m, j = r % m;
-        divide_row<T>(o + r * n, x + i * s0 + j * s1, s2, n, norm[i]);
-      }
-    });
+                                  for (int64_t r = begin; r < end; ++r) {
+                                    const int64_t i = r / m, j = r % m;
+                                    divide_row<T>(o + r * n, x + i * s0 + j * s1, s2, n, norm[i]);
+                                  }
+                                });
   });
 }
 
@@ -264,7 +264,8 @@ void frobenius_renorm_out(Tensor& out, const Tensor& src) {
   float* o = out.mutable_data_ptr<float>();
   for_each_type(src, [&](auto* p) {
     torch::stable::parallel_for(0, batch * m, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) scale_row<float>(o + r * n, p + r * n, 1, n, factor[static_cast<std::size_t>(r / m)]);
+      for (int64_t r = begin; r < end; ++r)
+        scale_row<float>(o + r * n, p + r * n, 1, n, factor[static_cast<std::size_t>(r / m)]);
     });
   });
 }
@@ -272,9 +273,8 @@ void frobenius_renorm_out(Tensor& out, const Tensor& src) {
 void round_bf16_(Tensor& t) {
   // One pass in place, rounding to nearest even as torch's conversion does (storage_types.h).
   float* p = t.mutable_data_ptr<float>();
-  torch::stable::parallel_for(0, t.numel(), kGrainElements, [p](int64_t begin, int64_t end) {
-    round_bf16_range(p, begin, end);
-  });
+  torch::stable::parallel_for(0, t.numel(), kGrainElements,
+                              [p](int64_t begin, int64_t end) { round_bf16_range(p, begin, end); });
 }
 
 }  // namespace megatron_eopt

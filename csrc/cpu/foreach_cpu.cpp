@@ -12,7 +12,6 @@
 #include "megatron_eopt/multi_tensor_chunks.h"
 #include "torch/foreach_args.h"
 
-
 namespace megatron_eopt {
 namespace {
 
@@ -43,8 +42,8 @@ MEGATRON_EOPT_CPU_CLONES void update_range(ParamT* param, const UpdateT* update,
 // Runs body(tensor, begin, end) for every chunk of the tensors, chunks spread over the threads.
 template <typename Body>
 void for_each_chunk(const std::vector<int64_t>& numels, const Body& body) {
-  const auto launches =
-      plan_chunk_launches(numels, kChunkElems, std::numeric_limits<std::size_t>::max(), kMaxBlocksPerLaunch);
+  const auto launches = plan_chunk_launches(numels, kChunkElems, std::numeric_limits<std::size_t>::max(),
+                                            kMaxBlocksPerLaunch);
   for (const ChunkLaunch& launch : launches) {
     std::vector<uint32_t> first_block(launch.entries.size());
     for (std::size_t e = 0; e < launch.entries.size(); ++e) first_block[e] = launch.entries[e].first_block;
@@ -61,16 +60,16 @@ void for_each_chunk(const std::vector<int64_t>& numels, const Body& body) {
 }
 
 void foreach_momentum_cpu(const TensorList& grads, const TensorList& momentum_buffers, const TensorList& ns_inputs,
-                          const TensorList& params, const Tensor& momentum, bool nesterov,
-                          const Tensor& weight_decay, const std::string& weight_decay_method,
-                          const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf) {
-  const ForeachCall<ForeachMomentumArgs> call =
-      parse_foreach_momentum(grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay,
-                             weight_decay_method, grad_scale, found_inf, kCPU);
+                          const TensorList& params, const Tensor& momentum, bool nesterov, const Tensor& weight_decay,
+                          const std::string& weight_decay_method, const std::optional<Tensor>& grad_scale,
+                          const std::optional<Tensor>& found_inf) {
+  const ForeachCall<ForeachMomentumArgs> call = parse_foreach_momentum(
+      grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay, weight_decay_method, grad_scale,
+      found_inf, kCPU);
   const ForeachMomentumArgs& args = call.args;
   if (args.numels.empty() || step_skipped(args.found_inf)) return;
-  const MomentumCoefficients coefficients =
-      momentum_coefficients(args.momentum.load(), args.nesterov, args.grad_scale.load_or(1.0));
+  const MomentumCoefficients coefficients = momentum_coefficients(args.momentum.load(), args.nesterov,
+                                                                  args.grad_scale.load_or(1.0));
   const float l2_decay = args.l2 ? static_cast<float>(args.weight_decay.load()) : 0.f;
   dispatch_momentum(args, [&](auto grad_tag, auto buffer_tag, auto ns_tag, auto l2) {
     using G = typename decltype(grad_tag)::type;
@@ -81,8 +80,7 @@ void foreach_momentum_cpu(const TensorList& grads, const TensorList& momentum_bu
                                              : &momentum_range<G, B, N, kL2, false>;
     for_each_chunk(args.numels, [&](std::size_t t, int64_t begin, int64_t end) {
       range(static_cast<const G*>(args.grads[t]), kL2 ? static_cast<const G*>(args.params[t]) : nullptr,
-            static_cast<B*>(args.buffers[t]), static_cast<N*>(args.ns_inputs[t]), l2_decay, coefficients, begin,
-            end);
+            static_cast<B*>(args.buffers[t]), static_cast<N*>(args.ns_inputs[t]), l2_decay, coefficients, begin, end);
     });
   });
   call.finish();
@@ -91,8 +89,8 @@ void foreach_momentum_cpu(const TensorList& grads, const TensorList& momentum_bu
 void foreach_update_cpu(const TensorList& params, const TensorList& updates, const std::vector<double>& scales,
                         const Tensor& lr, const Tensor& weight_decay, const std::string& weight_decay_method,
                         const std::optional<Tensor>& found_inf) {
-  const ForeachCall<ForeachUpdateArgs> call =
-      parse_foreach_update(params, updates, scales, lr, weight_decay, weight_decay_method, found_inf, kCPU);
+  const ForeachCall<ForeachUpdateArgs> call = parse_foreach_update(params, updates, scales, lr, weight_decay,
+                                                                   weight_decay_method, found_inf, kCPU);
   const ForeachUpdateArgs& args = call.args;
   if (args.numels.empty() || step_skipped(args.found_inf)) return;
   const double lr_value = args.lr.load();
@@ -102,7 +100,7 @@ void foreach_update_cpu(const TensorList& params, const TensorList& updates, con
     using P = typename decltype(param_tag)::type;
     using U = typename decltype(update_tag)::type;
     const auto range = args.method == WeightDecayMethod::kCautious ? &update_range<P, U, true>
-                                                                    : &update_range<P, U, false>;
+                                                                   : &update_range<P, U, false>;
     for_each_chunk(args.numels, [&](std::size_t t, int64_t begin, int64_t end) {
       range(static_cast<P*>(args.params[t]), static_cast<const U*>(args.updates[t]), args.scales[t], decay, lr_float,
             begin, end);

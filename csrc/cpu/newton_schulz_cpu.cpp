@@ -19,8 +19,8 @@ Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficient
                          const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
                          bool row_equilibration, bool frobenius_renorm) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
-  NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                    eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+  NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm, eps_mode,
+                                    norm_divisor, row_equilibration, frobenius_renorm);
   if (x.numel() == 0) return aten::empty_like(x);
   const int64_t side = opts.transpose ? opts.cols : opts.rows;
   opts.precision = cpu_iteration_precision(opts.precision, side);

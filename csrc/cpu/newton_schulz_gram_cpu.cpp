@@ -52,12 +52,8 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
 
   for (const GramOp& op : program.ops) {
     switch (op.kind) {
-      case GramOpKind::kAddDiag:
-        add_to_diagonal_(at_(op.d), op.alpha);
-        break;
-      case GramOpKind::kRound:
-        aten::copy_(at_(op.d), aten::to_dtype(at_(op.a), kBFloat16));
-        break;
+      case GramOpKind::kAddDiag: add_to_diagonal_(at_(op.d), op.alpha); break;
+      case GramOpKind::kRound: aten::copy_(at_(op.d), aten::to_dtype(at_(op.a), kBFloat16)); break;
       case GramOpKind::kGemm: {
         Tensor& d = at_(op.d);
         if (op.gemm == GramGemm::kGram) {

@@ -128,24 +128,25 @@ void foreach_momentum_quantized_cpu(const TensorList& grads, const TensorList& s
                                     bool nesterov, const Tensor& weight_decay, const std::string& weight_decay_method,
                                     int64_t block_size, const Tensor& seed, const std::optional<Tensor>& grad_scale,
                                     const std::optional<Tensor>& found_inf) {
-  const auto call =
-      parse_foreach_momentum_quantized(grads, states, scales, ns_inputs, params, momentum, nesterov, weight_decay,
-                                       weight_decay_method, block_size, seed, grad_scale, found_inf, kCPU);
+  const auto call = parse_foreach_momentum_quantized(grads, states, scales, ns_inputs, params, momentum, nesterov,
+                                                     weight_decay, weight_decay_method, block_size, seed, grad_scale,
+                                                     found_inf, kCPU);
   const QuantizedMomentumArgs& args = call.args;
   if (args.tensors.empty() || step_skipped(args.found_inf)) return;
-  const MomentumCoefficients c = momentum_coefficients(args.momentum.load(), args.nesterov, args.grad_scale.load_or(1.0));
+  const MomentumCoefficients c = momentum_coefficients(args.momentum.load(), args.nesterov,
+                                                       args.grad_scale.load_or(1.0));
   const float l2_decay = args.l2 ? static_cast<float>(args.weight_decay.load()) : 0.f;
   const auto step_seed = static_cast<uint64_t>(*args.seed);
   dispatch_quantized_momentum(args, [&](auto grad_tag, auto ns_tag, auto l2, auto format) {
     using G = typename decltype(grad_tag)::type;
     using N = typename decltype(ns_tag)::type;
-    for_each_block(args.tensors, args.block_size, [&](const QuantizedStateTensor& t, int64_t b, int64_t begin,
-                                                      int64_t end) {
-      thread_local std::vector<float> values;
-      if (values.size() < static_cast<std::size_t>(args.block_size)) values.resize(args.block_size);
-      momentum_block<G, N, decltype(l2)::value, decltype(format)::value>(t, b, begin, end, l2_decay, c, step_seed,
-                                                                          values.data());
-    });
+    for_each_block(args.tensors, args.block_size,
+                   [&](const QuantizedStateTensor& t, int64_t b, int64_t begin, int64_t end) {
+                     thread_local std::vector<float> values;
+                     if (values.size() < static_cast<std::size_t>(args.block_size)) values.resize(args.block_size);
+                     momentum_block<G, N, decltype(l2)::value, decltype(format)::value>(t, b, begin, end, l2_decay, c,
+                                                                                        step_seed, values.data());
+                   });
   });
   call.finish();
 }
@@ -153,19 +154,19 @@ void foreach_momentum_quantized_cpu(const TensorList& grads, const TensorList& s
 void adamuon_normalize_quantized_cpu(const TensorList& updates, const TensorList& moment2, const TensorList& scales,
                                      const Tensor& beta2, const Tensor& eps, int64_t block_size, const Tensor& seed,
                                      const std::optional<Tensor>& found_inf) {
-  const auto call =
-      parse_adamuon_normalize_quantized(updates, moment2, scales, beta2, eps, block_size, seed, found_inf, kCPU);
+  const auto call = parse_adamuon_normalize_quantized(updates, moment2, scales, beta2, eps, block_size, seed, found_inf,
+                                                      kCPU);
   const QuantizedMoment2Args& args = call.args;
   if (args.tensors.empty() || step_skipped(args.scalars.found_inf)) return;
   const Moment2Step h = moment2_step(args.scalars);
   const auto step_seed = static_cast<uint64_t>(*args.seed);
   dispatch_quantized_moment2(args, [&](auto format) {
-    for_each_block(args.tensors, args.block_size, [&](const QuantizedStateTensor& t, int64_t b, int64_t begin,
-                                                      int64_t end) {
-      thread_local std::vector<float> values;
-      if (values.size() < static_cast<std::size_t>(args.block_size)) values.resize(args.block_size);
-      moment2_block<decltype(format)::value>(t, b, begin, end, h, step_seed, values.data());
-    });
+    for_each_block(args.tensors, args.block_size,
+                   [&](const QuantizedStateTensor& t, int64_t b, int64_t begin, int64_t end) {
+                     thread_local std::vector<float> values;
+                     if (values.size() < static_cast<std::size_t>(args.block_size)) values.resize(args.block_size);
+                     moment2_block<decltype(format)::value>(t, b, begin, end, h, step_seed, values.data());
+                   });
   });
   call.finish();
 }

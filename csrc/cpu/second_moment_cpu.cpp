@@ -45,13 +45,13 @@ MEGATRON_EOPT_CPU_CLONES double sum_squares_range(const T* p, int64_t begin, int
 }
 
 MEGATRON_EOPT_CPU_CLONES void adamuon_range(float* __restrict__ o, float* __restrict__ v, int64_t begin, int64_t end,
-                                             float weight, float eps) {
+                                            float weight, float eps) {
   for (int64_t i = begin; i < end; ++i) o[i] = adamuon_normalize(o[i], v[i], weight, eps);
 }
 
 void adamuon_one(float* o, float* v, int64_t numel, float weight, float eps) {
   torch::stable::parallel_for(0, numel, kGrainElements,
-                   [&](int64_t begin, int64_t end) { adamuon_range(o, v, begin, end, weight, eps); });
+                              [&](int64_t begin, int64_t end) { adamuon_range(o, v, begin, end, weight, eps); });
 }
 
 // Sum over [begin, end) of the fp32-rounded squares of p (the reference squares in fp32, then
@@ -155,8 +155,8 @@ double sum_squares(const Tensor& t) {
   }
 }
 
-void adamuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2,
-                           const Tensor& eps, const std::optional<Tensor>& found_inf) {
+void adamuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2, const Tensor& eps,
+                           const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps,
                                                     std::nullopt, found_inf, kCPU);
   if (step_skipped(scalars.found_inf)) return;
@@ -169,15 +169,16 @@ void adamuon_normalize_cpu(const TensorList& updates, const TensorList& moment2,
   v.write_back();
 }
 
-void normuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2,
-                           const Tensor& eps, const std::optional<Tensor>& found_inf) {
+void normuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2, const Tensor& eps,
+                           const std::optional<Tensor>& found_inf) {
   const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps,
                                                     std::nullopt, found_inf, kCPU);
   if (step_skipped(scalars.found_inf)) return;
   const Moment2Step h = moment2_step(scalars);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    normuon_one(o[i].mutable_data_ptr<float>(), v[i].mutable_data_ptr<float>(), o[i].size(0), o[i].size(1), h.weight, h.eps);
+    normuon_one(o[i].mutable_data_ptr<float>(), v[i].mutable_data_ptr<float>(), o[i].size(0), o[i].size(1), h.weight,
+                h.eps);
   }
   o.write_back();
   v.write_back();
@@ -194,8 +195,8 @@ void namo_normalize_cpu(const TensorList& updates, const TensorList& moment2, co
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
     const float grad_sum_sq = namo_grad_sum_sq(static_cast<float>(sum_squares(grads[i])), scale);
-    const float factor = namo_scale(*v[i].mutable_data_ptr<float>(), grad_sum_sq, static_cast<float>(sum_squares(ns_inputs[i])),
-                                    h.weight, h.eps);
+    const float factor = namo_scale(*v[i].mutable_data_ptr<float>(), grad_sum_sq,
+                                    static_cast<float>(sum_squares(ns_inputs[i])), h.weight, h.eps);
     float* out = o[i].mutable_data_ptr<float>();
     torch::stable::parallel_for(0, o[i].numel(), kGrainElements, [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) out[j] *= factor;

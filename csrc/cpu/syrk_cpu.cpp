@@ -27,7 +27,9 @@ int64_t row_tiles_of_panel(const SyrkShape& shape, int64_t q) {
   return (rows + kRows - 1) / kRows;
 }
 
-uint32_t pair_word(uint16_t low, uint16_t high) { return static_cast<uint32_t>(low) | (static_cast<uint32_t>(high) << 16); }
+uint32_t pair_word(uint16_t low, uint16_t high) {
+  return static_cast<uint32_t>(low) | (static_cast<uint32_t>(high) << 16);
+}
 
 // One panel of one matrix, portable: out[p * 32 + r] is the panel row r's word of step p (zero
 // past its `rows` rows and past the depth). Element strides are in elements of the type.
@@ -187,8 +189,8 @@ MEGATRON_EOPT_AVX512_BF16 __m256i round_to_bf16(__m512 v) { return (__m256i)_mm5
 // Writes a tile's rows (cols of them, elements of T) and, above the diagonal blocks (its columns
 // start mirror_offset = j0 - i0 right of its rows), its transpose: c[j0 + j, i0 + r].
 template <typename T>
-MEGATRON_EOPT_AVX512 void store_tile(const __m512 acc[kRows][2], T* c, int64_t ldc, int64_t rows,
-                                     int64_t cols, int64_t mirror_offset) {
+MEGATRON_EOPT_AVX512 void store_tile(const __m512 acc[kRows][2], T* c, int64_t ldc, int64_t rows, int64_t cols,
+                                     int64_t mirror_offset) {
   const __mmask16 m0 = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
   const __mmask16 m1 = static_cast<__mmask16>(cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1);
   for (int r = 0; r < rows; ++r) {
@@ -294,8 +296,8 @@ int64_t SyrkShape::tiles_per_matrix() const {
 
 bool syrk_available(SyrkType type) {
 #if MEGATRON_EOPT_SYRK_AVX512
-  static const bool avx512 =
-      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl");
   static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
   return type == SyrkType::kBf16 ? bf16 : avx512;
 #else

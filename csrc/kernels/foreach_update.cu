@@ -41,8 +41,7 @@ struct UpdateOp {
   }
 
   template <int V>
-  __device__ __forceinline__ void apply(const Context& ctx, void* const (&ptrs)[kDepth], float scale,
-                                        int64_t i) const {
+  __device__ __forceinline__ void apply(const Context& ctx, void* const (&ptrs)[kDepth], float scale, int64_t i) const {
     float p[V], u[V];
     load_elements<ParamT, V>(ptrs[0], i, p);
     load_elements<UpdateT, V>(ptrs[1], i, u);
@@ -67,8 +66,8 @@ void foreach_update_cuda(const ForeachUpdateArgs& args, cudaStream_t stream) {
     for (std::size_t t = 0; t < args.numels.size(); ++t) {
       pointers[t] = {args.params[t], const_cast<void*>(args.updates[t])};
     }
-    multi_tensor_apply(pointers, args.numels, args.scales,
-                       Op{args.method, args.lr, args.weight_decay, args.found_inf}, stream);
+    multi_tensor_apply(pointers, args.numels, args.scales, Op{args.method, args.lr, args.weight_decay, args.found_inf},
+                       stream);
   });
 }
 

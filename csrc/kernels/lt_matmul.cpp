@@ -42,8 +42,8 @@ std::string shape_text(const GemmShape& s, int64_t batch) {
 using Alignments = GemmAlignments;
 
 // The problem: everything but the operands' addresses that determines the descriptors.
-using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t,
-                              int64_t, int64_t, int64_t, int64_t, int, int, int>;
+using ProblemKey = std::tuple<int, int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t,
+                              int64_t, int64_t, int, int, int>;
 // A plan is chosen for a problem and the alignments its operands guarantee; it serves every call
 // of that problem whose operands are at least as aligned (gemm_alignment.h).
 using PlanKey = std::pair<ProblemKey, Alignments>;
@@ -72,19 +72,17 @@ struct LtPlan {
   }
 };
 
-cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
-                                   int64_t batch, int64_t stride) {
+cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, int64_t batch,
+                                   int64_t stride) {
   cublasLtMatrixLayout_t layout = nullptr;
-  check_lt(cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows),
-                                      static_cast<uint64_t>(cols), ld),
+  check_lt(cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld),
            "MatrixLayoutCreate");
   const int32_t count = static_cast<int32_t>(batch);
-  check_lt(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count,
-                                            sizeof(count)),
+  check_lt(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)),
            "set batch count");
-  check_lt(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                                            &stride, sizeof(stride)),
-           "set batch stride");
+  check_lt(
+      cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)),
+      "set batch stride");
   return layout;
 }
 
@@ -92,16 +90,14 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   const GemmShape& s = *args.shape;
   const cudaDataType_t ab_type = lt_data_type(args.types.ab);
   const cudaDataType_t cd_type = lt_data_type(args.types.cd);
-  const cublasComputeType_t compute =
-      args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const cublasComputeType_t compute = args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                             : CUBLAS_COMPUTE_32F;
   auto plan = std::make_unique<LtPlan>();
   check_lt(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F), "MatmulDescCreate");
   const cublasOperation_t ta = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)),
-           "set transa");
-  check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)),
-           "set transb");
+  check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)), "set transa");
+  check_lt(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)), "set transb");
   // Stored shapes: A is (rows x depth) or, transposed, (depth x rows); likewise B.
   plan->a = s.trans_a ? make_layout(ab_type, s.depth, s.rows, s.lda, args.batch, s.stride_a)
                       : make_layout(ab_type, s.rows, s.depth, s.lda, args.batch, s.stride_a);
@@ -135,8 +131,8 @@ std::unique_ptr<LtPlan> make_plan(const LtGemmArgs& args, cublasLtHandle_t handl
   }
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result, &found);
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->c, plan->c,
+                                                               pref, 1, &result, &found);
   if (status != CUBLAS_STATUS_SUCCESS || found == 0) {
     // No Lt algorithm: NOT_SUPPORTED (e.g. 97 x 37 bf16 at these alignments), INVALID_VALUE for
     // layouts the heuristic refuses (degenerate 37 x 1 ones), or none found. The cuBLAS GEMM runs
@@ -163,8 +159,9 @@ void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
     const std::size_t span = static_cast<std::size_t>((s.cols - 1) * s.ldc + s.rows) * cd;
     const std::size_t pitch = static_cast<std::size_t>(s.stride_c) * cd;
     if (args.batch > 1 && pitch >= span && pitch <= kMaxCopyPitchBytes) {
-      MEGATRON_EOPT_CUDA_CHECK(cudaMemcpy2DAsync(args.d, pitch, args.c, pitch, span, static_cast<std::size_t>(args.batch),
-                                                 cudaMemcpyDeviceToDevice, ctx.stream));
+      MEGATRON_EOPT_CUDA_CHECK(cudaMemcpy2DAsync(args.d, pitch, args.c, pitch, span,
+                                                 static_cast<std::size_t>(args.batch), cudaMemcpyDeviceToDevice,
+                                                 ctx.stream));
     } else {
       for (int64_t t = 0; t < args.batch; ++t) {
         MEGATRON_EOPT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(args.d) + t * pitch,
@@ -180,22 +177,23 @@ void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   cudaStream_t bound = nullptr;
   check_lt(cublasGetStream(handle, &bound), "GetStream");
   if (bound != ctx.stream) {
-    throw std::runtime_error("megatron_eopt: torch's cuBLAS handle is bound to another stream than the op's "
-                             "current stream");
+    throw std::runtime_error(
+        "megatron_eopt: torch's cuBLAS handle is bound to another stream than the op's "
+        "current stream");
   }
   // Its math mode may allow TF32 for fp32 products. The compute type says what this problem
   // wants, so the default math mode is set for the call and restored after.
   cublasMath_t previous = CUBLAS_DEFAULT_MATH;
   check_lt(cublasGetMathMode(handle, &previous), "GetMathMode");
   check_lt(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "SetMathMode");
-  const cublasComputeType_t compute =
-      args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const cublasComputeType_t compute = args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                                             : CUBLAS_COMPUTE_32F;
   const cublasStatus_t status = cublasGemmStridedBatchedEx(
       handle, s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(s.rows),
       static_cast<int>(s.cols), static_cast<int>(s.depth), &args.alpha, args.a, blas_type(args.types.ab),
       static_cast<int>(s.lda), s.stride_a, args.b, blas_type(args.types.ab), static_cast<int>(s.ldb), s.stride_b,
-      &args.beta, args.d, blas_type(args.types.cd), static_cast<int>(s.ldc), s.stride_c,
-      static_cast<int>(args.batch), compute, CUBLAS_GEMM_DEFAULT);
+      &args.beta, args.d, blas_type(args.types.cd), static_cast<int>(s.ldc), s.stride_c, static_cast<int>(args.batch),
+      compute, CUBLAS_GEMM_DEFAULT);
   cublasSetMathMode(handle, previous);
   check_lt(status, "GemmStridedBatchedEx");
 }
@@ -234,9 +232,21 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx) {
   const std::size_t ab = lt_element_bytes(args.types.ab), cd = lt_element_bytes(args.types.cd);
   const Alignments align{alignment_of(args.a, s.stride_a, ab), alignment_of(args.b, s.stride_b, ab),
                          alignment_of(args.c, s.stride_c, cd), alignment_of(args.d, s.stride_c, cd)};
-  const ProblemKey problem{ctx.device, s.rows, s.cols, s.depth, s.trans_a, s.trans_b, s.lda, s.ldb, s.ldc,
-                           s.stride_a, s.stride_b, s.stride_c, args.batch,
-                           static_cast<int>(args.types.ab), static_cast<int>(args.types.cd),
+  const ProblemKey problem{ctx.device,
+                           s.rows,
+                           s.cols,
+                           s.depth,
+                           s.trans_a,
+                           s.trans_b,
+                           s.lda,
+                           s.ldb,
+                           s.ldc,
+                           s.stride_a,
+                           s.stride_b,
+                           s.stride_c,
+                           args.batch,
+                           static_cast<int>(args.types.ab),
+                           static_cast<int>(args.types.cd),
                            static_cast<int>(args.types.compute)};
   const PlanKey key{problem, align};
   LtPlan* plan = nullptr;
@@ -267,10 +277,10 @@ void lt_strided_batched_gemm(const LtGemmArgs& args, const LtContext& ctx) {
     g_fallback_calls.fetch_add(1, std::memory_order_relaxed);
     return;
   }
-  void* workspace = plan->workspace_bytes == 0 ? nullptr : ctx.workspace.get(ctx.workspace.context, plan->workspace_bytes);
-  check_lt(cublasLtMatmul(ctx.lt, plan->desc, &args.alpha, args.a, plan->a, args.b, plan->b, &args.beta,
-                          args.c, plan->c, args.d, plan->c, &plan->algo, workspace, plan->workspace_bytes,
-                          ctx.stream),
+  void* workspace = plan->workspace_bytes == 0 ? nullptr
+                                               : ctx.workspace.get(ctx.workspace.context, plan->workspace_bytes);
+  check_lt(cublasLtMatmul(ctx.lt, plan->desc, &args.alpha, args.a, plan->a, args.b, plan->b, &args.beta, args.c,
+                          plan->c, args.d, plan->c, &plan->algo, workspace, plan->workspace_bytes, ctx.stream),
            "LtMatmul");
   g_lt_calls.fetch_add(1, std::memory_order_relaxed);
 }

@@ -20,8 +20,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void bf16_to_float_kernel(const Bf16* __restrict__ in, int64_t count,
-                                     float* __restrict__ out) {
+__global__ void bf16_to_float_kernel(const Bf16* __restrict__ in, int64_t count, float* __restrict__ out) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += stride) {
     out[i] = to_float(in[i]);
@@ -64,10 +63,9 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
   return layout;
 }
 
-void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
-                        bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        const NsRecipe& recipe, NsPrecision precision, const NsScratch& scratch,
-                        const LtContext& blas) {
+void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n, bool transpose,
+                        const std::vector<NsCoefficients>& schedule, float eps, const NsRecipe& recipe,
+                        NsPrecision precision, const NsScratch& scratch, const LtContext& blas) {
   cudaStream_t stream = blas.stream;
   const int64_t elems = m * n;
   if (batch == 0 || elems == 0) return;
@@ -81,8 +79,8 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   // Start where the last step lands in iterate[0].
   int cur = static_cast<int>(schedule.size() % 2);
   void* iterate[2] = {scratch.iterate[0], scratch.iterate[1]};
-  ns_normalize_cast(x, iterate[cur], precision == NsPrecision::kMedium, batch, m, n, eps, recipe,
-                    scratch.norm_partials, scratch.sum_squares, scratch.row_scales, stream);
+  ns_normalize_cast(x, iterate[cur], precision == NsPrecision::kMedium, batch, m, n, eps, recipe, scratch.norm_partials,
+                    scratch.sum_squares, scratch.row_scales, stream);
 
   for (const NsCoefficients& k : schedule) {
     void* xin = iterate[cur];
@@ -91,9 +89,9 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
     lt_symmetric_batched_gemm({&plan.gram_gemm, batch, types, 1.f, xin, xin, 0.f, scratch.gram, scratch.gram},
                               panel_width, blas);
     // B = c G G + b G
-    lt_symmetric_batched_gemm({&plan.poly_gemm, batch, types, k.c, scratch.gram, scratch.gram, k.b, scratch.gram,
-                               scratch.poly},
-                              panel_width, blas);
+    lt_symmetric_batched_gemm(
+        {&plan.poly_gemm, batch, types, k.c, scratch.gram, scratch.gram, k.b, scratch.gram, scratch.poly}, panel_width,
+        blas);
     // W' = B W + a W: operand order per the plan (column-major view of row-major X).
     const void* lhs = plan.work_transposed ? scratch.poly : xin;
     const void* rhs = plan.work_transposed ? xin : scratch.poly;
@@ -112,9 +110,8 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
                                                                              total, out);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
   } else if (iterate[0] != out) {
-    MEGATRON_EOPT_CUDA_CHECK(
-        cudaMemcpyAsync(out, iterate[0], static_cast<std::size_t>(total) * elem_bytes,
-                        cudaMemcpyDeviceToDevice, stream));
+    MEGATRON_EOPT_CUDA_CHECK(cudaMemcpyAsync(out, iterate[0], static_cast<std::size_t>(total) * elem_bytes,
+                                             cudaMemcpyDeviceToDevice, stream));
   }
 }
 

@@ -55,8 +55,7 @@ int64_t ns_gram_norm_partial_slots(int64_t batch, int64_t m, int64_t n) { return
 
 void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                              const GramProgram& program, float eps, const NsRecipe& recipe, NsPrecision precision,
-                             void* scratch, const GramScratchLayout& layout, float* row_scales,
-                             const LtContext& blas) {
+                             void* scratch, const GramScratchLayout& layout, float* row_scales, const LtContext& blas) {
   cudaStream_t stream = blas.stream;
   if (batch == 0 || m * n == 0) return;
   const NsGemmPlan plan = make_ns_gemm_plan(m, n, program.transpose, padded_square_ld(program.gram_side));

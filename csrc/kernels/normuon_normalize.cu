@@ -164,9 +164,8 @@ void normuon_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment
   if (plans.slices.total_blocks == 0) return;
   auto* partials = reinterpret_cast<float2*>(scratch);
   const auto describe = [&](std::size_t i) {
-    return NormuonDesc{list[i].update, list[i].moment2,
-                       list[i].rows,   list[i].cols,
-                       plans.slices.first_block[i], plans.slices.blocks[i]};
+    return NormuonDesc{list[i].update,        list[i].moment2, list[i].rows, list[i].cols, plans.slices.first_block[i],
+                       plans.slices.blocks[i]};
   };
   launch_tensor_list<NormuonDesc>(plans.slices, kSliceThreads, stream, normuon_slices_kernel, describe, scalars,
                                   partials);

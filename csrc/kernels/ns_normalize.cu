@@ -24,8 +24,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* mat = x + static_cast<int64_t>(blockIdx.y) * elems_per_matrix;
   float acc = 0.f;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix;
-       i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix; i += stride) {
     const float v = to_float(mat[i]);
     acc = fmaf(v, v, acc);
   }
@@ -55,8 +54,7 @@ __global__ void normalize_cast_kernel(const float* __restrict__ x, int64_t elems
   const int64_t base = static_cast<int64_t>(blockIdx.y) * elems_per_matrix;
   const float norm = ns_denominator(sqrtf(sum_squares[blockIdx.y]), eps, divisor, eps_mode);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix;
-       i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix; i += stride) {
     out[base + i] = from_float<T>(x[base + i] / norm);
   }
 }
@@ -109,8 +107,7 @@ __global__ void scale_rows_cast_kernel(const float* __restrict__ x, int64_t m, i
   const int64_t base = static_cast<int64_t>(blockIdx.y) * elems_per_matrix;
   const float* scales = row_scales + static_cast<int64_t>(blockIdx.y) * m;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix;
-       i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix; i += stride) {
     out[base + i] = from_float<T>(x[base + i] * scales[i / n]);
   }
 }
@@ -124,8 +121,7 @@ __global__ void renorm_cast_kernel(const T* src, int64_t m, int64_t n, const flo
   const int64_t base = static_cast<int64_t>(blockIdx.y) * elems_per_matrix;
   const float factor = muon_plus_factor(sqrtf(sum_squares[blockIdx.y]), m, n);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix;
-       i += stride) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < elems_per_matrix; i += stride) {
     out[base + i] = to_float(src[base + i]) * factor;
   }
 }
@@ -172,8 +168,8 @@ void launch_scale_rows(const float* x, int64_t m, int64_t n, int64_t batch, cons
   for (int64_t first = 0; first < batch; first += kMaxGridY) {
     const int64_t count = std::min(kMaxGridY, batch - first);
     const dim3 grid(blocks_for(m * n, count), static_cast<unsigned>(count));
-    scale_rows_cast_kernel<T><<<grid, kThreads, 0, stream>>>(x + first * m * n, m, n, row_scales + first * m,
-                                                             out + first * m * n);
+    scale_rows_cast_kernel<T>
+        <<<grid, kThreads, 0, stream>>>(x + first * m * n, m, n, row_scales + first * m, out + first * m * n);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -190,14 +186,14 @@ void ns_normalize_cast(const float* x, void* out, bool out_bf16, int64_t batch, 
     // writes the scaled rows: the same traffic as the plain normalization.
     const int64_t rows = batch * m;
     const int64_t warps_per_block = kThreads / 32;
-    const unsigned blocks =
-        static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((rows + warps_per_block - 1) / warps_per_block, 4096)));
+    const unsigned blocks = static_cast<unsigned>(
+        std::max<int64_t>(1, std::min<int64_t>((rows + warps_per_block - 1) / warps_per_block, 4096)));
     row_sum_squares_kernel<<<blocks, kThreads, 0, stream>>>(x, rows, n, row_scales);
     MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
     for (int64_t first = 0; first < batch; first += std::numeric_limits<int32_t>::max()) {
       const int64_t count = std::min<int64_t>(std::numeric_limits<int32_t>::max(), batch - first);
       row_scales_kernel<<<static_cast<unsigned>(count), kThreads, 0, stream>>>(row_scales + first * m, m, eps,
-                                                                              recipe.norm_divisor, recipe.eps_mode);
+                                                                               recipe.norm_divisor, recipe.eps_mode);
       MEGATRON_EOPT_KERNEL_LAUNCH_CHECK();
     }
     if (out_bf16) launch_scale_rows(x, m, n, batch, row_scales, static_cast<Bf16*>(out), stream);

@@ -144,8 +144,9 @@ void adamuon_normalize_quantized_cuda(const QuantizedMoment2Args& args, cudaStre
   const TensorListPlan plan = plan_blocks(args.tensors, args.block_size);
   const Moment2KernelScalars scalars{args.scalars, args.seed, args.block_size};
   dispatch_quantized_moment2(args, [&](auto format) {
-    launch_tensor_list<QuantizedStateTensor>(plan, kThreads, stream, adamuon_quantized_kernel<decltype(format)::value>,
-                                             [&](std::size_t i) { return args.tensors[i]; }, scalars);
+    launch_tensor_list<QuantizedStateTensor>(
+        plan, kThreads, stream, adamuon_quantized_kernel<decltype(format)::value>,
+        [&](std::size_t i) { return args.tensors[i]; }, scalars);
   });
 }
 

@@ -26,7 +26,9 @@ Tensor call(const char* name, const char* overload, const Args&... args) {
 inline Tensor empty(const std::vector<int64_t>& sizes, ScalarType dtype, const Device& device) {
   return torch::stable::empty(IntList(sizes), dtype, std::nullopt, device);
 }
-inline std::vector<int64_t> sizes_of(const Tensor& t) { return std::vector<int64_t>(t.sizes().begin(), t.sizes().end()); }
+inline std::vector<int64_t> sizes_of(const Tensor& t) {
+  return std::vector<int64_t>(t.sizes().begin(), t.sizes().end());
+}
 inline std::vector<int64_t> strides_of(const Tensor& t) {
   return std::vector<int64_t>(t.strides().begin(), t.strides().end());
 }
@@ -43,7 +45,9 @@ inline Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length
 }
 inline Tensor transpose(const Tensor& t, int64_t dim0, int64_t dim1) { return torch::stable::transpose(t, dim0, dim1); }
 inline Tensor mT(const Tensor& t) { return aten::transpose(t, -2, -1); }
-inline Tensor view(const Tensor& t, const std::vector<int64_t>& sizes) { return torch::stable::view(t, IntList(sizes)); }
+inline Tensor view(const Tensor& t, const std::vector<int64_t>& sizes) {
+  return torch::stable::view(t, IntList(sizes));
+}
 inline Tensor reshape(const Tensor& t, const std::vector<int64_t>& sizes) {
   return torch::stable::reshape(t, IntList(sizes));
 }
@@ -64,7 +68,9 @@ inline void mul_(Tensor& t, double factor) { (void)detail::call("aten::mul_", "T
 inline void mul_out(Tensor& out, const Tensor& t, double factor) {
   (void)detail::call("aten::mul", "out", t, scalar_tensor(factor), out);
 }
-inline void div_out(Tensor& out, const Tensor& a, const Tensor& b) { (void)detail::call("aten::div", "out", a, b, out); }
+inline void div_out(Tensor& out, const Tensor& a, const Tensor& b) {
+  (void)detail::call("aten::div", "out", a, b, out);
+}
 inline Tensor div(const Tensor& a, const Tensor& b) { return detail::call("aten::div", "Tensor", a, b); }
 // The Frobenius norm of each matrix of a (batch, m, n) stack, kept as (batch, 1, 1): ATen's
 // vector 2-norm over the last two dims (norm.ScalarOpt_dim with p = None, i.e. 2).
@@ -75,6 +81,8 @@ inline Tensor matrix_norms(const Tensor& t) {
 
 // ---- products ----
 inline void mm_out(Tensor& out, const Tensor& a, const Tensor& b) { (void)detail::call("aten::mm", "out", a, b, out); }
-inline void bmm_out(Tensor& out, const Tensor& a, const Tensor& b) { (void)detail::call("aten::bmm", "out", a, b, out); }
+inline void bmm_out(Tensor& out, const Tensor& a, const Tensor& b) {
+  (void)detail::call("aten::bmm", "out", a, b, out);
+}
 
 }  // namespace megatron_eopt::aten

@@ -29,28 +29,26 @@ WeightDecayMethod parse_method(const char* op, const std::string& name) {
 
 // All tensors of `list` share one dtype, admitted by `allowed`; returns it (nullopt: empty list).
 template <typename Allowed>
-std::optional<ScalarType> list_dtype(const char* op, const NamedList& list, const char* rule,
-                                         const Allowed& allowed) {
+std::optional<ScalarType> list_dtype(const char* op, const NamedList& list, const char* rule, const Allowed& allowed) {
   std::optional<ScalarType> dtype;
   for (std::size_t i = 0; i < list.tensors.size(); ++i) {
     const ScalarType t = list.tensors[i].scalar_type();
     MEGATRON_EOPT_CHECK_TYPE(allowed(t), op, ": ", list.name, "[", i, "] is ", t, "; ", rule);
     if (!dtype) dtype = t;
-    MEGATRON_EOPT_CHECK_TYPE(t == *dtype, op, ": ", list.name, "[", i, "] is ", t, " but ", list.name, "[0] is ", *dtype,
-                     "; all ", list.name, " must share one dtype");
+    MEGATRON_EOPT_CHECK_TYPE(t == *dtype, op, ": ", list.name, "[", i, "] is ", t, " but ", list.name, "[0] is ",
+                             *dtype, "; all ", list.name, " must share one dtype");
   }
   return dtype;
 }
 
 void check_length(const char* op, const NamedList& list, const NamedList& reference) {
   MEGATRON_EOPT_CHECK_VALUE(list.tensors.size() == reference.tensors.size(), op, ": ", list.name, " has ",
-                    list.tensors.size(), " tensors but ", reference.tensors.size(), " ", reference.name,
-                    " were given");
+                            list.tensors.size(), " tensors but ", reference.tensors.size(), " ", reference.name,
+                            " were given");
 }
 
 // Same device for every tensor, of the backend's type; returns that device (nullopt: no tensor).
-std::optional<Device> common_device(const char* op, std::initializer_list<NamedList> lists,
-                                        DeviceType backend) {
+std::optional<Device> common_device(const char* op, std::initializer_list<NamedList> lists, DeviceType backend) {
   std::optional<Device> device;
   const char* first_name = nullptr;
   for (const NamedList& list : lists) {
@@ -60,10 +58,10 @@ std::optional<Device> common_device(const char* op, std::initializer_list<NamedL
         device = d;
         first_name = list.name;
         MEGATRON_EOPT_CHECK_VALUE(d.type() == backend, op, ": ", list.name, "[", i, "] is on ", d, ", expected a ",
-                          device_type_name(backend), " tensor");
+                                  device_type_name(backend), " tensor");
       }
       MEGATRON_EOPT_CHECK_VALUE(d == *device, op, ": ", list.name, "[", i, "] is on ", d, " but ", first_name,
-                        "[0] is on ", *device, "; all tensors must be on one device");
+                                "[0] is on ", *device, "; all tensors must be on one device");
     }
   }
   return device;
@@ -86,11 +84,11 @@ void check_index(const char* op, std::size_t i, const NamedList& reference, std:
   for (const NamedList& list : lists) {
     if (list.tensors.empty()) continue;
     const Tensor& t = list.tensors[i];
-    MEGATRON_EOPT_CHECK_VALUE(same_values(t.sizes(), ref.sizes()), op, ": ", list.name, "[", i, "] has shape ", t.sizes(), " but ",
-                      reference.name, "[", i, "] has shape ", ref.sizes());
-    MEGATRON_EOPT_CHECK_VALUE(!list.written || t.numel() == 0 || !has_internal_overlap(aten::sizes_of(t), aten::strides_of(t)), op,
-                      ": ", list.name, "[", i, "] has overlapping memory (strides ", t.strides(),
-                      ") and cannot be written in place");
+    MEGATRON_EOPT_CHECK_VALUE(same_values(t.sizes(), ref.sizes()), op, ": ", list.name, "[", i, "] has shape ",
+                              t.sizes(), " but ", reference.name, "[", i, "] has shape ", ref.sizes());
+    MEGATRON_EOPT_CHECK_VALUE(
+        !list.written || t.numel() == 0 || !has_internal_overlap(aten::sizes_of(t), aten::strides_of(t)), op, ": ",
+        list.name, "[", i, "] has overlapping memory (strides ", t.strides(), ") and cannot be written in place");
   }
 }
 
@@ -98,8 +96,7 @@ void check_index(const char* op, std::size_t i, const NamedList& reference, std:
 // every tensor of the index shares one dense layout they are used as they are; otherwise each
 // non-contiguous one is replaced by a contiguous working copy (written ones are copied back).
 template <typename Args>
-std::vector<Tensor> working_tensors(ForeachCall<Args>& call, std::size_t i,
-                                        std::initializer_list<NamedList> lists) {
+std::vector<Tensor> working_tensors(ForeachCall<Args>& call, std::size_t i, std::initializer_list<NamedList> lists) {
   std::vector<Tensor> tensors;
   for (const NamedList& list : lists) tensors.push_back(list.tensors.empty() ? Tensor() : list.tensors[i]);
   bool shared = true;
@@ -142,15 +139,15 @@ StepScalar step_scalar(const char* op, const char* name, const std::optional<Ten
     return {};
   }
   MEGATRON_EOPT_CHECK_VALUE(t->dim() == 0, op, ": ", name, " must be a 0-dim float32 or float64 tensor, got shape ",
-                    t->sizes());
+                            t->sizes());
   MEGATRON_EOPT_CHECK_TYPE(t->scalar_type() == kFloat || t->scalar_type() == kDouble, op, ": ", name,
-                   " must be a 0-dim float32 or float64 tensor, got ", t->scalar_type());
+                           " must be a 0-dim float32 or float64 tensor, got ", t->scalar_type());
   if (device) {
     MEGATRON_EOPT_CHECK_VALUE(t->device() == *device, op, ": ", name, " is on ", t->device(),
-                      " but the tensor lists are on ", *device, "; pass it as a 0-dim tensor on their device");
+                              " but the tensor lists are on ", *device, "; pass it as a 0-dim tensor on their device");
   } else {
     MEGATRON_EOPT_CHECK_VALUE(t->device().type() == backend, op, ": ", name, " is on ", t->device(), ", expected a ",
-                      device_type_name(backend), " tensor");
+                              device_type_name(backend), " tensor");
   }
   return StepScalar{t->const_data_ptr(), t->scalar_type() == kDouble};
 }
@@ -173,8 +170,7 @@ MomentumScalars momentum_scalars(const char* op, const Tensor& momentum, const T
 ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
     const TensorList& grads, const TensorList& momentum_buffers, const TensorList& ns_inputs, const TensorList& params,
     const Tensor& momentum, bool nesterov, const Tensor& weight_decay, const std::string& weight_decay_method,
-    const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf,
-    DeviceType backend) {
+    const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf, DeviceType backend) {
   constexpr const char* op = "foreach_momentum_";
   const NamedList g{"grads", grads, false}, m{"momentum_buffers", momentum_buffers, true},
       n{"ns_inputs", ns_inputs, true}, p{"params", params, false};
@@ -183,9 +179,9 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
   check_length(op, n, g);
   if (method == WeightDecayMethod::kL2) {
     MEGATRON_EOPT_CHECK_VALUE(params.size() == grads.size(), op,
-                      ": weight_decay_method 'l2' reads the parameters: params must have one tensor per "
-                      "gradient, got ",
-                      params.size(), " for ", grads.size(), " grads");
+                              ": weight_decay_method 'l2' reads the parameters: params must have one tensor per "
+                              "gradient, got ",
+                              params.size(), " for ", grads.size(), " grads");
   } else if (!params.empty()) {
     check_length(op, p, g);
   }
@@ -217,8 +213,8 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
   args.l2 = method == WeightDecayMethod::kL2;
   for (std::size_t i = 0; i < grads.size(); ++i) {
     if (grads[i].numel() == 0) continue;
-    const std::vector<Tensor> t =
-        args.l2 ? working_tensors(call, i, {g, m, n, p}) : working_tensors(call, i, {g, m, n});
+    const std::vector<Tensor> t = args.l2 ? working_tensors(call, i, {g, m, n, p})
+                                          : working_tensors(call, i, {g, m, n});
     args.grads.push_back(t[0].const_data_ptr());
     args.buffers.push_back(t[1].data_ptr());
     args.ns_inputs.push_back(t[2].data_ptr());
@@ -230,19 +226,17 @@ ForeachCall<ForeachMomentumArgs> parse_foreach_momentum(
 
 ForeachCall<ForeachUpdateArgs> parse_foreach_update(const TensorList& params, const TensorList& updates,
                                                     const std::vector<double>& scales, const Tensor& lr,
-                                                    const Tensor& weight_decay,
-                                                    const std::string& weight_decay_method,
-                                                    const std::optional<Tensor>& found_inf,
-                                                    DeviceType backend) {
+                                                    const Tensor& weight_decay, const std::string& weight_decay_method,
+                                                    const std::optional<Tensor>& found_inf, DeviceType backend) {
   constexpr const char* op = "foreach_update_";
   const NamedList p{"params", params, true}, u{"updates", updates, false};
   const WeightDecayMethod method = parse_method(op, weight_decay_method);
   check_length(op, u, p);
   MEGATRON_EOPT_CHECK_VALUE(scales.size() == params.size(), op, ": scales has ", scales.size(), " values but ",
-                    params.size(), " params were given");
+                            params.size(), " params were given");
   for (std::size_t i = 0; i < scales.size(); ++i) {
     MEGATRON_EOPT_CHECK_VALUE(std::isfinite(static_cast<float>(scales[i])), op, ": scales[", i,
-                      "] must be finite in float32, got ", scales[i]);
+                              "] must be finite in float32, got ", scales[i]);
   }
   const auto param_dtype = list_dtype(op, p, "params must be float32, bfloat16 or float16", is_param_dtype);
   if (param_dtype) {

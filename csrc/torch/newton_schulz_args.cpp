@@ -7,22 +7,19 @@
 #include <string>
 #include <tuple>
 
-
 namespace megatron_eopt {
 
-NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps,
-                           bool repeat_last, double eps, std::optional<bool> transpose,
-                           const std::string& precision, const std::string& algorithm,
-                           const std::string& eps_mode, double norm_divisor, bool row_equilibration,
-                           bool frobenius_renorm) {
-  MEGATRON_EOPT_CHECK_TYPE(x.scalar_type() == kFloat,
-                   "newton_schulz: x must be float32, got ", x.scalar_type());
+NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                           double eps, std::optional<bool> transpose, const std::string& precision,
+                           const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                           bool row_equilibration, bool frobenius_renorm) {
+  MEGATRON_EOPT_CHECK_TYPE(x.scalar_type() == kFloat, "newton_schulz: x must be float32, got ", x.scalar_type());
   MEGATRON_EOPT_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
-                    "newton_schulz: x must be 2-D (m, n) or 3-D (batch, m, n), got ", x.dim(), "-D");
+                            "newton_schulz: x must be 2-D (m, n) or 3-D (batch, m, n), got ", x.dim(), "-D");
   MEGATRON_EOPT_CHECK_VALUE(steps >= 1, "newton_schulz: steps must be at least 1, got ", steps);
   // The kernels use eps in fp32: below ~1e-45 it would become 0 (NaN on a zero input), above 3.4e38 inf.
   MEGATRON_EOPT_CHECK_VALUE(std::isfinite(static_cast<float>(eps)) && static_cast<float>(eps) > 0.f,
-                    "newton_schulz: eps must be finite and positive in float32, got ", eps);
+                            "newton_schulz: eps must be finite and positive in float32, got ", eps);
   NsOptions opts{};
   try {
     opts.schedule = expand_schedule(std::vector<double>(coefficients.begin(), coefficients.end()), steps,
@@ -64,8 +61,13 @@ NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device) {
   if (opts.algorithm == NsAlgorithm::kStandard) return {NsAlgorithm::kStandard, {}};
   // The choice and the Gram program (the schedule's peak, restarts, program) cost more host time
   // than a small matrix's iteration: made once per problem and kept for the process.
-  ChoiceKey key{static_cast<int>(opts.algorithm), static_cast<int>(opts.precision), static_cast<int>(device),
-                opts.rows, opts.cols, opts.transpose, {}};
+  ChoiceKey key{static_cast<int>(opts.algorithm),
+                static_cast<int>(opts.precision),
+                static_cast<int>(device),
+                opts.rows,
+                opts.cols,
+                opts.transpose,
+                {}};
   key.schedule.reserve(opts.schedule.size() * 3);
   for (const NsCoefficients& k : opts.schedule) key.schedule.insert(key.schedule.end(), {k.a, k.b, k.c});
   static auto* const mutex = new std::mutex;  // leaked: no destruction order to get wrong at exit

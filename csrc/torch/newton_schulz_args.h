@@ -26,11 +26,10 @@ struct NsOptions {
 };
 
 // Validates x (fp32, 2-D or 3-D) and the hyper-parameters; every failure names its argument.
-NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps,
-                           bool repeat_last, double eps, std::optional<bool> transpose,
-                           const std::string& precision, const std::string& algorithm,
-                           const std::string& eps_mode = "clamp", double norm_divisor = 1.0,
-                           bool row_equilibration = false, bool frobenius_renorm = false);
+NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                           double eps, std::optional<bool> transpose, const std::string& precision,
+                           const std::string& algorithm, const std::string& eps_mode = "clamp",
+                           double norm_divisor = 1.0, bool row_equilibration = false, bool frobenius_renorm = false);
 
 // The algorithm that runs on `device` (auto resolved) and, for Gram, its program.
 NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device);

@@ -13,10 +13,10 @@ namespace megatron_eopt {
 namespace {
 
 std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<double>& coefficients, int64_t steps,
-                                           bool repeat_last, double eps, std::optional<bool> transpose,
-                                           const std::string& precision, const std::string& algorithm,
-                                           const std::string& eps_mode, double norm_divisor, bool row_equilibration,
-                                           bool frobenius_renorm) {
+                                       bool repeat_last, double eps, std::optional<bool> transpose,
+                                       const std::string& precision, const std::string& algorithm,
+                                       const std::string& eps_mode, double norm_divisor, bool row_equilibration,
+                                       bool frobenius_renorm) {
   try {
     parse_ns_algorithm(algorithm);
   } catch (const std::invalid_argument& e) {
@@ -29,7 +29,7 @@ std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<d
                              xs[i].scalar_type());
     MEGATRON_EOPT_CHECK_VALUE(xs[i].dim() == 2, "newton_schulz_list: xs[", i, "] must be 2-D, got ", xs[i].dim(), "-D");
     MEGATRON_EOPT_CHECK_VALUE(xs[i].device() == xs[0].device(), "newton_schulz_list: xs[", i, "] is on ",
-                      xs[i].device(), " but xs[0] is on ", xs[0].device());
+                              xs[i].device(), " but xs[0] is on ", xs[0].device());
     shapes.push_back(aten::sizes_of(xs[i]));
   }
   // The hyper-parameters are checked here, before the nested newton_schulz calls: torch 2.11 and
@@ -43,15 +43,16 @@ std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<d
     std::vector<Tensor> members;
     members.reserve(group.size());
     for (std::size_t i : group) members.push_back(xs[i]);
-    const Tensor result =
-        call_newton_schulz(aten::stack(members, 0), coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                           eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+    const Tensor result = call_newton_schulz(aten::stack(members, 0), coefficients, steps, repeat_last, eps, transpose,
+                                             precision, algorithm, eps_mode, norm_divisor, row_equilibration,
+                                             frobenius_renorm);
     // Outputs of a custom op may not alias each other, so a batch is split into copies; the
     // optimizers avoid this pass by keeping their inputs stacked and calling newton_schulz directly.
     if (group.size() == 1) {
       out[group[0]] = aten::select(result, 0, 0);
     } else {
-      for (std::size_t j = 0; j < group.size(); ++j) out[group[j]] = aten::clone(aten::select(result, 0, static_cast<int64_t>(j)));
+      for (std::size_t j = 0; j < group.size(); ++j)
+        out[group[j]] = aten::clone(aten::select(result, 0, static_cast<int64_t>(j)));
     }
   }
   return out;

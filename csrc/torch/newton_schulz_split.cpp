@@ -19,19 +19,20 @@ namespace megatron_eopt {
 namespace {
 
 Tensor newton_schulz_split(const Tensor& x, const std::vector<int64_t>& split_sizes, int64_t num_groups,
-                               const std::vector<double>& coefficients, int64_t steps, bool repeat_last, double eps,
-                               std::optional<bool> transpose, const std::string& precision,
-                               const std::optional<std::string>& scale_mode, double extra_scale_factor,
-                               const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                               bool row_equilibration, bool frobenius_renorm) {
+                           const std::vector<double>& coefficients, int64_t steps, bool repeat_last, double eps,
+                           std::optional<bool> transpose, const std::string& precision,
+                           const std::optional<std::string>& scale_mode, double extra_scale_factor,
+                           const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                           bool row_equilibration, bool frobenius_renorm) {
   MEGATRON_EOPT_CHECK_TYPE(x.scalar_type() == kFloat, "newton_schulz_split: x must be float32, got ", x.scalar_type());
-  MEGATRON_EOPT_CHECK_VALUE(x.dim() == 2 || x.dim() == 3, "newton_schulz_split: x must be 2-D (rows, n) or 3-D (batch, rows, n), got ",
-                    x.dim(), "-D");
-  MEGATRON_EOPT_CHECK_VALUE(std::isfinite(extra_scale_factor), "newton_schulz_split: extra_scale_factor must be finite, got ",
-                    extra_scale_factor);
+  MEGATRON_EOPT_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
+                            "newton_schulz_split: x must be 2-D (rows, n) or 3-D (batch, rows, n), got ", x.dim(),
+                            "-D");
+  MEGATRON_EOPT_CHECK_VALUE(std::isfinite(extra_scale_factor),
+                            "newton_schulz_split: extra_scale_factor must be finite, got ", extra_scale_factor);
   MEGATRON_EOPT_CHECK_VALUE(scale_mode.has_value() || extra_scale_factor == 1.0,
-                    "newton_schulz_split: extra_scale_factor (", extra_scale_factor,
-                    ") applies only with a scale_mode; without one the parts are returned unscaled");
+                            "newton_schulz_split: extra_scale_factor (", extra_scale_factor,
+                            ") applies only with a scale_mode; without one the parts are returned unscaled");
   SplitLayout layout;
   std::optional<ScaleMode> mode;
   try {
@@ -59,10 +60,10 @@ Tensor newton_schulz_split(const Tensor& x, const std::vector<int64_t>& split_si
   if (layout.same_size.size() == 1 && groups == 1) {
     const int64_t size = layout.same_size[0].size;
     const int64_t parts = static_cast<int64_t>(layout.same_size[0].parts.size());
-    Tensor out = aten::view(call_newton_schulz(aten::reshape(x, {batch * parts, size, n}), coefficients, steps,
-                                               repeat_last, eps, transpose, precision, algorithm, eps_mode,
-                                               norm_divisor, row_equilibration, frobenius_renorm),
-                            aten::sizes_of(x));
+    Tensor out = aten::view(
+        call_newton_schulz(aten::reshape(x, {batch * parts, size, n}), coefficients, steps, repeat_last, eps, transpose,
+                           precision, algorithm, eps_mode, norm_divisor, row_equilibration, frobenius_renorm),
+        aten::sizes_of(x));
     if (mode) aten::mul_(out, factor(size));
     return out;
   }

@@ -43,7 +43,8 @@ void check_count(const char* op, const char* name, const TensorList& list, const
 }
 
 // Every tensor on `device` (the first list's first tensor's), of the backend's type.
-std::optional<Device> lists_device(const char* op, std::initializer_list<std::pair<const char*, const TensorList*>> lists,
+std::optional<Device> lists_device(const char* op,
+                                   std::initializer_list<std::pair<const char*, const TensorList*>> lists,
                                    DeviceType backend) {
   std::optional<Device> device;
   const char* first = nullptr;
@@ -125,7 +126,8 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
   if (l2) {
     MEGATRON_EOPT_CHECK_VALUE(params.size() == n, op,
                               ": weight_decay_method 'l2' reads the parameters: params must have one tensor per "
-                              "gradient, got ", params.size(), " for ", n, " grads");
+                              "gradient, got ",
+                              params.size(), " for ", n, " grads");
   } else if (!params.empty()) {
     check_count(op, "params", params, "grads", n);
   }
@@ -138,17 +140,17 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
   }
   const auto ns_dtype = one_dtype(op, "ns_inputs", ns_inputs, "ns_inputs must be float32 or bfloat16",
                                   [](ScalarType t) { return t == kFloat || t == kBFloat16; });
-  const auto state_dtype =
-      one_dtype(op, "states", states, "the momentum state must be bfloat16, int8 or float8_e4m3fn",
-                [](ScalarType t) { return t == kBFloat16 || t == kInt8 || t == kFloat8E4M3; });
+  const auto state_dtype = one_dtype(op, "states", states, "the momentum state must be bfloat16, int8 or float8_e4m3fn",
+                                     [](ScalarType t) { return t == kBFloat16 || t == kInt8 || t == kFloat8E4M3; });
   const StateFormat format = momentum_format(state_dtype.value_or(kInt8));
   if (has_scales(format)) {
     check_count(op, "scales", scales, "grads", n);
   } else {
     MEGATRON_EOPT_CHECK_VALUE(scales.empty(), op, ": a bfloat16 state has no scales, got ", scales.size(), " tensors");
   }
-  const auto device = lists_device(op, {{"grads", &grads}, {"states", &states}, {"scales", &scales},
-                                        {"ns_inputs", &ns_inputs}, {"params", &params}}, backend);
+  const auto device = lists_device(
+      op, {{"grads", &grads}, {"states", &states}, {"scales", &scales}, {"ns_inputs", &ns_inputs}, {"params", &params}},
+      backend);
 
   QuantizedCall<QuantizedMomentumArgs> call;
   QuantizedMomentumArgs& args = call.args;
@@ -219,8 +221,7 @@ QuantizedCall<QuantizedMoment2Args> parse_adamuon_normalize_quantized(
   } else {
     MEGATRON_EOPT_CHECK_VALUE(scales.empty(), op, ": a bfloat16 state has no scales, got ", scales.size(), " tensors");
   }
-  const auto device =
-      lists_device(op, {{"updates", &updates}, {"moment2", &moment2}, {"scales", &scales}}, backend);
+  const auto device = lists_device(op, {{"updates", &updates}, {"moment2", &moment2}, {"scales", &scales}}, backend);
 
   QuantizedCall<QuantizedMoment2Args> call;
   QuantizedMoment2Args& args = call.args;

@@ -98,13 +98,11 @@ enum class ErrorKind { kValue, kType };
 
 // Checks whose failure is the caller's mistake: a bad value (ValueError) or a bad type
 // (TypeError). The message pieces are only formatted on failure.
-#define MEGATRON_EOPT_CHECK_VALUE(cond, ...)                                                        \
-  do {                                                                                              \
-    if (!(cond)) ::megatron_eopt::raise_error(::megatron_eopt::ErrorKind::kValue,                  \
-                                              ::megatron_eopt::cat(__VA_ARGS__));                   \
+#define MEGATRON_EOPT_CHECK_VALUE(cond, ...)                                                                          \
+  do {                                                                                                                \
+    if (!(cond)) ::megatron_eopt::raise_error(::megatron_eopt::ErrorKind::kValue, ::megatron_eopt::cat(__VA_ARGS__)); \
   } while (0)
-#define MEGATRON_EOPT_CHECK_TYPE(cond, ...)                                                         \
-  do {                                                                                              \
-    if (!(cond)) ::megatron_eopt::raise_error(::megatron_eopt::ErrorKind::kType,                   \
-                                              ::megatron_eopt::cat(__VA_ARGS__));                   \
+#define MEGATRON_EOPT_CHECK_TYPE(cond, ...)                                                                          \
+  do {                                                                                                               \
+    if (!(cond)) ::megatron_eopt::raise_error(::megatron_eopt::ErrorKind::kType, ::megatron_eopt::cat(__VA_ARGS__)); \
   } while (0)

@@ -88,7 +88,8 @@ TEST(MomentumMath, CautiousDecayOnlyWhereUpdateAndParamAgreeInSign) {
   const float decay = 0.25f, lr = 0.5f;
   // U·p > 0: p1 = 2 - 0.25 * 2 = 1.5, then p = 1.5 - 0.5 * (3 * 1) = 0 (as decoupled).
   EXPECT_EQ((update_element<float, true>(2.f, 1.f, 3.f, decay, lr)), 0.f);
-  EXPECT_EQ((update_element<float, true>(2.f, 1.f, 3.f, decay, lr)), (update_element<float, false>(2.f, 1.f, 3.f, decay, lr)));
+  EXPECT_EQ((update_element<float, true>(2.f, 1.f, 3.f, decay, lr)),
+            (update_element<float, false>(2.f, 1.f, 3.f, decay, lr)));
   // U·p < 0: no decay, only the step: p = 2 - 0.5 * (3 * -1) = 3.5.
   EXPECT_EQ((update_element<float, true>(2.f, -1.f, 3.f, decay, lr)), 3.5f);
   EXPECT_EQ((update_element<float, true>(-2.f, 1.f, 3.f, decay, lr)), -3.5f);
@@ -149,7 +150,8 @@ uint16_t nearest_half(float f) {
   uint16_t lo = 0, hi = 0x7BFF;
   while (lo < hi) {  // last value <= f
     const uint16_t mid = static_cast<uint16_t>((lo + hi + 1) / 2);
-    if (to_float(Fp16{mid}) <= f) lo = mid; else hi = static_cast<uint16_t>(mid - 1);
+    if (to_float(Fp16{mid}) <= f) lo = mid;
+    else hi = static_cast<uint16_t>(mid - 1);
   }
   if (lo == 0x7BFF) return lo;
   const double below = to_float(Fp16{lo});

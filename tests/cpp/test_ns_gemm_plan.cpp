@@ -9,6 +9,7 @@
 
 #include "megatron_eopt/ns_precision.h"
 #include "megatron_eopt/ns_gemm_plan.h"
+#include "reference_gemm.h"
 
 using megatron_eopt::GemmShape;
 using megatron_eopt::make_ns_gemm_plan;
@@ -18,20 +19,7 @@ namespace {
 // Column-major D = alpha op(A) op(B) + beta C over a batch, as a BLAS would compute it.
 void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector<double>& a,
               const std::vector<double>& b, double beta, const std::vector<double>& c, std::vector<double>& d) {
-  for (int64_t t = 0; t < batch; ++t) {
-    for (int64_t i = 0; i < s.rows; ++i) {
-      for (int64_t j = 0; j < s.cols; ++j) {
-        double acc = 0;
-        for (int64_t k = 0; k < s.depth; ++k) {
-          const double av = s.trans_a ? a[t * s.stride_a + i * s.lda + k] : a[t * s.stride_a + k * s.lda + i];
-          const double bv = s.trans_b ? b[t * s.stride_b + k * s.ldb + j] : b[t * s.stride_b + j * s.ldb + k];
-          acc += av * bv;
-        }
-        const int64_t o = t * s.stride_c + j * s.ldc + i;
-        d[o] = beta == 0.0 ? alpha * acc : alpha * acc + beta * c[o];  // BLAS: C unread when beta == 0
-      }
-    }
-  }
+  megatron_eopt::testing::reference_gemm(s, batch, alpha, a.data(), b.data(), beta, c.data(), d.data());
 }
 
 // One NS step directly on row-major X (m x n): W = X or X^T, X' accordingly.
@@ -57,7 +45,8 @@ std::vector<double> direct_step(const std::vector<double>& x, int64_t batch, int
       for (int64_t j = 0; j < q; ++j) {
         double acc = a * W(i, j);
         for (int64_t k = 0; k < p; ++k) acc += B[i * p + k] * W(k, j);
-        if (transpose) out[t * m * n + j * n + i] = acc; else out[t * m * n + i * n + j] = acc;
+        if (transpose) out[t * m * n + j * n + i] = acc;
+        else out[t * m * n + i * n + j] = acc;
       }
   }
   return out;

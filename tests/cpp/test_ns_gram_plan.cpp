@@ -22,8 +22,8 @@ using namespace megatron_eopt;
 
 namespace {
 
-const std::vector<double> kQuintic = {4.0848, -6.8946, 2.9270, 3.9505, -6.3029, 2.6377, 3.7418, -5.5913,
-                                      2.3037, 2.8769, -3.1427, 1.2046, 2.8366, -3.0525, 1.2012};
+const std::vector<double> kQuintic = {4.0848, -6.8946, 2.9270,  3.9505, -6.3029, 2.6377,  3.7418, -5.5913,
+                                      2.3037, 2.8769,  -3.1427, 1.2046, 2.8366,  -3.0525, 1.2012};
 const std::vector<double> kPolar = {8.2051, -22.9019, 16.4607, 4.0664, -2.8612, 0.5184, 3.9096, -2.8234, 0.5250};
 
 // Polar Express repeats its last row past its table (cycling back to its steep first row would
@@ -107,10 +107,8 @@ std::vector<double> run_program(const GramProgram& program, const std::vector<do
       const GemmShape& shape = op.gemm == GramGemm::kGram    ? plan.gram_gemm
                                : op.gemm == GramGemm::kApply ? plan.update_gemm
                                                              : plan.poly_gemm;
-      const std::size_t size =
-          static_cast<std::size_t>(batch * (op.gemm == GramGemm::kSquare || op.gemm == GramGemm::kGram
-                                                ? plan.square_stride
-                                                : m * n));
+      const std::size_t size = static_cast<std::size_t>(
+          batch * (op.gemm == GramGemm::kSquare || op.gemm == GramGemm::kGram ? plan.square_stride : m * n));
       std::vector<double> d(size, std::nan(""));
       ref_gemm(shape, batch, op.alpha, buf.at(op.a), buf.at(op.b), op.beta, op.beta != 0.f ? &buf.at(op.c) : nullptr,
                d);
@@ -133,8 +131,7 @@ void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool tr
   }
   const auto sched = schedule(table, steps);
   const auto restart = gram_restarts(sched, arithmetic);
-  const GramProgram program =
-      make_gram_program(m, n, transpose, sched, restart, arithmetic == GramArithmetic::kBf16W);
+  const GramProgram program = make_gram_program(m, n, transpose, sched, restart, arithmetic == GramArithmetic::kBf16W);
   const auto want = direct_standard(x, batch, m, n, transpose, sched);
   // The padded layout (NaN in the padding) must give the same values as the dense one.
   const auto padded = run_program(program, x, batch, m, n, transpose, padded_square_ld(program.gram_side) + 8);
@@ -145,8 +142,8 @@ void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool tr
     err += (got[i] - want[i]) * (got[i] - want[i]);
     norm += want[i] * want[i];
   }
-  EXPECT_LE(std::sqrt(err / norm), 1e-10) << "batch=" << batch << " m=" << m << " n=" << n
-                                          << " transpose=" << transpose << " steps=" << steps;
+  EXPECT_LE(std::sqrt(err / norm), 1e-10)
+      << "batch=" << batch << " m=" << m << " n=" << n << " transpose=" << transpose << " steps=" << steps;
 }
 
 }  // namespace
@@ -292,8 +289,8 @@ TEST(GramFlops, SymmetricBlocks) {
 
 TEST(NsAlgorithmChoice, ExplicitRequestsAreHonoured) {
   const auto sched = schedule(kQuintic, 5);
-  EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kStandard, 1024, 4096, false, sched, NsPrecision::kHighest,
-                                NsDevice::kCpu).algorithm,
+  EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kStandard, 1024, 4096, false, sched, NsPrecision::kHighest, NsDevice::kCpu)
+                .algorithm,
             NsAlgorithm::kStandard);
   const auto gram = choose_ns_algorithm(NsAlgorithm::kGram, 3, 3, false, sched, NsPrecision::kMedium, NsDevice::kCuda);
   EXPECT_EQ(gram.algorithm, NsAlgorithm::kGram);
@@ -312,9 +309,10 @@ TEST(NsAlgorithmChoice, AutoKeepsStandardForSchedulesThatDoNotOrthogonalize) {
               NsAlgorithm::kStandard);
     EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kGram, 1024, 4096, false, wild, NsPrecision::kHighest, d).algorithm,
               NsAlgorithm::kGram);  // asked for: runs
-    EXPECT_EQ(choose_ns_algorithm(NsAlgorithm::kAuto, 1024, 4096, false, schedule(kQuintic, 5),
-                                  NsPrecision::kHighest, d).algorithm,
-              NsAlgorithm::kGram);  // an orthogonalizing schedule still takes Gram where it pays
+    EXPECT_EQ(
+        choose_ns_algorithm(NsAlgorithm::kAuto, 1024, 4096, false, schedule(kQuintic, 5), NsPrecision::kHighest, d)
+            .algorithm,
+        NsAlgorithm::kGram);  // an orthogonalizing schedule still takes Gram where it pays
   }
 }
 
@@ -381,7 +379,8 @@ TEST(GramProgram, OperandTypesAgreeAsCublasLtRequires) {
     for (bool transpose : {false, true}) {
       const auto sched = schedule(kQuintic, 7);
       const auto restart = gram_restarts(sched, bf16 ? GramArithmetic::kBf16W : GramArithmetic::kFp32);
-      const GramProgram p = make_gram_program(transpose ? 60 : 20, transpose ? 20 : 60, transpose, sched, restart, bf16);
+      const GramProgram p = make_gram_program(transpose ? 60 : 20, transpose ? 20 : 60, transpose, sched, restart,
+                                              bf16);
       EXPECT_EQ(p.transpose, transpose);
       EXPECT_EQ(p.x_bf16, bf16);
       EXPECT_EQ(gram_buf_is_bf16(p, GramBuf::kOut), false);
@@ -395,9 +394,7 @@ TEST(GramProgram, OperandTypesAgreeAsCublasLtRequires) {
             }
             if (op.gemm == GramGemm::kGram) EXPECT_FALSE(gram_buf_is_bf16(p, op.d));
             break;
-          case GramOpKind::kAddDiag:
-            EXPECT_FALSE(gram_buf_is_bf16(p, op.d));
-            break;
+          case GramOpKind::kAddDiag: EXPECT_FALSE(gram_buf_is_bf16(p, op.d)); break;
           case GramOpKind::kRound:
             EXPECT_FALSE(gram_buf_is_bf16(p, op.a));
             EXPECT_TRUE(gram_buf_is_bf16(p, op.d));

@@ -95,12 +95,12 @@ TEST(QkClipTiles, LargeWeightsUse64BitTiles) {
 TEST(QkClipTiles, PlanGivesEachWeightOneWarpPerTileUpToTheCap) {
   const int warps = kQkClipThreads / 32;
   const std::vector<QkClipWeight> weights{weight(7, 1, 7), weight(4096, 4096, 128), weight(0, 5, 1),
-                                          weight(3, 0, 3), weight(12, 1025, 3), weight(9000, 5, 9)};
+                                          weight(3, 0, 3), weight(12, 1025, 3),     weight(9000, 5, 9)};
   const auto plan = plan_qk_clip(weights);
   const int64_t big_tiles = 4096 * 4;
-  EXPECT_EQ(plan.blocks, (std::vector<int64_t>{1, std::min<int64_t>(big_tiles / warps, kQkClipMaxBlocksPerWeight),
-                                               0, 0, 3, std::min<int64_t>((9000 + warps - 1) / warps,
-                                                                          kQkClipMaxBlocksPerWeight)}));
+  EXPECT_EQ(plan.blocks,
+            (std::vector<int64_t>{1, std::min<int64_t>(big_tiles / warps, kQkClipMaxBlocksPerWeight), 0, 0, 3,
+                                  std::min<int64_t>((9000 + warps - 1) / warps, kQkClipMaxBlocksPerWeight)}));
   EXPECT_EQ(plan.blocks[1], kQkClipMaxBlocksPerWeight);  // its warps take two tiles each
   ASSERT_EQ(plan.launches.size(), 1u);
   EXPECT_EQ(plan.launches[0], (std::vector<std::size_t>{0, 1, 4, 5}));

@@ -10,6 +10,7 @@
 
 #include "megatron_eopt/ns_gemm_plan.h"
 #include "megatron_eopt/symmetric_panels.h"
+#include "reference_gemm.h"
 
 using megatron_eopt::GemmPanel;
 using megatron_eopt::GemmShape;
@@ -24,24 +25,7 @@ using megatron_eopt::SymmetricPanelRule;
 
 namespace {
 
-// Column-major D = alpha op(A) op(B) + beta C over a batch, on raw pointers (panels are offsets).
-void gemm_at(const GemmShape& s, int64_t batch, double alpha, const double* a, const double* b, double beta,
-             const double* c, double* d) {
-  for (int64_t t = 0; t < batch; ++t) {
-    for (int64_t i = 0; i < s.rows; ++i) {
-      for (int64_t j = 0; j < s.cols; ++j) {
-        double acc = 0;
-        for (int64_t k = 0; k < s.depth; ++k) {
-          const double av = s.trans_a ? a[t * s.stride_a + i * s.lda + k] : a[t * s.stride_a + k * s.lda + i];
-          const double bv = s.trans_b ? b[t * s.stride_b + k * s.ldb + j] : b[t * s.stride_b + j * s.ldb + k];
-          acc += av * bv;
-        }
-        const int64_t o = t * s.stride_c + j * s.ldc + i;
-        d[o] = beta == 0.0 ? alpha * acc : alpha * acc + beta * c[o];
-      }
-    }
-  }
-}
+using megatron_eopt::testing::reference_gemm;
 
 // Runs `full` as panels of `width` plus the mirror into a buffer first filled with NaN.
 std::vector<double> run_panels(const GemmShape& full, int64_t batch, int64_t width, double alpha,
@@ -49,8 +33,8 @@ std::vector<double> run_panels(const GemmShape& full, int64_t batch, int64_t wid
                                const std::vector<double>& c) {
   std::vector<double> d(c.size(), std::numeric_limits<double>::quiet_NaN());
   for (const GemmPanel& p : symmetric_panels(full, width)) {
-    gemm_at(p.shape, batch, alpha, a.data() + p.a_offset, b.data() + p.b_offset, beta, c.data() + p.cd_offset,
-            d.data() + p.cd_offset);
+    reference_gemm(p.shape, batch, alpha, a.data() + p.a_offset, b.data() + p.b_offset, beta, c.data() + p.cd_offset,
+                   d.data() + p.cd_offset);
   }
   const int64_t side = full.rows;
   for (int64_t t = 0; t < batch; ++t) {
@@ -116,7 +100,7 @@ TEST_P(SymmetricPanelsTest, GramAndPolynomialProductsEqualTheFullOnes) {
 
   // G = W W^T: no C read.
   std::vector<double> g_full = nan;
-  gemm_at(plan.gram_gemm, cs.batch, 1.0, x.data(), x.data(), 0.0, g_full.data(), g_full.data());
+  reference_gemm(plan.gram_gemm, cs.batch, 1.0, x.data(), x.data(), 0.0, g_full.data(), g_full.data());
   const std::vector<double> g_panels = run_panels(plan.gram_gemm, cs.batch, cs.width, 1.0, x, x, 0.0, nan);
   expect_same_square(g_panels, g_full, cs.batch, side, plan.square_ld, plan.square_stride);
 
@@ -124,7 +108,7 @@ TEST_P(SymmetricPanelsTest, GramAndPolynomialProductsEqualTheFullOnes) {
   std::vector<double> g = random_values(square, 11);
   symmetrize(g, cs.batch, side, plan.square_ld, plan.square_stride);
   std::vector<double> b_full = nan;
-  gemm_at(plan.poly_gemm, cs.batch, -0.7, g.data(), g.data(), 1.3, g.data(), b_full.data());
+  reference_gemm(plan.poly_gemm, cs.batch, -0.7, g.data(), g.data(), 1.3, g.data(), b_full.data());
   const std::vector<double> b_panels = run_panels(plan.poly_gemm, cs.batch, cs.width, -0.7, g, g, 1.3, g);
   expect_same_square(b_panels, b_full, cs.batch, side, plan.square_ld, plan.square_stride);
 }

@@ -69,8 +69,8 @@ struct Result {
 void check_product(SyrkType type, int64_t batch, int64_t side, int64_t depth, int which, std::mt19937& gen) {
   const Layout layout = make_layout(which, side, depth);
   const SyrkShape shape{batch, side, depth, type};
-  const std::size_t elements =
-      static_cast<std::size_t>(batch * layout.batch_stride + side * layout.row + depth * layout.col + 8);
+  const std::size_t elements = static_cast<std::size_t>(batch * layout.batch_stride + side * layout.row +
+                                                        depth * layout.col + 8);
   std::normal_distribution<float> normal(0.f, 1.f);
   Operand x;
   for (std::size_t i = 0; i < elements; ++i) {
@@ -105,7 +105,8 @@ void check_product(SyrkType type, int64_t batch, int64_t side, int64_t depth, in
         ASSERT_EQ(c.bits(type, at), c.bits(type, mirror))
             << layout.name << " " << side << "x" << depth << " not symmetric at " << i << "," << j;
         // One rounding of the result plus fp32 accumulation over the depth.
-        const double bound = result_rounding * std::fabs(exact) + static_cast<double>(depth) * std::ldexp(magnitude, -23);
+        const double bound = result_rounding * std::fabs(exact) +
+                             static_cast<double>(depth) * std::ldexp(magnitude, -23);
         ASSERT_LE(std::fabs(c.value(type, at) - exact), bound)
             << layout.name << " batch " << b << " " << side << "x" << depth << " at " << i << "," << j;
       }
@@ -130,8 +131,8 @@ TEST_P(SyrkCpuTypes, MatchesFloat64OnAwkwardShapesAndLayouts) {
   const SyrkType type = GetParam();
   if (!syrk_available(type)) GTEST_SKIP() << "this CPU lacks the kernel's AVX-512 extensions";
   std::mt19937 gen(20261125u);
-  const int64_t shapes[][2] = {{1, 1},   {1, 7},   {7, 1},   {5, 3},   {8, 2},     {31, 97}, {32, 32},
-                               {33, 65}, {40, 17}, {64, 2},  {5, 0},   {100, 37},  {129, 300}};  // {5, 0}: C = 0
+  const int64_t shapes[][2] = {{1, 1},   {1, 7},   {7, 1},  {5, 3}, {8, 2},    {31, 97},  {32, 32},
+                               {33, 65}, {40, 17}, {64, 2}, {5, 0}, {100, 37}, {129, 300}};  // {5, 0}: C = 0
   for (const auto& s : shapes) {
     for (int which = 0; which < 5; ++which) {
       check_product(type, 1, s[0], s[1], which, gen);

@@ -39,8 +39,7 @@ struct MomentumCoefficients {
 // The coefficients of one step from the momentum value (fp64, as the reference's Python float:
 // the lerp weight is float(1 - momentum), rounded once).
 MEGATRON_EOPT_HD MomentumCoefficients momentum_coefficients(double momentum, bool nesterov, double grad_scale) {
-  return {static_cast<float>(1.0 - momentum), static_cast<float>(momentum), nesterov,
-          static_cast<float>(grad_scale)};
+  return {static_cast<float>(1.0 - momentum), static_cast<float>(momentum), nesterov, static_cast<float>(grad_scale)};
 }
 
 struct MomentumResult {
@@ -72,15 +71,11 @@ MEGATRON_EOPT_HD float weight_decay_factor(WeightDecayMethod method, double lr, 
   const double w = weight_decay;
   switch (method) {
     case WeightDecayMethod::kDecoupled:
-    case WeightDecayMethod::kCautious:
-      return static_cast<float>(w * l);
-    case WeightDecayMethod::kIndependent:
-      return static_cast<float>(w);
-    case WeightDecayMethod::kPalm:
-      return static_cast<float>(w * l * l);
+    case WeightDecayMethod::kCautious: return static_cast<float>(w * l);
+    case WeightDecayMethod::kIndependent: return static_cast<float>(w);
+    case WeightDecayMethod::kPalm: return static_cast<float>(w * l * l);
     case WeightDecayMethod::kL2:
-    default:
-      return 0.f;
+    default: return 0.f;
   }
 }
 

@@ -98,8 +98,7 @@ template <typename Op>
 void multi_tensor_apply(const std::vector<std::vector<void*>>& pointers, const std::vector<int64_t>& numels,
                         const std::vector<float>& scales, const Op& op, cudaStream_t stream) {
   constexpr int Depth = Op::kDepth;
-  static_assert(sizeof(TensorTable<Depth>) + sizeof(Op) <= kKernelArgBytes,
-                "kernel arguments exceed the 4 KiB limit");
+  static_assert(sizeof(TensorTable<Depth>) + sizeof(Op) <= kKernelArgBytes, "kernel arguments exceed the 4 KiB limit");
   static_assert(sizeof(Op) <= kFunctorArgBytes, "functor larger than its kernel-argument budget");
   static_assert(std::size(Op::kElemBytes) >= Depth, "one element size per list");
   const std::vector<std::size_t> elem_bytes(std::begin(Op::kElemBytes), std::begin(Op::kElemBytes) + Depth);
@@ -107,8 +106,8 @@ void multi_tensor_apply(const std::vector<std::vector<void*>>& pointers, const s
   for (std::size_t t = 0; t < pointers.size(); ++t) {
     heads[t] = vector_head(std::vector<const void*>(pointers[t].begin(), pointers[t].end()), elem_bytes, Op::kVec);
   }
-  const std::vector<ChunkLaunch> launches =
-      plan_chunk_launches(numels, kChunkElems, TensorTable<Depth>::kCapacity, kMaxBlocksPerLaunch);
+  const std::vector<ChunkLaunch> launches = plan_chunk_launches(numels, kChunkElems, TensorTable<Depth>::kCapacity,
+                                                                kMaxBlocksPerLaunch);
   for (const ChunkLaunch& launch : launches) {
     const TensorTable<Depth> table = make_tensor_table<Depth>(launch, pointers, scales, heads);
     multi_tensor_kernel<Depth, Op><<<launch.blocks, kMultiTensorThreads, 0, stream>>>(table, op);

@@ -42,9 +42,7 @@ struct ChunkLaunch {
   uint32_t blocks = 0;  // total blocks of the launch
 };
 
-inline int64_t chunk_count(int64_t numel, int64_t chunk_elems) {
-  return (numel + chunk_elems - 1) / chunk_elems;
-}
+inline int64_t chunk_count(int64_t numel, int64_t chunk_elems) { return (numel + chunk_elems - 1) / chunk_elems; }
 
 // Splits tensors of `numels` elements (empty ones skipped) into launches of at most
 // `max_entries` table entries and `max_blocks` blocks.
@@ -134,7 +132,8 @@ MEGATRON_EOPT_HD int locate_entry(const uint32_t* first_block, int count, uint32
 // Entries a table of `depth` lists can hold within the kernel-argument budget.
 constexpr int table_capacity(int depth) {
   // pointers + begin + end + first_block + scale + vectorized flag
-  const std::size_t per_entry = depth * sizeof(void*) + 2 * sizeof(int64_t) + sizeof(uint32_t) + sizeof(float) + 1;  // + head
+  const std::size_t per_entry = depth * sizeof(void*) + 2 * sizeof(int64_t) + sizeof(uint32_t) + sizeof(float) +
+                                1;  // + head
   return static_cast<int>((kKernelArgBytes - kFunctorArgBytes - 16) / per_entry);
 }
 

@@ -41,9 +41,8 @@ NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool tran
 // out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each.
 // `recipe` is folded into the first pass (normalization, MuonEq) and the last (Muon+).
 // No host synchronisation; everything is enqueued on `blas.stream`.
-void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
-                        bool transpose, const std::vector<NsCoefficients>& schedule, float eps,
-                        const NsRecipe& recipe, NsPrecision precision, const NsScratch& scratch,
-                        const LtContext& blas);
+void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n, bool transpose,
+                        const std::vector<NsCoefficients>& schedule, float eps, const NsRecipe& recipe,
+                        NsPrecision precision, const NsScratch& scratch, const LtContext& blas);
 
 }  // namespace megatron_eopt

@@ -23,7 +23,6 @@ int64_t ns_gram_norm_partial_slots(int64_t batch, int64_t m, int64_t n);
 // No host synchronisation; everything is enqueued on `blas.stream`.
 void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n,
                              const GramProgram& program, float eps, const NsRecipe& recipe, NsPrecision precision,
-                             void* scratch, const GramScratchLayout& layout, float* row_scales,
-                             const LtContext& blas);
+                             void* scratch, const GramScratchLayout& layout, float* row_scales, const LtContext& blas);
 
 }  // namespace megatron_eopt

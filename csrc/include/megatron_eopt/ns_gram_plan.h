@@ -172,7 +172,8 @@ inline GramProgram make_gram_program(int64_t m, int64_t n, bool transpose, const
   const auto apply = [&](GramBuf q, GramBuf x, GramBuf d) {
     GramBuf qx = q;
     if (x_bf16) {
-      p.ops.push_back({GramOpKind::kRound, GramGemm::kSquare, q, GramBuf::kNone, GramBuf::kNone, GramBuf::kQx, 1.f, 0.f});
+      p.ops.push_back(
+          {GramOpKind::kRound, GramGemm::kSquare, q, GramBuf::kNone, GramBuf::kNone, GramBuf::kQx, 1.f, 0.f});
       qx = GramBuf::kQx;
     }
     if (transpose) gemm(GramGemm::kApply, qx, x, 1.f, d, 0.f, d);
@@ -199,8 +200,8 @@ inline GramProgram make_gram_program(int64_t m, int64_t n, bool transpose, const
     // of in one exact-as-possible diagonal addition.
     const GramBuf P = take();
     gemm(GramGemm::kSquare, R, R, co.c, R, co.b, P);
-    p.ops.push_back({GramOpKind::kAddDiag, GramGemm::kSquare, GramBuf::kNone, GramBuf::kNone, GramBuf::kNone, P,
-                     co.a, 0.f});
+    p.ops.push_back(
+        {GramOpKind::kAddDiag, GramGemm::kSquare, GramBuf::kNone, GramBuf::kNone, GramBuf::kNone, P, co.a, 0.f});
     const bool last_in_segment = k + 1 == steps || restart[k + 1];
     if (!last_in_segment) {
       // R <- P R P as P (R P); every factor is a polynomial in the segment's first R.

@@ -40,9 +40,7 @@ struct NsRecipe {
   bool frobenius_renorm = false;
 
   // Whether the input pass differs from the plain x / max(||x||_F, eps).
-  bool changes_input() const {
-    return eps_mode != NsEpsMode::kClamp || norm_divisor != 1.f || row_equilibration;
-  }
+  bool changes_input() const { return eps_mode != NsEpsMode::kClamp || norm_divisor != 1.f || row_equilibration; }
   bool is_default() const { return !changes_input() && !frobenius_renorm; }
 };
 

@@ -23,8 +23,8 @@ struct NsCoefficients {
 enum class SchedulePolicy { kCycle, kRepeatLast };
 
 // `flat_rows` holds the table row-major: a0, b0, c0, a1, b1, c1, ...
-inline std::vector<NsCoefficients> expand_schedule(const std::vector<double>& flat_rows,
-                                                   long steps, SchedulePolicy policy) {
+inline std::vector<NsCoefficients> expand_schedule(const std::vector<double>& flat_rows, long steps,
+                                                   SchedulePolicy policy) {
   if (flat_rows.empty() || flat_rows.size() % 3 != 0) {
     throw std::invalid_argument("coefficients must hold one or more (a, b, c) rows, got " +
                                 std::to_string(flat_rows.size()) + " values");

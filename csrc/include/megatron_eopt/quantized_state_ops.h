@@ -124,8 +124,7 @@ void dispatch_quantized_momentum(const QuantizedMomentumArgs& a, F&& f) {
             return f(grad_tag, ns_tag, l2, std::integral_constant<StateFormat, StateFormat::kInt8>{});
           case StateFormat::kFloat8E4M3Squared:
             return f(grad_tag, ns_tag, l2, std::integral_constant<StateFormat, StateFormat::kFloat8E4M3Squared>{});
-          case StateFormat::kFloat8E4M3:
-            break;  // the second moment's format
+          case StateFormat::kFloat8E4M3: break;  // the second moment's format
         }
         throw std::invalid_argument("foreach_momentum_quantized_: unknown state format");
       };

@@ -15,8 +15,7 @@ inline ScaleMode parse_scale_mode(const std::string& name) {
   if (name == "spectral") return ScaleMode::kSpectral;
   if (name == "shape_scaling") return ScaleMode::kShapeScaling;
   if (name == "unit_rms_norm") return ScaleMode::kUnitRmsNorm;
-  throw std::invalid_argument("scale_mode must be one of spectral, shape_scaling, unit_rms_norm; got '" +
-                              name + "'");
+  throw std::invalid_argument("scale_mode must be one of spectral, shape_scaling, unit_rms_norm; got '" + name + "'");
 }
 
 //   spectral:      sqrt(max(m, n))     (learning rate transfers from AdamW)

@@ -31,8 +31,7 @@ struct Moment2Tensor {
 };
 
 // v <- lerp(v, O^2, 1 - beta2); O <- O / (sqrt(v) + eps). One kernel.
-void adamuon_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment2Scalars& scalars,
-                            cudaStream_t stream);
+void adamuon_normalize_cuda(const std::vector<Moment2Tensor>& list, const Moment2Scalars& scalars, cudaStream_t stream);
 
 // Floats of device scratch normuon_normalize_cuda needs (0 for an empty list).
 std::size_t normuon_scratch_floats(const std::vector<Moment2Tensor>& list);

@@ -64,8 +64,7 @@ MEGATRON_EOPT_HD float normuon_step_size(float v, float eps) { return reciprocal
 // NorMuon, one slice (a row when rows >= cols, else a column) of `slice_len` elements whose
 // squares sum to `slice_sum_sq`: v <- lerp(v, mean(o^2), 1 - beta2); returns the slice's step size
 // rsqrt(max(v, eps)). The update is then o * step * normuon_norm_ratio(...).
-MEGATRON_EOPT_HD float normuon_slice_step(float& v, float slice_sum_sq, int64_t slice_len, float weight,
-                                          float eps) {
+MEGATRON_EOPT_HD float normuon_slice_step(float& v, float slice_sum_sq, int64_t slice_len, float weight, float eps) {
   v = torch_lerp(v, slice_sum_sq / static_cast<float>(slice_len), weight);
   return normuon_step_size(v, eps);
 }
@@ -79,8 +78,7 @@ MEGATRON_EOPT_HD float normuon_norm_ratio(float sum_sq_o, float sum_sq_scaled, f
 // NAMO, one matrix: v <- lerp(v, ||g||_F^2, 1 - beta2) (scalar state); returns the factor
 // ||G~||_F / (sqrt(v) + eps) that multiplies O, where G~ is the Newton–Schulz input. With a
 // GradScaler the caller passes ||g||_F^2 of the unscaled gradient (namo_grad_sum_sq).
-MEGATRON_EOPT_HD float namo_scale(float& v, float grad_sum_sq, float ns_input_sum_sq, float weight,
-                                  float eps) {
+MEGATRON_EOPT_HD float namo_scale(float& v, float grad_sum_sq, float ns_input_sum_sq, float weight, float eps) {
   v = torch_lerp(v, grad_sum_sq, weight);
   return sqrtf(ns_input_sum_sq) / (sqrtf(v) + eps);
 }

@@ -10,8 +10,7 @@ namespace megatron_eopt {
 
 // Returns, for each distinct shape in order of first appearance, the indices of the inputs that
 // have it. Every input index appears exactly once.
-inline std::vector<std::vector<std::size_t>> group_by_shape(
-    const std::vector<std::vector<int64_t>>& shapes) {
+inline std::vector<std::vector<std::size_t>> group_by_shape(const std::vector<std::vector<int64_t>>& shapes) {
   std::map<std::vector<int64_t>, std::size_t> slot;
   std::vector<std::vector<std::size_t>> groups;
   for (std::size_t i = 0; i < shapes.size(); ++i) {

@@ -17,9 +17,8 @@ inline bool non_overlapping_and_dense(const std::vector<int64_t>& sizes, const s
   std::vector<std::size_t> order(dims);
   std::iota(order.begin(), order.end(), std::size_t{0});
   // Innermost first; ties broken by the later dim, as a contiguous tensor orders them.
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return strides[a] != strides[b] ? strides[a] < strides[b] : a > b;
-  });
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t a, std::size_t b) { return strides[a] != strides[b] ? strides[a] < strides[b] : a > b; });
   int64_t expected = 1;
   for (std::size_t d : order) {
     if (sizes[d] == 1) continue;

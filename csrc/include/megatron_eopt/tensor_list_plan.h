@@ -32,8 +32,9 @@ inline TensorListPlan plan_tensor_list(const std::vector<int64_t>& work, int64_t
                                        int64_t max_blocks_per_tensor,
                                        std::size_t max_tensors_per_launch = kMaxTensorsPerLaunch) {
   if (units_per_block < 1 || max_blocks_per_tensor < 1 || max_tensors_per_launch < 1) {
-    throw std::invalid_argument("plan_tensor_list: units_per_block, max_blocks_per_tensor and "
-                                "max_tensors_per_launch must be positive");
+    throw std::invalid_argument(
+        "plan_tensor_list: units_per_block, max_blocks_per_tensor and "
+        "max_tensors_per_launch must be positive");
   }
   constexpr int64_t kMaxBlocksPerLaunch = (int64_t{1} << 31) - 1;  // grid.x limit
   TensorListPlan plan;

@@ -11,13 +11,13 @@
 namespace megatron_eopt {
 namespace {
 
-void foreach_momentum_cuda_op(const TensorList& grads, const TensorList& momentum_buffers,
-                              const TensorList& ns_inputs, const TensorList& params, const Tensor& momentum,
-                              bool nesterov, const Tensor& weight_decay, const std::string& weight_decay_method,
+void foreach_momentum_cuda_op(const TensorList& grads, const TensorList& momentum_buffers, const TensorList& ns_inputs,
+                              const TensorList& params, const Tensor& momentum, bool nesterov,
+                              const Tensor& weight_decay, const std::string& weight_decay_method,
                               const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf) {
-  const ForeachCall<ForeachMomentumArgs> call =
-      parse_foreach_momentum(grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay,
-                             weight_decay_method, grad_scale, found_inf, kCUDA);
+  const ForeachCall<ForeachMomentumArgs> call = parse_foreach_momentum(
+      grads, momentum_buffers, ns_inputs, params, momentum, nesterov, weight_decay, weight_decay_method, grad_scale,
+      found_inf, kCUDA);
   if (call.args.numels.empty()) return;
   const int device = cuda::device_of(grads[0]);
   const cuda::DeviceGuard guard(device);
@@ -28,8 +28,8 @@ void foreach_momentum_cuda_op(const TensorList& grads, const TensorList& momentu
 void foreach_update_cuda_op(const TensorList& params, const TensorList& updates, const std::vector<double>& scales,
                             const Tensor& lr, const Tensor& weight_decay, const std::string& weight_decay_method,
                             const std::optional<Tensor>& found_inf) {
-  const ForeachCall<ForeachUpdateArgs> call =
-      parse_foreach_update(params, updates, scales, lr, weight_decay, weight_decay_method, found_inf, kCUDA);
+  const ForeachCall<ForeachUpdateArgs> call = parse_foreach_update(params, updates, scales, lr, weight_decay,
+                                                                   weight_decay_method, found_inf, kCUDA);
   if (call.args.numels.empty()) return;
   const int device = cuda::device_of(params[0]);
   const cuda::DeviceGuard guard(device);

@@ -40,8 +40,7 @@ LtContext blas_context(const Tensor& x, TorchWorkspace& workspace) {
 }
 
 // The Gram iteration (docs/design.md §4.4): one scratch allocation laid out for its program.
-void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const GramProgram& program,
-              float* row_scales) {
+void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const GramProgram& program, float* row_scales) {
   const GramScratchLayout layout = gram_scratch_layout(program, opts.batch, opts.rows, opts.cols,
                                                        ns_gram_norm_partial_slots(opts.batch, opts.rows, opts.cols));
   const Tensor buffer = device_bytes(layout.total, input);
@@ -51,8 +50,8 @@ void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const Gra
                           row_scales, blas_context(input, workspace));
 }
 
-Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps,
-                             bool repeat_last, double eps, std::optional<bool> transpose, const std::string& precision,
+Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                             double eps, std::optional<bool> transpose, const std::string& precision,
                              const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
                              bool row_equilibration, bool frobenius_renorm) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz: x must be a CUDA tensor here, got ", x.device());

@@ -11,14 +11,14 @@ namespace megatron_eopt {
 namespace {
 
 void foreach_momentum_quantized_cuda_op(const TensorList& grads, const TensorList& states, const TensorList& scales,
-                                        const TensorList& ns_inputs, const TensorList& params,
-                                        const Tensor& momentum, bool nesterov, const Tensor& weight_decay,
-                                        const std::string& weight_decay_method, int64_t block_size,
-                                        const Tensor& seed, const std::optional<Tensor>& grad_scale,
+                                        const TensorList& ns_inputs, const TensorList& params, const Tensor& momentum,
+                                        bool nesterov, const Tensor& weight_decay,
+                                        const std::string& weight_decay_method, int64_t block_size, const Tensor& seed,
+                                        const std::optional<Tensor>& grad_scale,
                                         const std::optional<Tensor>& found_inf) {
-  const auto call =
-      parse_foreach_momentum_quantized(grads, states, scales, ns_inputs, params, momentum, nesterov, weight_decay,
-                                       weight_decay_method, block_size, seed, grad_scale, found_inf, kCUDA);
+  const auto call = parse_foreach_momentum_quantized(grads, states, scales, ns_inputs, params, momentum, nesterov,
+                                                     weight_decay, weight_decay_method, block_size, seed, grad_scale,
+                                                     found_inf, kCUDA);
   if (call.args.tensors.empty()) return;
   const int device = cuda::device_of(grads[0]);
   const cuda::DeviceGuard guard(device);
@@ -26,12 +26,11 @@ void foreach_momentum_quantized_cuda_op(const TensorList& grads, const TensorLis
   call.finish();
 }
 
-void adamuon_normalize_quantized_cuda_op(const TensorList& updates, const TensorList& moment2,
-                                         const TensorList& scales, const Tensor& beta2, const Tensor& eps,
-                                         int64_t block_size, const Tensor& seed,
+void adamuon_normalize_quantized_cuda_op(const TensorList& updates, const TensorList& moment2, const TensorList& scales,
+                                         const Tensor& beta2, const Tensor& eps, int64_t block_size, const Tensor& seed,
                                          const std::optional<Tensor>& found_inf) {
-  const auto call =
-      parse_adamuon_normalize_quantized(updates, moment2, scales, beta2, eps, block_size, seed, found_inf, kCUDA);
+  const auto call = parse_adamuon_normalize_quantized(updates, moment2, scales, beta2, eps, block_size, seed, found_inf,
+                                                      kCUDA);
   if (call.args.tensors.empty()) return;
   const int device = cuda::device_of(updates[0]);
   const cuda::DeviceGuard guard(device);
