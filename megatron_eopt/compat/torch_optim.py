@@ -156,9 +156,10 @@ class Muon(OrthogonalizedOptimizer):
         except (TypeError, ValueError):
             coefficient_key = ("invalid", repr(coefficients))
         key = (bool(group["nesterov"]), coefficient_key, group["eps"], group["ns_steps"], group["adjust_lr_fn"])
+        key = (*key, self.fp32_matmul_prec)
         hit = self._configs.get(key)
         if hit is None:
-            hit = self._configs[key] = _make_settings(*key, self.fp32_matmul_prec)
+            hit = self._configs[key] = _make_settings(*key)
         return hit
 
     def _group_config(self, group: dict) -> OrthogonalizationConfig:

@@ -37,12 +37,13 @@ classes (Muon, AdaptiveMuon, Scion, the tensor-parallel ones) set up through ``_
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from .. import ops
-from ._config import OrthogonalizationConfig, check_group_hyperparameters, check_step_value
+from ._config import OrthogonalizationConfig, check_group_hyperparameters, check_matmul_precision, check_step_value
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .weight_update_hooks import NoOpWeightUpdateHook
 from ._distributed import (
@@ -143,6 +144,29 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs))
         self.scaled_orthogonalize_fn = scaled_orthogonalize_fn
 
+    @property
+    def fp32_matmul_prec(self) -> str:
+        """Precision of the Newton–Schulz products: "medium" (bf16), "high" (TF32) or "highest" (fp32).
+        One setting for every path: set after construction, the fused step follows it too
+        (Emerging-Optimizers reads the attribute at each step)."""
+        return self.__dict__["_fp32_matmul_prec"]
+
+    @fp32_matmul_prec.setter
+    def fp32_matmul_prec(self, value: str) -> None:
+        check_matmul_precision(value)
+        self.__dict__["_fp32_matmul_prec"] = value
+        config = self.__dict__.get("_config")
+        if config is not None and config.precision != value:
+            self._use_config(dataclasses.replace(config, precision=value))
+
+    def _use_config(self, config: OrthogonalizationConfig) -> None:
+        """Makes ``config`` the optimizer's, with everything built from it (the plan is rebuilt)."""
+        self._config = config
+        self.scaled_orthogonalize_fn = FusedScaledOrthogonalize(config, scaled=config.moment2_method is None)
+        self._sharded = ShardedOrthogonalizer(config)
+        if self._constructed:
+            self._rebuild_plan()
+
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
                     sharded_mode: str = "owner", weight_update_hook: Any | None = None, state_dtype: str = "fp32",
                     state_block_size: int = lms.DEFAULT_BLOCK_SIZE, workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
@@ -157,15 +181,15 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         self._state_seeds: dict[torch.device, torch.Tensor] = {}
         self._deferred_error = deferred_error
         self._weight_update_hook = _effective_hook(weight_update_hook)
-        self.scaled_orthogonalize_fn = FusedScaledOrthogonalize(config, scaled=config.moment2_method is None)
         if nd_mode not in ND_MODES:
             raise ValueError(f"nd_mode must be one of {list(ND_MODES)}, got {nd_mode!r}")
         if sharded_mode not in SHARDED_MODES:
             raise ValueError(f"sharded_mode must be one of {list(SHARDED_MODES)}, got {sharded_mode!r}")
         self.nd_mode = nd_mode
         self.sharded_mode = sharded_mode
-        self._sharded = ShardedOrthogonalizer(config)
-        self._config = config
+        self._constructed = False
+        self._use_config(config)
+        self.__dict__["_fp32_matmul_prec"] = config.precision
         self._plan: Plan | None = None
         self._hyper: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
         self._batched: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -263,6 +287,8 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "fp32_matmul_prec" in state:  # pickled before the attribute became a property
+            state["_fp32_matmul_prec"] = state.pop("fp32_matmul_prec")
         super().__setstate__(state)
         self._batched = None
         if self._config is None:

@@ -245,3 +245,64 @@ def test_orthogonalize_override_must_return_the_param_shape(gen):
     with pytest.raises(ValueError, match="must return a tensor of shape \\(8, 12\\)"):
         opt.step()
     assert torch.equal(params[0], before)
+
+
+# ------------------------------------------------------------------ fp32_matmul_prec: one setting
+def _fused_classes():
+    from megatron_eopt.optim import (MOP, MuonHyperball, Muown, PolarGrad, Scion, Spel, TensorParallelAdaptiveMuon,
+                                     TensorParallelMuon)
+    from megatron_eopt.torch_optim import Muon as TorchOptimMuon
+
+    return {
+        "muon": lambda ps: Muon(ps, lr=0.02, fp32_matmul_prec="high"),
+        "adaptive": lambda ps: AdaptiveMuon(ps, 0.02, 0.9, 0.0, moment2_method="normuon", fp32_matmul_prec="high"),
+        "tp_muon": lambda ps: TensorParallelMuon(ps, lr=0.02, fp32_matmul_prec="high"),
+        "tp_adaptive": lambda ps: TensorParallelAdaptiveMuon(ps, 0.02, 0.9, 0.0, moment2_method="adamuon",
+                                                             fp32_matmul_prec="high"),
+        "scion": lambda ps: Scion(ps, lr=0.02, fp32_matmul_prec="high"),
+        "muown": lambda ps: Muown(ps, lr=0.02, fp32_matmul_prec="high"),
+        "hyperball": lambda ps: MuonHyperball(ps, lr=0.02, hyperball_radius=1.0, fp32_matmul_prec="high"),
+        "mop": lambda ps: MOP(ps, lr=0.02, fp32_matmul_prec="high"),
+        "polargrad": lambda ps: PolarGrad(ps, lr=0.02, fp32_matmul_prec="high"),
+        "spel": lambda ps: Spel(ps, lr=0.02, fp32_matmul_prec="high"),
+        "torch_optim": lambda ps: TorchOptimMuon(ps, lr=0.02),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_fused_classes()))
+def test_fp32_matmul_prec_is_one_setting_the_fused_step_follows(name, gen):
+    build = _fused_classes()[name]
+    params = make_params([(8, 12), (12, 8)], gen)
+    with torch.no_grad():  # on the unit sphere, for MuonHyperball
+        for p in params:
+            p.div_(p.norm())
+    opt = build(params)
+    if opt._config is not None:
+        assert opt._config.precision == opt.fp32_matmul_prec
+    opt.fp32_matmul_prec = "highest"
+    assert opt.fp32_matmul_prec == "highest"
+    assert opt._config is None or all(c.precision == "highest" for c in opt._group_configs())
+
+
+def test_setting_fp32_matmul_prec_steps_like_constructing_with_it(gen):
+    params = make_params([(8, 12), (12, 8), (8, 12)], gen)
+    grads = make_grads(params, gen, 3)
+    changed, built = clone_params(params), clone_params(params)
+    opt = Muon(changed, lr=0.02)
+    run_steps(opt, changed, grads[:1])
+    opt.fp32_matmul_prec = "highest"
+    run_steps(opt, changed, grads[1:])
+    ref = Muon(built, lr=0.02)
+    run_steps(ref, built, grads[:1])
+    ref_high = Muon(built, lr=0.02, fp32_matmul_prec="highest")
+    ref_high.load_state_dict(ref.state_dict())
+    run_steps(ref_high, built, grads[1:])
+    for p, q in zip(changed, built):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_bad_fp32_matmul_prec_is_refused_naming_it_and_changes_nothing(gen):
+    opt = Muon(make_params([(8, 12)], gen), lr=0.02)
+    with pytest.raises(ValueError, match="fp32_matmul_prec"):
+        opt.fp32_matmul_prec = "low"
+    assert opt.fp32_matmul_prec == "medium" and opt._config.precision == "medium"
