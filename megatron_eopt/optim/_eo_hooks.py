@@ -135,17 +135,19 @@ class EOExtensionPoints:
         for p in params:
             self.post_weight_update_fn_inplace(p)
 
+    def _orthogonalize_is_base(self) -> bool:
+        """True when ``orthogonalize`` is the base class's (which the per-parameter step may batch)."""
+        return False
+
     def _orthogonalize_all(self, work: list[tuple], settings: list[dict]) -> list[torch.Tensor]:
         """``orthogonalize`` of every (p, momentum): one call per parameter, or, for an EO-style
         optimizer whose ``scaled_orthogonalize_fn`` takes stacks (``supports_batch``) and whose
         ``orthogonalize`` is the base one, one call per shape on the stacked momenta."""
         fn = self.scaled_orthogonalize_fn
-        base = EOExtensionPoints.__dict__.get("_base_orthogonalize")
         batchable = (
             getattr(self, "_config", None) is None
             and getattr(fn, "supports_batch", False)
-            and base is not None
-            and type(self).orthogonalize is base
+            and self._orthogonalize_is_base()
         )
         if not batchable:
             return [self.orthogonalize(p, g, **kw) for (p, g), kw in zip(work, settings)]

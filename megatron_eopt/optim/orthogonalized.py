@@ -818,6 +818,9 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         hook.fused_post(params, state)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension point
+    def _orthogonalize_is_base(self) -> bool:
+        return type(self).orthogonalize is OrthogonalizedOptimizer.orthogonalize
+
     def orthogonalize(self, p: torch.Tensor, grad: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """The orthogonalized update of ``p`` from ``grad`` (its Newton–Schulz input), as ``step`` uses it.
 
@@ -983,8 +986,6 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
 
 # The fused step reproduces these methods; a subclass replacing one gets the per-parameter step.
 OrthogonalizedOptimizer._fused_hook_defaults = {name: getattr(OrthogonalizedOptimizer, name) for name in BASE_HOOK_NAMES}
-# The per-parameter step batches EO-style orthogonalization only under this (not overridden) method.
-EOExtensionPoints._base_orthogonalize = OrthogonalizedOptimizer.orthogonalize
 
 
 # The weight-decay methods of EO's per-parameter step (``_apply_weight_decay_inplace``).

@@ -204,6 +204,39 @@ def test_the_per_parameter_family_steps_one_matrix_at_a_time(cls):
     assert not opt._use_fused_step()
 
 
+class _CountingOrthogonalize:
+    """Wraps a stack-taking scaled_orthogonalize_fn and records the shape of each call."""
+
+    supports_batch = True
+
+    def __init__(self, fn):
+        self.fn, self.shapes = fn, []
+
+    def __call__(self, x):
+        self.shapes.append(tuple(x.shape))
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("cls", [MOP, PolarGrad, Spel])
+def test_the_per_parameter_family_stacks_equal_shapes_unless_orthogonalize_is_overridden(cls):
+    class Overridden(cls):
+        def orthogonalize(self, p, grad, **kwargs):
+            return super().orthogonalize(p, grad, **kwargs)
+
+    for klass in (cls, Overridden):
+        gen = torch.Generator().manual_seed(7)
+        params = make_params([(8, 12)] * 3 + [(12, 8)], gen)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt = klass(params, lr=0.02)
+        opt.scaled_orthogonalize_fn = counting = _CountingOrthogonalize(opt.scaled_orthogonalize_fn)
+        opt.step()
+        if klass is cls:  # one call per shape on the stacked matrices (Spel makes a second pass too)
+            assert set(counting.shapes) == {(3, 8, 12), (1, 12, 8)}
+        else:  # the override sees each parameter alone (Spel's second pass still stacks)
+            assert {(8, 12), (12, 8)} <= set(counting.shapes)
+
+
 def _run_pair(build, params_of, steps=3, seed=0):
     """Params after ``steps`` steps of the same optimizer in one chunk and one matrix per chunk."""
     gen = torch.Generator().manual_seed(seed)
