@@ -78,6 +78,7 @@ from ._sharded import (
 from ._state_check import check_loaded_state
 from . import _low_memory
 from .. import low_memory_state as lms
+from ..second_moment import moment2_view_shape
 
 
 class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
@@ -349,14 +350,9 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         entry = plan.entries[plan.index[id(p)]] if id(p) in plan.index else None
         if entry is None or entry.sharding is not None:
             return None  # a DTensor's statistics: laid out by its sharding, checked by DCP's planner
-        if method == "adamuon":
+        if method == "adamuon":  # elementwise: shaped like p (a flattened conv too)
             return tuple(p.shape), torch.float32
-        shape = list(entry.local_shape)
-        if method == "normuon":
-            shape[entry.normuon_dim] = 1
-        else:  # namo: one scalar per matrix
-            shape = shape[:-2] + [1]
-        return tuple(shape), torch.float32
+        return moment2_view_shape(method, entry.local_shape, entry.normuon_dim), torch.float32
 
     def _step_keys(self) -> tuple[str, ...]:
         """The per-step values of a param group the ops read as device tensors."""
@@ -441,18 +437,11 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
             # fp32 whatever p's dtype (the normalization ops keep their statistics in fp32; for
             # fp32 params this is Emerging-Optimizers' layout, which stores p's dtype).
             # nd_mode "batch": one statistic per matrix, (E, m, 1) / (E, 1, n) / (E, 1).
-            lead = list(entry.local_shape[:-2]) if entry.sharding is None else list(entry.sharding.view_shape[:-2])
-            if entry.sharding is None:
-                shape = list(entry.local_shape)
-            else:
-                shape = list(entry.sharding.view_shape)
-            if method == "normuon":
-                shape[entry.normuon_dim] = 1
-            elif method == "namo":  # EMA of the squared Frobenius norm of the gradient
-                shape = lead + [1]
+            view = entry.local_shape if entry.sharding is None else entry.sharding.view_shape
+            shape = moment2_view_shape(method, view, entry.normuon_dim)
             if entry.sharding is None:
                 if method == "adamuon":
-                    shape = list(p.shape)  # elementwise: shaped like p (a flattened conv too)
+                    shape = tuple(p.shape)  # elementwise: shaped like p (a flattened conv too)
                 state["moment2_buffer"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
             elif method == "adamuon":  # elementwise: sharded exactly like p
                 state["moment2_buffer"] = torch.zeros_like(p, dtype=torch.float32)
