@@ -20,7 +20,11 @@ NSAlgorithmT = Literal["auto", "standard", "gram"]
 # "standard": the iteration on X (docs/design.md §4.1). "gram": the same iteration run on the Gram matrix
 # X·Xᵀ of the short side (§4.4), fewer FLOPs for rectangular matrices. "auto": gram where it does
 # less work on the device (and its precision keeps it within the standard tolerances), else standard.
-NS_ALGORITHMS = ("auto", "standard", "gram")
+NS_ALGORITHMS: tuple[str, ...] = get_args(NSAlgorithmT)
+# How the Frobenius normalization uses eps: "clamp" divides by max(‖x‖, eps) (Emerging-Optimizers),
+# "add" by ‖x‖ + eps (Keller Jordan's snippet, nanochat).
+EpsModeT = Literal["clamp", "add"]
+EPS_MODES: tuple[str, ...] = get_args(EpsModeT)
 
 # Each row (a, b, c) maps a singular value s to a*s + b*s^3 + c*s^5.
 COEFFICIENT_SETS: dict[str, tuple[CoefficientRow, ...]] = {

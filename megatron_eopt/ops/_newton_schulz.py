@@ -14,6 +14,7 @@ from ..newton_schulz import (
     NSAlgorithmT,
     NSCoeffT,
     PrecisionT,
+    EPS_MODES,
     NS_ALGORITHMS,
     NS_EPS,
     SCALE_MODES,
@@ -52,8 +53,8 @@ def _ns_arguments(
 def _recipe_arguments(eps_mode: str, norm_divisor: float, row_equilibration: bool,
                       frobenius_renorm: bool) -> tuple[str, float, bool, bool]:
     """The ops' trailing recipe arguments, checked (ValueError naming the argument)."""
-    if eps_mode not in ("clamp", "add"):
-        raise ValueError(f"eps_mode must be one of ['clamp', 'add'], got {eps_mode!r}")
+    if eps_mode not in EPS_MODES:
+        raise ValueError(f"eps_mode must be one of {list(EPS_MODES)}, got {eps_mode!r}")
     if (isinstance(norm_divisor, bool) or not isinstance(norm_divisor, (int, float))
             or not math.isfinite(norm_divisor) or norm_divisor < 1):
         raise ValueError(f"norm_divisor must be a finite number >= 1, got {norm_divisor!r}")
@@ -320,7 +321,7 @@ def _fake_check_algorithm(algorithm) -> None:
 
 
 def _fake_check_recipe(eps_mode, norm_divisor) -> None:
-    torch._check_value(eps_mode in ("clamp", "add"), lambda: f"eps_mode must be one of clamp, add; got {eps_mode!r}")
+    torch._check_value(eps_mode in EPS_MODES, lambda: f"eps_mode must be one of clamp, add; got {eps_mode!r}")
     torch._check_value(math.isfinite(norm_divisor) and norm_divisor >= 1,
                        lambda: f"norm_divisor must be finite and at least 1, got {norm_divisor}")
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-EPS_MODES = ("clamp", "add")
+from ..newton_schulz import EPS_MODES
+
 
 # Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): the optimal odd quintics for
 # Newton–Schulz's first steps, without the safety factor. Every row but the last is applied to
