@@ -7,9 +7,10 @@
 #   scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]     (no step named: all four)
 #
 # Steps for a short lease, named explicitly (each also in "bench" or "tests" where noted):
-#   gputests    the doctor and the GPU-marked tests only (GPU_VERIFY_TESTS: pytest arguments, default
-#               tests/python; GPU_VERIFY_TESTS_TIMEOUT: seconds, default none; pytest prints the
-#               failures' tracebacks only when it finishes, so list the files that fit the time)
+#   gputests    the doctor and the GPU-marked tests only, one pytest per target of GPU_VERIFY_TESTS
+#               (test files or folders, in the order given; default tests/python) so that each
+#               target's failures come with their tracebacks; GPU_VERIFY_TESTS_TIMEOUT: seconds for
+#               all of them (default none); GPU_VERIFY_PYTEST_ARGS: more pytest arguments (e.g. -n 8)
 #   table       benchmarks/run.py alone (part of bench; GPU_VERIFY_BENCH_ARGS)
 #   memory      benchmarks/step_memory.py alone (part of bench; GPU_VERIFY_MEMORY_ARGS)
 #   symmetric   benchmarks/run.py on the Newton-Schulz and large step workloads with the opt-in
@@ -151,14 +152,33 @@ if want tests || want gputests; then
   "$PY" -m megatron_eopt.doctor 2>&1 | tee -a "$SUMMARY"
   if [ "${PIPESTATUS[0]}" -eq 0 ]; then say "doctor: ok"; else say "doctor: FAILED (see above)"; failed_core=1; fi
   if want tests; then
-    "$PY" -m pytest tests/python -v -rs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+    "$PY" -m pytest tests/python -v -rfEs -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+    rc=$?
+    result=$(tail -1 "$OUT/pytest.log")
   else
-    # shellcheck disable=SC2086
-    timeout "${GPU_VERIFY_TESTS_TIMEOUT:-0}" "$PY" -m pytest ${GPU_VERIFY_TESTS:-tests/python} -m gpu -v -rs \
-      -p no:cacheprovider >"$OUT/pytest.log" 2>&1
+    # One pytest per target, in the order given, so that each file's failures are printed with
+    # their tracebacks even when a later one runs out of the time limit.
+    deadline=$((SECONDS + ${GPU_VERIFY_TESTS_TIMEOUT:-86400}))
+    rc=0
+    result=""
+    : >"$OUT/pytest.log"
+    for target in ${GPU_VERIFY_TESTS:-tests/python}; do
+      left=$((deadline - SECONDS))
+      if [ $left -le 0 ]; then
+        echo "== $target: not run (time limit)" >>"$OUT/pytest.log"
+        result="$result $target: not run;"
+        rc=124
+        continue
+      fi
+      echo "== $target" >>"$OUT/pytest.log"
+      # shellcheck disable=SC2086
+      timeout "$left" "$PY" -m pytest "$target" -m gpu -v -rfEs -p no:cacheprovider ${GPU_VERIFY_PYTEST_ARGS:-} \
+        >>"$OUT/pytest.log" 2>&1
+      r=$?
+      result="$result $(basename "$target"): $(tail -1 "$OUT/pytest.log" | tr -d '=');"
+      if [ $r -ne 0 ] && [ $r -ne 5 ]; then rc=$r; fi  # 5: no GPU-marked test in the target
+    done
   fi
-  rc=$?
-  result=$(tail -1 "$OUT/pytest.log")
   # "SKIPPED [N] file:line: needs a CUDA device": must be none on a GPU machine.
   no_gpu=$(awk '/^SKIPPED \[[0-9]+\].*needs a CUDA device/ {gsub(/[^0-9]/, "", $2); s += $2} END {print s + 0}' "$OUT/pytest.log")
   say "tests: $(grep -c -E '(cuda|gpu).* PASSED' "$OUT/pytest.log") passed with cuda/gpu in their id; ${no_gpu:-0} skipped for want of a CUDA device"
