@@ -23,7 +23,15 @@ from typing import Callable
 import torch
 
 import megatron_eopt as me
-from megatron_eopt._library import LIBRARY_PATH, build_info, cuda_kernels_built, forced_blas_fallback, gemm_counts
+from megatron_eopt._library import (
+    LIBRARY_PATH,
+    build_info,
+    cuda_kernels_built,
+    cuda_symmetric_products,
+    forced_blas_fallback,
+    gemm_counts,
+    set_cuda_symmetric_products,
+)
 from megatron_eopt.newton_schulz import get_coefficients, get_muon_scale_factor
 
 # Awkward shapes (row / column vectors, primes both ways, square) and a batch.
@@ -283,6 +291,38 @@ def check_blas_fallback(device: str, seed: int) -> list[Result]:
     return out
 
 
+def check_symmetric_products(device: str, seed: int) -> list[Result]:
+    """Newton–Schulz with every symmetric product as lower block panels plus a mirror (a rule that
+    panels these small shapes), against the CPU path; and that the panels really ran (more GEMMs)."""
+    if device == "cpu":
+        return []
+    out = []
+    gen = _gen(seed + 2)
+    before_rule = cuda_symmetric_products()
+    try:
+        for shape in [(2, 320, 704), (1, 193, 193), (3, 200, 130)]:
+            x = _randn(shape, gen)
+            for precision in ("highest", "medium"):
+                for algorithm in ("standard", "gram"):
+                    set_cuda_symmetric_products(1)
+                    before = sum(gemm_counts())
+                    me.newton_schulz(_on(x, device), precision=precision, algorithm=algorithm)
+                    full_calls = sum(gemm_counts()) - before
+                    set_cuda_symmetric_products(4, 64)
+                    before = sum(gemm_counts())
+                    got = me.newton_schulz(_on(x, device), precision=precision, algorithm=algorithm)
+                    torch.cuda.synchronize(device)
+                    panel_calls = sum(gemm_counts()) - before
+                    want = me.newton_schulz(x, precision="highest", algorithm=algorithm)
+                    ran = panel_calls > full_calls
+                    out.append(Result(device, f"symmetric panels {precision} {algorithm} {tuple(shape)}",
+                                      rel_err(got, want) if ran else math.inf, 5e-2 if precision == "medium" else 2e-3,
+                                      "" if ran else "the panels did not run"))
+    finally:
+        set_cuda_symmetric_products(*(before_rule or (None,)))
+    return out
+
+
 def check_graph_capture(device: str, seed: int) -> list[Result]:
     """Newton-Schulz and a whole Muon step captured in a CUDA graph after a warm-up, replayed on
     new inputs: equal to the same calls run eagerly."""
@@ -393,7 +433,7 @@ def check_low_memory_state(device: str, seed: int) -> list[Result]:
 
 
 CHECKS = [check_newton_schulz, check_split, check_foreach, check_second_moment, check_optimizers,
-          check_low_memory_state, check_blas_fallback, check_graph_capture]
+          check_low_memory_state, check_blas_fallback, check_symmetric_products, check_graph_capture]
 
 
 def run_checks(devices: list[str], seed: int = 0) -> list[Result]:
