@@ -69,12 +69,14 @@ def test_momentum_step_against_fp32(device, fmt, shape, grad_dtype, gen):
         buf, ns_ref = old.clone(), torch.empty(shape, device=device)
         ops.foreach_momentum_([g], [buf], [ns_ref], [p], momentum=0.9, nesterov=nesterov, weight_decay=0.01,
                               weight_decay_method=method)
-        assert torch.equal(ns, ns_ref)
+        assert torch.equal(ns, ns_ref), f"NS input: {int((ns != ns_ref).sum())} of {ns.numel()} differ ({method})"
         new = lms.dequantize(c, s, block).double()
         if s is not None:  # the block scales are those of the exact new momentum
-            assert torch.equal(s, lms.quantize(buf, lms.momentum_dtype(fmt), block)[1])
+            want = lms.quantize(buf, lms.momentum_dtype(fmt), block)[1]
+            assert torch.equal(s, want), f"scales: {int((s != want).sum())} of {s.numel()} differ ({method})"
         step = _grid_step(buf, fmt, s, block)
-        assert ((new - buf.double()).abs() <= step * 1.0001).all()
+        off = (new - buf.double()).abs() > step * 1.0001
+        assert not off.any(), f"{int(off.sum())} values beyond one grid step of the exact momentum ({method})"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -258,9 +260,13 @@ def test_cuda_stores_the_cpu_bits(fmt, gen):
         lms.foreach_momentum_quantized_([g.to(device) for g in grads], codes, scales, ns, momentum=0.9, nesterov=True,
                                         seed=torch.full((), 77, dtype=torch.int64, device=device))
         results[device] = ([c.cpu() for c in codes], [s.cpu() for s in scales], [n.cpu() for n in ns])
-    for a, b in zip(results["cpu"][0], results["cuda"][0]):
-        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bfloat16 else a.view(torch.int16),
-                           b.view(torch.uint8) if b.dtype != torch.bfloat16 else b.view(torch.int16))
-    for key in (1, 2):
-        for a, b in zip(results["cpu"][key], results["cuda"][key]):
-            assert torch.equal(a, b)
+    def bits(t):
+        return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.uint8) if t.element_size() == 1 \
+            else t.view(torch.int32)
+
+    for what, key in (("codes", 0), ("scales", 1), ("NS inputs", 2)):
+        for k, (a, b) in enumerate(zip(results["cpu"][key], results["cuda"][key])):
+            differ = (bits(a) != bits(b)).flatten().nonzero().flatten()
+            assert differ.numel() == 0, (
+                f"{what} of tensor {k} {tuple(shapes[k])}: {differ.numel()} of {a.numel()} differ, first at flat "
+                f"index {int(differ[0])}: cpu {a.flatten()[differ[0]].item()} cuda {b.flatten()[differ[0]].item()}")
