@@ -148,16 +148,19 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
     @property
     def fp32_matmul_prec(self) -> str:
         """Precision of the Newton–Schulz products: "medium" (bf16), "high" (TF32) or "highest" (fp32).
-        One setting for every path: set after construction, the fused step follows it too
+        One home: the fused configuration's ``precision`` (an attribute only for an EO-style
+        optimizer without one). Set after construction, the fused step follows it too
         (Emerging-Optimizers reads the attribute at each step)."""
-        return self.__dict__["_fp32_matmul_prec"]
+        config = self.__dict__.get("_config")
+        return config.precision if config is not None else self.__dict__["_fp32_matmul_prec"]
 
     @fp32_matmul_prec.setter
     def fp32_matmul_prec(self, value: str) -> None:
         check_matmul_precision(value)
-        self.__dict__["_fp32_matmul_prec"] = value
         config = self.__dict__.get("_config")
-        if config is not None and config.precision != value:
+        if config is None:
+            self.__dict__["_fp32_matmul_prec"] = value
+        elif config.precision != value:
             self._use_config(dataclasses.replace(config, precision=value))
 
     def _use_config(self, config: OrthogonalizationConfig) -> None:
@@ -190,7 +193,7 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
         self.sharded_mode = sharded_mode
         self._constructed = False
         self._use_config(config)
-        self.__dict__["_fp32_matmul_prec"] = config.precision
+        self.__dict__.pop("_fp32_matmul_prec", None)  # the configuration holds it from now on
         self._plan: Plan | None = None
         self._hyper: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
         self._batched: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -289,7 +292,9 @@ class OrthogonalizedOptimizer(EOExtensionPoints, torch.optim.Optimizer):
     @torch._disable_dynamo
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "fp32_matmul_prec" in state:  # pickled before the attribute became a property
-            state["_fp32_matmul_prec"] = state.pop("fp32_matmul_prec")
+            precision = state.pop("fp32_matmul_prec")
+            if state.get("_config") is None:
+                state["_fp32_matmul_prec"] = precision
         super().__setstate__(state)
         self._batched = None
         if self._config is None:
