@@ -301,3 +301,18 @@ def test_tiny_gradients_keep_eo_030_numerics(cls_name, gen):
     full = sum(float((p.detach() - s).norm()) for p, s in zip(default.param_groups[0]["params"], start))
     shrunk = sum(float((p.detach() - s).norm()) for p, s in zip(params, start))
     assert shrunk < 0.8 * full
+
+
+def test_fp32_matmul_prec_set_after_construction_as_emerging_optimizers_reads_it(gen):
+    # EO stores the constructor's value as a plain attribute and reads it at every step: a user who
+    # sets it later gets the new precision there, and here.
+    params = make_params([(24, 40), (40, 24), (24, 40)], gen)
+    ref = clone_params(params)
+    start = [p.detach().clone() for p in params]
+    kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1, nesterov=True, fp32_matmul_prec="medium")
+    ours, theirs = Muon(params, ns_eps=1e-7, **kwargs), eo.Muon(ref, **kwargs)
+    ours.fp32_matmul_prec = theirs.fp32_matmul_prec = "highest"
+    grads = make_grads(params, gen, 3)
+    run_steps(ours, params, grads)
+    run_steps(theirs, ref, grads)
+    assert max_delta_err(params, ref, start) <= TOLERANCE["highest"]
