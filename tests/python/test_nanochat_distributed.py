@@ -39,7 +39,7 @@ def test_distributed_nanochat_matches_reference_and_layout(tmp_path, gen, world,
         ref.step()
 
     for r, result in enumerate(results):
-        assert_fp32_close(result["params"], params, start, all_grads)
+        assert_fp32_close(result["params"], params, start, all_grads, ref.ties)
         for i, p in enumerate(params):  # replicas: the same values on every rank
             assert torch.equal(result["params"][i], results[0]["params"][i]), (r, i)
         index = {id(p): i for i, p in enumerate(params)}

@@ -34,6 +34,17 @@ def _steps(coefficient_type):
 
 
 # ------------------------------------------------------------------ parity with float64 standard
+NEAR_SINGULAR_FP32_TOLERANCE = 1e-4
+
+
+def _near_singular_square(x):
+    """A square input whose smallest singular value is below 1e-4 of its Frobenius norm."""
+    if x.shape[-1] != x.shape[-2]:
+        return False
+    x = x.detach().cpu().double()
+    return bool((torch.linalg.svdvals(x).amin(dim=-1) < 1e-4 * x.norm(dim=(-2, -1))).any())
+
+
 def _assert_gram_accurate(x, out, precision, device, coefficient_type, steps, tol=None):
     """The Gram result within the first-order tolerance of the float64 standard iteration, or, past
     it, within 2.5x of the standard iteration's own error at the same precision on the same input:
@@ -45,6 +56,11 @@ def _assert_gram_accurate(x, out, precision, device, coefficient_type, steps, to
     err = rel_err(out.cpu(), ref)
     if tol is None:
         tol = ns_tolerance(x, precision, device, coefficient_type, steps)
+        if steps > 5 and _near_singular_square(x):
+            # deepseekv4's 10 steps carry fp32 rounding along the near-null direction (the bf16 limit
+            # of docs/limits.md, smaller): over 3,000 CPU draws at 48 x 48 and 4 x 33 x 33, those
+            # inputs reached 3.3e-5 (Gram) and 2.7e-5 (standard) from float64
+            tol = max(tol, NEAR_SINGULAR_FP32_TOLERANCE)
     if err > tol:
         standard = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision=precision,
                                     algorithm="standard")
