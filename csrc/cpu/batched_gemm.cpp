@@ -9,7 +9,7 @@
 #include "cpu/scratch_cpu.h"
 #include "cpu/syrk_cpu.h"
 #include "megatron_eopt/storage_types.h"
-#include "torch/aten_ops.h"
+#include "ops/aten_ops.h"
 
 namespace megatron_eopt {
 namespace {
@@ -75,10 +75,9 @@ MEGATRON_EOPT_CPU_CLONES void round_bf16_range(float* p, int64_t begin, int64_t 
 
 bool gemm_loops_per_matrix(int64_t batch, int64_t macs, int64_t element_bytes) {
   // fp32: one GEMM per matrix from 2^25 multiply-adds (ATen's bmm spreads the batch over the
-  // threads and leaves one idle on the last matrix of an odd batch: 3 x 512^3 runs 1.3x faster as
-  // a loop on the development CPU; below 2^25 the loop's per-call overhead shows, 16 x 128^3 1.4x
-  // slower). bf16: ATen's bmm (oneDNN) was as fast as the loop or faster at every size measured
-  // (1.01x to 1.08x from 256 x 256 x 768 to 1024^3; 2.6x at 16 x 128^3), so always one bmm.
+  // threads and leaves one idle on the last matrix of an odd batch; below 2^25 the loop's per-call
+  // overhead shows). bf16: ATen's bmm (oneDNN) was as fast as the loop or faster at every size
+  // measured, so always one bmm. Figures: benchmarks/RESULTS.md.
   if (element_bytes == 2) return false;
   return batch > 1 && macs >= (int64_t{1} << 25);
 }

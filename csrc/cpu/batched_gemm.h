@@ -5,7 +5,7 @@
 #pragma once
 
 #include "megatron_eopt/ns_recipe.h"
-#include "torch/stable.h"
+#include "ops/stable.h"
 
 namespace megatron_eopt {
 

@@ -10,7 +10,7 @@
 #include "megatron_eopt/foreach_ops.h"
 #include "megatron_eopt/momentum_math.h"
 #include "megatron_eopt/multi_tensor_chunks.h"
-#include "torch/foreach_args.h"
+#include "ops/foreach_args.h"
 
 namespace megatron_eopt {
 namespace {

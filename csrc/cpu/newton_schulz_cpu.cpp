@@ -1,8 +1,8 @@
 // Newton–Schulz on the CPU: argument checks, the algorithm choice, and the batch loop around the
 // executors (newton_schulz_standard_cpu.cpp, newton_schulz_gram_cpu.cpp).
 #include "cpu/newton_schulz_gram_cpu.h"
-#include "torch/aten_ops.h"
-#include "torch/newton_schulz_args.h"
+#include "ops/aten_ops.h"
+#include "ops/newton_schulz_args.h"
 
 namespace megatron_eopt {
 namespace {

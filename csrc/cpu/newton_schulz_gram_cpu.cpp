@@ -15,7 +15,7 @@
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
 
-#include "torch/aten_ops.h"
+#include "ops/aten_ops.h"
 
 #include <array>
 

@@ -2,7 +2,7 @@
 #pragma once
 
 #include "megatron_eopt/ns_gram_plan.h"
-#include "torch/newton_schulz_args.h"
+#include "ops/newton_schulz_args.h"
 
 namespace megatron_eopt {
 

@@ -15,7 +15,7 @@
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
-#include "torch/aten_ops.h"
+#include "ops/aten_ops.h"
 
 namespace megatron_eopt {
 

@@ -4,7 +4,7 @@
 
 #include "cpu/cpu_clones.h"
 #include "megatron_eopt/qk_clip.h"
-#include "torch/qk_clip_args.h"
+#include "ops/qk_clip_args.h"
 
 namespace megatron_eopt {
 namespace {

@@ -8,7 +8,7 @@
 
 #include "cpu/cpu_clones.h"
 #include "megatron_eopt/quantized_state_ops.h"
-#include "torch/quantized_state_args.h"
+#include "ops/quantized_state_args.h"
 
 // The loops below write one array and read others that never overlap it (the op's checks), but
 // int8 / bf16 stores may alias anything as far as the compiler knows: MEGATRON_EOPT_NO_ALIAS.

@@ -2,7 +2,7 @@
 
 #include <cstddef>
 
-#include "torch/aten_ops.h"
+#include "ops/aten_ops.h"
 
 namespace megatron_eopt {
 namespace {

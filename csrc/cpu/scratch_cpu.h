@@ -2,17 +2,15 @@
 //
 // A fresh multi-megabyte buffer per call costs one page fault (and a page cleared) per 4 KiB each
 // time glibc has handed the memory back to the OS since the last call, which it does often: large
-// chunks are mapped and unmapped whole, and the heap's free top is trimmed. Measured on the
-// development CPU (2 threads), Newton–Schulz of a (4, 256, 1024) stack in bf16 takes 17.4 ms with
-// its memory kept and 22 ms when every buffer faults in again; the products themselves need 14 ms.
-// The pool keeps the buffers of finished calls for the next (up to kMaxPooledBytes per thread and
+// chunks are mapped and unmapped whole, and the heap's free top is trimmed (a quarter of a
+// bf16 Newton–Schulz call's time when measured; benchmarks/RESULTS.md). The pool keeps the buffers of finished calls for the next (up to kMaxPooledBytes per thread and
 // kMaxPooledBytesPerProcess across threads; see cpu/scratch_budget.h).
 #pragma once
 
 #include <vector>
 
 #include "cpu/scratch_budget.h"
-#include "torch/stable.h"
+#include "ops/stable.h"
 
 namespace megatron_eopt {
 

@@ -9,8 +9,8 @@
 #include "cpu/cpu_clones.h"
 #include "megatron_eopt/second_moment_math.h"
 #include "megatron_eopt/storage_types.h"
-#include "torch/aten_ops.h"
-#include "torch/second_moment_args.h"
+#include "ops/aten_ops.h"
+#include "ops/second_moment_args.h"
 
 namespace megatron_eopt {
 namespace {
@@ -155,30 +155,24 @@ double sum_squares(const Tensor& t) {
   }
 }
 
-void adamuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2, const Tensor& eps,
+// AdaMuon (elementwise) and NorMuon (per row or column): the two normalizations that read only
+// the update and its statistics.
+template <Moment2Method kMethod>
+void moment2_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2, const Tensor& eps,
                            const std::optional<Tensor>& found_inf) {
-  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kAdamuon, updates, moment2, {}, {}, beta2, eps,
-                                                    std::nullopt, found_inf, kCPU);
+  const Moment2Scalars scalars = check_moment2_args(kMethod, updates, moment2, {}, {}, beta2, eps, std::nullopt,
+                                                    found_inf, kCPU);
   if (step_skipped(scalars.found_inf)) return;
   const Moment2Step h = moment2_step(scalars);
   const InPlaceList o(updates), v(moment2);
   for (std::size_t i = 0; i < updates.size(); ++i) {
-    adamuon_one(o[i].mutable_data_ptr<float>(), v[i].mutable_data_ptr<float>(), o[i].numel(), h.weight, h.eps);
-  }
-  o.write_back();
-  v.write_back();
-}
-
-void normuon_normalize_cpu(const TensorList& updates, const TensorList& moment2, const Tensor& beta2, const Tensor& eps,
-                           const std::optional<Tensor>& found_inf) {
-  const Moment2Scalars scalars = check_moment2_args(Moment2Method::kNormuon, updates, moment2, {}, {}, beta2, eps,
-                                                    std::nullopt, found_inf, kCPU);
-  if (step_skipped(scalars.found_inf)) return;
-  const Moment2Step h = moment2_step(scalars);
-  const InPlaceList o(updates), v(moment2);
-  for (std::size_t i = 0; i < updates.size(); ++i) {
-    normuon_one(o[i].mutable_data_ptr<float>(), v[i].mutable_data_ptr<float>(), o[i].size(0), o[i].size(1), h.weight,
-                h.eps);
+    float* update = o[i].mutable_data_ptr<float>();
+    float* stats = v[i].mutable_data_ptr<float>();
+    if constexpr (kMethod == Moment2Method::kAdamuon) {
+      adamuon_one(update, stats, o[i].numel(), h.weight, h.eps);
+    } else {
+      normuon_one(update, stats, o[i].size(0), o[i].size(1), h.weight, h.eps);
+    }
   }
   o.write_back();
   v.write_back();
@@ -209,8 +203,8 @@ void namo_normalize_cpu(const TensorList& updates, const TensorList& moment2, co
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
-  m.impl("adamuon_normalize_", TORCH_BOX(&adamuon_normalize_cpu));
-  m.impl("normuon_normalize_", TORCH_BOX(&normuon_normalize_cpu));
+  m.impl("adamuon_normalize_", TORCH_BOX(&moment2_normalize_cpu<Moment2Method::kAdamuon>));
+  m.impl("normuon_normalize_", TORCH_BOX(&moment2_normalize_cpu<Moment2Method::kNormuon>));
   m.impl("namo_normalize_", TORCH_BOX(&namo_normalize_cpu));
 }
 

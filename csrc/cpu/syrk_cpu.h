@@ -7,7 +7,7 @@
 // symmetric_gemm_out still multiply 2/3 of a 768-wide Gram matrix (one block of three per panel
 // is wasted below the diagonal) and all of a 256-wide one. Here the upper triangle is covered by
 // 8 x 32 tiles, wasting only the lower half of the 32 x 32 diagonal blocks. The tiles run at the
-// CPU's peak, as oneDNN's bf16 GEMMs do (about 0.44 TFLOP/s on the 2-core development CPU).
+// CPU's peak, as oneDNN's bf16 GEMMs do (benchmarks/RESULTS.md).
 //
 // Method (torch-free; the glue runs the two passes with torch's thread pool):
 //  1. pack: X's rows go to panels of 32 rows, each stored as [depth step][row] 32-bit words: in

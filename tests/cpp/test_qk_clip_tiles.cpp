@@ -106,7 +106,7 @@ TEST(QkClipTiles, PlanGivesEachWeightOneWarpPerTileUpToTheCap) {
   EXPECT_EQ(plan.launches[0], (std::vector<std::size_t>{0, 1, 4, 5}));
 }
 
-// The kernel's loops (kernels/qk_clip.cu) replayed on the host over the plan: blocks find their
+// The kernel's loops (csrc/cuda/kernels/qk_clip.cu) replayed on the host over the plan: blocks find their
 // weight, warps stride over its tiles, lanes over a tile's columns in batches. Every element of
 // every weight is visited exactly once, with its own head's factor.
 TEST(QkClipTiles, KernelLoopsVisitEveryElementOnce) {

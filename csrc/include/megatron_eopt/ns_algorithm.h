@@ -35,10 +35,8 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
 
 // Products with a symmetric result are computed as nb x nb blocks of which only the upper
 // nb (nb + 1) / 2 are multiplied (the rest mirrored), one GEMM per row panel: on the CPU, panels
-// of at least 256 rows, at most 8 per side (measured on the development CPU for W^T W against one
-// full product: ATen's bf16 GEMMs 1.3x at 768 x 768, 1.4x at 768 x 3072, 1.3x at 1024^2, 1.4x at
-// 2048^2 with 8 panels; fp32 1.1x at 512^2, 1.3x at 768 x 3072, 1.3x at 1024^2; thinner panels
-// lose more BLAS efficiency than they save). CUDA runs full cuBLASLt GEMMs (cuBLASLt has no
+// of at least 256 rows, at most 8 per side (thinner panels lose more BLAS efficiency than they
+// save; measured in benchmarks/RESULTS.md, "The figures behind the built-in rules"). CUDA runs full cuBLASLt GEMMs (cuBLASLt has no
 // symmetric product; blocks would under-fill the GPU). Products of the form X X^T (both
 // iterations' Gram matrix, G G and R R) bypass the panels on a CPU with AVX-512 (cpu/syrk_cpu.h
 // multiplies only the upper triangle's 8 x 32 tiles, about half of the product); the models below
@@ -58,7 +56,7 @@ inline double ns_symmetric_fraction(int64_t blocks) {
 // Relative cost of one FLOP of the Gram iteration's s x s products against one of the products
 // with the long side. On CUDA with "medium", W is bf16 (tensor cores) but R and Q stay fp32 with
 // fp32 products (TF32 there lets the recursion diverge for some schedules, e.g. cans), which run
-// about 15x slower on Hopper (67 against 989 dense TFLOP/s); elsewhere all products share a type.
+// about 15x slower on Hopper (benchmarks/RESULTS.md); elsewhere all products share a type.
 inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
   return precision == NsPrecision::kMedium && device == NsDevice::kCuda ? 15.0 : 1.0;
 }
@@ -66,9 +64,8 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 // Relative cost of one FLOP of the Gram iteration against one of the standard iteration's. On a
 // CPU with "medium" the standard iteration runs ATen's bf16 GEMMs, while the Gram iteration keeps
 // fp32 products of bf16 values (it needs R with an fp32 result, which those GEMMs cannot write):
-// fp32 GEMMs take 2.1x to 2.5x as long on the development CPU (AVX-512 bf16; measured 2.1x at
-// 768^2 and 768 x 3072, 2.2x at 1024^2, 2.5x at 1024^3 in an earlier run; the upper end is used),
-// more than the Gram iteration saves at any aspect ratio, so "auto" keeps the standard iteration
+// fp32 GEMMs take 2.1x to 2.5x as long on a CPU with AVX-512 bf16 (benchmarks/RESULTS.md; the
+// upper end is used), more than the Gram iteration saves at any aspect ratio, so "auto" keeps the standard iteration
 // there. Elsewhere both iterations run the same arithmetic.
 inline double gram_flop_weight(NsPrecision precision, NsDevice device) {
   return precision == NsPrecision::kMedium && device == NsDevice::kCpu ? 2.5 : 1.0;
@@ -77,14 +74,10 @@ inline double gram_flop_weight(NsPrecision precision, NsDevice device) {
 // When "auto" takes the Gram iteration: its modelled cost (FLOPs weighted as above, symmetric
 // products at the fraction the device computes) at most 1/min_speedup of the standard iteration's,
 // and a Gram side large enough for the products to be compute-bound.
-// CPU: from `python benchmarks/ns_algorithms.py` on the development machine (benchmarks/RESULTS.md,
-// fp32, quintic x5, both algorithms interleaved), run after the symmetric product kernel, which
-// sped up both algorithms: Gram is as fast or faster wherever the rule picks it (128 x 256: model
-// 1.14, measured 1.00; 256 x 512: 1.14 / 1.01; 1024 x 2048: 1.27 / 1.15; 1024 x 4096: 1.64 /
-// 1.56; 2048 x 8192 1.52) and slower wherever the model says 1.0 or less; under s = 128 its extra
-// small products and calls cost more than the model says (32 x 128: model 1.50, measured 1.01;
-// 64 x 192: 1.35 / 1.12). Before the kernel the same shapes measured 1.06, 1.08-1.10,
-// 1.18-1.25, 1.74, 0.88-0.94 and 1.03-1.09.
+// CPU: from `python benchmarks/ns_algorithms.py` (figures in benchmarks/RESULTS.md, "The figures
+// behind the built-in rules"): Gram is as fast or faster wherever the rule picks it and slower
+// wherever the model says 1.0 or less; under s = 128 its extra small products and calls cost more
+// than the model says.
 // CUDA: not measured yet; set from the FLOP model with a margin for the extra launches (up to four
 // s x s products per step instead of one) until a GPU run calibrates it.
 struct NsAutoRule {

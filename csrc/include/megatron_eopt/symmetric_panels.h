@@ -52,11 +52,10 @@ inline int64_t symmetric_panel_width(int64_t side, const SymmetricPanelRule& rul
 }
 
 // What the CUDA Newton–Schulz executors do when no rule is set: the configurations an H100 run
-// measured faster than full products (benchmarks/RESULTS.md, "medium", 5 quintic steps): 4 block
-// columns on a side of at least 8192 (8192² 1.13x, 8192 x 28672 1.39x) or of at least 4096 in a
-// batch of 4 or more (4 x 4096² 1.04x; the Llama-3-8B 4-layer step 1.03x). Elsewhere full GEMMs:
-// single 4096² ran 0.88x, 2048-wide 0.57x to 0.75x, since the narrow panels fill few of the GPU's
-// SMs. TF32 and fp32 products were not measured: full GEMMs.
+// measured faster than full products (figures in benchmarks/RESULTS.md): 4 block columns on a
+// side of at least 8192, or of at least 4096 in a batch of 4 or more. Elsewhere full GEMMs: the
+// narrow panels of smaller sides fill few of the GPU's SMs. TF32 and fp32 products were not
+// measured: full GEMMs.
 inline int64_t measured_symmetric_blocks(int64_t side, int64_t batch, bool bf16) {
   if (!bf16) return 1;
   return side >= 8192 || (side >= 4096 && batch >= 4) ? 4 : 1;

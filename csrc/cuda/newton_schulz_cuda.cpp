@@ -1,0 +1,99 @@
+// CUDA glue of the Newton–Schulz op: checks, device guard, scratch allocation from the caching
+// allocator, current stream and cuBLASLt handle; the work is in kernels/newton_schulz.cu.
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "megatron_eopt/newton_schulz_cuda.h"
+#include "megatron_eopt/newton_schulz_gram_cuda.h"
+#include "ops/aten_ops.h"
+#include "cuda/cuda_context.h"
+#include "ops/newton_schulz_args.h"
+
+namespace megatron_eopt {
+namespace {
+
+// `bytes` of device memory from torch's caching allocator (a uint8 tensor on `like`'s device).
+Tensor device_bytes(std::size_t bytes, const Tensor& like) {
+  return aten::empty({static_cast<int64_t>(bytes)}, kByte, like.device());
+}
+
+// The BLAS workspace of one call, from the caching allocator: grown to what the largest chosen
+// algorithm asks for. A replaced buffer goes back to the allocator, which reuses it only in
+// stream order, after the GEMMs already enqueued on this stream.
+struct TorchWorkspace {
+  const Tensor& like;
+  Tensor buffer;
+
+  static void* get(void* context, std::size_t bytes) {
+    auto* self = static_cast<TorchWorkspace*>(context);
+    if (!self->buffer.defined() || static_cast<std::size_t>(self->buffer.numel()) < bytes) {
+      self->buffer = device_bytes(bytes, self->like);
+    }
+    return self->buffer.data_ptr();
+  }
+};
+
+LtContext blas_context(const Tensor& x, TorchWorkspace& workspace) {
+  return cuda::blas_context(cuda::device_of(x), LtWorkspace{&workspace, &TorchWorkspace::get});
+}
+
+// The Gram iteration (docs/design.md §4.4): one scratch allocation laid out for its program.
+void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const GramProgram& program, float* row_scales) {
+  const GramScratchLayout layout = gram_scratch_layout(program, opts.batch, opts.rows, opts.cols,
+                                                       ns_gram_norm_partial_slots(opts.batch, opts.rows, opts.cols));
+  const Tensor buffer = device_bytes(layout.total, input);
+  TorchWorkspace workspace{input, Tensor()};
+  newton_schulz_gram_cuda(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), opts.batch, opts.rows,
+                          opts.cols, program, opts.eps, opts.recipe, opts.precision, buffer.data_ptr(), layout,
+                          row_scales, blas_context(input, workspace));
+}
+
+Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                             double eps, std::optional<bool> transpose, const std::string& precision,
+                             const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                             bool row_equilibration, bool frobenius_renorm) {
+  MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz: x must be a CUDA tensor here, got ", x.device());
+  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+  const cuda::DeviceGuard guard(cuda::device_of(x));
+  const Tensor input = aten::contiguous(x);
+  Tensor out = aten::empty_like(input);
+  if (input.numel() == 0) return out;
+
+  // MuonEq's per-row scales (batch * rows floats), from the caching allocator like the scratch.
+  Tensor row_scales;
+  if (opts.recipe.row_equilibration) row_scales = aten::empty({opts.batch * opts.rows}, kFloat, input.device());
+  float* row_scales_ptr = row_scales.defined() ? row_scales.mutable_data_ptr<float>() : nullptr;
+
+  const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCuda);
+  if (choice.algorithm == NsAlgorithm::kGram) {
+    run_gram(input, out, opts, choice.program, row_scales_ptr);
+    return out;
+  }
+
+  const NsScratchLayout layout = ns_scratch_layout(opts.batch, opts.rows, opts.cols, opts.transpose, opts.precision);
+  const Tensor buffer = device_bytes(layout.total, input);
+  auto* base = static_cast<char*>(buffer.data_ptr());
+  NsScratch scratch{};
+  scratch.iterate[0] = layout.iterate0 == SIZE_MAX ? static_cast<void*>(out.mutable_data_ptr<float>())
+                                                   : static_cast<void*>(base + layout.iterate0);
+  scratch.iterate[1] = base + layout.iterate1;
+  scratch.gram = base + layout.gram;
+  scratch.poly = base + layout.poly;
+  scratch.sum_squares = reinterpret_cast<float*>(base + layout.sum_squares);
+  scratch.norm_partials = reinterpret_cast<float*>(base + layout.norm_partials);
+  scratch.row_scales = row_scales_ptr;
+  TorchWorkspace workspace{input, Tensor()};
+  newton_schulz_cuda(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), opts.batch, opts.rows, opts.cols,
+                     opts.transpose, opts.schedule, opts.eps, opts.recipe, opts.precision, scratch,
+                     blas_context(input, workspace));
+  return out;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) { m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cuda_op)); }
+
+}  // namespace megatron_eopt

@@ -1,0 +1,37 @@
+// Argument checks shared by the CPU and CUDA Newton–Schulz implementations.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <string>
+
+#include "ops/stable.h"
+
+#include "megatron_eopt/ns_algorithm.h"
+#include "megatron_eopt/ns_precision.h"
+#include "megatron_eopt/ns_recipe.h"
+#include "megatron_eopt/ns_schedule.h"
+
+namespace megatron_eopt {
+
+struct NsOptions {
+  std::vector<NsCoefficients> schedule;
+  float eps;
+  bool transpose;  // iterate on X^T
+  NsPrecision precision;
+  NsAlgorithm algorithm;  // as requested: auto, standard or gram
+  int64_t batch, rows, cols;  // of the input, 2-D inputs having batch 1
+  NsRecipe recipe;  // MuonEq, normalization convention and divisor, Muon+ (ns_recipe.h)
+};
+
+// Validates x (fp32, 2-D or 3-D) and the hyper-parameters; every failure names its argument.
+NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                           double eps, std::optional<bool> transpose, const std::string& precision,
+                           const std::string& algorithm, const std::string& eps_mode = "clamp",
+                           double norm_divisor = 1.0, bool row_equilibration = false, bool frobenius_renorm = false);
+
+// The algorithm that runs on `device` (auto resolved) and, for Gram, its program.
+NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device);
+
+}  // namespace megatron_eopt
