@@ -5,6 +5,8 @@ Checked once at construction, so a bad value raises before any parameter or stat
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from numbers import Real
@@ -203,6 +205,82 @@ def defer_step_time_errors(arguments: dict) -> tuple[dict, tuple[str, type, str]
                        f"scale_mode must be one of {list(SCALE_MODES)}, got {arguments['scale_mode']!r}"))
         arguments["scale_mode"] = "spectral"
     return arguments, (errors[0] if errors else None)
+
+
+# make_config's keyword arguments: a constructor hands them on by name (fused_config).
+CONFIG_ARGUMENTS = tuple(inspect.signature(make_config).parameters)
+
+
+def fused_config(arguments: dict, *, defer: bool = True,
+                 **overrides) -> tuple[OrthogonalizationConfig, tuple[str, type, str] | None]:
+    """The one way a fused optimizer makes its configuration: from its constructor's arguments
+    (``locals()``; the names ``make_config`` takes are picked, ``overrides`` replace or add), with
+    Emerging-Optimizers' step-time errors deferred (``defer``; else every bad value raises here).
+    Returns the configuration and the deferred error (None: none)."""
+    picked = {k: arguments[k] for k in CONFIG_ARGUMENTS if k in arguments}
+    picked.update(overrides)
+    deferred = None
+    if defer:
+        picked, deferred = defer_step_time_errors(picked)
+    return make_config(**picked), deferred
+
+
+class ConfigSetting:
+    """An Emerging-Optimizers attribute (``opt.nesterov``, ``opt.fp32_matmul_prec``...) whose one home
+    is a field of the optimizer's fused configuration; an instance value only for an EO-style
+    optimizer, which has none. Setting it on a fused optimizer re-makes the configuration (EO reads
+    these attributes at every step, so a value set after construction applies to the next step);
+    ``settable=False`` fields decide the state's layout and are fixed at construction."""
+
+    def __init__(self, field: str, check=None, settable: bool = True) -> None:
+        self.field, self.check, self.settable = field, check, settable
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name, self.slot = name, "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        config = obj.__dict__.get("_config")
+        if config is not None:
+            return getattr(config, self.field)
+        try:
+            return obj.__dict__[self.slot]
+        except KeyError:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r}") from None
+
+    def __set__(self, obj, value) -> None:
+        config = obj.__dict__.get("_config")
+        if config is None:
+            obj.__dict__[self.slot] = value
+            return
+        if getattr(config, self.field) == value:
+            return
+        if not self.settable:
+            raise AttributeError(f"{self.name} is fixed at construction (it decides the optimizer's state)")
+        if self.check is not None:
+            self.check(value)
+        obj._use_config(dataclasses.replace(config, **{self.field: value}))
+
+
+def config_setting_names(cls) -> list[str]:
+    """The attributes of ``cls`` that are ConfigSettings."""
+    return [name for name in dir(cls) if isinstance(getattr(cls, name, None), ConfigSetting)]
+
+
+def check_weight_decay_method(value) -> None:
+    if value not in WEIGHT_DECAY_METHODS:
+        raise ValueError(f"weight_decay_method must be one of {list(WEIGHT_DECAY_METHODS)}, got {value!r}")
+
+
+def check_scale_mode(value) -> None:
+    if value not in SCALE_MODES:
+        raise ValueError(f"scale_mode must be one of {list(SCALE_MODES)}, got {value!r}")
+
+
+def check_extra_scale_factor(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
+        raise ValueError(f"extra_scale_factor must be a finite number, got {value!r}")
 
 
 def _number(name: str, value) -> float | None:

@@ -98,6 +98,56 @@ class EOExtensionPoints:
             if len(state) == 0:
                 state["momentum_buffer"] = torch.zeros_like(p)
 
+    # ------------------------------------------------------------------ errors at step(), as EO raises them
+    def _step_time_error(self, at_construction: bool = False) -> Exception | None:
+        """The error ``step()`` raises before touching anything (None: none), in EO 0.4's terms: an
+        argument it checks when a step first uses it (once any param has a gradient), then the first
+        param that is not a matrix (with a gradient, or any for AdaptiveMuon). ``at_construction``:
+        the same, gradients or not (for wrappers that validate their inner optimizer up front)."""
+        if self._config is None:
+            return self._eo_style_step_error()
+        plan = self._current_plan()
+        if self._deferred_error is None and not plan.rejected:
+            return None
+        has_grad = at_construction or any(p.grad is not None for g in self.param_groups for p in g["params"])
+        if self._deferred_error is not None and has_grad:
+            _, exc_type, message = self._deferred_error
+            return exc_type(message)
+        for gi, pi in plan.rejected:
+            group = self.param_groups[gi]
+            p = group["params"][pi]
+            if at_construction or self._nd_error_without_grad or p.grad is not None:
+                return self._nd_error_type(self._not_a_matrix_message(p, f"param_groups[{gi}]['params'][{pi}]"))
+        return None
+
+    def _eo_style_step_error(self) -> Exception | None:
+        """What an EO-style optimizer (caller's ``scaled_orthogonalize_fn``) would refuse midway through
+        its loop, refused before anything changes: a deferred argument, an unknown weight-decay method
+        (while ``_apply_weight_decay_inplace`` is EO's), a param that is not a matrix (while
+        ``orthogonalize`` is the base one; an override may handle N-D params, as EO says)."""
+        active = [(gi, pi, p) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                  if p.grad is not None]
+        if not active:
+            return None
+        if self._deferred_error is not None:
+            _, exc_type, message = self._deferred_error
+            return exc_type(message)
+        cls = type(self)
+        method = getattr(self, "weight_decay_method", "l2")
+        if (cls._apply_weight_decay_inplace is EOExtensionPoints._apply_weight_decay_inplace
+                and method not in EO_WEIGHT_DECAY_METHODS
+                and any(_nonzero(self.param_groups[gi]["weight_decay"]) for gi, _, _ in active)):
+            return ValueError(f"Invalid weight decay method: {method} (expected one of "
+                              f"{', '.join(EO_WEIGHT_DECAY_METHODS)})")
+        if self._orthogonalize_is_base():
+            for gi, pi, p in active:
+                if p.ndim != 2:
+                    return ValueError(
+                        f"Only 2D parameters are supported: param_groups[{gi}]['params'][{pi}] has shape "
+                        f"{tuple(p.shape)}"
+                    )
+        return None
+
     # ------------------------------------------------------------------ which step runs
     def overridden_extension_points(self) -> list[str]:
         """The extension points this object's class replaces (the fused step runs when none is)."""
@@ -206,3 +256,12 @@ class EOExtensionPoints:
 
 
 EOExtensionPoints._fused_hook_defaults = {name: EOExtensionPoints.__dict__[name] for name in BASE_HOOK_NAMES}
+
+
+# The weight-decay methods of EO's per-parameter step (``_apply_weight_decay_inplace``).
+EO_WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
+
+
+def _nonzero(value) -> bool:
+    """``value != 0`` for a group's weight decay, as EO tests it (a tensor is read, as EO reads it)."""
+    return bool(value != 0.0)

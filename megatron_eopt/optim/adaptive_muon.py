@@ -8,7 +8,7 @@ import torch
 from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS, get_muon_scale_factor
-from ._config import defer_step_time_errors, make_config
+from ._config import fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from ._plan import DEFAULT_WORKSPACE_MIB
 from .orthogonalized import OrthogonalizedOptimizer
@@ -76,30 +76,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         state_block_size: int = DEFAULT_BLOCK_SIZE,
         workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
-        arguments, deferred_error = defer_step_time_errors(dict(
-            nesterov=nesterov,
-            weight_decay_method=weight_decay_method,
-            fp32_matmul_prec=fp32_matmul_prec,
-            coefficient_type=coefficient_type,
-            custom_coefficient_sets=custom_coefficient_sets,
-            num_ns_steps=num_ns_steps,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
-            row_equilibration=row_equilibration,
-            frobenius_renorm=frobenius_renorm,
-            ns_eps_mode=ns_eps_mode,
-            ns_norm_divisor=ns_norm_divisor,
-            polar_express_safety=polar_express_safety,
-            ns_eps=ns_eps,
-            moment2_method=moment2_method,
-        ))
-        config = make_config(**arguments)
-        self.nesterov = config.nesterov
-        self.weight_decay_method = weight_decay_method
-        self.fp32_matmul_prec = fp32_matmul_prec
-        self.moment2_method = moment2_method
-        self.scale_mode = scale_mode
-        self.extra_scale_factor = config.extra_scale_factor
+        config, deferred_error = fused_config(locals())
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode,
                          state_dtype=state_dtype, state_block_size=state_block_size,

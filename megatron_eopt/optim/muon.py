@@ -7,7 +7,7 @@ from typing import Sequence
 from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS
-from ._config import defer_step_time_errors, make_config
+from ._config import fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from ._plan import DEFAULT_WORKSPACE_MIB
 from .weight_update_hooks import WeightUpdateHook
@@ -111,26 +111,7 @@ class Muon(OrthogonalizedOptimizer):
         state_block_size: int = DEFAULT_BLOCK_SIZE,
         workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
-        arguments, deferred_error = defer_step_time_errors(dict(
-            nesterov=nesterov,
-            weight_decay_method=weight_decay_method,
-            fp32_matmul_prec=fp32_matmul_prec,
-            coefficient_type=coefficient_type,
-            custom_coefficient_sets=custom_coefficient_sets,
-            num_ns_steps=num_ns_steps,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
-            row_equilibration=row_equilibration,
-            frobenius_renorm=frobenius_renorm,
-            ns_eps_mode=ns_eps_mode,
-            ns_norm_divisor=ns_norm_divisor,
-            polar_express_safety=polar_express_safety,
-            ns_eps=ns_eps,
-        ))
-        config = make_config(**arguments)
-        self.nesterov = config.nesterov
-        self.weight_decay_method = weight_decay_method
-        self.fp32_matmul_prec = fp32_matmul_prec
+        config, deferred_error = fused_config(locals())
         self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
             sharded_mode=sharded_mode, weight_update_hook=weight_update_hook, state_dtype=state_dtype,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.optim.optimizer import ParamsT
 
-from ._config import defer_step_time_errors, make_config
+from ._config import fused_config
 from .orthogonalized import OrthogonalizedOptimizer
 
 
@@ -31,18 +31,8 @@ class Scion(OrthogonalizedOptimizer):
     ) -> None:
         if num_ns_steps < 1:
             raise ValueError(f"num_ns_steps must be at least 1, got {num_ns_steps}")
-        arguments, deferred_error = defer_step_time_errors(dict(
-            nesterov=False,
-            weight_decay_method="decoupled",
-            fp32_matmul_prec=fp32_matmul_prec,
-            coefficient_type=coefficient_type,
-            custom_coefficient_sets=None,
-            num_ns_steps=num_ns_steps,
-            scale_mode="unit_rms_norm",
-            extra_scale_factor=spectral_radius,
-        ))
-        config = make_config(**arguments)
-        self.nesterov = False
-        self.weight_decay_method = "decoupled"
-        self.fp32_matmul_prec = fp32_matmul_prec
+        config, deferred_error = fused_config(
+            locals(), nesterov=False, weight_decay_method="decoupled", custom_coefficient_sets=None,
+            scale_mode="unit_rms_norm", extra_scale_factor=spectral_radius,
+        )
         self._init_fused(params, dict(lr=lr, momentum=momentum, weight_decay=1), config, deferred_error=deferred_error)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
 from ..newton_schulz import NS_EPS_EO_030
-from ._config import make_config
+from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from ._plan import DEFAULT_WORKSPACE_MIB
@@ -150,84 +150,26 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
     ) -> None:
-        recipe = dict(row_equilibration=row_equilibration, frobenius_renorm=frobenius_renorm, ns_eps_mode=ns_eps_mode,
-                      ns_norm_divisor=ns_norm_divisor)
-        self._init_tensor_parallel(
-            params,
-            lr,
-            momentum,
-            nesterov,
-            weight_decay,
-            use_decoupled_weight_decay,
-            split_qkv,
-            is_qkv_fn,
-            qkv_split_shapes,
-            fp32_matmul_prec,
-            coefficient_type,
-            num_ns_steps,
-            scale_mode,
-            extra_scale_factor,
-            pg_collection,
-            tp_mode,
-            custom_coefficient_sets,
-            moment2=None,
-            state=(state_dtype, state_block_size, workspace_mib),
-            recipe=recipe,
-        )
+        self._init_tensor_parallel(locals(), moment2=None)
 
-    def _init_tensor_parallel(
-        self,
-        params,
-        lr,
-        momentum,
-        nesterov,
-        weight_decay,
-        use_decoupled_weight_decay,
-        split_qkv,
-        is_qkv_fn,
-        qkv_split_shapes,
-        fp32_matmul_prec,
-        coefficient_type,
-        num_ns_steps,
-        scale_mode,
-        extra_scale_factor,
-        pg_collection,
-        tp_mode,
-        custom_coefficient_sets,
-        moment2: tuple[str, float, float] | None,
-        state: tuple[str, int, float | None] = ("fp32", DEFAULT_BLOCK_SIZE, DEFAULT_WORKSPACE_MIB),
-        recipe: dict | None = None,
-    ) -> None:
-        weight_decay_method = "decoupled" if use_decoupled_weight_decay else "l2"
-        config = make_config(
-            nesterov=nesterov,
-            weight_decay_method=weight_decay_method,
-            fp32_matmul_prec=fp32_matmul_prec,
-            coefficient_type=coefficient_type,
-            custom_coefficient_sets=custom_coefficient_sets,
-            num_ns_steps=num_ns_steps,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra_scale_factor,
-            moment2_method=None if moment2 is None else moment2[0],
-            # Megatron-LM's classes run Emerging-Optimizers 0.3.0's newton_schulz (eps 1e-7)
-            ns_eps=NS_EPS_EO_030,
-            **(recipe or {}),
-        )
-        if tp_mode == "distributed" and config.recipe.op_arguments != NSRecipe().op_arguments:
+    def _init_tensor_parallel(self, arguments: dict, moment2: tuple[str, float, float] | None) -> None:
+        """The constructors' common body: ``arguments`` are a constructor's ``locals()``; ``moment2`` is
+        (moment2_method, beta2, eps) for the adaptive class, None for Muon."""
+        a = arguments
+        weight_decay_method = "decoupled" if a["use_decoupled_weight_decay"] else "l2"
+        # Megatron-LM's classes run Emerging-Optimizers 0.3.0's newton_schulz (eps 1e-7) and refuse bad
+        # values at construction
+        config, _ = fused_config(a, defer=False, weight_decay_method=weight_decay_method,
+                                 moment2_method=None if moment2 is None else moment2[0], ns_eps=NS_EPS_EO_030)
+        if a["tp_mode"] == "distributed" and config.recipe.op_arguments != NSRecipe().op_arguments:
             raise ValueError("row_equilibration, frobenius_renorm, ns_eps_mode and ns_norm_divisor do not apply with "
                              "tp_mode='distributed'")
-        self._set_routing(split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode)
-        self.nesterov = config.nesterov
-        self.weight_decay_method = weight_decay_method
-        self.fp32_matmul_prec = fp32_matmul_prec
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay)
+        self._set_routing(a["split_qkv"], a["is_qkv_fn"], a["qkv_split_shapes"], a["pg_collection"], a["tp_mode"])
+        defaults = dict(lr=a["lr"], momentum=a["momentum"], weight_decay=a["weight_decay"])
         if moment2 is not None:
-            self.moment2_method = moment2[0]
-            self.scale_mode = scale_mode
-            self.extra_scale_factor = config.extra_scale_factor
             defaults.update(beta2=moment2[1], eps=moment2[2])
-        self._init_fused(params, defaults, config, state_dtype=state[0], state_block_size=state[1],
-                         workspace_mib=state[2])
+        self._init_fused(a["params"], defaults, config, state_dtype=a["state_dtype"],
+                         state_block_size=a["state_block_size"], workspace_mib=a["workspace_mib"])
 
 
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
@@ -272,27 +214,4 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
     ) -> None:
-        recipe = dict(row_equilibration=row_equilibration, frobenius_renorm=frobenius_renorm, ns_eps_mode=ns_eps_mode,
-                      ns_norm_divisor=ns_norm_divisor)
-        self._init_tensor_parallel(
-            params,
-            lr,
-            momentum,
-            nesterov,
-            weight_decay,
-            use_decoupled_weight_decay,
-            split_qkv,
-            is_qkv_fn,
-            qkv_split_shapes,
-            fp32_matmul_prec,
-            coefficient_type,
-            num_ns_steps,
-            scale_mode,
-            extra_scale_factor,
-            pg_collection,
-            tp_mode,
-            custom_coefficient_sets,
-            moment2=(moment2_method, beta2, eps),
-            state=(state_dtype, state_block_size, workspace_mib),
-            recipe=recipe,
-        )
+        self._init_tensor_parallel(locals(), moment2=(moment2_method, beta2, eps))

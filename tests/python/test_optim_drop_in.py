@@ -2,6 +2,8 @@
 torch.compile, GradScaler, step-time checks of scheduler-written values, non-contiguous params,
 swapped params and the orthogonalize() extension point."""
 
+import pickle
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -306,3 +308,65 @@ def test_bad_fp32_matmul_prec_is_refused_naming_it_and_changes_nothing(gen):
     with pytest.raises(ValueError, match="fp32_matmul_prec"):
         opt.fp32_matmul_prec = "low"
     assert opt.fp32_matmul_prec == "medium" and opt._config.precision == "medium"
+
+
+# Every setting Emerging-Optimizers keeps as an attribute has one home, the fused configuration.
+SETTINGS = ("nesterov", "weight_decay_method", "fp32_matmul_prec", "scale_mode", "extra_scale_factor",
+            "moment2_method")
+CONFIG_FIELD = dict(fp32_matmul_prec="precision")
+
+
+@pytest.mark.parametrize("name", ["muon", "adaptive", "tp_muon", "tp_adaptive", "scion"])
+def test_settings_are_read_from_the_configuration_with_no_second_copy(name, gen):
+    opt = _fused_classes()[name](make_params([(8, 12)], gen))
+    for setting in SETTINGS:
+        assert getattr(opt, setting) == getattr(opt._config, CONFIG_FIELD.get(setting, setting)), setting
+        assert setting not in opt.__dict__ and "_" + setting not in opt.__dict__, setting
+
+
+@pytest.mark.parametrize("setting, value", [("nesterov", True), ("weight_decay_method", "independent"),
+                                            ("scale_mode", "unit_rms_norm"), ("extra_scale_factor", 0.5)])
+def test_setting_an_attribute_steps_like_constructing_with_it(setting, value, gen):
+    # EO reads these attributes at every step: a value set between steps applies to the next one
+    params = make_params([(8, 12), (12, 8), (8, 12)], gen)
+    grads = make_grads(params, gen, 3)
+    changed, built = clone_params(params), clone_params(params)
+    opt = Muon(changed, lr=0.02, weight_decay=0.1)
+    run_steps(opt, changed, grads[:1])
+    setattr(opt, setting, value)
+    assert getattr(opt, setting) == value
+    run_steps(opt, changed, grads[1:])
+    ref = Muon(built, lr=0.02, weight_decay=0.1)
+    run_steps(ref, built, grads[:1])
+    ref_set = Muon(built, lr=0.02, weight_decay=0.1, **{setting: value})
+    ref_set.load_state_dict(ref.state_dict())
+    run_steps(ref_set, built, grads[1:])
+    for p, q in zip(changed, built):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert not torch.equal(changed[0], clone_params(params)[0])
+
+
+@pytest.mark.parametrize("setting, value", [("weight_decay_method", "sideways"), ("scale_mode", "huge"),
+                                            ("extra_scale_factor", float("nan"))])
+def test_a_bad_setting_is_refused_naming_it_and_changes_nothing(setting, value, gen):
+    opt = Muon(make_params([(8, 12)], gen), lr=0.02)
+    config = opt._config
+    with pytest.raises(ValueError, match=setting):
+        setattr(opt, setting, value)
+    assert opt._config is config
+
+
+def test_moment2_method_is_fixed_at_construction(gen):
+    opt = AdaptiveMuon(make_params([(8, 12)], gen), 0.02, 0.9, 0.0, moment2_method="normuon")
+    opt.moment2_method = "normuon"  # the same value: nothing to change
+    with pytest.raises(AttributeError, match="moment2_method is fixed"):
+        opt.moment2_method = "adamuon"
+    assert opt.moment2_method == "normuon"
+
+
+def test_settings_survive_a_pickle_round_trip(gen):
+    opt = Muon(make_params([(8, 12)], gen), lr=0.02)
+    opt.nesterov = True
+    copied = pickle.loads(pickle.dumps(opt))
+    assert copied.nesterov is True and copied._config.nesterov is True
+    assert "_nesterov" not in copied.__dict__

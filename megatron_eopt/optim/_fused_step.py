@@ -1,0 +1,430 @@
+"""The phases of the fused step, per chunk of matrices (see ``orthogonalized`` for the sequence):
+momentum into stacked Newton–Schulz inputs, batched Newton–Schulz (and a subclass's
+``orthogonalize``), second-moment normalization, decay and update.
+
+A mixin of :class:`~megatron_eopt.optim.orthogonalized.OrthogonalizedOptimizer`, which owns the
+plan, the configuration and ``step()``; this module holds what one step does with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .. import low_memory_state as lms
+from .. import ops
+from ._config import check_step_value
+from ._distributed import (
+    distributed_orthogonalize,
+    gather_shards,
+    local_chunk,
+    tp_namo_normalize_,
+    tp_normuon_normalize_,
+)
+from ._plan import Plan, QKVSplit, Stack
+from ._sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
+
+
+class FusedStep:
+    """The fused step's checks and phases (see the module docstring)."""
+
+    # ------------------------------------------------------------------ checks and per-step values
+    def _check_grads(self, plan: Plan, active: list[bool]) -> None:
+        for i, entry in enumerate(plan.entries):
+            if not active[i]:
+                continue
+            p, g = entry.param, entry.param.grad
+            if g.is_sparse:
+                raise ValueError(
+                    f"{type(self).__name__} does not support sparse gradients (param of shape {tuple(p.shape)})"
+                )
+            if is_dtensor(p) and (not is_dtensor(g) or g.placements != p.placements or g.device_mesh != p.device_mesh):
+                raise ValueError(
+                    f"grad of a DTensor param of shape {tuple(p.shape)} with placements {list(p.placements)} must be a "
+                    f"DTensor on the same mesh and placements, got "
+                    f"{list(g.placements) if is_dtensor(g) else type(g).__name__}"
+                )
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise ValueError(
+                    f"grad of a param of shape {tuple(p.shape)}, {p.dtype} on {p.device} must match it, got "
+                    f"shape {tuple(g.shape)}, {g.dtype} on {g.device}"
+                )
+
+    def _write_hyperparameters(self, plan: Plan, active: list[bool]) -> None:
+        """Checks the per-step values of the groups in use, then writes them to the device tensors."""
+        groups_used = {plan.entries[i].group_index for i in range(len(plan.entries)) if active[i]}
+        keys = self._step_keys()
+        for gi in sorted(groups_used):
+            group = self.param_groups[gi]
+            for key in keys:
+                check_step_value(key, group[key], f"param_groups[{gi}]", self._momentum_below_one)
+        if not torch.compiler.is_compiling() and _capturing_cuda_graph(plan):
+            # A host value (Python number or CPU tensor) is written into the graph as a constant.
+            # That is what a constant momentum or weight decay wants, but a learning rate is
+            # scheduled: a captured host lr would replay its capture-time value forever.
+            for gi in sorted(groups_used):
+                if _host_value(self.param_groups[gi]["lr"]) is not None:
+                    raise RuntimeError(
+                        f"param_groups[{gi}]['lr'] is a Python number while a CUDA graph is being captured: "
+                        "the graph would replay the value it had at capture time. Store it as a 0-dim tensor "
+                        f"on the device (param_groups[{gi}]['lr'] = torch.tensor(value, device='cuda')) and "
+                        "update it in place between replays (other per-step values given as numbers are "
+                        "captured as constants)."
+                    )
+        for (gi, _device), tensors in self._hyper.items():
+            if gi in groups_used:
+                group = self.param_groups[gi]
+                for key, buf in tensors.items():
+                    _write_scalar(buf, group[key])
+
+    def _momentum_grad_divisor(self, hyper: dict[str, torch.Tensor], grad_scale: torch.Tensor | None):
+        """What the momentum op divides the gradients by: GradScaler's scale (None: nothing).
+        A subclass may fold a per-group factor in (``hyper`` holds the group's device scalars),
+        e.g. ``1 - momentum`` for an SGD-style buffer ``buf = momentum·buf + g``."""
+        return grad_scale
+
+    def _grad_scaler_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """GradScaler's grad_scale and found_inf, set on the optimizer for the duration of step()."""
+        return getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+
+
+    # The phases of one chunk. ``members`` are the chunk's entries with a grad; ``ns_inputs``,
+    # ``updates`` and ``scales`` are dicts keyed by entry index.
+    def _scaler_tensors_per_device(self, plan: Plan) -> dict:
+        """GradScaler's (grad_scale, found_inf), one copy per device, as torch's fused optimizers do."""
+        grad_scale, found_inf = self._grad_scaler_tensors()
+        scalers: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        for bucket in plan.buckets:
+            if bucket.device not in scalers:
+                scalers[bucket.device] = (
+                    None if grad_scale is None else grad_scale.to(bucket.device, non_blocking=True),
+                    None if found_inf is None else found_inf.to(bucket.device, non_blocking=True),
+                )
+        return scalers
+
+    @staticmethod
+    def _ns_input_buffers(plan: Plan, chunks: list[list[int]]) -> dict[torch.device, torch.Tensor]:
+        """One flat fp32 buffer per device, as large as the stacked NS inputs of the largest chunk:
+        every chunk of the step writes its inputs into it (sharded matrices have their own)."""
+        sizes: dict[torch.device, int] = {}
+        for members in chunks:
+            per_stack: dict[int, int] = {}
+            for i in members:
+                e = plan.entries[i]
+                if e.stack_index >= 0:
+                    per_stack[e.stack_index] = per_stack.get(e.stack_index, 0) + e.batch * e.local_shape[-2] * \
+                        e.local_shape[-1]
+            per_chunk: dict[torch.device, int] = {}
+            for si, size in per_stack.items():
+                device = plan.stacks[si].device
+                per_chunk[device] = per_chunk.get(device, 0) + _aligned(size)
+            for device, size in per_chunk.items():
+                sizes[device] = max(sizes.get(device, 0), size)
+        return {device: torch.empty(size, dtype=torch.float32, device=device) for device, size in sizes.items()}
+
+    @staticmethod
+    def _ns_input_views(plan: Plan, members: list[int], inputs: dict) -> tuple[dict, dict]:
+        """The NS input of each member, and per stack its members with their (k, m, n) input: the
+        stacks lie one after another in the device's flat buffer and each member's input is its slice
+        (an nd_mode "batch" entry its E consecutive slices); a sharded matrix has its own local part."""
+        entries = plan.entries
+        ns_inputs: dict[int, torch.Tensor] = {}
+        by_stack: dict[int, list[int]] = {}
+        for i in members:
+            if entries[i].stack_index >= 0:
+                by_stack.setdefault(entries[i].stack_index, []).append(i)
+            else:
+                e = entries[i]
+                ns_inputs[i] = torch.empty(e.local_shape, dtype=torch.float32, device=e.param.device)
+        offsets: dict[torch.device, int] = {}
+        stacked: dict[int, tuple[list[int], torch.Tensor]] = {}
+        for si, stack_members in by_stack.items():
+            stack = plan.stacks[si]
+            rows, cols = stack.local_shape
+            count = sum(entries[i].batch for i in stack_members)
+            start = offsets.get(stack.device, 0)
+            offsets[stack.device] = start + _aligned(count * rows * cols)
+            buf = inputs[stack.device][start : start + count * rows * cols].view(count, rows, cols)
+            stacked[si] = (stack_members, buf)
+            slices = buf.unbind(0)  # one call for every matrix's view: the step's host time counts
+            k = 0
+            for i in stack_members:
+                e = entries[i]
+                ns_inputs[i] = slices[k] if len(e.local_shape) == 2 else buf[k : k + e.batch]
+                k += e.batch
+        return ns_inputs, stacked
+
+    def _momentum_phase(self, plan: Plan, members: list[int], ns_inputs: dict, scalers: dict) -> list[tuple]:
+        """1. Momentum (and L2 decay, Nesterov) per bucket, writing the NS inputs. Returns what the
+        update phase needs per bucket."""
+        entries = plan.entries
+        # The chunk's members per bucket, in the bucket's (entry) order: a one-chunk step launches
+        # exactly what an unchunked one does. Costs the chunk's size, not the model's.
+        by_bucket: dict[int, list[int]] = {}
+        for i in sorted(members):
+            by_bucket.setdefault(entries[i].bucket_index, []).append(i)
+        launches = []
+        for bi in sorted(by_bucket):
+            bucket, bucket_members = plan.buckets[bi], by_bucket[bi]
+            for i in bucket_members:
+                self._init_entry_state(i)
+            group = self.param_groups[bucket.group_index]
+            group_cfg = plan.configs[bucket.group_index]
+            # The ops run on local matrix views (DTensor: to_local(); nd_mode: (E, m, n) or
+            # (size(0), -1)); they take any dense layout (a transposed parameter and its
+            # row-major NS input).
+            params = [entries[i].view(entries[i].param) for i in bucket_members]
+            grads = [entries[i].view(entries[i].param.grad) for i in bucket_members]
+            states = [self.state[entries[i].param] for i in bucket_members]
+            hyper = {k: buf.view(()) for k, buf in self._hyper[(bucket.group_index, bucket.device)].items()}
+            scale_t, inf_t = scalers[bucket.device]
+            momentum_args = dict(
+                momentum=hyper["momentum"],
+                nesterov=group_cfg.nesterov,
+                weight_decay=hyper["weight_decay"],
+                weight_decay_method=group_cfg.weight_decay_method,
+                grad_scale=self._momentum_grad_divisor(hyper, scale_t),
+                found_inf=inf_t,
+            )
+            l2_params = params if group_cfg.weight_decay_method == "l2" else ()
+            outs = [ns_inputs[i] for i in bucket_members]
+            if self.state_dtype == "fp32":
+                bufs = [entries[i].view(s["momentum_buffer"]) for i, s in zip(bucket_members, states)]
+                ops.foreach_momentum_(grads, bufs, outs, l2_params, **momentum_args)
+            else:  # codes shaped like the local param; the other lists pair up element by element
+                codes = [local(s["momentum_buffer"]) for s in states]
+                scales = [local(s["momentum_buffer_scales"]) for s in states if "momentum_buffer_scales" in s]
+                ops.foreach_momentum_quantized_(grads, codes, scales, outs, l2_params, block_size=self.state_block_size,
+                                                seed=self._state_seeds[bucket.device], **momentum_args)
+            launches.append((bucket, group, group_cfg, bucket_members, params, grads, states, hyper, scale_t, inf_t))
+        return launches
+
+    def _orthogonalize_phase(self, plan: Plan, members: list[int], ns_inputs: dict,
+                             stacked: dict) -> tuple[dict, dict]:
+        """2. Newton–Schulz per stack (sharded matrices: owner or gather mode, see _sharded), then a
+        subclass's orthogonalize() override. Returns the raw updates and their scales."""
+        entries = plan.entries
+        updates: dict[int, torch.Tensor] = {}
+        by_config: dict[int, list[int]] = {}  # sharded matrices: groups with their own settings run apart
+        for i in members:
+            if entries[i].stack_index < 0:
+                by_config.setdefault(id(plan.configs[entries[i].group_index]), []).append(i)
+        for sharded in by_config.values():
+            outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
+                                     plan.configs[entries[sharded[0]].group_index])
+            updates.update(zip(sharded, outs))
+        for si, (stack_members, x) in stacked.items():
+            results = self._orthogonalize(plan.stacks[si], x)
+            slices = results.unbind(0) if isinstance(results, torch.Tensor) else results
+            k = 0
+            for i in stack_members:
+                e = entries[i]
+                if len(e.local_shape) == 2:
+                    updates[i] = slices[k]
+                else:  # the E results of a batch entry: contiguous slices of one output
+                    updates[i] = torch.stack(results[k : k + e.batch]) if isinstance(results, list) \
+                        else results[k : k + e.batch]
+                k += e.batch
+        scales = {i: entries[i].update_scale for i in members}
+        if not self._orthogonalize_is_base():
+            self._call_orthogonalize_override(entries, members, ns_inputs, updates, scales)
+        return updates, scales
+
+    def _update_phase(self, plan: Plan, launches: list[tuple], updates: dict, scales: dict, ns_inputs: dict) -> None:
+        """3. Second-moment normalization (AdaptiveMuon), 4. decay + update, per bucket."""
+        hook = self._weight_update_hook
+        for bucket, group, group_cfg, members, params, grads, states, hyper, scale_t, inf_t in launches:
+            bucket_updates = [updates[i] for i in members]
+            bucket_scales = [scales[i] for i in members]
+            if self._config.moment2_method is not None:
+                self._normalize(group, members, bucket_updates, grads, states, [ns_inputs[i] for i in members],
+                                hyper, scale_t, inf_t)
+            # cautious decay too: its mask reads the unscaled update and p before the decay, in the op
+            if hook is None:
+                ops.foreach_update_(params, bucket_updates, bucket_scales, lr=hyper["lr"],
+                                    weight_decay=hyper["weight_decay"],
+                                    weight_decay_method=group_cfg.weight_decay_method, found_inf=inf_t)
+            else:
+                self._hooked_update(hook, params, bucket_updates, bucket_scales, hyper, inf_t,
+                                    group_cfg.weight_decay_method)
+
+    def _hooked_update(self, hook, params, updates, scales, hyper, found_inf, weight_decay_method) -> None:
+        """Decay, weight-update hook around ``p -= lr·update``, batched over one bucket (EO main's order:
+        the hook sees the decayed weight and the scaled update)."""
+        if weight_decay_method != "l2":  # decay alone: the update scaled by 0 leaves p as decay made it
+            ops.foreach_update_(params, updates, [0.0] * len(params), lr=hyper["lr"],
+                                weight_decay=hyper["weight_decay"], weight_decay_method=weight_decay_method,
+                                found_inf=found_inf)
+        torch._foreach_mul_(updates, scales)
+        state = hook.fused_pre(params, updates)
+        ops.foreach_update_(params, updates, [1.0] * len(params), lr=hyper["lr"], weight_decay=0.0,
+                            weight_decay_method="decoupled", found_inf=found_inf)
+        hook.fused_post(params, state)
+
+    def _call_orthogonalize_override(self, entries, members, ns_inputs, updates, scales) -> None:
+        """Runs a subclass's orthogonalize() for every member (its results replace the batched ones)."""
+        muon = self._config.moment2_method is None
+        batched = {}
+        for i in members:
+            e = entries[i]
+            # Muon's orthogonalize returns the scaled update; QKV parts are scaled already.
+            result = updates[i] * e.update_scale if muon and e.update_scale != 1.0 else updates[i]
+            batched[id(e.param)] = (ns_inputs[i], result)
+        self._batched = batched
+        try:
+            for i in members:
+                e = entries[i]
+                group = self.param_groups[e.group_index]
+                out = self.orthogonalize(e.param, ns_inputs[i], **{k: v for k, v in group.items() if k != "params"})
+                if not isinstance(out, torch.Tensor) or tuple(out.shape) != e.local_shape:
+                    raise ValueError(
+                        f"{type(self).__name__}.orthogonalize must return a tensor of shape {e.local_shape} for a "
+                        f"param of shape {tuple(e.param.shape)}, got "
+                        f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+                    )
+                updates[i] = out.to(torch.float32).contiguous()
+                if muon:
+                    scales[i] = 1.0  # already scaled
+        finally:
+            self._batched = None
+    def _orthogonalize(self, stack: Stack, x: torch.Tensor) -> list[torch.Tensor]:
+        """Newton–Schulz of one stack: (k, m, n) fp32 NS inputs -> k fp32 (m, n) updates.
+
+        Plain matrices come back raw (scaled later, in foreach_update_). QKV parts come back scaled
+        for Muon (the split op fuses it) and raw for AdaptiveMuon (scaled after normalization).
+        """
+        cfg = stack.config
+        scale_parts = cfg.moment2_method is None
+        tp = stack.tp
+        if tp is not None and tp.mode == "distributed":
+            out = distributed_orthogonalize(x, tp, stack.qkv, stack.global_shape, cfg, scaled=scale_parts)
+            return list(out.unbind(0))
+        if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
+            x = gather_shards(x, tp)
+        if stack.qkv is None:
+            if tp is None:
+                return cfg.newton_schulz(x)  # indexed like a list of its k matrices
+            outs = list(cfg.newton_schulz(x).unbind(0))
+        else:  # every part of every projection of the stack: one batched NS per part size
+            outs = list(
+                cfg.newton_schulz_split(x, stack.qkv.sizes, x.shape[-2] // stack.qkv.total, scaled=scale_parts).unbind(0)
+            )
+        return outs if tp is None else [local_chunk(o, tp) for o in outs]
+
+    def _normalize(self, group, members, updates, grads, states, ns_inputs, hyper, grad_scale, found_inf) -> None:
+        """Second-moment normalization of the raw NS output of one bucket, then per-part QKV scales."""
+        cfg = self._config
+        entries = self._plan.entries
+        beta2, eps = hyper["beta2"], hyper["eps"]
+        method = cfg.moment2_method
+        if method == "adamuon" and self.state_dtype != "fp32":  # elementwise: whole local tensors
+            lms.adamuon_normalize_quantized_(
+                updates, [local(s["moment2_buffer"]) for s in states],
+                [local(s["moment2_buffer_scales"]) for s in states if "moment2_buffer_scales" in s],
+                beta2=beta2, eps=eps, block_size=self.state_block_size, seed=self._state_seeds[updates[0].device],
+                found_inf=found_inf)
+            for j, i in enumerate(members):
+                if entries[i].qkv is not None:
+                    _scale_parts_(updates[j], entries[i].qkv, entries[i].part_scales)
+            return
+        moment2 = []
+        for j, i in enumerate(members):
+            v = local(states[j]["moment2_buffer"])
+            moment2.append(entries[i].view(v) if method == "adamuon" else v)
+        # Statistics over a whole matrix: TP shards and sharded DTensors reduce them across ranks;
+        # everything else goes to the fused op, nd_mode "batch" entries as their 2-D slices.
+        subsets: dict[Any, list[int]] = {}
+        fused: list[tuple] = []
+        spanning: list[int] = []
+        for j, i in enumerate(members):
+            e = entries[i]
+            if method != "adamuon" and e.tp is not None:
+                subsets.setdefault(e.tp.key, []).append(j)
+            elif method != "adamuon" and e.sharding is not None and e.sharding.kind != "local":
+                spanning.append(j)
+            elif len(e.local_shape) == 2:
+                fused.append((updates[j], moment2[j], grads[j], ns_inputs[j]))
+            else:
+                x = ns_inputs[j]
+                for k in range(e.batch):
+                    fused.append((updates[j][k], moment2[j][k], grads[j][k], None if x is None else x[k]))
+        if fused:
+            u, v, g, x = (list(t) for t in zip(*fused))
+            if method == "adamuon":
+                ops.adamuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
+            elif method == "normuon":
+                ops.normuon_normalize_(u, v, beta2=beta2, eps=eps, found_inf=found_inf)
+            else:
+                ops.namo_normalize_(u, v, g, x, beta2=beta2, eps=eps, grad_scale=grad_scale, found_inf=found_inf)
+        if spanning:
+            as3 = lambda t: t if t.ndim == 3 else t.unsqueeze(0)  # noqa: E731
+            lays = [entries[members[j]].sharding for j in spanning]
+            u = [as3(updates[j]) for j in spanning]
+            if method == "normuon":
+                sharded_normuon_(u, [as3(moment2[j]) for j in spanning], lays,
+                                 [entries[members[j]].normuon_dim for j in spanning], beta2=beta2, eps=eps,
+                                 found_inf=found_inf)
+            else:
+                sharded_namo_(u, [moment2[j].view(-1) for j in spanning], [as3(grads[j]) for j in spanning],
+                              [as3(ns_inputs[j]) for j in spanning], lays, beta2=beta2, eps=eps,
+                              grad_scale=grad_scale, found_inf=found_inf)
+        for key, js in subsets.items():
+            u = [updates[j] for j in js]
+            v = [moment2[j] for j in js]
+            sub_entries = [entries[members[j]] for j in js]
+            if method == "normuon":
+                tp_normuon_normalize_(u, v, sub_entries, beta2=beta2, eps=eps, found_inf=found_inf)
+            else:
+                tp_namo_normalize_(
+                    u, v, [grads[j] for j in js], [ns_inputs[j] for j in js], sub_entries, beta2=beta2, eps=eps,
+                    grad_scale=grad_scale, found_inf=found_inf,
+                )
+        for j, i in enumerate(members):
+            entry = entries[i]
+            if entry.qkv is not None:
+                _scale_parts_(updates[j], entry.qkv, entry.part_scales)
+
+
+def _capturing_cuda_graph(plan: Plan) -> bool:
+    return any(b.device.type == "cuda" for b in plan.buckets) and torch.cuda.is_current_stream_capturing()
+
+
+def _host_value(value) -> float | None:
+    """The value of a per-step hyper-parameter held on the host (a Python number or a CPU tensor,
+    read without touching any device), or None for a tensor on a device."""
+    if isinstance(value, torch.Tensor):
+        return float(value) if value.device.type == "cpu" else None
+    return float(value)
+
+
+def _write_scalar(buf: torch.Tensor, value) -> None:
+    # ``buf`` has one element (see _rebuild_plan). Compiled writes go through a 1-element view:
+    # torch 2.13's inductor drops in-place writes to a 0-dim float64 tensor (the step would run
+    # with lr = 0).
+    host_tensor = isinstance(value, torch.Tensor) and value.device.type == "cpu" and buf.device.type != "cpu"
+    if isinstance(value, torch.Tensor) and (not host_tensor or torch.compiler.is_compiling()):
+        buf.view(1).copy_(value.reshape(1))  # a device tensor keeps the step capturable in a CUDA graph
+    elif torch.compiler.is_compiling():
+        buf.view(1).zero_().add_(value)  # keeps the float a graph input (fill_ would specialize on it)
+    else:
+        # A Python number, or a CPU tensor for a device buffer: read on the host and written by a
+        # fill kernel (a copy_ from pageable host memory would synchronize with the device).
+        buf.fill_(_host_value(value))
+
+
+# Each stack's NS input starts this many floats (256 bytes) into the flat buffer after the previous
+# one, as a tensor of its own would be aligned: vectorized kernels and cuBLASLt see the same
+# alignment as without the shared buffer.
+_STACK_ALIGN_FLOATS = 64
+
+
+def _aligned(floats: int) -> int:
+    return -(-floats // _STACK_ALIGN_FLOATS) * _STACK_ALIGN_FLOATS
+
+
+def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:
+    """Multiplies each QKV part of a (rows, cols) update by its own Muon scale, in place."""
+    view = update.view(update.shape[0] // qkv.total, qkv.total, update.shape[1])
+    for offset, size, scale in part_scales:
+        view[:, offset : offset + size, :].mul_(scale)
