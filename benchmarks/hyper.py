@@ -47,6 +47,11 @@ def configure(device_type: str, coefficient_type: str | None = None, precision: 
     COEFFICIENTS = [tuple(row) for row in get_coefficients(COEFFICIENT_TYPE, NS_STEPS)]
 
 
+def step_settings() -> dict:
+    """The per-step hyper-parameters every optimizer of a run shares (its constructor's keywords)."""
+    return dict(lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, nesterov=NESTEROV)
+
+
 def single_row() -> bool:
     """True when every step uses the same (a, b, c) row (what torch.optim.Muon can run)."""
     return len(set(COEFFICIENTS)) == 1

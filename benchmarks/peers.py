@@ -10,13 +10,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import typing
 from types import SimpleNamespace
 from typing import Sequence
 
 import torch
+
+from megatron_eopt._precision import products_precision
 
 # Emerging-Optimizers 0.3.0 imports typing.override, which Python 3.11 lacks.
 if not hasattr(typing, "override"):
@@ -50,10 +51,16 @@ def emerging_optimizers():
         return None, None, None, f"emerging_optimizers not importable ({type(exc).__name__}: {exc})"
 
 
-def torch_muon_available() -> str | None:
-    """None when torch.optim.Muon exists, else why not."""
+def torch_muon_available(precision: str | None = None, schedule: str | None = None) -> str | None:
+    """None when torch.optim.Muon exists and can run the configuration, else why not: it takes one
+    (a, b, c) row (``schedule``: the run's coefficient type when that has more) and computes in bf16
+    only (``precision``: the run's, None for the default)."""
     if not hasattr(torch.optim, "Muon"):
         return f"torch {torch.__version__} has no torch.optim.Muon (needs >= 2.9)"
+    if schedule is not None:
+        return f"takes one (a, b, c) row; this run's schedule is {schedule}"
+    if precision not in (None, "medium"):
+        return f"computes in bf16 only; this run's precision is {precision}"
     return None
 
 
@@ -66,17 +73,6 @@ def torch_ns_function():
 def compute_dtype(precision: str) -> torch.dtype:
     """The storage type of a precision's products: bf16 for "medium", fp32 otherwise."""
     return torch.bfloat16 if precision == "medium" else torch.float32
-
-
-@contextlib.contextmanager
-def matmul_precision(precision: str):
-    """torch's fp32 matmul precision for the peers' own products: TF32 for "high"."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if precision == "high" else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 # ------------------------------------------------------------------ plain batched Newton–Schulz
@@ -112,7 +108,7 @@ def compiled_newton_schulz(coefficients: Sequence[tuple[float, float, float]], p
         compiled = torch.compile(lambda x: plain_newton_schulz(x, rows, dtype=dtype), dynamic=True)
 
         def ns(x):
-            with matmul_precision(precision):
+            with products_precision(precision):
                 return compiled(x)
 
         _COMPILED_NS[key] = ns
@@ -198,13 +194,17 @@ class PlainBatchedMuon:
             for g in self.groups
         ]
 
-    @torch.no_grad()
-    def step(self):
+    def _decay_and_momentum(self):
+        """Decoupled decay and the momentum EMA over every parameter; returns (params, grads, updates)."""
         params, grads, bufs = self.params, [p.grad for p in self.params], self.buffers
         if self.weight_decay != 0:
             torch._foreach_mul_(params, 1.0 - self.lr * self.weight_decay)
         torch._foreach_lerp_(bufs, grads, 1.0 - self.momentum)
-        updates = torch._foreach_lerp(grads, bufs, self.momentum) if self.nesterov else bufs
+        return params, grads, torch._foreach_lerp(grads, bufs, self.momentum) if self.nesterov else bufs
+
+    @torch.no_grad()
+    def step(self):
+        params, _, updates = self._decay_and_momentum()
         for group, scale in zip(self.groups, self.scales):
             stacked = torch.stack([updates[i] for i in group])
             orthogonal = self.ns(stacked)
@@ -264,11 +264,7 @@ class PlainBatchedAdaptiveMuon(PlainBatchedMuon):
 
     @torch.no_grad()
     def step(self):
-        params, grads, bufs = self.params, [p.grad for p in self.params], self.buffers
-        if self.weight_decay != 0:
-            torch._foreach_mul_(params, 1.0 - self.lr * self.weight_decay)
-        torch._foreach_lerp_(bufs, grads, 1.0 - self.momentum)
-        updates = torch._foreach_lerp(grads, bufs, self.momentum) if self.nesterov else bufs
+        params, grads, updates = self._decay_and_momentum()
         for group, scale, V in zip(self.groups, self.scales, self.moment2):
             ns_in = torch.stack([updates[i] for i in group])
             g = torch.stack([grads[i] for i in group]) if self.method == "namo" else ns_in

@@ -140,15 +140,12 @@ def unavailable(key: str, precision: str | None) -> str | None:
         return None
     if key == "eo":
         return peers.emerging_optimizers()[3]
-    why = peers.torch_muon_available()
-    if not why and precision not in (None, "medium"):
-        why = f"computes in bf16 only; this run's precision is {precision}"
-    return why
+    return peers.torch_muon_available(precision)
 
 
 def build_optimizer(key: str, params, precision: str | None, workspace: str | None):
     """The optimizer of ``key`` at its defaults with the run's shared hyper-parameters."""
-    shared = dict(lr=hyper.LR, momentum=hyper.MOMENTUM, weight_decay=hyper.WEIGHT_DECAY, nesterov=hyper.NESTEROV)
+    shared = hyper.step_settings()
     prec = {} if precision is None else {"fp32_matmul_prec": precision}
     if key.startswith("ours"):
         from megatron_eopt.optim import Muon

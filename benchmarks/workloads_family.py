@@ -12,7 +12,7 @@ import torch
 import eo040_peer
 import hyper
 from timing import Case, Impl, rotation_count
-from workloads_step import OURS, _install_grads, _step_parity, ours_class
+from workloads_step import OURS, _step_parity, ours_class, step_case
 
 EO040 = "EO 0.4.0"
 
@@ -63,15 +63,5 @@ def build_family_case(name: str, description: str, shapes: list[tuple[int, int]]
 
     impls = [Impl(impl, (lambda b=build: (lambda _grads, s=b(params): s())), is_ours=impl == OURS)
              for impl, build in builders.items()]
-    return Case(
-        name=name,
-        kind="step",
-        description=description,
-        inputs=inputs,
-        impls=impls,
-        prepare=lambda grads: _install_grads(params, grads),
-        flops=sum(hyper.ns_flops(m, n) for m, n in shapes),
-        skipped=skipped,
-        parity=(lambda: _step_parity(builders, shapes, device)) if cls_name != "MuonHyperball" else None,
-        notes=[f"{len(shapes)} matrices, {sum(m * n for m, n in shapes) / 1e6:.1f} M params"],
-    )
+    parity = (lambda: _step_parity(builders, shapes, device)) if cls_name != "MuonHyperball" else None
+    return step_case(name, description, inputs, impls, params, shapes, skipped, parity)

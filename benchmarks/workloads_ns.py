@@ -60,6 +60,16 @@ def _per_shape(fn):
     return run
 
 
+def _laid_out(fn, layout: str, split):
+    """A batched NS function as a workload's layout calls it: per shape for a list of matrices, per
+    part for a split projection, whole for a stack."""
+    if layout == "list":
+        return _per_shape(fn)
+    if layout == "split":
+        return lambda x: split_apply(x, *split, fn)
+    return fn
+
+
 def _implementations(layout: str, device: torch.device, split: tuple[list[int], int] | None = None):
     """name -> fn(input) for the given input layout ("single", "batch", "list" or "split"), the
     reasons for implementations left out, and notes on how some ran."""
@@ -94,11 +104,7 @@ def _implementations(layout: str, device: torch.device, split: tuple[list[int], 
         else:
             fns[peers.EO_NS] = (lambda xs: [eo(x) for x in xs]) if layout == "list" else eo
 
-    why = peers.torch_muon_available()
-    if not why and not hyper.single_row():
-        why = f"takes one (a, b, c) row; this run's schedule is {hyper.COEFFICIENT_TYPE}"
-    if not why and hyper.PRECISION != "medium":
-        why = f"computes in bf16 only; this run's precision is {hyper.PRECISION}"
+    why = peers.torch_muon_available(hyper.PRECISION, None if hyper.single_row() else hyper.COEFFICIENT_TYPE)
     if why:
         skipped[peers.TORCH_NS] = why
     else:
@@ -115,25 +121,14 @@ def _implementations(layout: str, device: torch.device, split: tuple[list[int], 
         else:
             fns[peers.TORCH_NS] = lambda xs: [torch_ns(x) for x in xs]
 
-    compiled = peers.compiled_newton_schulz(hyper.COEFFICIENTS, hyper.PRECISION)
-    if layout == "list":
-        fns[peers.COMPILED] = _per_shape(compiled)
-    elif layout == "split":
-        fns[peers.COMPILED] = lambda x: split_apply(x, *split, compiled)
-    else:
-        fns[peers.COMPILED] = compiled
+    fns[peers.COMPILED] = _laid_out(peers.compiled_newton_schulz(hyper.COEFFICIENTS, hyper.PRECISION), layout, split)
 
     gram, how = peers.gram_newton_schulz(hyper.COEFFICIENTS, device.type, hyper.EPS)
     if gram is None:
         skipped[peers.GRAM_NS] = how
     else:
         notes.append(f"{peers.GRAM_NS}: {how}, restarts before steps {peers.GRAM_NS_RESTARTS}")
-        if layout == "list":
-            fns[peers.GRAM_NS] = _per_shape(gram)
-        elif layout == "split":
-            fns[peers.GRAM_NS] = lambda x: split_apply(x, *split, gram)
-        else:
-            fns[peers.GRAM_NS] = gram
+        fns[peers.GRAM_NS] = _laid_out(gram, layout, split)
     return fns, skipped, notes
 
 

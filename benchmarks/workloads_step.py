@@ -29,10 +29,7 @@ def ours_class(name: str):
 def _muon_kwargs_eo_style() -> dict:
     """Emerging-Optimizers' Muon constructor (megatron-eopt's Muon takes the same)."""
     return dict(
-        lr=hyper.LR,
-        momentum=hyper.MOMENTUM,
-        weight_decay=hyper.WEIGHT_DECAY,
-        nesterov=hyper.NESTEROV,
+        hyper.step_settings(),
         weight_decay_method="decoupled",
         fp32_matmul_prec=hyper.PRECISION,
         coefficient_type=hyper.COEFFICIENT_TYPE,
@@ -77,11 +74,7 @@ def step_builders(adaptive: str | None = None) -> tuple[dict[str, StepBuilder], 
         skipped[peers.TORCH_MUON] = "has no second-moment (AdaptiveMuon) variant"
         return builders, skipped
 
-    why = peers.torch_muon_available()
-    if not why and not hyper.single_row():
-        why = f"takes one (a, b, c) row; this run's schedule is {hyper.COEFFICIENT_TYPE}"
-    if not why and hyper.PRECISION != "medium":
-        why = f"computes in bf16 only; this run's precision is {hyper.PRECISION}"
+    why = peers.torch_muon_available(hyper.PRECISION, None if hyper.single_row() else hyper.COEFFICIENT_TYPE)
     if why:
         skipped[peers.TORCH_MUON] = why
     else:
@@ -112,10 +105,7 @@ def step_builders(adaptive: str | None = None) -> tuple[dict[str, StepBuilder], 
 
 def _plain_kwargs() -> dict:
     return dict(
-        lr=hyper.LR,
-        momentum=hyper.MOMENTUM,
-        weight_decay=hyper.WEIGHT_DECAY,
-        nesterov=hyper.NESTEROV,
+        hyper.step_settings(),
         coefficients=hyper.COEFFICIENTS,
         scale_mode=hyper.SCALE_MODE,
         extra_scale=hyper.EXTRA_SCALE,
@@ -177,6 +167,13 @@ def build_step_case(
         impls.append(Impl(impl_name, (lambda b=build: (lambda _grads, s=b(params): s())), is_ours=impl_name == OURS,
                           flops=ours_flops if impl_name == OURS else None))
 
+    return step_case(name, description, inputs, impls, params, shapes, skipped,
+                     parity=lambda: _step_parity(builders, shapes, device), note=f", {copies} gradient sets")
+
+
+def step_case(name: str, description: str, inputs, impls, params, shapes, skipped, parity, note: str = "") -> Case:
+    """A step workload on ``params`` (matrices of ``shapes``): each call's gradients installed first,
+    FLOPs counted as its Newton–Schulz's."""
     return Case(
         name=name,
         kind="step",
@@ -186,6 +183,6 @@ def build_step_case(
         prepare=lambda grads: _install_grads(params, grads),
         flops=sum(hyper.ns_flops(m, n) for m, n in shapes),
         skipped=skipped,
-        parity=lambda: _step_parity(builders, shapes, device),
-        notes=[f"{len(shapes)} matrices, {sum(m * n for m, n in shapes) / 1e6:.1f} M params, {copies} gradient sets"],
+        parity=parity,
+        notes=[f"{len(shapes)} matrices, {sum(m * n for m, n in shapes) / 1e6:.1f} M params{note}"],
     )

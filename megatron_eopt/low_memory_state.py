@@ -43,6 +43,7 @@ from .ops._low_memory_state import (  # _blocks, _squared_grid: the block layout
     dequantize,
     foreach_momentum_quantized_,
     has_scales,
+    is_low_memory,
     moment2_dtype,
     momentum_dtype,
     quantize,

@@ -15,7 +15,6 @@ Gram all-reduce per (re)start instead of one per iteration.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Sequence
 
@@ -23,18 +22,8 @@ import torch
 import torch.distributed as dist
 
 from .._library import ns_plan
+from .._precision import products_precision
 from ..newton_schulz import coefficient_table, get_coefficients
-
-
-@contextlib.contextmanager
-def _matmul_precision(precision: str):
-    # Only the plain-PyTorch distributed iteration needs this: "high" means TF32 GEMMs.
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if precision == "high" else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 @functools.lru_cache(maxsize=256)
@@ -103,10 +92,10 @@ def distributed_newton_schulz(
     m, n = (l_global, s) if transpose else (s, l_global)
     restarts = gram_restarts(table, steps, repeat_last, m, n, transpose, precision, algorithm, x.device.type)
     if restarts is not None:
-        with _matmul_precision(precision):
+        with products_precision(precision):  # the plain-PyTorch iteration: "high" is TF32
             out = _distributed_gram(X, group, coefficients, restarts)
         return (out.mT if transpose else out).contiguous()
-    with _matmul_precision(precision):
+    with products_precision(precision):  # the plain-PyTorch iteration: "high" is TF32
         for a, b, c in coefficients:
             Xf = X.float()
             gram = torch.bmm(Xf, Xf.mT)

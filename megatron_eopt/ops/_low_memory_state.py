@@ -36,6 +36,12 @@ def validate_state_dtype(state_dtype: str) -> str:
     return state_dtype
 
 
+def is_low_memory(state_dtype: str) -> bool:
+    """True for a state stored in a format of this module ("bf16", "int8", "fp8"), rounded
+    stochastically by the quantized ops; False for "fp32", the parameters' own dtype."""
+    return state_dtype != "fp32"
+
+
 def validate_block_size(block_size: int) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise ValueError(f"state_block_size must be an int in [1, {MAX_BLOCK_SIZE}], got {block_size!r}")

@@ -50,14 +50,15 @@ def _ns_arguments(
 
 
 
-def _recipe_arguments(eps_mode: str, norm_divisor: float, row_equilibration: bool,
-                      frobenius_renorm: bool) -> tuple[str, float, bool, bool]:
-    """The ops' trailing recipe arguments, checked (ValueError naming the argument)."""
+def recipe_arguments(eps_mode: str, norm_divisor: float, row_equilibration: bool, frobenius_renorm: bool,
+                     prefix: str = "") -> tuple[str, float, bool, bool]:
+    """The ops' trailing recipe arguments, checked (ValueError naming the argument: ``prefix`` and its
+    name here; the optimizers call them ``ns_eps_mode`` and ``ns_norm_divisor``)."""
     if eps_mode not in EPS_MODES:
-        raise ValueError(f"eps_mode must be one of {list(EPS_MODES)}, got {eps_mode!r}")
+        raise ValueError(f"{prefix}eps_mode must be one of {list(EPS_MODES)}, got {eps_mode!r}")
     if (isinstance(norm_divisor, bool) or not isinstance(norm_divisor, (int, float))
             or not math.isfinite(norm_divisor) or norm_divisor < 1):
-        raise ValueError(f"norm_divisor must be a finite number >= 1, got {norm_divisor!r}")
+        raise ValueError(f"{prefix}norm_divisor must be a finite number >= 1, got {norm_divisor!r}")
     for name, flag in (("row_equilibration", row_equilibration), ("frobenius_renorm", frobenius_renorm)):
         if not isinstance(flag, bool):
             raise ValueError(f"{name} must be True or False, got {flag!r}")
@@ -127,7 +128,7 @@ def newton_schulz(
         raise TypeError(f"use_syrk must be a bool, got {type(use_syrk).__name__}")
     if not isinstance(normalize_in_double, bool):
         raise TypeError(f"normalize_in_double must be a bool, got {type(normalize_in_double).__name__}")
-    recipe = _recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
+    recipe = recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
     if recipe != _DEFAULT_RECIPE and (tp_group is not None or normalize_in_double or steps == 0):
         raise ValueError("eps_mode, norm_divisor, row_equilibration and frobenius_renorm do not apply with "
                          "tp_group, normalize_in_double or steps=0")
@@ -223,7 +224,7 @@ def newton_schulz_list(
     recipe arguments as there)."""
     for i, x in enumerate(xs):
         _check_matrix(f"xs[{i}]", x, (2,))
-    recipe = _recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
+    recipe = recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
     precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
@@ -303,7 +304,7 @@ def newton_schulz_split(
         raise ValueError(
             "extra_scale_factor applies only with a scale_mode; without one the parts are returned unscaled"
         )
-    recipe = _recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
+    recipe = recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
     precision = resolve_precision(precision)
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm

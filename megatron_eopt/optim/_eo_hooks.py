@@ -11,11 +11,11 @@ of the optimizer's own ``scaled_orthogonalize_fn`` still running on the fused op
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 
+from .._precision import fp32_matmul_precision
 from ._config import OrthogonalizationConfig
 
 # The extension points whose defaults the fused step reproduces (AdaptiveMuon adds its own).
@@ -27,17 +27,6 @@ BASE_HOOK_NAMES = (
 )
 # Hooks whose batched form the fused step can run (elementwise or per-matrix norms).
 FUSABLE_WEIGHT_UPDATE_HOOKS = ("HyperballHook", "RadialBrakeHook", "RelativeUpdateHook", "NoOpWeightUpdateHook")
-
-
-@contextlib.contextmanager
-def fp32_matmul_precision(precision: str):
-    """torch's float32 matmul precision set to ``precision`` for the block (EO's context manager)."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 class FusedScaledOrthogonalize:

@@ -189,7 +189,7 @@ class FusedStep:
             )
             l2_params = params if group_cfg.weight_decay_method == "l2" else ()
             outs = [ns_inputs[i] for i in bucket_members]
-            if self.state_dtype == "fp32":
+            if not self._low_memory_state:
                 bufs = [entries[i].view(s["momentum_buffer"]) for i, s in zip(bucket_members, states)]
                 ops.foreach_momentum_(grads, bufs, outs, l2_params, **momentum_args)
             else:  # codes shaped like the local param; the other lists pair up element by element
@@ -318,7 +318,7 @@ class FusedStep:
         entries = self._plan.entries
         beta2, eps = hyper["beta2"], hyper["eps"]
         method = cfg.moment2_method
-        if method == "adamuon" and self.state_dtype != "fp32":  # elementwise: whole local tensors
+        if method == "adamuon" and self._low_memory_state:  # elementwise: whole local tensors
             lms.adamuon_normalize_quantized_(
                 updates, [local(s["moment2_buffer"]) for s in states],
                 [local(s["moment2_buffer_scales"]) for s in states if "moment2_buffer_scales" in s],

@@ -169,7 +169,7 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
         for key in keys:
             if key not in values or not isinstance(values[key], torch.Tensor):
                 continue
-            if state_dtype == "fp32" and values[key].dtype not in (torch.int8, torch.float8_e4m3fn):
+            if not lms.is_low_memory(state_dtype) and values[key].dtype not in (torch.int8, torch.float8_e4m3fn):
                 continue  # fp32 into fp32: torch's loader (and its checks) as for any optimizer
             if tuple(values[key].shape) != tuple(p.shape):
                 raise ValueError(
@@ -178,7 +178,7 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
                 )
             fmt = _incoming_format(key, values[key])
             same = (
-                state_dtype != "fp32" and values[key].dtype == _codes_dtype(key, state_dtype)
+                lms.is_low_memory(state_dtype) and values[key].dtype == _codes_dtype(key, state_dtype)
                 and (not lms.has_scales(values[key].dtype) or values.get(BLOCK_KEY, lms.DEFAULT_BLOCK_SIZE) == block_size)
             )
             if same:
@@ -191,7 +191,7 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
                 v = _as_values(key, values, fmt, label)
                 values.pop(scales_key(key), None)
                 values.pop(key)
-                if state_dtype == "fp32" or (key == MOMENT2 and lms.moment2_dtype(state_dtype) is None):
+                if not lms.is_low_memory(state_dtype) or (key == MOMENT2 and lms.moment2_dtype(state_dtype) is None):
                     values[key] = v  # cast to the parameter's state dtype by torch's loader
                     continue
                 dtype = _codes_dtype(key, state_dtype)

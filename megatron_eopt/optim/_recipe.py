@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..newton_schulz import EPS_MODES
+from ..ops._newton_schulz import recipe_arguments
 
 
 # Polar Express (Amsel, Persson, Musco, Gower, arXiv 2505.16932): the optimal odd quintics for
@@ -75,15 +75,8 @@ class NSRecipe:
         """Validated options (ValueError naming the argument)."""
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 < eps < 1):
             raise ValueError(f"ns_eps must be a number in (0, 1), got {eps!r}")
-        if eps_mode not in EPS_MODES:
-            raise ValueError(f"ns_eps_mode must be one of {list(EPS_MODES)}, got {eps_mode!r}")
-        if (isinstance(norm_divisor, bool) or not isinstance(norm_divisor, (int, float))
-                or not math.isfinite(norm_divisor) or norm_divisor < 1):
-            raise ValueError(f"ns_norm_divisor must be a finite number >= 1, got {norm_divisor!r}")
-        for name, flag in (("row_equilibration", row_equilibration), ("frobenius_renorm", frobenius_renorm)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"{name} must be True or False, got {flag!r}")
-        return NSRecipe(eps_mode, float(norm_divisor), row_equilibration, frobenius_renorm, float(eps))
+        arguments = recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm, prefix="ns_")
+        return NSRecipe(*arguments, float(eps))
 
     @property
     def op_arguments(self) -> tuple[str, float, bool, bool]:

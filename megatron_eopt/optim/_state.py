@@ -30,6 +30,11 @@ class FusedState:
     state_dtype = "fp32"
     state_block_size = lms.DEFAULT_BLOCK_SIZE
 
+    @property
+    def _low_memory_state(self) -> bool:
+        """True when the state is stored in a low-memory format (``state_dtype`` other than fp32)."""
+        return lms.is_low_memory(self.state_dtype)
+
     # Pickling, copying and loading rebuild the plan: they run outside dynamo (as torch.optim's own
     # state_dict, load_state_dict and add_param_group do), so an optimizer copied or loaded inside
     # a compiled function is complete.
@@ -89,7 +94,7 @@ class FusedState:
         # Low-memory state also saves the stochastic rounding's seed and its format version (see
         # _low_memory): a resumed run draws what the uninterrupted one would have.
         state_dict = super().state_dict()
-        if self._config is not None and self.state_dtype != "fp32":
+        if self._config is not None and self._low_memory_state:
             state_dict = _low_memory.add_resume_entries(state_dict, self.param_groups, self._state_seeds)
         return state_dict
 
@@ -120,12 +125,12 @@ class FusedState:
         state = self.state[p]
         method = self._config.moment2_method
         if "momentum_buffer" not in state:
-            if self.state_dtype != "fp32":
+            if self._low_memory_state:
                 state.update(_low_memory.new_state(p, "momentum_buffer", self.state_dtype, self.state_block_size))
             else:
                 # A DTensor param gets a DTensor state with its mesh and placements (DCP reshards it).
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if method == "adamuon" and self.state_dtype != "fp32" and "moment2_buffer" not in state:
+        if method == "adamuon" and self._low_memory_state and "moment2_buffer" not in state:
             state.update(_low_memory.new_state(p, "moment2_buffer", self.state_dtype, self.state_block_size))
         if method is not None and "moment2_buffer" not in state:
             # fp32 whatever p's dtype (the normalization ops keep their statistics in fp32; for

@@ -212,7 +212,7 @@ class HybridMuon(torch.optim.Optimizer):
         self._offload.refuse("state_dict()")
         state_dict = super().state_dict()
         muon = self._muon
-        if muon is not None and muon._config is not None and muon.state_dtype != "fp32":
+        if muon is not None and muon._config is not None and muon._low_memory_state:
             mine = {id(q) for g in muon.param_groups for q in g["params"]}
             state_dict = _low_memory.add_resume_entries(state_dict, self.param_groups, muon._state_seeds,
                                                         lambda p: id(p) in mine)

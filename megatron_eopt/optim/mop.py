@@ -46,19 +46,7 @@ class MOP(OrthogonalizedOptimizer):
                 scale = get_muon_scale_factor(grad.size(-2), grad.size(-1), mode=scale_mode)
             return orth_grad * scale * extra_scale_factor
 
-        scaled_orthogonalize_fn.supports_batch = True
-
-        super().__init__(
-            params,
-            lr,
-            momentum,
-            weight_decay,
-            nesterov=nesterov,
-            weight_decay_method=weight_decay_method,
-            fp32_matmul_prec=fp32_matmul_prec,
-            scaled_orthogonalize_fn=scaled_orthogonalize_fn,
-        )
-        self._deferred_error = deferred_error
+        self._init_eo_style(locals(), scaled_orthogonalize_fn, deferred_error)
 
 
 def polar_via_svd(a: torch.Tensor, return_p: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

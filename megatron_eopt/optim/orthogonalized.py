@@ -150,6 +150,19 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         torch.optim.Optimizer.__init__(self, params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, **kwargs))
         self.scaled_orthogonalize_fn = scaled_orthogonalize_fn
 
+    def _init_eo_style(self, arguments: dict, orthogonalize_fn: Callable, deferred_error=None) -> None:
+        """Emerging-Optimizers 0.4's constructor for a class whose ``scaled_orthogonalize_fn`` takes a
+        matrix or a (k, m, n) stack (the per-parameter step then batches equal shapes): ``arguments``
+        are the class constructor's ``locals()``; ``deferred_error`` is what ``step()`` raises."""
+        orthogonalize_fn.supports_batch = True
+        a = arguments
+        OrthogonalizedOptimizer.__init__(
+            self, a["params"], a["lr"], a["momentum"], a["weight_decay"], nesterov=a["nesterov"],
+            weight_decay_method=a["weight_decay_method"], fp32_matmul_prec=a["fp32_matmul_prec"],
+            scaled_orthogonalize_fn=orthogonalize_fn,
+        )
+        self._deferred_error = deferred_error
+
     def _use_config(self, config: OrthogonalizationConfig) -> None:
         """Makes ``config`` the optimizer's, with everything built from it (the plan is rebuilt)."""
         self._config = config
@@ -283,7 +296,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
                           self.sharded_mode, self._group_configs())
         hyper = {}
         for bucket in plan.buckets:
-            if self.state_dtype != "fp32" and bucket.device not in self._state_seeds:
+            if self._low_memory_state and bucket.device not in self._state_seeds:
                 # The stochastic rounding's seed, advanced on the device every step.
                 self._state_seeds[bucket.device] = torch.zeros((), dtype=torch.int64, device=bucket.device)
             key = (bucket.group_index, bucket.device)
@@ -345,7 +358,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         if error is not None:
             raise error
         if not self._use_fused_step():
-            if self.state_dtype != "fp32":
+            if self._low_memory_state:
                 raise RuntimeError(
                     f"state_dtype={self.state_dtype!r} is stepped by the fused ops, but {type(self).__name__} "
                     f"overrides {sorted(self.overridden_extension_points()) or 'scaled_orthogonalize_fn'}, which "

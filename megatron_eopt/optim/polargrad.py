@@ -49,19 +49,7 @@ class PolarGrad(OrthogonalizedOptimizer):
             orth_grad = newton_schulz(grad, steps=num_ns_steps, coefficient_type=coefficient_type)
             return orth_grad * (orth_grad * grad).sum(dim=(-2, -1), keepdim=True) * extra_scale_factor
 
-        scaled_orthogonalize_fn.supports_batch = True
-
-        super().__init__(
-            params,
-            lr,
-            momentum,
-            weight_decay,
-            nesterov=nesterov,
-            weight_decay_method=weight_decay_method,
-            fp32_matmul_prec=fp32_matmul_prec,
-            scaled_orthogonalize_fn=scaled_orthogonalize_fn,
-        )
-        self._deferred_error = deferred_error
+        self._init_eo_style(locals(), scaled_orthogonalize_fn, deferred_error)
 
 
 def eigh_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

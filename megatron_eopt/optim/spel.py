@@ -7,7 +7,7 @@ from torch.optim.optimizer import ParamsT
 
 from ._config import coefficient_type_error
 from ..ops import newton_schulz
-from ._eo_hooks import fp32_matmul_precision
+from .._precision import fp32_matmul_precision
 from .orthogonalized import OrthogonalizedOptimizer
 
 
@@ -42,19 +42,7 @@ class Spel(OrthogonalizedOptimizer):
         def scaled_orthogonalize_fn(x: torch.Tensor) -> torch.Tensor:
             return newton_schulz(x, steps=num_ns_steps, coefficient_type=coefficient_type)  # 2-D or a stack
 
-        scaled_orthogonalize_fn.supports_batch = True
-
-        super().__init__(
-            params,
-            lr,
-            momentum,
-            weight_decay,
-            nesterov=nesterov,
-            weight_decay_method=weight_decay_method,
-            fp32_matmul_prec=fp32_matmul_prec,
-            scaled_orthogonalize_fn=scaled_orthogonalize_fn,
-        )
-        self._deferred_error = deferred_error
+        self._init_eo_style(locals(), scaled_orthogonalize_fn, deferred_error)
 
     def _post_weight_update_batch(self, params: list[torch.Tensor]) -> None:
         # The projection of all weights of one shape as one batched Newton–Schulz (unless a subclass

@@ -20,6 +20,7 @@ from megatron_eopt.optim._config import make_config  # noqa: E402
 from megatron_eopt.optim._distributed import _gram_restarts, distributed_newton_schulz  # noqa: E402
 from megatron_eopt.optim._plan import TPLayout  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
+from dist_harness import gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
 
@@ -31,9 +32,7 @@ def _config(precision, algorithm):
 
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
+    with gloo_world(rank, world_size, init_file):
         gen = torch.Generator().manual_seed(seed)
         # (global batch shape, partition_dim, algorithm): columns sharded of a wide matrix (the
         # Gram side unsharded), rows sharded of a tall one (iterated transposed), and "auto" on a
@@ -71,5 +70,3 @@ def worker(rank, world_size, init_file, seed):
             expected = me.newton_schulz(full, 5, "quintic", None, 1e-7, transpose, precision="highest")
             err = rel_err(out, expected.chunk(world_size, dim=dim)[rank])
             assert out.shape == local.shape and err <= 1e-5, f"rank {rank} tp_group {shape}: {err:.2e}"
-    finally:
-        dist.destroy_process_group()

@@ -25,6 +25,29 @@ def gloo_world(rank, world_size, init_file):
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def counted_collectives(names):
+    """Counts the calls of the named ``torch.distributed`` collectives made inside the block: yields
+    ``{name: count}``; the originals are back in place on the way out."""
+    calls = dict.fromkeys(names, 0)
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
 def init_from_argv():
     """For a worker started as ``worker.py RANK WORLD PORT SEED OUT CASE``: joins the gloo group at
     127.0.0.1:PORT with one torch thread and returns ``(rank, world, seed, out, case)``."""

@@ -20,6 +20,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from dist_harness import init_from_argv
+from optim_helpers import clone_params, run_steps
 from worker_exit import exit_without_teardown
 
 CASES = {
@@ -112,16 +113,6 @@ class NanochatDistMuon(torch.optim.Optimizer):
                 dist.all_gather(outputs, (params[mine].data if mine < len(params) else zero).clone())
 
 
-def _copies(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def _step_on(opt, params, step_grads):
-    for p, g in zip(params, step_grads):
-        p.grad = g.clone()
-    opt.step()
-
-
 def cross_checkpoints(seed, case, rank, world, DistMuon, zeropower):
     """Both directions: 2 steps on one side, its state_dict into the other, 1 more step on both."""
     out = {}
@@ -130,9 +121,9 @@ def cross_checkpoints(seed, case, rank, world, DistMuon, zeropower):
         first = DistMuon(params, lr=LR, momentum=MOMENTUM) if direction == "ours_to_nanochat" else \
             NanochatDistMuon(params, lr=LR, momentum=MOMENTUM, zeropower=zeropower)
         for step in range(2):
-            _step_on(first, params, grads(seed, rank, step, case))
+            run_steps(first, params, [grads(seed, rank, step, case)])
         saved = copy.deepcopy(first.state_dict())  # as if written to disk by this rank
-        other = _copies(params)
+        other = clone_params(params)
         second = NanochatDistMuon(other, lr=0.5, momentum=0.5, zeropower=zeropower) \
             if direction == "ours_to_nanochat" else DistMuon(other, lr=0.5, momentum=0.5)
         second.load_state_dict(saved)  # hyper-parameters and momentum come from the checkpoint
@@ -146,8 +137,8 @@ def cross_checkpoints(seed, case, rank, world, DistMuon, zeropower):
                 assert "momentum_buffer" not in second.state[p]
         last = grads(seed, rank, 2, case)
         start = [p.detach().clone() for p in params]
-        _step_on(first, params, last)
-        _step_on(second, other, last)
+        run_steps(first, params, [last])
+        run_steps(second, other, [last])
         out[direction] = dict(start=start, first=[p.detach() for p in params], second=[p.detach() for p in other])
         if direction == "ours_to_nanochat" and world > 1:
             # another rank's checkpoint holds momentum this rank does not own: refused, not dropped
@@ -155,7 +146,7 @@ def cross_checkpoints(seed, case, rank, world, DistMuon, zeropower):
             dist.broadcast_object_list(theirs, src=0)
             if rank != 0:
                 try:
-                    DistMuon(_copies(params), lr=LR).load_state_dict(theirs[0])
+                    DistMuon(clone_params(params), lr=LR).load_state_dict(theirs[0])
                 except ValueError as e:
                     assert "cannot follow its parameter" in str(e), e
                 else:

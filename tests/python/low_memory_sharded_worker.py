@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt import low_memory_state as lms  # noqa: E402
 from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
+from dist_harness import gloo_world  # noqa: E402
 from reference import rel_err  # noqa: E402
 
 SHAPES = [(37, 300), (5, 24), (37, 37)]  # 37 and 5 rows: uneven shards on 2 and 4 ranks
@@ -151,9 +152,7 @@ def check_dcp(world, pair, seed, path, fmt):
 
 
 def worker(rank, world_size, init_file, seed):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
+    with gloo_world(rank, world_size, init_file):
         world = init_device_mesh("cpu", (world_size,))
         pair = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["b"]
         for fmt in ("bf16", "int8", "fp8"):
@@ -163,5 +162,3 @@ def worker(rank, world_size, init_file, seed):
         ckpt = os.path.join(os.path.dirname(init_file), "ckpt")
         for k, fmt in enumerate(("int8", "fp8")):
             check_dcp(world, pair, seed, f"{ckpt}{k}", fmt)
-    finally:
-        dist.destroy_process_group()

@@ -13,9 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import typing
-import warnings
 
-import torch
 import torch.distributed as dist
 
 if not hasattr(typing, "override"):  # Megatron / Emerging-Optimizers import it (Python >= 3.12)
@@ -59,14 +57,9 @@ def _trained(name, plug, seed, steps):
 
 @exits_without_teardown
 def worker(rank, world_size, init_file, ckpt_root):
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        parallel_state.initialize_model_parallel(world_size, 1)
-        megatron_cpu.use_cpu_scratch_and_rng()
+    with megatron_cpu.megatron_world(rank, world_size, init_file, tensor_parallel=world_size):
         for i, (name, source_plug, target_plug) in enumerate(CASES):
             ckpt_dir = os.path.join(ckpt_root, f"case{i}")
             if rank == 0:
@@ -84,9 +77,3 @@ def worker(rank, world_size, init_file, ckpt_root):
             opt_b.load_state_dict(loaded)
             megatron_cpu.assert_same_state(opt_a.state_dict(), opt_b.state_dict(), f"rank {rank} case {CASES[i]}")
             dist.barrier()
-    finally:
-        from megatron_eopt.integrations import megatron as integration
-
-        integration.uninstall()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()

@@ -22,6 +22,18 @@ SEQ = 16
 BATCH = 2
 
 
+def megatron_optimizer_module():
+    """``megatron.core.optimizer``, or None when megatron-core is not installed (only a missing
+    megatron-core gives None; a broken one raises, so its tests fail rather than skip)."""
+    try:
+        import megatron.core.optimizer as module
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("megatron", "megatron.core"):
+            raise
+        return None
+    return module
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,6 +67,39 @@ def use_cpu_scratch_and_rng() -> None:
     parallel_state._GLOBAL_MEMORY_BUFFER = _CpuScratchBuffer()
     # The no-op ("inference") RNG tracker: the CUDA one cannot seed without a GPU; dropout is 0.
     tensor_parallel.get_cuda_rng_tracker(inference_rng_tracker=True)
+
+
+def use_model_parallel(tensor_parallel: int) -> None:
+    """Megatron's model-parallel state at TP = ``tensor_parallel`` (PP = 1), replacing any earlier one,
+    with its CPU scratch buffer and RNG tracker."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_parallel, 1)
+    use_cpu_scratch_and_rng()
+
+
+@contextlib.contextmanager
+def megatron_world(rank: int, world_size: int, init_file: str, tensor_parallel: int = 1):
+    """A distributed Megatron worker's world: warnings off, the gloo group of ``dist_harness.gloo_world``
+    and Megatron's model-parallel state at TP = ``tensor_parallel`` on the CPU. On the way out our
+    Megatron plug is uninstalled and both are torn down."""
+    import warnings
+
+    from megatron.core import parallel_state
+
+    from dist_harness import gloo_world
+    from megatron_eopt.integrations import megatron as integration
+
+    warnings.filterwarnings("ignore")
+    with gloo_world(rank, world_size, init_file):
+        try:
+            use_model_parallel(tensor_parallel)
+            yield
+        finally:
+            integration.uninstall()
+            parallel_state.destroy_model_parallel()
 
 
 def shutdown_megatron() -> None:

@@ -40,7 +40,6 @@ import contextlib
 import os
 import sys
 import typing
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -221,19 +220,6 @@ def check_resharded_load(ckpt_root, where, seed):
 
 @exits_without_teardown
 def worker(rank, world_size, init_file, ckpt_root, seed):
-    from megatron.core import parallel_state
-
-    from megatron_eopt.integrations import megatron as integration
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        parallel_state.initialize_model_parallel(1, 1)
-        megatron_cpu.use_cpu_scratch_and_rng()
+    with megatron_cpu.megatron_world(rank, world_size, init_file):
         check_use_muon_false_trains(f"rank {rank}/{world_size}", seed)
         check_hybrid(ckpt_root, f"rank {rank}/{world_size}", seed)
-    finally:
-        integration.uninstall()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()

@@ -194,15 +194,6 @@ def run_cases(cases, ckpt_root, where, seed):
         check_case(*case, os.path.join(ckpt_root, f"case{i}"), f"{where} case {case}", seed + 10 * i)
 
 
-def _model_parallel(tensor_parallel):
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_parallel, 1)
-    megatron_cpu.use_cpu_scratch_and_rng()
-
-
 def writer_dir(ckpt_root, writer_plug):
     return os.path.join(ckpt_root, f"written_by_{'plug' if writer_plug else 'stock'}")
 
@@ -238,39 +229,15 @@ def check_resharded_load(ckpt_root, where, seed):
 
 @exits_without_teardown
 def worker(rank, world_size, init_file, ckpt_root, seed):
-    from megatron.core import parallel_state
-
-    from megatron_eopt.integrations import megatron as integration
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        _model_parallel(2)
+    with megatron_cpu.megatron_world(rank, world_size, init_file, tensor_parallel=2):
         write_and_cross_load(ckpt_root, f"rank {rank}/{world_size} TP=2 DP=2", seed)
         dist.barrier()
-        _model_parallel(1)
+        megatron_cpu.use_model_parallel(1)
         check_resharded_load(ckpt_root, f"rank {rank}/{world_size} TP=1 DP=4", seed)
-    finally:
-        integration.uninstall()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @exits_without_teardown
 def cases_worker(rank, world_size, init_file, ckpt_root, seed, cases):
     """run_cases on every rank at TP = 1 x DP = world_size."""
-    from megatron.core import parallel_state
-
-    from megatron_eopt.integrations import megatron as integration
-
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        _model_parallel(1)
+    with megatron_cpu.megatron_world(rank, world_size, init_file):
         run_cases(cases, ckpt_root, f"rank {rank}/{world_size} TP=1 DP={world_size}", seed)
-    finally:
-        integration.uninstall()
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
+from dist_harness import counted_collectives, gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
 # (global shape, partition_dim, is_qkv, expert). Shapes divide by 4; they cover row and column
@@ -162,16 +163,6 @@ def check_collectives(group, seed):
     gen = torch.Generator().manual_seed(seed)
     layout = [((32, 16), 0), ((32, 16), 0), ((16, 32), 1)]  # two stacks, sharded along the long side
     pg = SimpleNamespace(tp=group, expt_tp=group)
-    calls = {"all_reduce": 0, "all_gather": 0}
-    originals = {name: getattr(dist, name) for name in calls}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
     expectations = (
         ("distributed", {"all_reduce": 2 * (1 + 5), "all_gather": 0}),
         ("duplicated", {"all_reduce": 0, "all_gather": 2}),
@@ -184,23 +175,15 @@ def check_collectives(group, seed):
         opt = TensorParallelMuon(params, lr=0.02, num_ns_steps=5, pg_collection=pg, tp_mode=tp_mode)
         for p in params:
             p.grad = torch.randn(p.shape, generator=gen)
-        for name in calls:
-            calls[name] = 0
-            setattr(dist, name, counting(name))
-        try:
+        with counted_collectives(("all_reduce", "all_gather")) as calls:
             opt.step()
-        finally:
-            for name, fn in originals.items():
-                setattr(dist, name, fn)
         assert calls == expected, f"{tp_mode}: {calls} collectives, expected {expected}"
 
 
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     """4 ranks: TP 4 over all of them, then TP 2 in two groups of 2 (one spawn for both sizes)."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.set_num_threads(1)
+    with gloo_world(rank, world_size, init_file):
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         for group in (dist.group.WORLD, pairs[rank // 2]):
             for tp_mode in ("duplicated", "distributed", "blockwise"):
@@ -225,5 +208,3 @@ def worker(rank, world_size, init_file, seed):
             return
         for tp_mode in ("duplicated", "distributed"):
             check_megatron(pairs[0], tp_mode, seed)
-    finally:
-        dist.destroy_process_group()

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
 from reference import rel_err  # noqa: E402
-from dist_harness import gloo_world  # noqa: E402
+from dist_harness import counted_collectives, gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
 TOL = 1e-6  # fp32, precision "highest": the sharded step must equal the unsharded one
@@ -55,17 +55,14 @@ def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner",
     kwargs = _kwargs(extra, nd_mode=nd_mode)
     opt = cls(params, sharded_mode=sharded_mode, **kwargs)
     ref_opt = cls(ref, **kwargs)
-    calls = _count_collectives() if expect is not None else None
-    try:
+    with counted_collectives(_COUNTED) as calls:
         for step_grads in grads:
             for p, r, g, (_, pl) in zip(params, ref, step_grads, layout):
                 p.grad = _dist(g, mesh, pl)
                 r.grad = g.clone()
             opt.step()
             ref_opt.step()
-    finally:
-        if calls is not None:
-            got = _restore_collectives(calls)
+    got = {k: v for k, v in calls.items() if v}
     if expect is not None:
         assert got == expect, f"{label}: collectives {got}, expected {expect}"
     where = f"{label} {cls.__name__} {extra} {sharded_mode}"
@@ -86,29 +83,6 @@ def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner",
 
 
 _COUNTED = ("all_to_all_single", "all_gather_into_tensor", "all_reduce", "all_gather")
-
-
-def _count_collectives():
-    calls = {name: 0 for name in _COUNTED}
-    originals = {name: getattr(dist, name) for name in _COUNTED}
-
-    def counting(name):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return originals[name](*args, **kwargs)
-
-        return call
-
-    for name in _COUNTED:
-        setattr(dist, name, counting(name))
-    return calls, originals
-
-
-def _restore_collectives(state):
-    calls, originals = state
-    for name, fn in originals.items():
-        setattr(dist, name, fn)
-    return {k: v for k, v in calls.items() if v}
 
 
 def check_placements(world, grid, cube, pair, single, seed):

@@ -14,12 +14,9 @@ import os
 import pytest
 import torch
 
-try:
-    import megatron.core.optimizer as mcore_optimizer
-except ModuleNotFoundError as exc:  # only a missing megatron-core skips; a broken one fails
-    if exc.name not in ("megatron", "megatron.core"):
-        raise
-    mcore_optimizer = None
+import megatron_cpu  # noqa: E402
+
+mcore_optimizer = megatron_cpu.megatron_optimizer_module()
 
 pytestmark = pytest.mark.skipif(mcore_optimizer is None, reason="megatron-core is not installed")
 

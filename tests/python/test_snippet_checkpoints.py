@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron_eopt import muon as legacy
+from optim_helpers import clone_params, run_steps
 from reference import TOLERANCE, newton_schulz_ref, rel_err
 
 SIMPLE = (3.4445, -4.7750, 2.0315)
@@ -69,16 +70,6 @@ def _params(gen):
     return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
 
 
-def _copies(params):
-    return [torch.nn.Parameter(p.detach().clone()) for p in params]
-
-
-def _step(opt, params, grads):
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
-    opt.step()
-
-
 def test_same_groups_and_indices_as_nanochat(gen):
     params = _params(gen)
     ours, theirs = _ours(params), Nanochat4ddc803Muon(params)
@@ -98,15 +89,15 @@ def test_checkpoints_cross_and_continue(direction, gen):
         (lambda ps: Nanochat4ddc803Muon(ps, lr=0.02, momentum=0.9, dtype=bf16))
     first = make_first(params)
     for g in grads[:2]:
-        _step(first, params, g)
+        run_steps(first, params, [g])
     saved = copy.deepcopy(first.state_dict())
-    other = _copies(params)
+    other = clone_params(params)
     second = Nanochat4ddc803Muon(other, lr=1.0, momentum=0.5, dtype=bf16) if direction == "ours_to_nanochat" else \
         _ours(other, lr=1.0, momentum=0.5)
     second.load_state_dict(saved)  # lr, momentum and the momentum buffers come from the checkpoint
     start = [p.detach().clone() for p in params]
-    _step(first, params, grads[2])
-    _step(second, other, grads[2])
+    run_steps(first, params, [grads[2]])
+    run_steps(second, other, [grads[2]])
     for p, q, s in zip(params, other, start):
         # both run Newton–Schulz in bf16, rounding at different places: docs/design.md §9's bf16 tolerance
         assert rel_err(q.detach() - s, p.detach() - s) <= TOLERANCE["medium"], tuple(p.shape)
