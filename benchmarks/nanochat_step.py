@@ -174,9 +174,7 @@ def main(argv=None) -> int:
         "",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.results_md:
-        report.write_section(args.results_md, "nanochat_muonadamw: cpu", text)
+    report.publish(text, args.results_md, "nanochat_muonadamw: cpu")
     return 0
 
 

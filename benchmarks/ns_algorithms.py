@@ -170,9 +170,7 @@ def main(argv=None) -> int:
         *table,
         "",
     ])
-    print(body)
-    if args.results_md:
-        report.write_section(args.results_md, f"algorithms: {env['device_name']}", body)
+    report.publish(body, args.results_md, f"algorithms: {env['device_name']}")
     return 0
 
 

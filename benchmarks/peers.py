@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import math
 import typing
 from types import SimpleNamespace
 from typing import Sequence
@@ -18,6 +17,7 @@ from typing import Sequence
 import torch
 
 from megatron_eopt._precision import products_precision
+from megatron_eopt.newton_schulz import get_muon_scale_factor
 
 # Emerging-Optimizers 0.3.0 imports typing.override, which Python 3.11 lacks.
 if not hasattr(typing, "override"):
@@ -166,13 +166,8 @@ def group_by_shape(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
 
 
 def shape_scale(m: int, n: int, mode: str) -> float:
-    if mode == "spectral":
-        return math.sqrt(max(m, n))
-    if mode == "shape_scaling":
-        return math.sqrt(max(1.0, m / n))
-    if mode == "unit_rms_norm":
-        return math.sqrt(m / n)
-    raise ValueError(f"unknown scale mode {mode!r}")
+    """Muon's update scale of an (m, n) matrix (a formula every implementation shares)."""
+    return get_muon_scale_factor(m, n, mode)
 
 
 class PlainBatchedMuon:

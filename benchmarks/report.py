@@ -178,6 +178,14 @@ def update_results_md(path: str, doc: dict, hyper_text: str) -> None:
     write_section(path, doc["environment"]["device_key"], section_markdown(doc))
 
 
+def publish(body: str, results_md: str | None, key: str) -> None:
+    """Prints a benchmark's markdown and, when ``results_md`` is given, writes it there as the
+    section ``key`` (see :func:`write_section`)."""
+    print(body)
+    if results_md:
+        write_section(results_md, key, body)
+
+
 def write_section(path: str, key: str, body: str) -> None:
     """Replaces (or adds) the section ``key`` of ``path``, keeping the others; rewrites the header
     and status lines. Device tables ("cuda: ...", "cpu: ...") come first, other sections after."""

@@ -163,9 +163,7 @@ def run_dist(args, names, others) -> int:
     body = workloads_dist.markdown(entries, environment)
     if args.remarks:
         body += "\n" + args.remarks + "\n"
-    print(body)
-    if args.results_md:
-        report.write_section(args.results_md, f"dist: {environment['device_name'].split(',')[0]}", body)
+    report.publish(body, args.results_md, f"dist: {environment['device_name'].split(',')[0]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"schema": SCHEMA, "environment": environment, "dist_workloads": entries}, f, indent=1)

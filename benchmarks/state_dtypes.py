@@ -142,9 +142,7 @@ def main(argv=None) -> int:
         rows.extend(measure_set(label, shapes, device, repeats))
     env = env_info.collect(device)
     body = markdown(rows, env, repeats)
-    print(body)
-    if args.results_md:
-        report.write_section(args.results_md, f"state dtypes: {env['device_name'].split(',')[0]}", body)
+    report.publish(body, args.results_md, f"state dtypes: {env['device_name'].split(',')[0]}")
     return 0
 
 

@@ -454,9 +454,7 @@ def publish(doc: dict, results_md: str | None) -> None:
     import report
 
     body = section_markdown(doc)
-    print(body)
-    if results_md:
-        report.write_section(results_md, section_key(doc["environment"]["device_name"], doc["precision"]), body)
+    report.publish(body, results_md, section_key(doc["environment"]["device_name"], doc["precision"]))
 
 
 def render(args) -> int:

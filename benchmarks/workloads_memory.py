@@ -66,6 +66,12 @@ def momentum_impls(ns_dtype: torch.dtype, device: torch.device):
     return {OURS: ours, peers.FOREACH: foreach, peers.LOOP: loop}
 
 
+def memory_case(name: str, description: str, impls, bytes_moved: int, parity, note: str) -> Case:
+    """A memory-bound workload of one call on prepared state: timed against the bytes it moves."""
+    return Case(name=name, kind="memory", description=description, inputs=[None], impls=impls,
+                bytes_moved=bytes_moved, parity=parity, notes=[note])
+
+
 def build_momentum_case(name: str, shapes, ns_dtype: torch.dtype, device: torch.device) -> Case:
     gen = torch.Generator(device=device).manual_seed(7)
     grads, bufs = _randn_list(shapes, gen, device), _randn_list(shapes, gen, device)
@@ -84,17 +90,12 @@ def build_momentum_case(name: str, shapes, ns_dtype: torch.dtype, device: torch.
         return (_randn_list(small, g2, device), _randn_list(small, g2, device),
                 [torch.empty(m, n, device=device, dtype=ns_dtype) for m, n in small])
 
-    return Case(
-        name=name,
-        kind="memory",
-        description=f"foreach_momentum_ (Nesterov EMA), {len(shapes)} tensors, {numel / 1e6:.0f} M fp32 params, "
-                    f"NS input in {str(ns_dtype).replace('torch.', '')}",
-        inputs=[None],
-        impls=impls,
-        bytes_moved=numel * (4 + 4 + 4 + ns_bytes),  # read grad, read + write buffer, write NS input
-        parity=lambda: _parity(impls_fns, make_small, lambda s: list(s[1]) + [t.float() for t in s[2]]),
-        notes=["bytes: grad read, buffer read and written, NS input written"],
-    )
+    description = (f"foreach_momentum_ (Nesterov EMA), {len(shapes)} tensors, {numel / 1e6:.0f} M fp32 params, "
+                   f"NS input in {str(ns_dtype).replace('torch.', '')}")
+    return memory_case(name, description, impls,
+                       bytes_moved=numel * (4 + 4 + 4 + ns_bytes),  # read grad, read + write buffer, write NS input
+                       parity=lambda: _parity(impls_fns, make_small, lambda s: list(s[1]) + [t.float() for t in s[2]]),
+                       note="bytes: grad read, buffer read and written, NS input written")
 
 
 # ------------------------------------------------------------------ foreach_update_
@@ -139,17 +140,11 @@ def build_update_case(name: str, shapes, device: torch.device) -> Case:
         g2 = torch.Generator(device=device).manual_seed(10)
         return (_randn_list(small, g2, device), _randn_list(small, g2, device))
 
-    return Case(
-        name=name,
-        kind="memory",
-        description=f"foreach_update_ (decoupled decay + scaled update), {len(shapes)} tensors, "
-                    f"{numel / 1e6:.0f} M fp32 params",
-        inputs=[None],
-        impls=impls,
-        bytes_moved=numel * (4 + 4 + 4),  # read param, read update, write param
-        parity=lambda: _parity(small_fns, make_small, lambda s: list(s[0])),
-        notes=["bytes: param read and written, update read"],
-    )
+    description = f"foreach_update_ (decoupled decay + scaled update), {len(shapes)} tensors, {numel / 1e6:.0f} M fp32 params"
+    return memory_case(name, description, impls,
+                       bytes_moved=numel * (4 + 4 + 4),  # read param, read update, write param
+                       parity=lambda: _parity(small_fns, make_small, lambda s: list(s[0])),
+                       note="bytes: param read and written, update read")
 
 
 # ------------------------------------------------------------------ second-moment normalizations
@@ -248,13 +243,8 @@ def build_moment2_case(name: str, method: str, shapes, device: torch.device) -> 
         per_elem, what = 16, "O read and written, gradient and NS input read"
     else:
         per_elem, what = 8, "O read and written"
-    return Case(
-        name=name,
-        kind="memory",
-        description=f"{method}_normalize_, {len(shapes)} tensors, {numel / 1e6:.0f} M fp32 elements",
-        inputs=[None],
-        impls=impls,
-        bytes_moved=numel * per_elem + moment2_numel * 8,  # + the state read and written
-        parity=lambda: _parity(fns, lambda: make_state(shapes[:3], 12), lambda s: list(s[0]) + list(s[1])),
-        notes=[f"bytes: {what}, second moment read and written"],
-    )
+    description = f"{method}_normalize_, {len(shapes)} tensors, {numel / 1e6:.0f} M fp32 elements"
+    return memory_case(name, description, impls,
+                       bytes_moved=numel * per_elem + moment2_numel * 8,  # + the state read and written
+                       parity=lambda: _parity(fns, lambda: make_state(shapes[:3], 12), lambda s: list(s[0]) + list(s[1])),
+                       note=f"bytes: {what}, second moment read and written")

@@ -327,9 +327,10 @@ def _reduce_scatter_mean(chunks_out: torch.Tensor, stacked: torch.Tensor, world:
 
 
 class _RecipeState:
-    """Pickling of an optimizer that holds a :class:`_StackedMuon`.
+    """Pickling and checked loading of an optimizer that holds a :class:`_StackedMuon`.
 
-    torch.optim.Optimizer pickles defaults, state and param_groups only: the Muon recipe goes along
+    ``load_state_dict`` refuses a state tensor that cannot serve its parameter (the optimizer's
+    ``_expected_state``) before anything changes. torch.optim.Optimizer pickles defaults, state and param_groups only: the Muon recipe goes along
     (copy.deepcopy, pickle) and the inner optimizers are rebuilt on the other side, from the
     recipe or, without one, from ``_default_recipe()``; ``_restored()`` then rebuilds the rest.
     """
@@ -358,6 +359,10 @@ class _RecipeState:
 
     def _restored(self) -> None:
         """Rebuilds what depends on the recipe once ``_muon`` is set (each optimizer its own)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_loaded_state(self, state_dict)  # type: ignore[arg-type]
+        super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
 class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
@@ -401,10 +406,6 @@ class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
                 shape = self._muon.state_shapes(group, world).get(key)
                 return None if shape is None else (shape, p.dtype)
         return None
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_loaded_state(self, state_dict)
-        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def init_state(self) -> None:
@@ -550,10 +551,6 @@ class MuonAdamW(_RecipeState, torch.optim.Optimizer):
             if group["kind"] == "adamw" and any(q is p for q in group["params"]) and key in ("exp_avg", "exp_avg_sq"):
                 return tuple(self._adamw_slice(p, rank, world).shape), p.dtype
         return None
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_loaded_state(self, state_dict)
-        super().load_state_dict(state_dict)
 
     @torch.no_grad()
     def init_state(self) -> None:

@@ -22,36 +22,6 @@ void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector
   megatron_eopt::testing::reference_gemm(s, batch, alpha, a.data(), b.data(), beta, c.data(), d.data());
 }
 
-// One NS step directly on row-major X (m x n): W = X or X^T, X' accordingly.
-std::vector<double> direct_step(const std::vector<double>& x, int64_t batch, int64_t m, int64_t n, bool transpose,
-                                double a, double b, double c) {
-  std::vector<double> out(x.size());
-  const int64_t p = transpose ? n : m, q = transpose ? m : n;
-  for (int64_t t = 0; t < batch; ++t) {
-    auto W = [&](int64_t i, int64_t j) {  // W is p x q
-      return transpose ? x[t * m * n + j * n + i] : x[t * m * n + i * n + j];
-    };
-    std::vector<double> G(p * p, 0), B(p * p, 0);
-    for (int64_t i = 0; i < p; ++i)
-      for (int64_t j = 0; j < p; ++j)
-        for (int64_t k = 0; k < q; ++k) G[i * p + j] += W(i, k) * W(j, k);
-    for (int64_t i = 0; i < p; ++i)
-      for (int64_t j = 0; j < p; ++j) {
-        double gg = 0;
-        for (int64_t k = 0; k < p; ++k) gg += G[i * p + k] * G[k * p + j];
-        B[i * p + j] = c * gg + b * G[i * p + j];
-      }
-    for (int64_t i = 0; i < p; ++i)
-      for (int64_t j = 0; j < q; ++j) {
-        double acc = a * W(i, j);
-        for (int64_t k = 0; k < p; ++k) acc += B[i * p + k] * W(k, j);
-        if (transpose) out[t * m * n + j * n + i] = acc;
-        else out[t * m * n + i * n + j] = acc;
-      }
-  }
-  return out;
-}
-
 void check_plan(int64_t batch, int64_t m, int64_t n, bool transpose, int64_t square_ld = 0) {
   std::mt19937 rng(static_cast<unsigned>(m * 131 + n * 7 + transpose));
   std::normal_distribution<double> normal;
@@ -72,7 +42,7 @@ void check_plan(int64_t batch, int64_t m, int64_t n, bool transpose, int64_t squ
   if (plan.work_transposed) ref_gemm(plan.update_gemm, batch, 1.0, poly, x, a, x, xout);
   else ref_gemm(plan.update_gemm, batch, 1.0, x, poly, a, x, xout);
 
-  const auto expected = direct_step(x, batch, m, n, transpose, a, b, c);
+  const auto expected = megatron_eopt::testing::reference_ns_step(x, batch, m, n, transpose, a, b, c);
   for (std::size_t i = 0; i < x.size(); ++i) {
     ASSERT_NEAR(xout[i], expected[i], 1e-12) << "m=" << m << " n=" << n << " transpose=" << transpose << " i=" << i;
   }

@@ -17,6 +17,7 @@
 #include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/ns_gemm_plan.h"
 #include "megatron_eopt/ns_gram_plan.h"
+#include "reference_gemm.h"
 
 using namespace megatron_eopt;
 
@@ -57,29 +58,8 @@ void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector
 // The standard iteration (docs/design.md §4.1) on row-major X (batch, m, n), exactly, from normalized input.
 std::vector<double> direct_standard(std::vector<double> x, int64_t batch, int64_t m, int64_t n, bool transpose,
                                     const std::vector<NsCoefficients>& sched) {
-  const int64_t p = transpose ? n : m, q = transpose ? m : n;
   for (const NsCoefficients& co : sched) {
-    std::vector<double> out(x.size());
-    for (int64_t t = 0; t < batch; ++t) {
-      auto W = [&](int64_t i, int64_t j) { return transpose ? x[t * m * n + j * n + i] : x[t * m * n + i * n + j]; };
-      std::vector<double> G(p * p, 0), B(p * p, 0);
-      for (int64_t i = 0; i < p; ++i)
-        for (int64_t j = 0; j < p; ++j)
-          for (int64_t k = 0; k < q; ++k) G[i * p + j] += W(i, k) * W(j, k);
-      for (int64_t i = 0; i < p; ++i)
-        for (int64_t j = 0; j < p; ++j) {
-          double gg = 0;
-          for (int64_t k = 0; k < p; ++k) gg += G[i * p + k] * G[k * p + j];
-          B[i * p + j] = co.c * gg + co.b * G[i * p + j];
-        }
-      for (int64_t i = 0; i < p; ++i)
-        for (int64_t j = 0; j < q; ++j) {
-          double acc = co.a * W(i, j);
-          for (int64_t k = 0; k < p; ++k) acc += B[i * p + k] * W(k, j);
-          (transpose ? out[t * m * n + j * n + i] : out[t * m * n + i * n + j]) = acc;
-        }
-    }
-    x = out;
+    x = megatron_eopt::testing::reference_ns_step(x, batch, m, n, transpose, co.a, co.b, co.c);
   }
   return x;
 }

@@ -102,6 +102,19 @@ def megatron_world(rank: int, world_size: int, init_file: str, tensor_parallel: 
             parallel_state.destroy_model_parallel()
 
 
+def on_single_rank(check, *args) -> None:
+    """Runs ``check(*args)`` in a one-rank Megatron world (TP = PP = 1, gloo), with our plug
+    uninstalled and the world torn down after."""
+    from megatron_eopt.integrations import megatron as integration
+
+    init_megatron_single_rank()
+    try:
+        check(*args)
+    finally:
+        integration.uninstall()
+        shutdown_megatron()
+
+
 def shutdown_megatron() -> None:
     from megatron.core import parallel_state
 

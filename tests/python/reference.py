@@ -110,6 +110,16 @@ def bf16_input_tolerance(x, coefficient_type="quintic", steps=5, custom=None):
     return max(TOLERANCE["medium"], BF16_UNIT_ROUNDOFF * ns_amplification(x, coefficient_type, steps, custom))
 
 
+def on_a_side_stream(fn):
+    """``fn()`` run with a new CUDA stream current, that stream synchronized after: an op that
+    launched on the default stream instead of the caller's current one would be read unfinished."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = fn()
+    stream.synchronize()
+    return out
+
+
 def op_raises(kind, match: str):
     """pytest.raises for a direct ``torch.ops.megatron_eopt`` call that fails its argument checks.
 

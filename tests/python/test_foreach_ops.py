@@ -93,6 +93,17 @@ def _update_mirror(p0, u, scale, lr, f):
     return _f32(p).add_(u.float() * scale, alpha=-lr).to(p0.dtype)
 
 
+def _update_and_check_inputs(params, updates, scales, lr, wd, method):
+    """foreach_update_ on the lists; checks the updates are left as they were and the params keep
+    their dtype; returns the params from before."""
+    before = [p.clone() for p in params]
+    updates_before = [u.clone() for u in updates]
+    me.foreach_update_(params, updates, scales, lr=lr, weight_decay=wd, weight_decay_method=method)
+    for i, p in enumerate(params):
+        assert torch.equal(updates[i], updates_before[i]) and p.dtype == before[i].dtype, i
+    return before
+
+
 def _decay_factor(method, lr, wd):
     return {"decoupled": wd * lr, "independent": wd, "palm": wd * lr * lr, "l2": 0.0}[method]
 
@@ -187,12 +198,9 @@ def test_update_parity(device, dtypes, method, gen):
     params = [_randn(s, gen, param_dtype, device) for s in SHAPES]
     updates = [_randn(s, gen, update_dtype, device) for s in SHAPES]
     scales = [0.5 + i for i in range(len(SHAPES))]
-    before = [p.clone() for p in params]
-    updates_before = [u.clone() for u in updates]
-    me.foreach_update_(params, updates, scales, lr=lr, weight_decay=wd, weight_decay_method=method)
+    before = _update_and_check_inputs(params, updates, scales, lr, wd, method)
     f = _decay_factor(method, lr, wd)
     for i, (p0, u, s) in enumerate(zip(before, updates, scales)):
-        assert torch.equal(updates[i], updates_before[i]) and params[i].dtype == param_dtype
         if p0.numel() == 0:
             continue
         # The reference's ops: p.add_(p, alpha=-f); p.add_(U * scale, alpha=-lr).
@@ -241,11 +249,8 @@ def test_update_cautious_parity(device, dtypes, gen):
             flat_u[0] = flat_u[0].abs() * torch.where(flat_p[0] >= 0, 1.0, -1.0).to(u.dtype)
             flat_u[1] = -flat_u[1].abs() * torch.where(flat_p[1] >= 0, 1.0, -1.0).to(u.dtype)
     scales = [0.5 + i for i in range(len(CAUTIOUS_SHAPES))]
-    before = [p.clone() for p in params]
-    updates_before = [u.clone() for u in updates]
-    me.foreach_update_(params, updates, scales, lr=lr, weight_decay=wd, weight_decay_method="cautious")
+    before = _update_and_check_inputs(params, updates, scales, lr, wd, "cautious")
     for i, (p0, u, s) in enumerate(zip(before, updates, scales)):
-        assert torch.equal(updates[i], updates_before[i]) and params[i].dtype == param_dtype
         if p0.numel() == 0:
             continue
         mirror = _cautious_mirror(p0, u, s, lr, wd)

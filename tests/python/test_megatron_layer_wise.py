@@ -35,18 +35,10 @@ def _seed(gen):
 def test_layer_wise_checkpoints_on_one_rank(tmp_path, gen):
     """Every case (ours into ours for muon and adaptive_muon, stock into ours, ours into stock),
     torch_dist and torch formats, in this process on a one-rank gloo group."""
-    import megatron_cpu
     import megatron_layer_wise_worker as lw
 
-    from megatron_eopt.integrations import megatron as integration
-
     _needs_emerging_optimizers(lw.CASES)
-    megatron_cpu.init_megatron_single_rank()
-    try:
-        lw.run_cases(lw.CASES, str(tmp_path), "rank 0/1", _seed(gen))
-    finally:
-        integration.uninstall()
-        megatron_cpu.shutdown_megatron()
+    megatron_cpu.on_single_rank(lw.run_cases, lw.CASES, str(tmp_path), "rank 0/1", _seed(gen))
 
 
 @pytest.mark.distributed
@@ -67,16 +59,7 @@ def test_layer_wise_checkpoints_on_four_ranks_and_resharding(tmp_path, gen):
     seed = _seed(gen)
     mp.spawn(lw.worker, args=(world_size, rendezvous, str(ckpt_root), seed), nprocs=world_size, join=True)
 
-    import megatron_cpu
-
-    from megatron_eopt.integrations import megatron as integration
-
-    megatron_cpu.init_megatron_single_rank()
-    try:
-        lw.check_resharded_load(str(ckpt_root), "rank 0/1 TP=1 DP=1", seed)
-    finally:
-        integration.uninstall()
-        megatron_cpu.shutdown_megatron()
+    megatron_cpu.on_single_rank(lw.check_resharded_load, str(ckpt_root), "rank 0/1 TP=1 DP=1", seed)
 
 
 @pytest.mark.distributed
@@ -112,16 +95,7 @@ def test_hybrid_layer_wise_and_distributed_optimizer_checkpoints_on_two_ranks(tm
     seed = _seed(gen)
     mp.spawn(megatron_hybrid_worker.worker, args=(2, rendezvous, str(ckpt_root), seed), nprocs=2, join=True)
 
-    import megatron_cpu
-
-    from megatron_eopt.integrations import megatron as integration
-
-    megatron_cpu.init_megatron_single_rank()
-    try:
-        megatron_hybrid_worker.check_resharded_load(str(ckpt_root), "rank 0/1 DP=1", seed)
-    finally:
-        integration.uninstall()
-        megatron_cpu.shutdown_megatron()
+    megatron_cpu.on_single_rank(megatron_hybrid_worker.check_resharded_load, str(ckpt_root), "rank 0/1 DP=1", seed)
 
 
 def test_install_aligns_layer_wise_ownership_with_use_muon():

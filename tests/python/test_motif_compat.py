@@ -269,6 +269,20 @@ def _clip_twins(clip_config, logits, gen, mla=False, logits_for_plain=None):
     return model, plain
 
 
+def _assert_rows_clipped(model, plain, projections, mla, logits, config) -> int:
+    """Each layer's (kind, weight name) projection is its unclipped twin's times Motif's row factors;
+    returns how many rows clipped."""
+    clipped = 0
+    for layer in range(2):
+        for kind, name in projections:
+            w = getattr(model.model.layers[layer].attn, name).weight
+            base = getattr(plain.model.layers[layer].attn, name).weight
+            factors = clip_row_factors(w.shape[0], kind, mla, logits[layer], config)
+            torch.testing.assert_close(w.double(), base.double() * factors[:, None], rtol=1e-6, atol=0)
+            clipped += int((factors < 1).sum())
+    return clipped
+
+
 def _logits(gen, layers=2):
     # Maxima around the threshold so some heads clip and some do not.
     return {layer: torch.rand(HEADS, generator=gen) * 10 for layer in range(layers)}
@@ -280,14 +294,8 @@ def test_qk_clip_is_motifs_positional_rule(q_indices, k_indices, gen):
     config = {"q_indices": q_indices, "k_indices": k_indices, "head_dim": HEAD_DIM, "threshold": 5.0}
     logits = _logits(gen)
     model, plain = _clip_twins(config, logits, gen)
-    clipped = 0
+    clipped = _assert_rows_clipped(model, plain, (("q", "wq"), ("k", "wk")), False, logits, config)
     for layer in range(2):
-        for kind, name in (("q", "wq"), ("k", "wk")):
-            w = getattr(model.model.layers[layer].attn, name).weight
-            base = getattr(plain.model.layers[layer].attn, name).weight
-            factors = clip_row_factors(w.shape[0], kind, False, logits[layer], config)
-            torch.testing.assert_close(w.double(), base.double() * factors[:, None], rtol=1e-6, atol=0)
-            clipped += int((factors < 1).sum())
         assert torch.equal(model.model.layers[layer].attn.wo.weight, plain.model.layers[layer].attn.wo.weight)
     assert clipped > 0 or all((logits[l][: len(q_indices)] <= 5.0).all() for l in logits)
 
@@ -320,12 +328,7 @@ def test_qk_clip_mla_scales_nope_and_rope_rows(gen):
               "qk_rope_head_dim": ROPE, "v_head_dim": V_DIM}
     logits = {0: torch.tensor([8.0, 1.0, 4.5, 2.0]), 1: torch.rand(HEADS, generator=gen) * 8}
     model, plain = _clip_twins(config, logits, gen, mla=True)
-    for layer in range(2):
-        for kind, name in (("q", "wq_b"), ("k", "wkv_b")):
-            w = getattr(model.model.layers[layer].attn, name).weight
-            base = getattr(plain.model.layers[layer].attn, name).weight
-            factors = clip_row_factors(w.shape[0], kind, True, logits[layer], config)
-            torch.testing.assert_close(w.double(), base.double() * factors[:, None], rtol=1e-6, atol=0)
+    _assert_rows_clipped(model, plain, (("q", "wq_b"), ("k", "wkv_b")), True, logits, config)
     # Head 0 of layer 0 clips (8 > 4): its q.k logit shrinks by exactly tau / logit.
     q = model.model.layers[0].attn.wq_b.weight.double() / plain.model.layers[0].attn.wq_b.weight.double()
     k = model.model.layers[0].attn.wkv_b.weight.double() / plain.model.layers[0].attn.wkv_b.weight.double()

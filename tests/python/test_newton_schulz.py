@@ -3,7 +3,8 @@ import torch
 
 import megatron_eopt as me
 from megatron_eopt.newton_schulz import COEFFICIENT_SETS, FIXED_LENGTH_TYPES, get_coefficients
-from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, ns_tolerance, op_raises, rel_err
+from reference import (TOLERANCE, bf16_input_tolerance, newton_schulz_ref, ns_tolerance, on_a_side_stream, op_raises,
+                       rel_err)
 
 SHAPES = [(1, 64), (64, 1), (97, 37), (37, 97), (48, 48), (3, 97, 37), (1, 20, 50), (4, 33, 33)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -243,10 +244,7 @@ def test_cuda_matches_cpu_highest(precision, gen):
 def test_cuda_runs_on_the_current_stream(gen):
     # (The device guard with two GPUs: test_cuda_graphs_and_streams.py, skipped on one GPU.)
     x = torch.randn(2, 64, 96, generator=gen).cuda()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        out = me.newton_schulz(x, precision="highest")
-    s.synchronize()
+    out = on_a_side_stream(lambda: me.newton_schulz(x, precision="highest"))
     assert rel_err(out.cpu(), newton_schulz_ref(x.cpu())) <= TOLERANCE["highest"]
 
 

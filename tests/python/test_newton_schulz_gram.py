@@ -10,14 +10,8 @@ import torch
 
 import megatron_eopt as me
 from megatron_eopt.newton_schulz import COEFFICIENT_SETS
-from reference import (
-    TOLERANCE,
-    bf16_input_tolerance,
-    newton_schulz_ref,
-    ns_tolerance,
-    op_raises,
-    rel_err,
-)
+from reference import (TOLERANCE, bf16_input_tolerance, newton_schulz_ref, ns_tolerance, on_a_side_stream, op_raises,
+                       rel_err)
 
 SHAPES = [(1, 64), (64, 1), (97, 37), (37, 97), (48, 48), (3, 97, 37), (1, 20, 50), (4, 33, 33), (2, 120, 40)]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -378,10 +372,7 @@ def test_cuda_gram_matches_cpu_gram(precision, shape, gen):
 @pytest.mark.gpu
 def test_cuda_gram_on_current_stream_and_graph_capture(gen):
     x = torch.randn(2, 64, 256, generator=gen).cuda()
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        out = me.newton_schulz(x, precision="highest", algorithm="gram")
-    s.synchronize()
+    out = on_a_side_stream(lambda: me.newton_schulz(x, precision="highest", algorithm="gram"))
     assert rel_err(out.cpu(), newton_schulz_ref(x.cpu())) <= TOLERANCE["highest"]
     # Capture in a CUDA graph (no host sync, allocations from the graph pool), replay on new data.
     static = x.clone()
