@@ -105,8 +105,7 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
   // One matrix at a time, one GEMM per block row: rows [r0, r1) of d from its diagonal on,
   // d[r0:r1, r0:] = a[r0:r1, :] . b[:, r0:], a strided matrix BLAS writes in place. One product
   // per row panel rather than per block: fewer, wider GEMMs, which ATen's bf16 and fp32 GEMMs run
-  // faster (768 x 768 from 768 x 3072 in bf16 on the development CPU, one process, interleaved:
-  // 6.2-6.5 ms in 3 panels, 6.4-6.9 ms in 6 blocks, 8.8-8.9 ms as one full product).
+  // faster (benchmarks/RESULTS.md, "The figures behind the built-in rules").
   for (int64_t t = 0; t < d.size(0); ++t) {
     Tensor dt = aten::select(d, 0, t);
     const Tensor at_ = aten::select(a, 0, t), bt = aten::select(b, 0, t);
@@ -125,10 +124,15 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
 }
 
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
+  const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
+  gram_product_out(d, x, syrk_available(type) ? Tensor() : aten::mT(x), blocks);
+}
+
+void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks) {
   const SyrkShape shape{x.size(0), x.size(1), x.size(2),
                         d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32};
   if (!syrk_available(shape.type)) {
-    symmetric_gemm_out(d, x, aten::mT(x), blocks);
+    symmetric_gemm_out(d, x, xt, blocks);
     return;
   }
   CpuScratch scratch;

@@ -26,6 +26,9 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
 // AVX-512 (and AVX512-BF16 for bf16) the symmetric kernel of syrk_cpu.h multiplies only the upper
 // triangle's 8 x 32 tiles; otherwise symmetric_gemm_out with `blocks` row panels.
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
+// The same with x^T given (a view the caller keeps across calls: each view made is a dispatcher
+// call, which shows on small matrices).
+void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks);
 
 // One GEMM per matrix (all threads on each) rather than one bmm over the batch, for `batch`
 // matrices of `macs` multiply-adds each in the given element size (2: bf16, 4: fp32).

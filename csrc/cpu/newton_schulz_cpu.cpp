@@ -10,7 +10,7 @@ namespace {
 // Multiply-adds of one matrix's W W^T from which a batch runs one matrix at a time (every
 // product of the iteration on one matrix, then the next): its W, R and Q then stay in the last-
 // level cache across the products, where op-by-op over the whole batch streams the batch from
-// memory for every product (12 x 3072 x 768 on the development CPU: 10% faster).
+// memory for every product (faster when measured; benchmarks/RESULTS.md).
 constexpr int64_t kPerMatrixMacs = int64_t{1} << 24;
 constexpr int64_t kPerMatrixMacsBf16 = int64_t{1} << 27;
 

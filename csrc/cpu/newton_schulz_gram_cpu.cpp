@@ -42,6 +42,14 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
     if (program.uses[gram_buf_index(b)]) buf[gram_buf_index(b)] = scratch.take({batch, s, s}, kFloat);
   }
   const auto at_ = [&buf](GramBuf b) -> Tensor& { return buf[gram_buf_index(b)]; };
+  // Each buffer's transposed view, made on first use and kept: every view made is a dispatcher
+  // call, which shows on small matrices.
+  std::array<Tensor, kGramBufCount> transposed;
+  const auto at_t = [&](GramBuf b) -> const Tensor& {
+    Tensor& view = transposed[gram_buf_index(b)];
+    if (!view.defined()) view = aten::mT(at_(b));
+    return view;
+  };
   const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
 
   // W0 = x / max(||x||_F, eps) per matrix (or the recipe's normalization), in x's own layout (the
@@ -57,8 +65,8 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
       case GramOpKind::kGemm: {
         Tensor& d = at_(op.d);
         if (op.gemm == GramGemm::kGram) {
-          const Tensor& x = at_(op.a);
-          gram_product_out(d, transpose ? aten::mT(x) : x, blocks);  // X^T X or X X^T
+          if (transpose) gram_product_out(d, at_t(op.a), at_(op.a), blocks);  // X^T X
+          else gram_product_out(d, at_(op.a), at_t(op.a), blocks);            // X X^T
         } else if (op.gemm == GramGemm::kApply) {
           // Operands as the column-major plan orders them: (X, Q) wide, (Q, X) tall.
           const Tensor& x = transpose ? at_(op.b) : at_(op.a);
@@ -75,7 +83,7 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
             MEGATRON_EOPT_CHECK_VALUE(op.a == op.b && op.a == op.c,
                                       "gram program: a product with scalars must be c R R + b R");
             const Tensor& r = at_(op.a);
-            if (op.alpha != 0.f) gram_product_out(d, r, blocks);  // R R = R R^T
+            if (op.alpha != 0.f) gram_product_out(d, r, at_t(op.a), blocks);  // R R = R R^T
             polynomial_out(d, op.alpha, op.alpha != 0.f ? d : r, op.beta, r, 0.f);
           }
         }

@@ -11,6 +11,8 @@
 // the large terms first and lands up to twice as far from float64 (aol, polar_express).
 // With c = 0 the G G product is skipped. Iterating on W^T (tall inputs) is a choice of products
 // (G = W^T W, W' = W P, P symmetric), so no transpose is materialized.
+#include <utility>
+
 #include "cpu/batched_gemm.h"
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "cpu/scratch_cpu.h"
@@ -35,16 +37,22 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
   Tensor gram = scratch.take({batch, side, side}, type);
   Tensor poly = scratch.take({batch, side, side}, type);
+  // The transposed views the products take, made once: W alternates between two buffers.
+  const Tensor gram_t = aten::mT(gram);
+  Tensor it_t = aten::mT(it);
+  Tensor spare_t = spare.defined() ? aten::mT(spare) : Tensor();
   for (std::size_t k = 0; k < steps; ++k) {
     const NsCoefficients& co = opts.schedule[k];
-    gram_product_out(gram, t ? aten::mT(it) : it, blocks);
-    if (co.c != 0.0f) gram_product_out(poly, gram, blocks);  // G G = G G^T
+    if (t) gram_product_out(gram, it_t, it, blocks);  // W = X^T
+    else gram_product_out(gram, it, it_t, blocks);
+    if (co.c != 0.0f) gram_product_out(poly, gram, gram_t, blocks);  // G G = G G^T
     polynomial_out(poly, co.c, co.c != 0.0f ? poly : gram, co.b, gram, co.a);
     Tensor next = !bf16 && k + 1 == steps ? out : spare;
     if (t) gemm_out(next, it, poly);  // W P
     else gemm_out(next, poly, it);    // P W
     spare = it;
     it = next;
+    std::swap(spare_t, it_t);  // it_t follows `next`; unused after the last step, which may write `out`
   }
   // Muon+ rides on the pass that widens the bf16 result; in fp32 it rescales the result in place.
   if (opts.recipe.frobenius_renorm) frobenius_renorm_out(out, bf16 ? it : out);

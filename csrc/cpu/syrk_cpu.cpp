@@ -215,8 +215,7 @@ MEGATRON_EOPT_AVX512 void store_tile(const __m512 acc[kRows][2], T* c, int64_t l
 // chunk (16 tiles x 8 rows x 512 words = 256 KiB) stay in L2 while every column panel of the
 // range streams its 32 columns over the chunk (64 KiB) by. Without it each 8-row tile re-read its
 // column panel over the whole depth from L3 or memory (1 MiB for a 2048 x 8192 fp32 X), and the
-// tiles ran at 55-60% of their in-cache rate (2048 x 8192 and 1024 x 4096, both types, on the
-// development CPU). Partial sums are kept exactly in fp32 between chunks, so the result does not
+// tiles ran well below their in-cache rate (benchmarks/RESULTS.md). Partial sums are kept exactly in fp32 between chunks, so the result does not
 // depend on the blocking.
 constexpr int64_t kChunkSteps = 512;
 constexpr int64_t kBlockTiles = 16;
