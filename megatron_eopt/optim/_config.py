@@ -230,10 +230,16 @@ class ConfigSetting:
     is a field of the optimizer's fused configuration; an instance value only for an EO-style
     optimizer, which has none. Setting it on a fused optimizer re-makes the configuration (EO reads
     these attributes at every step, so a value set after construction applies to the next step);
-    ``settable=False`` fields decide the state's layout and are fixed at construction."""
+    ``settable=False`` fields decide the state's layout and are fixed at construction.
 
-    def __init__(self, field: str, check=None, settable: bool = True) -> None:
+    ``check`` validates a new value of a fused optimizer; ``always_checked`` applies it to an EO-style
+    optimizer too (a setting EO itself takes as given, e.g. ``weight_decay_method``, fails at its
+    step instead). ``convert`` normalizes the value stored (``bool`` for ``nesterov``)."""
+
+    def __init__(self, field: str, check=None, settable: bool = True, always_checked: bool = False,
+                 convert=None) -> None:
         self.field, self.check, self.settable = field, check, settable
+        self.always_checked, self.convert = always_checked, convert
 
     def __set_name__(self, owner, name: str) -> None:
         self.name, self.slot = name, "_" + name
@@ -252,8 +258,12 @@ class ConfigSetting:
     def __set__(self, obj, value) -> None:
         config = obj.__dict__.get("_config")
         if config is None:
+            if self.always_checked:
+                self.check(value)
             obj.__dict__[self.slot] = value
             return
+        if self.convert is not None:
+            value = self.convert(value)
         if getattr(config, self.field) == value:
             return
         if not self.settable:

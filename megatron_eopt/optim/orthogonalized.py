@@ -115,9 +115,9 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
     # Emerging-Optimizers' attributes, each with one home: the fused configuration's field (see
     # ConfigSetting). fp32_matmul_prec is the precision of the Newton–Schulz products: "medium"
     # (bf16), "high" (TF32) or "highest" (fp32).
-    nesterov = ConfigSetting("nesterov")
+    nesterov = ConfigSetting("nesterov", convert=bool)
     weight_decay_method = ConfigSetting("weight_decay_method", check_weight_decay_method)
-    fp32_matmul_prec = ConfigSetting("precision", check_matmul_precision)
+    fp32_matmul_prec = ConfigSetting("precision", check_matmul_precision, always_checked=True)
     scale_mode = ConfigSetting("scale_mode", check_scale_mode)
     extra_scale_factor = ConfigSetting("extra_scale_factor", check_extra_scale_factor)
     moment2_method = ConfigSetting("moment2_method", settable=False)

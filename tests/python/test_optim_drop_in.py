@@ -356,6 +356,26 @@ def test_a_bad_setting_is_refused_naming_it_and_changes_nothing(setting, value, 
     assert opt._config is config
 
 
+def test_an_eo_style_optimizer_refuses_a_bad_fp32_matmul_prec_at_construction(gen):
+    from megatron_eopt.optim import OrthogonalizedOptimizer
+
+    params = make_params([(8, 12)], gen)
+    with pytest.raises(ValueError, match="fp32_matmul_prec"):
+        OrthogonalizedOptimizer(params, 0.02, 0.9, 0.0, nesterov=False, weight_decay_method="decoupled",
+                                fp32_matmul_prec="low")
+    opt = OrthogonalizedOptimizer(params, 0.02, 0.9, 0.0, nesterov=1, weight_decay_method="sideways",
+                                  fp32_matmul_prec="high")
+    assert opt.weight_decay_method == "sideways"  # EO takes it as given; its step refuses it
+    with pytest.raises(ValueError, match="fp32_matmul_prec"):
+        opt.fp32_matmul_prec = "low"
+
+
+def test_nesterov_is_stored_as_a_bool(gen):
+    opt = Muon(make_params([(8, 12)], gen), lr=0.02)
+    opt.nesterov = 1
+    assert opt.nesterov is True and opt._config.nesterov is True
+
+
 def test_moment2_method_is_fixed_at_construction(gen):
     opt = AdaptiveMuon(make_params([(8, 12)], gen), 0.02, 0.9, 0.0, moment2_method="normuon")
     opt.moment2_method = "normuon"  # the same value: nothing to change
