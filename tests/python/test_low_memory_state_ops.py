@@ -254,8 +254,10 @@ def test_cuda_stores_the_cpu_bits(fmt, gen):
     states = [_state(torch.randn(s, generator=gen) * 0.1, fmt) for s in shapes]
     results = {}
     for device in ("cpu", "cuda"):
-        codes = [c.to(device) for c, _ in states]
-        scales = [s.to(device) for _, s in states if s is not None]
+        # Copies on both devices: the CPU run steps its state in place, and the CUDA run must
+        # start from the same state, not from the CPU's result.
+        codes = [c.to(device, copy=True) for c, _ in states]
+        scales = [s.to(device, copy=True) for _, s in states if s is not None]
         ns = [torch.empty(s, device=device) for s in shapes]
         lms.foreach_momentum_quantized_([g.to(device) for g in grads], codes, scales, ns, momentum=0.9, nesterov=True,
                                         seed=torch.full((), 77, dtype=torch.int64, device=device))
