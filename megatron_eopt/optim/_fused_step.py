@@ -24,6 +24,7 @@ from ._distributed import (
 )
 from ._plan import Plan, QKVSplit, Stack
 from ._sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
+from ._step_layout import ChunkLayout, buffer_floats, chunk_layout
 
 
 class FusedStep:
@@ -104,69 +105,46 @@ class FusedStep:
         return scalers
 
     @staticmethod
-    def _ns_input_buffers(plan: Plan, chunks: list[list[int]]) -> dict[torch.device, torch.Tensor]:
+    def _ns_input_buffers(plan: Plan, chunks) -> dict[torch.device, torch.Tensor]:
         """One flat fp32 buffer per device, as large as the stacked NS inputs of the largest chunk:
-        every chunk of the step writes its inputs into it (sharded matrices have their own)."""
-        sizes: dict[torch.device, int] = {}
-        for members in chunks:
-            per_stack: dict[int, int] = {}
-            for i in members:
-                e = plan.entries[i]
-                if e.stack_index >= 0:
-                    per_stack[e.stack_index] = per_stack.get(e.stack_index, 0) + e.batch * e.local_shape[-2] * \
-                        e.local_shape[-1]
-            per_chunk: dict[torch.device, int] = {}
-            for si, size in per_stack.items():
-                device = plan.stacks[si].device
-                per_chunk[device] = per_chunk.get(device, 0) + _aligned(size)
-            for device, size in per_chunk.items():
-                sizes[device] = max(sizes.get(device, 0), size)
-        return {device: torch.empty(size, dtype=torch.float32, device=device) for device, size in sizes.items()}
+        every chunk of the step writes its inputs into it (sharded matrices have their own).
+        ``chunks``: the step's chunk layouts, or lists of entry indices."""
+        layouts = [c if isinstance(c, ChunkLayout) else chunk_layout(plan, c) for c in chunks]
+        return {device: torch.empty(floats, dtype=torch.float32, device=device)
+                for device, floats in buffer_floats(layouts).items()}
 
     @staticmethod
-    def _ns_input_views(plan: Plan, members: list[int], inputs: dict) -> tuple[dict, dict]:
+    def _ns_input_views(plan: Plan, chunk, inputs: dict) -> tuple[dict, dict]:
         """The NS input of each member, and per stack its members with their (k, m, n) input: the
         stacks lie one after another in the device's flat buffer and each member's input is its slice
-        (an nd_mode "batch" entry its E consecutive slices); a sharded matrix has its own local part."""
+        (an nd_mode "batch" entry its E consecutive slices); a sharded matrix has its own local part.
+        ``chunk``: a chunk layout, or the chunk's entry indices."""
+        layout = chunk if isinstance(chunk, ChunkLayout) else chunk_layout(plan, chunk)
         entries = plan.entries
         ns_inputs: dict[int, torch.Tensor] = {}
-        by_stack: dict[int, list[int]] = {}
-        for i in members:
-            if entries[i].stack_index >= 0:
-                by_stack.setdefault(entries[i].stack_index, []).append(i)
-            else:
-                e = entries[i]
-                ns_inputs[i] = torch.empty(e.local_shape, dtype=torch.float32, device=e.param.device)
-        offsets: dict[torch.device, int] = {}
+        for i in layout.own_inputs:
+            e = entries[i]
+            ns_inputs[i] = torch.empty(e.local_shape, dtype=torch.float32, device=e.param.device)
         stacked: dict[int, tuple[list[int], torch.Tensor]] = {}
-        for si, stack_members in by_stack.items():
-            stack = plan.stacks[si]
-            rows, cols = stack.local_shape
-            count = sum(entries[i].batch for i in stack_members)
-            start = offsets.get(stack.device, 0)
-            offsets[stack.device] = start + _aligned(count * rows * cols)
-            buf = inputs[stack.device][start : start + count * rows * cols].view(count, rows, cols)
-            stacked[si] = (stack_members, buf)
+        for slot in layout.stacks:
+            floats = slot.count * slot.rows * slot.cols
+            buf = inputs[slot.device][slot.start : slot.start + floats].view(slot.count, slot.rows, slot.cols)
+            stacked[slot.stack_index] = (list(slot.members), buf)
             slices = buf.unbind(0)  # one call for every matrix's view: the step's host time counts
-            k = 0
-            for i in stack_members:
-                e = entries[i]
-                ns_inputs[i] = slices[k] if len(e.local_shape) == 2 else buf[k : k + e.batch]
-                k += e.batch
+            for i, k, batch in zip(slot.members, slot.firsts, slot.batches):
+                ns_inputs[i] = slices[k] if batch is None else buf[k : k + batch]
         return ns_inputs, stacked
 
-    def _momentum_phase(self, plan: Plan, members: list[int], ns_inputs: dict, scalers: dict) -> list[tuple]:
+    def _momentum_phase(self, plan: Plan, chunk, ns_inputs: dict, scalers: dict) -> list[tuple]:
         """1. Momentum (and L2 decay, Nesterov) per bucket, writing the NS inputs. Returns what the
-        update phase needs per bucket."""
+        update phase needs per bucket. ``chunk``: a chunk layout, or the chunk's entry indices."""
         entries = plan.entries
+        layout = chunk if isinstance(chunk, ChunkLayout) else chunk_layout(plan, chunk)
         # The chunk's members per bucket, in the bucket's (entry) order: a one-chunk step launches
         # exactly what an unchunked one does. Costs the chunk's size, not the model's.
-        by_bucket: dict[int, list[int]] = {}
-        for i in sorted(members):
-            by_bucket.setdefault(entries[i].bucket_index, []).append(i)
         launches = []
-        for bi in sorted(by_bucket):
-            bucket, bucket_members = plan.buckets[bi], by_bucket[bi]
+        for bi, bucket_members, plain in layout.buckets:
+            bucket = plan.buckets[bi]
             for i in bucket_members:
                 self._init_entry_state(i)
             group = self.param_groups[bucket.group_index]
@@ -174,8 +152,12 @@ class FusedStep:
             # The ops run on local matrix views (DTensor: to_local(); nd_mode: (E, m, n) or
             # (size(0), -1)); they take any dense layout (a transposed parameter and its
             # row-major NS input).
-            params = [entries[i].view(entries[i].param) for i in bucket_members]
-            grads = [entries[i].view(entries[i].param.grad) for i in bucket_members]
+            if plain:  # the params are their own matrix views, and so are their grads (_check_grads)
+                params = [entries[i].param for i in bucket_members]
+                grads = [local(p.grad) for p in params]
+            else:
+                params = [entries[i].view(entries[i].param) for i in bucket_members]
+                grads = [entries[i].view(entries[i].param.grad) for i in bucket_members]
             states = [self.state[entries[i].param] for i in bucket_members]
             hyper = {k: buf.view(()) for k, buf in self._hyper[(bucket.group_index, bucket.device)].items()}
             scale_t, inf_t = scalers[bucket.device]
@@ -411,16 +393,6 @@ def _write_scalar(buf: torch.Tensor, value) -> None:
         # A Python number, or a CPU tensor for a device buffer: read on the host and written by a
         # fill kernel (a copy_ from pageable host memory would synchronize with the device).
         buf.fill_(_host_value(value))
-
-
-# Each stack's NS input starts this many floats (256 bytes) into the flat buffer after the previous
-# one, as a tensor of its own would be aligned: vectorized kernels and cuBLASLt see the same
-# alignment as without the shared buffer.
-_STACK_ALIGN_FLOATS = 64
-
-
-def _aligned(floats: int) -> int:
-    return -(-floats // _STACK_ALIGN_FLOATS) * _STACK_ALIGN_FLOATS
 
 
 def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from ._config import OrthogonalizationConfig
 from ._sharded import ShardLayout, describe, is_dtensor, local, matrix_view
+from ._step_layout import LayoutCache
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class Plan:
     # entry indices stepped together, in step order (stacks' members, then sharded matrices);
     # set by the optimizer from its workspace budget (chunk_entries)
     chunks: tuple[tuple[int, ...], ...] = ()
+    # where each chunk's Newton–Schulz inputs lie, per set of entries with a grad (_step_layout)
+    layouts: LayoutCache = field(default_factory=LayoutCache, repr=False, compare=False)
 
 
 # The workspace budget of a step when none is given (``workspace_mib``): the Newton–Schulz

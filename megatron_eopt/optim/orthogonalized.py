@@ -58,6 +58,7 @@ from ._config import (
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from ._fused_step import FusedStep
+from ._step_layout import step_layouts
 from ._state import FusedState
 from .weight_update_hooks import NoOpWeightUpdateHook
 from ._plan import (
@@ -373,11 +374,14 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         for seed in self._state_seeds.values():  # new draws for the stochastic rounding of this step
             seed.add_(1)
         scalers = self._scaler_tensors_per_device(plan)
-        chunks = [members for members in ([i for i in chunk if active[i]] for chunk in plan.chunks) if members]
-        inputs = self._ns_input_buffers(plan, chunks)
-        for members in chunks:  # the matrices whose buffers fit the workspace budget together
-            ns_inputs, stacked = self._ns_input_views(plan, members, inputs)
-            launches = self._momentum_phase(plan, members, ns_inputs, scalers)
+        # Where each chunk's inputs lie: the same every step with the same grads present, so an eager
+        # step reuses it (a compiled one traces it, without the cache's side effects).
+        layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else plan.layouts.get(plan, active)
+        inputs = self._ns_input_buffers(plan, layouts)
+        for layout in layouts:  # the matrices whose buffers fit the workspace budget together
+            members = layout.members
+            ns_inputs, stacked = self._ns_input_views(plan, layout, inputs)
+            launches = self._momentum_phase(plan, layout, ns_inputs, scalers)
             updates, scales = self._orthogonalize_phase(plan, members, ns_inputs, stacked)
             self._update_phase(plan, launches, updates, scales, ns_inputs)
         return None

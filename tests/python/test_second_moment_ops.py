@@ -391,7 +391,10 @@ def test_compile_fullgraph_tensor_beta2_eps_change_without_recompiling(device, g
         os_ = [_randn(s, gen, device) for s in shapes]
         ours, ref = [o.clone() for o in os_], [o.clone() for o in os_]
         compiled(ours, states, beta2, eps)
-        me.adamuon_normalize_(ref, eager_states, beta2=b, eps=e)
+        # The eager call gets the fp32 tensors' values: with b itself, float(1 - 0.99) and
+        # float(1 - fp32(0.99)) differ by 9.3e-7 relative, which carried into v exceeds rtol=1e-6
+        # now and then (about 1 draw in 300, on either device).
+        me.adamuon_normalize_(ref, eager_states, beta2=beta2.item(), eps=eps.item())
         for x, y in zip(ours + states, ref + eager_states):
             torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
     assert counters["stats"]["unique_graphs"] == 1

@@ -30,7 +30,14 @@ from megatron_eopt.optim._plan import (
     check_workspace_mib,
 )
 from megatron_eopt.torch_optim import Muon as TorchOptimMuon
-from optim_helpers import clone_params, make_grads, make_params, max_delta_err, run_steps
+from optim_helpers import (
+    clone_params,
+    make_grads,
+    make_params,
+    max_delta_err,
+    max_delta_err_without_flips,
+    run_steps,
+)
 
 # Awkward shapes, repeated so that stacks hold several matrices.
 SHAPES = [(1, 9), (9, 1), (97, 37), (37, 97), (16, 16), (24, 40), (24, 40), (40, 24), (24, 40), (16, 16)]
@@ -127,6 +134,34 @@ def test_workspace_mib_survives_copy_and_pickle_and_stays_out_of_the_state_dict(
         assert len(other._plan.chunks) == len(SHAPES)
     sd = opt.state_dict()
     assert "workspace_mib" not in str(sd["param_groups"])
+
+
+def test_step_layouts_are_kept_per_set_of_present_grads_and_dropped_when_the_chunks_change():
+    """The eager step reuses where each chunk's inputs lie while the same grads are present; a step
+    with other grads present, or after the budget changed, lays them out anew, and every step equals
+    that of a twin laying them out anew each time."""
+    gen = torch.Generator().manual_seed(9)
+    params = make_params(SHAPES, gen)
+    twin = clone_params(params)
+    opt, fresh = Muon(params, lr=0.02, workspace_mib=None), Muon(twin, lr=0.02, workspace_mib=None)
+    skip = {2, 6}
+    grads = make_grads(params, gen, 1) + make_grads(params, gen, 1, skip=skip) + make_grads(params, gen, 1)
+    run_steps(opt, params, grads[:1])
+    cache = opt._plan.layouts
+    everything = tuple([True] * len(SHAPES))
+    first = cache.by_active[everything]
+    run_steps(opt, params, grads[1:])
+    assert cache.by_active[everything] is first  # reused, not rebuilt
+    partial = cache.by_active[tuple(i not in skip for i in range(len(SHAPES)))]
+    assert all(i not in layout.members for layout in partial for i in skip)
+    for step in grads:  # the twin lays its chunks out anew every step
+        fresh._plan.layouts.by_active.clear()
+        run_steps(fresh, twin, [step])
+    for a, b in zip(params, twin):
+        assert torch.equal(a, b)
+    opt.workspace_mib = ONE_MATRIX
+    opt.step()
+    assert cache.chunks is opt._plan.chunks and len(cache.by_active[everything]) == len(SHAPES)
 
 
 def test_stack_inputs_share_one_flat_buffer_each_256_byte_aligned_without_overlap():
@@ -374,7 +409,14 @@ def test_cuda_chunked_step_equals_the_one_piece_step(name):
     start = make_params(SHAPES, torch.Generator().manual_seed(0), device="cuda")
     (whole, _), (chunked, opt) = _run_pair(build, lambda g: make_params(SHAPES, g, device="cuda"))
     assert len(opt._plan.chunks) == len(SHAPES)
-    tol = {"adamuon_default_precision": 0.05, "int8_state": 0.05}.get(name, 1e-4)
+    if name == "adamuon_default_precision":
+        # bf16 products: where the batch count changes the kernel, a near-zero entry of O may round
+        # to the other sign, and AdaMuon's first step (sign(O) / sqrt(1 - beta2)) moves that element
+        # by a full step; a few such flips alone put max_delta_err near 0.05 (seen on the CPU with
+        # fp32-ulp input noise). Compare the other elements, as test_optim_muon_parity does.
+        assert max_delta_err_without_flips(chunked, whole, start, max_flip_fraction=0.02) < 0.02
+        return
+    tol = {"int8_state": 0.05}.get(name, 1e-4)
     assert max_delta_err(chunked, whole, start) < tol
 
 
