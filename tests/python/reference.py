@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from megatron_eopt.newton_schulz import get_coefficients
@@ -66,6 +68,12 @@ def ns_amplification(x, coefficient_type="quintic", steps=5, custom=None):
     inputs, where fp32 itself then lands 1e-3 from the exact result.
     """
     coeffs = get_coefficients(coefficient_type, steps, custom)
+    # Several tolerances of one large input cost one SVD: the last call's input (the same live
+    # tensor, unmodified since) and schedule give its result again.
+    key = (x._version, coefficient_type, steps, None if custom is None else repr(custom))
+    last = _last_amplification
+    if last and last[0]() is x and last[1] == key:
+        return last[2]
     X = x.detach().to("cpu", torch.float64)
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-300)
     worst = float(len(coeffs))
@@ -82,7 +90,11 @@ def ns_amplification(x, coefficient_type="quintic", steps=5, custom=None):
             gain *= slopes[k]
             total += gain * abs(traj[k])
         worst = max(worst, total / abs(traj[-1]))
+    _last_amplification[:] = [weakref.ref(x), key, worst]
     return worst
+
+
+_last_amplification: list = []  # (weak reference to the input, its version and schedule, amplification)
 
 
 def ns_tolerance(x, precision, device, coefficient_type="quintic", steps=5, custom=None):
@@ -95,7 +107,14 @@ def ns_tolerance(x, precision, device, coefficient_type="quintic", steps=5, cust
     """
     tf32 = precision == "high" and torch.device(device).type == "cuda"
     u = UNIT_ROUNDOFF["tf32" if tf32 else "fp32"]
-    return max(TOLERANCE[precision], 4 * u * ns_amplification(x, coefficient_type, steps, custom))
+    bound = max(TOLERANCE[precision], 4 * u * ns_amplification(x, coefficient_type, steps, custom))
+    if tf32 and min(x.shape[-2:]) == 1:
+        # A vector's TF32 rounding in B @ X turns its direction by about |B| / |p(s) / s| unit
+        # roundoffs per step (3.9 in quintic's first), which ns_amplification (singular values only)
+        # does not model: TF32 emulated on the CPU put 1-2% (round to nearest) to 10% (truncation)
+        # of row-scaled (64, 1) draws up to 1.25x past the bound above.
+        bound *= 1.5
+    return bound
 
 
 # bf16 unit roundoff (8 significant bits).
