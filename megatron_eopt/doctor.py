@@ -33,6 +33,7 @@ from megatron_eopt._library import (
     set_cuda_symmetric_products,
 )
 from megatron_eopt.newton_schulz import get_coefficients, get_muon_scale_factor
+from megatron_eopt.ops._newton_schulz import _ns_arguments
 
 # Awkward shapes (row / column vectors, primes both ways, square) and a batch.
 MATRICES = [(1, 37), (37, 1), (97, 37), (37, 97), (16, 16)]
@@ -124,6 +125,18 @@ def check_newton_schulz(device: str, seed: int) -> list[Result]:
                          lambda d: torch.cat([y.flatten() for y in me.newton_schulz_list([_on(x, d) for x in xs],
                                                                                         precision="highest")]))
     out.append(Result(device, "newton_schulz_list highest", rel_err(got, want), 2e-3))
+    # The in place op (Muon's step) equals the op bit for bit on this device, on each path: the
+    # result over the input, or (fp32 with an even step count) through a copy.
+    for precision in ["highest", "medium"] if device != "cpu" else ["highest"]:
+        for algorithm in ("standard", "gram"):
+            for steps in (4, 5):
+                x = _on(_randn((2, 48, 80), gen), device)
+                coefficients, repeat_last = _ns_arguments(steps, "quintic", None, 1e-7, precision, algorithm)
+                args = (coefficients, steps, repeat_last, 1e-7, None, precision, algorithm)
+                want = torch.ops.megatron_eopt.newton_schulz(x, *args)
+                torch.ops.megatron_eopt.newton_schulz_(x, *args)
+                out.append(Result(device, f"newton_schulz_ (in place) {precision} {algorithm} {steps} steps",
+                                  rel_err(x, want), 0.0))
     return out
 
 

@@ -14,19 +14,12 @@ namespace {
 constexpr int64_t kPerMatrixMacs = int64_t{1} << 24;
 constexpr int64_t kPerMatrixMacsBf16 = int64_t{1} << 27;
 
-Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
-                         double eps, std::optional<bool> transpose, const std::string& precision,
-                         const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                         bool row_equilibration, bool frobenius_renorm) {
-  MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
-  NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm, eps_mode,
-                                    norm_divisor, row_equilibration, frobenius_renorm);
-  if (x.numel() == 0) return aten::empty_like(x);
+// Runs the iteration of x (batch, rows, cols) into out (the same shape, contiguous fp32). out may
+// be x itself: both executors read x only in their first pass (the normalization, elementwise),
+// before anything is written where x lies.
+void run_newton_schulz_cpu(const Tensor& x, Tensor& out, NsOptions opts) {
   const int64_t side = opts.transpose ? opts.cols : opts.rows;
   opts.precision = cpu_iteration_precision(opts.precision, side);
-
-  const Tensor w = x.dim() == 2 ? aten::unsqueeze(x, 0) : x;
-  Tensor out = aten::empty({opts.batch, opts.rows, opts.cols}, kFloat, x.device());
   const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCpu);
   const auto run = [&](const Tensor& part, Tensor& part_out) {
     if (choice.algorithm == NsAlgorithm::kGram) gram_newton_schulz_cpu(part, part_out, opts, choice.program);
@@ -36,16 +29,46 @@ Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficient
   if (opts.batch > 1 && side * side * (opts.rows * opts.cols / side) >= per_matrix_macs) {
     for (int64_t i = 0; i < opts.batch; ++i) {
       Tensor part_out = aten::narrow(out, 0, i, 1);
-      run(aten::narrow(w, 0, i, 1), part_out);
+      run(aten::narrow(x, 0, i, 1), part_out);
     }
   } else {
-    run(w, out);
+    run(x, out);
   }
+}
+
+Tensor as_batch(const Tensor& x) { return x.dim() == 2 ? aten::unsqueeze(x, 0) : x; }
+
+Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                         double eps, std::optional<bool> transpose, const std::string& precision,
+                         const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                         bool row_equilibration, bool frobenius_renorm) {
+  MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
+  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+  if (x.numel() == 0) return aten::empty_like(x);
+  Tensor out = aten::empty({opts.batch, opts.rows, opts.cols}, kFloat, x.device());
+  run_newton_schulz_cpu(as_batch(x), out, opts);
   return x.dim() == 2 ? aten::squeeze(out, 0) : out;
+}
+
+void newton_schulz_cpu_(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                        double eps, std::optional<bool> transpose, const std::string& precision,
+                        const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                        bool row_equilibration, bool frobenius_renorm) {
+  MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz_: x must be a CPU tensor here, got ", x.device());
+  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+  MEGATRON_EOPT_CHECK_VALUE(x.is_contiguous(), "newton_schulz_: x must be contiguous (strides ", x.strides(), ")");
+  if (x.numel() == 0) return;
+  Tensor batch = as_batch(x);
+  run_newton_schulz_cpu(batch, batch, opts);
 }
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) { m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cpu)); }
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
+  m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cpu));
+  m.impl("newton_schulz_", TORCH_BOX(&newton_schulz_cpu_));
+}
 
 }  // namespace megatron_eopt

@@ -50,27 +50,17 @@ void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const Gra
                           row_scales, blas_context(input, workspace));
 }
 
-Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
-                             double eps, std::optional<bool> transpose, const std::string& precision,
-                             const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                             bool row_equilibration, bool frobenius_renorm) {
-  MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz: x must be a CUDA tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
-  const cuda::DeviceGuard guard(cuda::device_of(x));
-  const Tensor input = aten::contiguous(x);
-  Tensor out = aten::empty_like(input);
-  if (input.numel() == 0) return out;
-
+// Runs the iteration of `input` (contiguous fp32) into `out` (the same shape; `input` itself where
+// cuda_result_may_overwrite_input allows).
+void run_newton_schulz_cuda(const Tensor& input, Tensor& out, const NsOptions& opts, const NsAlgorithmChoice& choice) {
   // MuonEq's per-row scales (batch * rows floats), from the caching allocator like the scratch.
   Tensor row_scales;
   if (opts.recipe.row_equilibration) row_scales = aten::empty({opts.batch * opts.rows}, kFloat, input.device());
   float* row_scales_ptr = row_scales.defined() ? row_scales.mutable_data_ptr<float>() : nullptr;
 
-  const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCuda);
   if (choice.algorithm == NsAlgorithm::kGram) {
     run_gram(input, out, opts, choice.program, row_scales_ptr);
-    return out;
+    return;
   }
 
   const NsScratchLayout layout = ns_scratch_layout(opts.batch, opts.rows, opts.cols, opts.transpose, opts.precision);
@@ -89,11 +79,52 @@ Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coeffic
   newton_schulz_cuda(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), opts.batch, opts.rows, opts.cols,
                      opts.transpose, opts.schedule, opts.eps, opts.recipe, opts.precision, scratch,
                      blas_context(input, workspace));
+}
+
+Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                             double eps, std::optional<bool> transpose, const std::string& precision,
+                             const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                             bool row_equilibration, bool frobenius_renorm) {
+  MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz: x must be a CUDA tensor here, got ", x.device());
+  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+  const cuda::DeviceGuard guard(cuda::device_of(x));
+  const Tensor input = aten::contiguous(x);
+  Tensor out = aten::empty_like(input);
+  if (input.numel() == 0) return out;
+  run_newton_schulz_cuda(input, out, opts, resolve_ns_algorithm(opts, NsDevice::kCuda));
   return out;
+}
+
+void newton_schulz_cuda_op_(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
+                            double eps, std::optional<bool> transpose, const std::string& precision,
+                            const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
+                            bool row_equilibration, bool frobenius_renorm) {
+  MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz_: x must be a CUDA tensor here, got ", x.device());
+  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+  MEGATRON_EOPT_CHECK_VALUE(x.is_contiguous(), "newton_schulz_: x must be contiguous (strides ", x.strides(), ")");
+  const cuda::DeviceGuard guard(cuda::device_of(x));
+  if (x.numel() == 0) return;
+  const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCuda);
+  if (cuda_result_may_overwrite_input(choice, opts.precision, opts.schedule.size())) {
+    Tensor out = x;
+    run_newton_schulz_cuda(x, out, opts, choice);
+    return;
+  }
+  // The normalization would write over x while reading it: the result goes to a tensor of its own
+  // and is copied back, in stream order.
+  Tensor out = aten::empty_like(x);
+  run_newton_schulz_cuda(x, out, opts, choice);
+  Tensor target = x;
+  aten::copy_(target, out);
 }
 
 }  // namespace
 
-STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) { m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cuda_op)); }
+STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) {
+  m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cuda_op));
+  m.impl("newton_schulz_", TORCH_BOX(&newton_schulz_cuda_op_));
+}
 
 }  // namespace megatron_eopt

@@ -17,6 +17,13 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
       "newton_schulz(Tensor x, float[] coefficients, int steps, bool repeat_last, float eps, "
       "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
       "bool row_equilibration=False, bool frobenius_renorm=False) -> Tensor");
+  // The same in place: x (contiguous fp32) is replaced by its result. What the optimizers call when
+  // nothing reads the Newton–Schulz input afterwards: the result takes the input's memory instead
+  // of a tensor of its own (a step's working set per matrix is a quarter smaller).
+  m.def(
+      "newton_schulz_(Tensor(a!) x, float[] coefficients, int steps, bool repeat_last, float eps, "
+      "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
+      "bool row_equilibration=False, bool frobenius_renorm=False) -> ()");
   // Same for a list of 2-D matrices of any shapes: equal shapes run as one batch.
   m.def(
       "newton_schulz_list(Tensor[] xs, float[] coefficients, int steps, bool repeat_last, float eps, "

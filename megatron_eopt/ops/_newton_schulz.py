@@ -337,6 +337,16 @@ def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, pre
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("megatron_eopt::newton_schulz_")
+def _newton_schulz_inplace_fake(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
+                                eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
+    torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
+    torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
+    torch._check(x.is_contiguous(), lambda: "newton_schulz_: x must be contiguous")
+    _fake_check_algorithm(algorithm)
+    _fake_check_recipe(eps_mode, norm_divisor)
+
+
 @torch.library.register_fake("megatron_eopt::newton_schulz_list")
 def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
                              eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):

@@ -62,6 +62,16 @@ class OrthogonalizationConfig:
             self.precision, self.algorithm, *r.op_arguments,
         )
 
+    def newton_schulz_(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`newton_schulz` in place: ``x`` (contiguous) becomes its result, which takes the
+        input's memory instead of a tensor of its own. Returns ``x``."""
+        r = self.recipe
+        call_op(
+            torch.ops.megatron_eopt.newton_schulz_, x, self.table, self.num_ns_steps, self.repeat_last, r.eps, None,
+            self.precision, self.algorithm, *r.op_arguments,
+        )
+        return x
+
     def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
         """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``.
         Each part is its own matrix for the recipe (MuonEq's row norms, Muon+'s target)."""

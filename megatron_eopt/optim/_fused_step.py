@@ -196,8 +196,12 @@ class FusedStep:
             outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
                                      plan.configs[entries[sharded[0]].group_index])
             updates.update(zip(sharded, outs))
+        # Muon's step reads a Newton–Schulz input nowhere after its Newton–Schulz (AdaptiveMuon's
+        # normalization and an orthogonalize() override read them), so the results may take the
+        # inputs' memory: a quarter of a matrix's working set in the step.
+        in_place = self._config.moment2_method is None and self._orthogonalize_is_base()
         for si, (stack_members, x) in stacked.items():
-            results = self._orthogonalize(plan.stacks[si], x)
+            results = self._orthogonalize(plan.stacks[si], x, in_place=in_place)
             slices = results.unbind(0) if isinstance(results, torch.Tensor) else results
             k = 0
             for i in stack_members:
@@ -270,11 +274,12 @@ class FusedStep:
                     scales[i] = 1.0  # already scaled
         finally:
             self._batched = None
-    def _orthogonalize(self, stack: Stack, x: torch.Tensor) -> list[torch.Tensor]:
+    def _orthogonalize(self, stack: Stack, x: torch.Tensor, in_place: bool = False) -> list[torch.Tensor]:
         """Newton–Schulz of one stack: (k, m, n) fp32 NS inputs -> k fp32 (m, n) updates.
 
         Plain matrices come back raw (scaled later, in foreach_update_). QKV parts come back scaled
         for Muon (the split op fuses it) and raw for AdaptiveMuon (scaled after normalization).
+        ``in_place``: ``x`` is the step's own buffer, which plain matrices' results may overwrite.
         """
         cfg = stack.config
         scale_parts = cfg.moment2_method is None
@@ -285,8 +290,8 @@ class FusedStep:
         if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
             x = gather_shards(x, tp)
         if stack.qkv is None:
-            if tp is None:
-                return cfg.newton_schulz(x)  # indexed like a list of its k matrices
+            if tp is None:  # indexed like a list of its k matrices
+                return cfg.newton_schulz_(x) if in_place else cfg.newton_schulz(x)
             outs = list(cfg.newton_schulz(x).unbind(0))
         else:  # every part of every projection of the stack: one batched NS per part size
             outs = list(

@@ -277,6 +277,34 @@ TEST(NsAlgorithmChoice, ExplicitRequestsAreHonoured) {
   EXPECT_FALSE(gram.program.ops.empty());
 }
 
+TEST(NsAlgorithmChoice, ResultOverwritesTheInputOnlyWhereTheNormalizationWritesElsewhere) {
+  // Standard: the normalized input lands in iterate[steps % 2]; with fp32 iterates iterate[0] is the
+  // output, with bf16 ones ("medium") both are scratch.
+  const NsAlgorithmChoice standard{NsAlgorithm::kStandard, {}};
+  for (std::size_t steps : {1u, 2u, 4u, 5u}) {
+    EXPECT_TRUE(cuda_result_may_overwrite_input(standard, NsPrecision::kMedium, steps));
+    for (NsPrecision p : {NsPrecision::kHigh, NsPrecision::kHighest}) {
+      EXPECT_EQ(cuda_result_may_overwrite_input(standard, p, steps), steps % 2 == 1);
+    }
+  }
+  // Gram: wherever the program puts its first W; both cases occur.
+  bool seen[2] = {false, false};
+  for (NsPrecision p : {NsPrecision::kMedium, NsPrecision::kHighest}) {
+    for (int steps : {1, 2, 3, 4, 5, 8}) {
+      for (bool transpose : {false, true}) {
+        const auto sched = schedule(kQuintic, steps);
+        const auto choice = choose_ns_algorithm(NsAlgorithm::kGram, 40, 100, transpose, sched, p, NsDevice::kCuda);
+        const bool in_out = choice.program.x_first == GramBuf::kOut;
+        EXPECT_EQ(cuda_result_may_overwrite_input(choice, p, sched.size()), !in_out);
+        if (p == NsPrecision::kMedium) EXPECT_FALSE(in_out);  // bf16 W never lives in the fp32 output
+        seen[in_out] = true;
+      }
+    }
+  }
+  EXPECT_TRUE(seen[0]);
+  EXPECT_TRUE(seen[1]);
+}
+
 TEST(NsAlgorithmChoice, AutoKeepsStandardForSchedulesThatDoNotOrthogonalize) {
   // Emerging-Optimizers' custom-coefficient test schedule: singular values grow to 15, then ~1.3e7.
   const std::vector<NsCoefficients> wild = {{3.f, 5.f, 7.f}, {11.f, 13.f, 17.f}};

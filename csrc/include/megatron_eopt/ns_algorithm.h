@@ -155,4 +155,16 @@ inline NsAlgorithmChoice choose_ns_algorithm(NsAlgorithm requested, int64_t m, i
   return choice;
 }
 
+// Whether the CUDA executors may write the result over their input (newton_schulz_): they read the
+// input in their first pass only, the normalization, so the result may take its memory unless that
+// pass itself writes there, a kernel reading and writing one array through restrict pointers.
+// Standard: the normalized input goes to iterate[steps % 2], which is the output (fp32 iterates)
+// when the step count is even; under "medium" the iterates are bf16 scratch and the output is
+// written last. Gram: the program's first W is the output buffer or a scratch one.
+// (The CPU executors normalize with explicit per-element loops, in place or not.)
+inline bool cuda_result_may_overwrite_input(const NsAlgorithmChoice& choice, NsPrecision precision, std::size_t steps) {
+  if (choice.algorithm == NsAlgorithm::kGram) return choice.program.x_first != GramBuf::kOut;
+  return precision == NsPrecision::kMedium || steps % 2 == 1;
+}
+
 }  // namespace megatron_eopt

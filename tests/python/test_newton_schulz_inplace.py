@@ -1,0 +1,120 @@
+"""newton_schulz_: the Newton–Schulz op in place, which the optimizers' step calls where nothing reads
+its input afterwards. It must give the out-of-place op's result bit for bit on every path (algorithm,
+precision, schedule length, recipe, transposed and batched shapes), and refuse bad input before
+writing anything."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_eopt.ops._newton_schulz import _ns_arguments
+from megatron_eopt.optim import AdaptiveMuon, Muon
+from optim_helpers import make_params
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+SHAPES = [(1, 9), (9, 1), (5, 5), (17, 40), (40, 17), (3, 17, 40), (3, 40, 17), (2, 97, 37)]
+RECIPES = {
+    "default": ("clamp", 1.0, False, False),
+    "muoneq_muonplus": ("add", 1.05, True, True),
+}
+_op = torch.ops.megatron_eopt
+
+
+def _both(x, steps, precision, algorithm, recipe, coefficient_type="quintic"):
+    coefficients, repeat_last = _ns_arguments(steps, coefficient_type, None, 1e-7, precision, algorithm)
+    args = (coefficients, steps, repeat_last, 1e-7, None, precision, algorithm, *RECIPES[recipe])
+    want = _op.newton_schulz(x, *args)
+    got = x.clone()
+    assert _op.newton_schulz_(got, *args) is None
+    return want, got
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["medium", "high", "highest"])
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+@pytest.mark.parametrize("steps", [4, 5])  # even and odd: where the normalized input lands differs
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_in_place_equals_the_op(device, precision, algorithm, steps, recipe, gen):
+    for shape in SHAPES:
+        x = torch.randn(shape, generator=gen).to(device)
+        want, got = _both(x, steps, precision, algorithm, recipe)
+        assert torch.equal(got, want), shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_schedule_and_auto(device, gen):
+    for coefficient_type, steps in (("polar_express", 8), ("simple", 1), ("cans", 3)):
+        for shape in ((64, 96), (4, 96, 64)):
+            x = torch.randn(shape, generator=gen).to(device)
+            want, got = _both(x, steps, "highest", "auto", "default", coefficient_type)
+            assert torch.equal(got, want), (coefficient_type, shape)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_is_refused_and_left_as_it_was(device, gen):
+    coefficients, repeat_last = _ns_arguments(5, "quintic", None, 1e-7, "highest", "auto")
+    strided = torch.randn(12, 8, generator=gen).to(device).t()
+    before = strided.clone()
+    with pytest.raises(RuntimeError, match="newton_schulz_: x must be contiguous"):
+        _op.newton_schulz_(strided, coefficients, 5, repeat_last, 1e-7, None, "highest", "auto")
+    assert torch.equal(strided, before)
+    half = torch.randn(8, 12, generator=gen).to(device).half()
+    with pytest.raises(RuntimeError, match="float32"):
+        _op.newton_schulz_(half, coefficients, 5, repeat_last, 1e-7, None, "highest", "auto")
+    empty = torch.empty(0, 5, device=device)
+    _op.newton_schulz_(empty, coefficients, 5, repeat_last, 1e-7, None, "highest", "auto")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device, gen):
+    for precision in ("medium", "highest"):
+        coefficients, repeat_last = _ns_arguments(5, "quintic", None, 1e-7, precision, "auto")
+        for shape in ((24, 40), (2, 40, 24)):
+            x = torch.randn(shape, generator=gen).to(device)
+            torch.library.opcheck(_op.newton_schulz_.default,
+                                  (x, coefficients, 5, repeat_last, 1e-7, None, precision, "auto"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_in_place_call_matches_eager(device, gen):
+    coefficients, repeat_last = _ns_arguments(5, "quintic", None, 1e-7, "highest", "auto")
+
+    def fn(x):
+        y = x * 2.0
+        _op.newton_schulz_(y, coefficients, 5, repeat_last, 1e-7, None, "highest", "auto")
+        return y + 1.0
+
+    x = torch.randn(3, 24, 40, generator=gen).to(device)
+    torch.testing.assert_close(torch.compile(fn, fullgraph=True)(x), fn(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ the optimizers' use of it
+def _ns_calls(monkeypatch):
+    """Counts the Newton–Schulz ops the optimizers look up (in place and not) from now on."""
+    calls = {"newton_schulz_": 0, "newton_schulz": 0}
+    real_ops = torch.ops.megatron_eopt
+
+    class Counting:
+        def __getattr__(self, name):
+            if name in calls:
+                calls[name] += 1
+            return getattr(real_ops, name)
+
+    monkeypatch.setattr(torch.ops, "megatron_eopt", Counting())
+    return calls
+
+
+def test_muon_step_orthogonalizes_its_inputs_in_place_and_adaptive_muon_does_not(monkeypatch, gen):
+    shapes = [(24, 40), (24, 40), (40, 24)]
+    muon = Muon(make_params(shapes, gen), lr=0.02)
+    adaptive = AdaptiveMuon(make_params(shapes, gen), 0.02, 0.95, 0.01, moment2_method="normuon")
+    for opt in (muon, adaptive):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn(p.shape, generator=gen)
+    calls = _ns_calls(monkeypatch)
+    muon.step()
+    assert calls == {"newton_schulz_": 2, "newton_schulz": 0}  # one call per stack
+    adaptive.step()  # its normalization reads the Newton–Schulz inputs after the iteration
+    assert calls == {"newton_schulz_": 2, "newton_schulz": 2}
