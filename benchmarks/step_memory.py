@@ -92,6 +92,8 @@ IMPLS = {
     "ours-bf16": (f"{OURS}, state bf16", "bf16"),
     "ours-int8": (f"{OURS}, state int8", "int8"),
     "ours-fp8": (f"{OURS}, state fp8", "fp8"),
+    # Newton–Schulz in place on CUDA too (megatron_eopt.set_in_place_newton_schulz; the CPU always is)
+    "ours-inplace": (f"{OURS}, in-place Newton–Schulz", "fp32"),
     "eo": (peers.EO_MUON, None),
     "torch": (peers.TORCH_MUON, None),
 }
@@ -156,6 +158,10 @@ def build_optimizer(key: str, params, precision: str | None, workspace: str | No
             raise RuntimeError("this build's Muon has no workspace_mib")
         if how == "argument":
             kwargs["workspace_mib"] = parse_workspace(workspace)
+        if key == "ours-inplace":
+            import megatron_eopt as me
+
+            me.set_in_place_newton_schulz(cuda=True)
         opt = Muon(params, **kwargs)
         if how == "attribute":
             opt.workspace_mib = parse_workspace(workspace)

@@ -32,6 +32,7 @@ from .ops import (
 from .second_moment import MOMENT2_METHODS, moment2_shape
 from . import low_memory_state  # noqa: E402
 from . import optim  # noqa: E402  (after the ops it is built on)
+from .optim._fused_step import in_place_newton_schulz, set_in_place_newton_schulz
 from . import registry
 from .param_routing import RoutingTable, build_optimizers
 from .schedulers import build_schedulers
@@ -57,9 +58,11 @@ __all__ = [
     "get_coefficients",
     "get_muon_scale_factor",
     "get_supported_coefficient_types",
+    "in_place_newton_schulz",
     "moment2_shape",
     "namo_normalize_",
     "set_cuda_symmetric_products",
+    "set_in_place_newton_schulz",
     "new_moment2_buffer",
     "newton_schulz",
     "newton_schulz_list",

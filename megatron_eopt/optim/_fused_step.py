@@ -8,6 +8,7 @@ plan, the configuration and ``step()``; this module holds what one step does wit
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -25,6 +26,27 @@ from ._distributed import (
 from ._plan import Plan, QKVSplit, Stack
 from ._sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
 from ._step_layout import ChunkLayout, buffer_floats, chunk_layout
+
+
+# The device types whose fused step orthogonalizes its Newton–Schulz inputs in place. CUDA joins
+# once a GPU run has measured it (until then: set_in_place_newton_schulz(cuda=True), or the
+# environment variable MEGATRON_EOPT_IN_PLACE_NS_CUDA=1 when the package is imported).
+_IN_PLACE_DEVICE_TYPES = {"cpu"} | ({"cuda"} if os.environ.get("MEGATRON_EOPT_IN_PLACE_NS_CUDA") == "1" else set())
+
+
+def in_place_newton_schulz(device: torch.device | str) -> bool:
+    """Whether Muon's fused step on ``device`` orthogonalizes its Newton–Schulz inputs in place
+    (``torch.ops.megatron_eopt.newton_schulz_``): the results take the inputs' memory, a quarter
+    of each matrix's working set in the step, with bit-identical results."""
+    return torch.device(device).type in _IN_PLACE_DEVICE_TYPES
+
+
+def set_in_place_newton_schulz(*, cuda: bool) -> None:
+    """Process-wide: whether the fused step on CUDA devices orthogonalizes in place (the CPU always
+    does). Off by default until measured on a GPU; results are the same bits either way."""
+    if not isinstance(cuda, bool):
+        raise TypeError(f"set_in_place_newton_schulz: cuda must be True or False, got {cuda!r}")
+    (_IN_PLACE_DEVICE_TYPES.add if cuda else _IN_PLACE_DEVICE_TYPES.discard)("cuda")
 
 
 class FusedStep:
@@ -201,7 +223,7 @@ class FusedStep:
         # inputs' memory: a quarter of a matrix's working set in the step.
         in_place = self._config.moment2_method is None and self._orthogonalize_is_base()
         for si, (stack_members, x) in stacked.items():
-            results = self._orthogonalize(plan.stacks[si], x, in_place=in_place)
+            results = self._orthogonalize(plan.stacks[si], x, in_place=in_place and in_place_newton_schulz(x.device))
             slices = results.unbind(0) if isinstance(results, torch.Tensor) else results
             k = 0
             for i in stack_members:

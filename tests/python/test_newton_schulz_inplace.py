@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import megatron_eopt as me
 from megatron_eopt.ops._newton_schulz import _ns_arguments
 from megatron_eopt.optim import AdaptiveMuon, Muon
 from optim_helpers import make_params
@@ -118,3 +119,42 @@ def test_muon_step_orthogonalizes_its_inputs_in_place_and_adaptive_muon_does_not
     assert calls == {"newton_schulz_": 2, "newton_schulz": 0}  # one call per stack
     adaptive.step()  # its normalization reads the Newton–Schulz inputs after the iteration
     assert calls == {"newton_schulz_": 2, "newton_schulz": 2}
+
+
+def test_the_cuda_step_orthogonalizes_in_place_only_when_switched_on():
+    # Not yet measured on a GPU: off by default there, always on for the CPU.
+    assert me.in_place_newton_schulz("cpu")
+    before = me.in_place_newton_schulz("cuda")
+    try:
+        me.set_in_place_newton_schulz(cuda=True)
+        assert me.in_place_newton_schulz(torch.device("cuda", 0))
+        me.set_in_place_newton_schulz(cuda=False)
+        assert not me.in_place_newton_schulz("cuda") and me.in_place_newton_schulz("cpu")
+        with pytest.raises(TypeError, match="cuda must be True or False"):
+            me.set_in_place_newton_schulz(cuda=1)
+    finally:
+        me.set_in_place_newton_schulz(cuda=before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cuda_muon_step_is_the_same_either_way(in_place, gen):
+    shapes = [(24, 40), (24, 40), (40, 24), (9, 1)]
+    start = make_params(shapes, gen)
+    grads = [torch.randn(s, generator=gen) for s in shapes]
+    results = []
+    before = me.in_place_newton_schulz("cuda")
+    try:
+        for flag in (False, in_place):
+            me.set_in_place_newton_schulz(cuda=flag)
+            params = [torch.nn.Parameter(p.detach().cuda()) for p in start]
+            opt = Muon(params, lr=0.02)
+            for _ in range(3):
+                for p, g in zip(params, grads):
+                    p.grad = g.cuda()
+                opt.step()
+            results.append([p.detach().cpu() for p in params])
+    finally:
+        me.set_in_place_newton_schulz(cuda=before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
