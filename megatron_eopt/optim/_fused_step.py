@@ -218,10 +218,10 @@ class FusedStep:
             outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
                                      plan.configs[entries[sharded[0]].group_index])
             updates.update(zip(sharded, outs))
-        # Muon's step reads a Newton–Schulz input nowhere after its Newton–Schulz (AdaptiveMuon's
-        # normalization and an orthogonalize() override read them), so the results may take the
-        # inputs' memory: a quarter of a matrix's working set in the step.
-        in_place = self._config.moment2_method is None and self._orthogonalize_is_base()
+        # Nothing reads a Newton–Schulz input after its Newton–Schulz (but NAMO's normalization and
+        # an orthogonalize() override), so the results may take the inputs' memory: a quarter of a
+        # matrix's working set in the step.
+        in_place = self._config.moment2_method != "namo" and self._orthogonalize_is_base()
         for si, (stack_members, x) in stacked.items():
             results = self._orthogonalize(plan.stacks[si], x, in_place=in_place and in_place_newton_schulz(x.device))
             slices = results.unbind(0) if isinstance(results, torch.Tensor) else results

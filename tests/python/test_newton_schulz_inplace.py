@@ -106,19 +106,33 @@ def _ns_calls(monkeypatch):
     return calls
 
 
-def test_muon_step_orthogonalizes_its_inputs_in_place_and_adaptive_muon_does_not(monkeypatch, gen):
+@pytest.mark.parametrize("method,in_place", [(None, True), ("adamuon", True), ("normuon", True), ("namo", False)])
+def test_the_step_orthogonalizes_in_place_unless_the_inputs_are_read_after(method, in_place, monkeypatch, gen):
+    # NAMO's normalization reads the Newton–Schulz inputs after the iteration; the others do not.
     shapes = [(24, 40), (24, 40), (40, 24)]
-    muon = Muon(make_params(shapes, gen), lr=0.02)
-    adaptive = AdaptiveMuon(make_params(shapes, gen), 0.02, 0.95, 0.01, moment2_method="normuon")
-    for opt in (muon, adaptive):
-        for group in opt.param_groups:
-            for p in group["params"]:
-                p.grad = torch.randn(p.shape, generator=gen)
+    params = make_params(shapes, gen)
+    opt = Muon(params, lr=0.02) if method is None else AdaptiveMuon(params, 0.02, 0.95, 0.01, moment2_method=method)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
     calls = _ns_calls(monkeypatch)
-    muon.step()
-    assert calls == {"newton_schulz_": 2, "newton_schulz": 0}  # one call per stack
-    adaptive.step()  # its normalization reads the Newton–Schulz inputs after the iteration
-    assert calls == {"newton_schulz_": 2, "newton_schulz": 2}
+    opt.step()
+    assert calls == ({"newton_schulz_": 2, "newton_schulz": 0} if in_place else {"newton_schulz_": 0,
+                                                                                  "newton_schulz": 2})
+
+
+class _Override(Muon):
+    def orthogonalize(self, p, grad, **kwargs):
+        return super().orthogonalize(p, grad, **kwargs) * 0.5
+
+
+def test_an_orthogonalize_override_keeps_the_inputs(monkeypatch, gen):
+    params = make_params([(24, 40), (40, 24)], gen)
+    opt = _Override(params, lr=0.02)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    calls = _ns_calls(monkeypatch)
+    opt.step()
+    assert calls["newton_schulz_"] == 0 and calls["newton_schulz"] == 2
 
 
 def test_the_cuda_step_orthogonalizes_in_place_only_when_switched_on():
