@@ -1,6 +1,8 @@
 """The implementations megatron-eopt is measured against, with the same hyper-parameters.
 
-- Emerging-Optimizers 0.3.0: ``Muon`` (a per-parameter loop) and its ``newton_schulz``.
+- Emerging-Optimizers 0.3.0: ``Muon`` (a per-parameter loop) and its ``newton_schulz``; with 0.4
+  installed instead, also its ``newton_schulz(use_syrk=True)`` (a Triton SYRK kernel for X·Xᵀ, bf16
+  on CUDA, 2-D inputs only).
 - ``torch.optim.Muon`` (PyTorch >= 2.9, single-tensor loop) and its Newton–Schulz function.
 - A plain-PyTorch batched implementation written for this benchmark: torch._foreach_* momentum,
   weight decay and update, equal shapes stacked, Newton–Schulz compiled with ``torch.compile``.
@@ -31,6 +33,7 @@ if not hasattr(typing, "override"):
 EO_MUON = "Emerging-Optimizers Muon"
 EO_ADAPTIVE = "Emerging-Optimizers AdaptiveMuon"
 EO_NS = "Emerging-Optimizers newton_schulz"
+EO_NS_SYRK = "Emerging-Optimizers newton_schulz, use_syrk"
 TORCH_MUON = "torch.optim.Muon"
 TORCH_NS = "torch.optim.Muon NS"
 COMPILED = "torch.compile batched"
@@ -49,6 +52,18 @@ def emerging_optimizers():
         return eo, muon_utils, eo_utils, None
     except Exception as exc:  # not installed, or needs a newer Python
         return None, None, None, f"emerging_optimizers not importable ({type(exc).__name__}: {exc})"
+
+
+def eo_syrk_unavailable(muon_utils, device_type: str, precision: str) -> str | None:
+    """None when the installed Emerging-Optimizers' newton_schulz takes ``use_syrk`` (0.4 and later)
+    and would use its kernel here (CUDA, bf16 products), else why not."""
+    import inspect
+
+    if "use_syrk" not in inspect.signature(muon_utils.newton_schulz).parameters:
+        return "the installed Emerging-Optimizers has no use_syrk (0.4 and later have)"
+    if device_type != "cuda" or precision != "medium":
+        return "use_syrk runs its Triton kernel on CUDA with bf16 products only"
+    return None
 
 
 def torch_muon_available(precision: str | None = None, schedule: str | None = None) -> str | None:

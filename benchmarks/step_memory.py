@@ -98,6 +98,7 @@ IMPLS = {
     "torch": (peers.TORCH_MUON, None),
 }
 DEFAULT_WORKSPACES = ["64", "256", "1024", "none"]
+ONLY_WHEN_NAMED = {"ours-inplace"}  # a switch for CUDA only: the CPU's default row already is it
 
 
 # ------------------------------------------------------------------ parameter sets
@@ -488,7 +489,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     parser.add_argument("--sets", nargs="+", metavar="NAME", help="parameter sets (see --list) or KxMxN")
-    parser.add_argument("--impls", nargs="+", metavar="KEY", choices=list(IMPLS), help="default: all")
+    parser.add_argument("--impls", nargs="+", metavar="KEY", choices=list(IMPLS), help="default: all but ours-inplace")
     parser.add_argument("--steps", type=int, default=None, help="steps per process (default: CPU 4, CUDA 20)")
     parser.add_argument("--precision", choices=["medium", "high", "highest"], default=None,
                         help="fp32_matmul_prec of megatron-eopt and Emerging-Optimizers (default: theirs)")
@@ -535,7 +536,7 @@ def main(argv=None) -> int:
     sets = args.sets or DEFAULT_SETS[device.type]
     for spec in sets:
         shapes_of(spec)  # unknown names fail before anything runs
-    keys = args.impls or list(IMPLS)
+    keys = args.impls or [k for k in IMPLS if k not in ONLY_WHEN_NAMED]
     not_run = {}
     runs = []  # (key, workspace)
     for key in keys:

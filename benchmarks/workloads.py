@@ -90,7 +90,8 @@ def _step(label: str, shapes_fn, description: str, *, in_quick=False, cpu_skip=N
         shapes = _shrink(shapes_fn(), quick)
         return workloads_step.build_step_case(name, description, shapes, device, adaptive)
 
-    return Workload(name, "step", build, in_quick, cpu_skip)
+    # The fused step orthogonalizes in place (newton_schulz_; on CUDA once switched on).
+    return Workload(name, "step", build, in_quick, cpu_skip, ("newton_schulz_",))
 
 
 FAMILY = ("Scion", "PolarGrad", "Spel", "MuonHyperball", "Muown", "MOP")

@@ -26,10 +26,11 @@ def _as_list(out) -> list[torch.Tensor]:
     return list(out)
 
 
-def _eo_ns_fn(muon_utils, eo_utils):
+def _eo_ns_fn(muon_utils, eo_utils, **extra):
     def run(x: torch.Tensor):
         with eo_utils.fp32_matmul_precision(hyper.PRECISION):
-            return muon_utils.newton_schulz(x, hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE, eps=hyper.EPS)
+            return muon_utils.newton_schulz(x, hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE, eps=hyper.EPS,
+                                            **extra)
 
     return run
 
@@ -103,6 +104,18 @@ def _implementations(layout: str, device: torch.device, split: tuple[list[int], 
             fns[peers.EO_NS] = lambda x: split_apply(x, *split, eo)
         else:
             fns[peers.EO_NS] = (lambda xs: [eo(x) for x in xs]) if layout == "list" else eo
+        # 0.4's Triton SYRK path: 2-D matrices only (it refuses a bf16 batch with use_syrk).
+        why = peers.eo_syrk_unavailable(muon_utils, device.type, hyper.PRECISION)
+        if why is None and layout == "batch":
+            why = "use_syrk takes 2-D matrices only (Emerging-Optimizers refuses a batch with it)"
+        if why:
+            skipped[peers.EO_NS_SYRK] = why
+        else:
+            syrk = _eo_ns_fn(muon_utils, eo_utils, use_syrk=True)
+            if layout == "split":
+                fns[peers.EO_NS_SYRK] = lambda x: split_apply(x, *split, syrk)
+            else:
+                fns[peers.EO_NS_SYRK] = (lambda xs: [syrk(x) for x in xs]) if layout == "list" else syrk
 
     why = peers.torch_muon_available(hyper.PRECISION, None if hyper.single_row() else hyper.COEFFICIENT_TYPE)
     if why:

@@ -17,6 +17,13 @@
 #               symmetric products (GPU_VERIFY_SYMMETRIC, default 4:1024), into RESULTS.md's own section
 #   algorithms  benchmarks/ns_algorithms.py (algorithm and symmetric-product crossovers) and
 #               benchmarks/op_overhead.py --profile (host time per call)
+#   syrk        the Newton-Schulz workloads against Emerging-Optimizers 0.4 (its use_syrk Triton
+#               kernel a peer row), from a wheel in .whl/eo-0.4/ (0.4 is not on the package index:
+#               `pip wheel --no-deps -w .whl/eo-0.4 PATH_TO_ITS_v0.4.0_SOURCE`), installed into a
+#               folder of its own ahead of 0.3.0; RESULTS.md's section with ", Emerging-Optimizers 0.4.0"
+#               (GPU_VERIFY_SYRK_WORKLOADS, default ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008)
+#   inplace     benchmarks/step_memory.py with the in-place Newton-Schulz switched on for CUDA next
+#               to the default (rows "ours" and "ours-inplace"; GPU_VERIFY_INPLACE_SETS)
 #
 # OUT_DIR receives at most 8 files: summary.txt (environment, the doctor self-test, one line per step), build.log,
 # pytest.log, bench.log, bench_state_dtypes.log, bench_step_memory.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
@@ -45,9 +52,9 @@ STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(build tests bench example)
 for s in "${STEPS[@]}"; do
   case $s in
-    build | tests | bench | example | gputests | table | memory | symmetric | algorithms) ;;
+    build | tests | bench | example | gputests | table | memory | symmetric | algorithms | syrk | inplace) ;;
     *) echo "gpu_verify.sh: unknown step '$s' (build, tests, bench, example, gputests, table, memory, symmetric," \
-         "algorithms)" >&2; exit 2 ;;
+         "algorithms, syrk, inplace)" >&2; exit 2 ;;
   esac
 done
 mkdir -p "$OUT"
@@ -198,7 +205,7 @@ bench_step() {
   shift 2
   if "$@" >"$OUT/$log" 2>&1; then say "$what: ok ($log)"; else say "$what: FAILED (see $log)"; failed_extra=1; fi
 }
-if want bench || want table || want memory || want symmetric || want algorithms; then
+if want bench || want table || want memory || want symmetric || want algorithms || want syrk || want inplace; then
   [ -f benchmarks/RESULTS.md ] && cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 fi
 if want bench || want table; then
@@ -218,6 +225,25 @@ if want symmetric; then
     --results-md "$OUT/RESULTS.md" --symmetric-products "${GPU_VERIFY_SYMMETRIC:-4:1024}" --workload ns_1024x1024 \
     ns_4096x4096 ns_8192x8192 ns_4096x11008 ns_batch_4x4096x4096 ns_batch_128x768x2048 step_llama_1b_layer \
     step_llama_8b_4layers
+fi
+if want syrk; then
+  EO04_SITE=/tmp/site-eo04
+  if ls "$ROOT"/.whl/eo-0.4/*.whl >/dev/null 2>&1 &&
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$EO04_SITE" \
+      "$ROOT"/.whl/eo-0.4/*.whl >>"$SUMMARY" 2>&1; then
+    # shellcheck disable=SC2086
+    bench_step "bench: Emerging-Optimizers 0.4, use_syrk" bench_syrk.log \
+      env PYTHONPATH="$ROOT:$EO04_SITE:$SITE" "$PY" benchmarks/run.py --device cuda --results-md "$OUT/RESULTS.md" \
+      --workload ${GPU_VERIFY_SYRK_WORKLOADS:-ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008}
+  else
+    say "bench: Emerging-Optimizers 0.4, use_syrk: SKIPPED (no installable wheel in .whl/eo-0.4/)"
+  fi
+fi
+if want inplace; then
+  # shellcheck disable=SC2086
+  bench_step "bench: in-place Newton-Schulz step memory" bench_inplace.log "$PY" benchmarks/step_memory.py \
+    --device cuda --results-md "$OUT/RESULTS.md" --impls ours ours-inplace eo --workspace-mib \
+    --sets ${GPU_VERIFY_INPLACE_SETS:-llama_1b_4l qwen3_moe_8e llama_8b_4l}
 fi
 if want algorithms; then
   bench_step algorithms algorithms.log "$PY" benchmarks/ns_algorithms.py --device cuda --results-md "$OUT/RESULTS.md"
