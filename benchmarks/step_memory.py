@@ -451,9 +451,11 @@ def section_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def section_key(device_name: str, precision: str | None) -> str:
+def section_key(device_name: str, precision: str | None, impls=()) -> str:
     key = f"step memory: {device_name.split(',')[0]}"
-    return key + (f", precision {precision}" if precision else "")
+    key += f", precision {precision}" if precision else ""
+    # A run comparing the in-place switch is a table of its own, beside the published one.
+    return key + (", in-place Newton–Schulz" if "ours-inplace" in impls else "")
 
 
 def publish(doc: dict, results_md: str | None) -> None:
@@ -461,7 +463,8 @@ def publish(doc: dict, results_md: str | None) -> None:
     import report
 
     body = section_markdown(doc)
-    report.publish(body, results_md, section_key(doc["environment"]["device_name"], doc["precision"]))
+    impls = {row["impl"] for row in doc["rows"]}
+    report.publish(body, results_md, section_key(doc["environment"]["device_name"], doc["precision"], impls))
 
 
 def render(args) -> int:

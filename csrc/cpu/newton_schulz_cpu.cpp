@@ -60,7 +60,9 @@ void newton_schulz_cpu_(const Tensor& x, const std::vector<double>& coefficients
                                           eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
   MEGATRON_EOPT_CHECK_VALUE(x.is_contiguous(), "newton_schulz_: x must be contiguous (strides ", x.strides(), ")");
   if (x.numel() == 0) return;
-  Tensor batch = as_batch(x);
+  // Written through a detached alias: ATen's out= products refuse an output that requires grad
+  // (x may be a non-leaf of a graph), and a refusal halfway would leave x half-written.
+  Tensor batch = as_batch(aten::detach(x));
   run_newton_schulz_cpu(batch, batch, opts);
 }
 

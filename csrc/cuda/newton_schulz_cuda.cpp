@@ -113,10 +113,10 @@ void newton_schulz_cuda_op_(const Tensor& x, const std::vector<double>& coeffici
     return;
   }
   // The normalization would write over x while reading it: the result goes to a tensor of its own
-  // and is copied back, in stream order.
+  // and is copied back, in stream order (through a detached alias, as x may require grad).
   Tensor out = aten::empty_like(x);
   run_newton_schulz_cuda(x, out, opts, choice);
-  Tensor target = x;
+  Tensor target = aten::detach(x);
   aten::copy_(target, out);
 }
 

@@ -45,6 +45,9 @@ inline Tensor narrow(const Tensor& t, int64_t dim, int64_t start, int64_t length
 }
 inline Tensor transpose(const Tensor& t, int64_t dim0, int64_t dim1) { return torch::stable::transpose(t, dim0, dim1); }
 inline Tensor mT(const Tensor& t) { return aten::transpose(t, -2, -1); }
+// The same storage (and version counter) outside autograd: what an in-place op writes through, so
+// that its BLAS out= calls accept a tensor that requires grad.
+inline Tensor detach(const Tensor& t) { return detail::call("aten::detach", "", t); }
 inline Tensor view(const Tensor& t, const std::vector<int64_t>& sizes) {
   return torch::stable::view(t, IntList(sizes));
 }

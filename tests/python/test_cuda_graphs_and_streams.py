@@ -29,7 +29,8 @@ def _input(shape, gen):
 
 
 def _tolerance(x, precision):
-    # x stays on the GPU: its float64 SVD there takes seconds where the CPU's took a minute (16 x 1024 x 4096)
+    # x itself, not a copy: the tolerances of one input then share one SVD (ns_amplification keeps
+    # the last), where three CPU SVDs of a 16 x 1024 x 4096 input took a minute
     if precision == "medium":
         return max(TOLERANCE["medium"], bf16_input_tolerance(x))
     return ns_tolerance(x, precision, "cuda")

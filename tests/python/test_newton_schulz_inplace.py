@@ -68,6 +68,19 @@ def test_bad_input_is_refused_and_left_as_it_was(device, gen):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("algorithm", ["standard", "gram"])
+def test_a_tensor_that_requires_grad_is_orthogonalized_as_any_other(device, algorithm, gen):
+    # A non-leaf of a graph (its BLAS out= products are written through a detached alias).
+    coefficients, repeat_last = _ns_arguments(5, "quintic", None, 1e-7, "highest", algorithm)
+    p = torch.randn(40, 24, generator=gen).to(device).requires_grad_()
+    y = p * 2.0
+    args = (coefficients, 5, repeat_last, 1e-7, None, "highest", algorithm)
+    want = _op.newton_schulz(y.detach(), *args)
+    _op.newton_schulz_(y, *args)
+    assert torch.equal(y.detach(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device, gen):
     for precision in ("medium", "highest"):
         coefficients, repeat_last = _ns_arguments(5, "quintic", None, 1e-7, precision, "auto")
