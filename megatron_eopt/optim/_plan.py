@@ -13,13 +13,16 @@ load_state_dict), never inside a compiled step; a step only filters it by which 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ._config import OrthogonalizationConfig
 from ._sharded import ShardLayout, describe, is_dtensor, local, matrix_view
-from ._step_layout import LayoutCache
+
+if TYPE_CHECKING:
+    from ._step_layout import LayoutCache
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,9 @@ class Plan:
     # set by the optimizer from its workspace budget (chunk_entries)
     chunks: tuple[tuple[int, ...], ...] = ()
     # where each chunk's Newton–Schulz inputs lie, per set of entries with a grad (_step_layout)
-    layouts: LayoutCache = field(default_factory=LayoutCache, repr=False, compare=False)
+    # (made by the first eager step: a step compiled by torch.compile may rebuild the plan, and
+    # dynamo constructs it without the cache)
+    layouts: LayoutCache | None = field(default=None, repr=False, compare=False)
 
 
 # The workspace budget of a step when none is given (``workspace_mib``): the Newton–Schulz

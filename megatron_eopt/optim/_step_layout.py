@@ -131,6 +131,13 @@ class LayoutCache:
         return hit
 
 
+def cached_step_layouts(plan: Plan, active: list[bool]) -> tuple[ChunkLayout, ...]:
+    """:func:`step_layouts` through the plan's cache (an eager step's: its first call makes it)."""
+    if plan.layouts is None:
+        plan.layouts = LayoutCache()
+    return plan.layouts.get(plan, active)
+
+
 def step_layouts(plan: Plan, active: list[bool]) -> tuple[ChunkLayout, ...]:
     """The layout of every chunk that has a member with a grad, in step order."""
     out = []

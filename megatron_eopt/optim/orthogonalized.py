@@ -58,7 +58,7 @@ from ._config import (
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from ._fused_step import FusedStep
-from ._step_layout import step_layouts
+from ._step_layout import cached_step_layouts, step_layouts
 from ._state import FusedState
 from .weight_update_hooks import NoOpWeightUpdateHook
 from ._plan import (
@@ -376,7 +376,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         scalers = self._scaler_tensors_per_device(plan)
         # Where each chunk's inputs lie: the same every step with the same grads present, so an eager
         # step reuses it (a compiled one traces it, without the cache's side effects).
-        layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else plan.layouts.get(plan, active)
+        layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else cached_step_layouts(plan, active)
         inputs = self._ns_input_buffers(plan, layouts)
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             members = layout.members
