@@ -125,7 +125,7 @@ def check_newton_schulz(device: str, seed: int) -> list[Result]:
                          lambda d: torch.cat([y.flatten() for y in me.newton_schulz_list([_on(x, d) for x in xs],
                                                                                         precision="highest")]))
     out.append(Result(device, "newton_schulz_list highest", rel_err(got, want), 2e-3))
-    # The in place op (Muon's step) equals the op bit for bit on this device, on each path: the
+    # The in place op (the fused step's) equals the op bit for bit on this device, on each path: the
     # result over the input, or (fp32 with an even step count) through a copy.
     for precision in ["highest", "medium"] if device != "cpu" else ["highest"]:
         for algorithm in ("standard", "gram"):

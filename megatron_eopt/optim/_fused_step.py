@@ -25,7 +25,7 @@ from ._distributed import (
 )
 from ._plan import Plan, QKVSplit, Stack
 from ._sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
-from ._step_layout import ChunkLayout, buffer_floats, chunk_layout
+from ._step_layout import ChunkLayout, buffer_floats
 
 
 # The device types whose fused step orthogonalizes its Newton–Schulz inputs in place. CUDA joins
@@ -35,7 +35,7 @@ _IN_PLACE_DEVICE_TYPES = {"cpu"} | ({"cuda"} if os.environ.get("MEGATRON_EOPT_IN
 
 
 def in_place_newton_schulz(device: torch.device | str) -> bool:
-    """Whether Muon's fused step on ``device`` orthogonalizes its Newton–Schulz inputs in place
+    """Whether the fused step on ``device`` orthogonalizes its Newton–Schulz inputs in place
     (``torch.ops.megatron_eopt.newton_schulz_``): the results take the inputs' memory, a quarter
     of each matrix's working set in the step, with bit-identical results."""
     return torch.device(device).type in _IN_PLACE_DEVICE_TYPES
@@ -127,21 +127,17 @@ class FusedStep:
         return scalers
 
     @staticmethod
-    def _ns_input_buffers(plan: Plan, chunks) -> dict[torch.device, torch.Tensor]:
+    def _ns_input_buffers(layouts: tuple[ChunkLayout, ...]) -> dict[torch.device, torch.Tensor]:
         """One flat fp32 buffer per device, as large as the stacked NS inputs of the largest chunk:
-        every chunk of the step writes its inputs into it (sharded matrices have their own).
-        ``chunks``: the step's chunk layouts, or lists of entry indices."""
-        layouts = [c if isinstance(c, ChunkLayout) else chunk_layout(plan, c) for c in chunks]
+        every chunk of the step writes its inputs into it (sharded matrices have their own)."""
         return {device: torch.empty(floats, dtype=torch.float32, device=device)
                 for device, floats in buffer_floats(layouts).items()}
 
     @staticmethod
-    def _ns_input_views(plan: Plan, chunk, inputs: dict) -> tuple[dict, dict]:
+    def _ns_input_views(plan: Plan, layout: ChunkLayout, inputs: dict) -> tuple[dict, dict]:
         """The NS input of each member, and per stack its members with their (k, m, n) input: the
         stacks lie one after another in the device's flat buffer and each member's input is its slice
-        (an nd_mode "batch" entry its E consecutive slices); a sharded matrix has its own local part.
-        ``chunk``: a chunk layout, or the chunk's entry indices."""
-        layout = chunk if isinstance(chunk, ChunkLayout) else chunk_layout(plan, chunk)
+        (an nd_mode "batch" entry its E consecutive slices); a sharded matrix has its own local part."""
         entries = plan.entries
         ns_inputs: dict[int, torch.Tensor] = {}
         for i in layout.own_inputs:
@@ -157,11 +153,10 @@ class FusedStep:
                 ns_inputs[i] = slices[k] if batch is None else buf[k : k + batch]
         return ns_inputs, stacked
 
-    def _momentum_phase(self, plan: Plan, chunk, ns_inputs: dict, scalers: dict) -> list[tuple]:
+    def _momentum_phase(self, plan: Plan, layout: ChunkLayout, ns_inputs: dict, scalers: dict) -> list[tuple]:
         """1. Momentum (and L2 decay, Nesterov) per bucket, writing the NS inputs. Returns what the
-        update phase needs per bucket. ``chunk``: a chunk layout, or the chunk's entry indices."""
+        update phase needs per bucket."""
         entries = plan.entries
-        layout = chunk if isinstance(chunk, ChunkLayout) else chunk_layout(plan, chunk)
         # The chunk's members per bucket, in the bucket's (entry) order: a one-chunk step launches
         # exactly what an unchunked one does. Costs the chunk's size, not the model's.
         launches = []

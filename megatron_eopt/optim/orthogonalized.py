@@ -377,7 +377,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         # Where each chunk's inputs lie: the same every step with the same grads present, so an eager
         # step reuses it (a compiled one traces it, without the cache's side effects).
         layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else cached_step_layouts(plan, active)
-        inputs = self._ns_input_buffers(plan, layouts)
+        inputs = self._ns_input_buffers(layouts)
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             members = layout.members
             ns_inputs, stacked = self._ns_input_views(plan, layout, inputs)

@@ -29,6 +29,7 @@ from megatron_eopt.optim._plan import (
     entry_step_bytes,
     check_workspace_mib,
 )
+from megatron_eopt.optim._step_layout import step_layouts
 from megatron_eopt.torch_optim import Muon as TorchOptimMuon
 from optim_helpers import (
     clone_params,
@@ -168,10 +169,10 @@ def test_stack_inputs_share_one_flat_buffer_each_256_byte_aligned_without_overla
     gen = torch.Generator().manual_seed(8)
     opt = Muon(make_params(SHAPES, gen), lr=0.01, workspace_mib=None)
     plan = opt._plan
-    chunks = [list(c) for c in plan.chunks]
-    inputs = opt._ns_input_buffers(plan, chunks)
+    layouts = step_layouts(plan, [True] * len(plan.entries))
+    inputs = opt._ns_input_buffers(layouts)
     flat = inputs[torch.device("cpu")]
-    ns_inputs, stacked = opt._ns_input_views(plan, chunks[0], inputs)
+    ns_inputs, stacked = opt._ns_input_views(plan, layouts[0], inputs)
     assert len(stacked) == len(plan.stacks) and len(ns_inputs) == len(SHAPES)
     spans = []
     for members, x in stacked.values():
@@ -425,10 +426,10 @@ def test_cuda_stack_inputs_share_one_flat_buffer_each_256_byte_aligned():
     gen = torch.Generator().manual_seed(8)
     opt = Muon(make_params(SHAPES, gen, device="cuda"), lr=0.01, workspace_mib=None)
     plan = opt._plan
-    chunks = [list(c) for c in plan.chunks]
-    inputs = opt._ns_input_buffers(plan, chunks)
+    layouts = step_layouts(plan, [True] * len(plan.entries))
+    inputs = opt._ns_input_buffers(layouts)
     (device, flat), = inputs.items()
     assert device.type == "cuda" and flat.data_ptr() % 256 == 0
-    _, stacked = opt._ns_input_views(plan, chunks[0], inputs)
+    _, stacked = opt._ns_input_views(plan, layouts[0], inputs)
     for _, x in stacked.values():
         assert (x.data_ptr() - flat.data_ptr()) % 256 == 0 and x.is_cuda and x.is_contiguous()
