@@ -28,11 +28,16 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   const int64_t batch = w.size(0), m = w.size(1), n = w.size(2), side = t ? n : m;
   const std::size_t steps = opts.schedule.size();
 
-  // In fp32 the last step writes the output directly; in bf16 its result is widened at the end.
+  // In fp32 W alternates between `out` and one scratch buffer, starting where the last step lands
+  // in `out` (so an even number of steps starts in `out`); in bf16 it alternates between two
+  // scratch buffers and the result is widened at the end. `out` may be w itself (the in-place op):
+  // w is read only by the normalization, which is elementwise (in place where W0 is `out`) or
+  // writes the scratch buffer, before any product writes `out`.
   CpuScratch scratch;
-  Tensor it = scratch.take({batch, m, n}, type);
+  const bool first_in_out = !bf16 && steps % 2 == 0;
+  Tensor it = first_in_out ? out : scratch.take({batch, m, n}, type);
   normalize_input_out(it, w, opts.eps, opts.recipe);
-  Tensor spare = !bf16 && steps == 1 ? Tensor() : scratch.take({batch, m, n}, type);
+  Tensor spare = bf16 || first_in_out ? scratch.take({batch, m, n}, type) : out;
   // G, then G^2 overwritten in place by P: both symmetric, only their upper parts multiplied.
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
   Tensor gram = scratch.take({batch, side, side}, type);
@@ -40,19 +45,17 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   // The transposed views the products take, made once: W alternates between two buffers.
   const Tensor gram_t = aten::mT(gram);
   Tensor it_t = aten::mT(it);
-  Tensor spare_t = spare.defined() ? aten::mT(spare) : Tensor();
+  Tensor spare_t = aten::mT(spare);
   for (std::size_t k = 0; k < steps; ++k) {
     const NsCoefficients& co = opts.schedule[k];
     if (t) gram_product_out(gram, it_t, it, blocks);  // W = X^T
     else gram_product_out(gram, it, it_t, blocks);
     if (co.c != 0.0f) gram_product_out(poly, gram, gram_t, blocks);  // G G = G G^T
     polynomial_out(poly, co.c, co.c != 0.0f ? poly : gram, co.b, gram, co.a);
-    Tensor next = !bf16 && k + 1 == steps ? out : spare;
-    if (t) gemm_out(next, it, poly);  // W P
-    else gemm_out(next, poly, it);    // P W
-    spare = it;
-    it = next;
-    std::swap(spare_t, it_t);  // it_t follows `next`; unused after the last step, which may write `out`
+    if (t) gemm_out(spare, it, poly);  // W P
+    else gemm_out(spare, poly, it);    // P W
+    std::swap(spare, it);
+    std::swap(spare_t, it_t);
   }
   // Muon+ rides on the pass that widens the bf16 result; in fp32 it rescales the result in place.
   if (opts.recipe.frobenius_renorm) frobenius_renorm_out(out, bf16 ? it : out);

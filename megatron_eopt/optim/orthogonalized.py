@@ -379,12 +379,17 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else cached_step_layouts(plan, active)
         inputs = self._ns_input_buffers(layouts)
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
-            members = layout.members
-            ns_inputs, stacked = self._ns_input_views(plan, layout, inputs)
-            launches = self._momentum_phase(plan, layout, ns_inputs, scalers)
-            updates, scales = self._orthogonalize_phase(plan, members, ns_inputs, stacked)
-            self._update_phase(plan, launches, updates, scales, ns_inputs)
+            self._step_chunk(plan, layout, inputs, scalers)
         return None
+
+    def _step_chunk(self, plan, layout, inputs: dict, scalers: dict) -> None:
+        """Every phase for one chunk. A function of its own so that the chunk's results (memory of
+        their own where the Newton–Schulz is not in place) are freed on return, before the next
+        chunk allocates its own: the step's transient stays one chunk's."""
+        ns_inputs, stacked = self._ns_input_views(plan, layout, inputs)
+        launches = self._momentum_phase(plan, layout, ns_inputs, scalers)
+        updates, scales = self._orthogonalize_phase(plan, layout.members, ns_inputs, stacked)
+        self._update_phase(plan, launches, updates, scales, ns_inputs)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension point
     def _orthogonalize_is_base(self) -> bool:

@@ -78,13 +78,73 @@ def test_chunks_cover_every_entry_once_in_step_order_within_the_budget(budget_ma
     if budget is None:
         assert len(chunks) == 1
         return
+    stack_of = {i: si for si, stack in enumerate(plan.stacks) for i in stack.members}
     for k, chunk in enumerate(chunks):
         total = sum(sizes[i] for i in chunk)
         assert total <= budget or len(chunk) == 1  # a matrix larger than the budget is alone
-        if k + 1 < len(chunks):  # greedy: the next entry did not fit
-            assert total + sizes[chunks[k + 1][0]] > budget
+        if k + 1 < len(chunks):  # pieces fill chunks in order: the next chunk's first piece did not fit
+            first = [i for i in chunks[k + 1] if stack_of[i] == stack_of[chunks[k + 1][0]]]
+            assert total + sum(sizes[i] for i in first) > budget
+    for stack in plan.stacks:  # the fewest pieces per stack, of even lengths (its matrices are equal)
+        pieces = [sum(stack_of[i] == stack_of[stack.members[0]] for i in chunk) for chunk in chunks]
+        pieces = [n for n in pieces if n]
+        per_piece = max(1, int(budget // sizes[stack.members[0]]))
+        assert len(pieces) == -(-len(stack.members) // per_piece)
+        assert max(pieces) - min(pieces) <= 1
     if budget_matrices == 0:
         assert all(len(chunk) == 1 for chunk in chunks)
+
+
+def _fewest_runs_then_smallest_largest(sizes, budget):
+    """Brute force over every cut of ``sizes`` into runs: the fewest runs that fit the budget (an
+    entry over it alone), then the smallest largest run sum among those."""
+    best = None
+    for cuts in range(2 ** (len(sizes) - 1)):
+        runs, run = [], [sizes[0]]
+        for k, size in enumerate(sizes[1:]):
+            if cuts >> k & 1:
+                runs.append(run)
+                run = [size]
+            else:
+                run.append(size)
+        runs.append(run)
+        if all(sum(r) <= budget or len(r) == 1 for r in runs):
+            key = (len(runs), max(sum(r) for r in runs))
+            best = key if best is None or key < best else best
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_stack_is_cut_into_the_fewest_pieces_with_the_smallest_largest_piece(seed):
+    from megatron_eopt.optim._plan import _even_pieces
+
+    rng = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 11, (1,), generator=rng))
+    sizes = [int(v) for v in torch.randint(1, 50, (n,), generator=rng)]
+    budget = float(torch.randint(1, 120, (1,), generator=rng))
+    lengths = _even_pieces(sizes, budget)
+    assert sum(lengths) == n and all(length > 0 for length in lengths)
+    runs, start = [], 0
+    for length in lengths:
+        runs.append(sizes[start : start + length])
+        start += length
+    assert all(sum(r) <= budget or len(r) == 1 for r in runs)
+    assert (len(runs), max(sum(r) for r in runs)) == _fewest_runs_then_smallest_largest(sizes, budget)
+
+
+def test_experts_are_cut_evenly_and_a_stack_that_fits_is_never_split():
+    # Sixteen equal experts at a budget of nine: 8 + 8 (not 9 + 7); a stack of three that fits a
+    # chunk of its own but not the rest of the current one starts the next chunk whole.
+    experts = [torch.nn.Parameter(torch.empty(48, 128)) for _ in range(16)]
+    others = [torch.nn.Parameter(torch.empty(64, 128)) for _ in range(3)]
+    opt = Muon(experts + others, lr=0.01)
+    entries = opt._plan.entries
+    each = entry_step_bytes(entries[0])
+    opt.workspace_mib = 9 * each / 2**20
+    assert [len(c) for c in opt._plan.chunks] == [8, 8, 3]
+    opt.workspace_mib = (8 * each + entry_step_bytes(entries[16])) / 2**20
+    # A cut entry by entry would add one of the three to the second chunk; the stack stays whole.
+    assert [len(c) for c in opt._plan.chunks] == [8, 8, 3]
 
 
 def test_small_models_stay_one_chunk_at_the_default_budget():
@@ -433,3 +493,41 @@ def test_cuda_stack_inputs_share_one_flat_buffer_each_256_byte_aligned():
     _, stacked = opt._ns_input_views(plan, layouts[0], inputs)
     for _, x in stacked.values():
         assert (x.data_ptr() - flat.data_ptr()) % 256 == 0 and x.is_cuda and x.is_contiguous()
+
+
+# ------------------------------------------------------------------ what a chunk leaves behind
+@pytest.mark.parametrize("name", ["muon_out_of_place", "namo"])
+def test_a_chunk_s_results_are_freed_before_the_next_chunk_starts(name, monkeypatch):
+    """A chunk's Newton–Schulz results are dropped when its update is done: the next chunk's
+    buffers come on top of the step's input buffer only, not on top of the last chunk's results
+    too (the transient stays one chunk's, where results have memory of their own: CUDA's
+    out-of-place op, NAMO, QKV splits, tensor parallelism)."""
+    import weakref
+
+    from megatron_eopt.optim import _fused_step
+
+    if name == "muon_out_of_place":  # the CPU step's results take their inputs' memory otherwise
+        monkeypatch.setattr(_fused_step, "_IN_PLACE_DEVICE_TYPES", set())
+    factory = FACTORIES[name.replace("_out_of_place", "")]
+    gen = torch.Generator().manual_seed(12)
+    params = make_params(SHAPES, gen)
+    opt = factory(params, ONE_MATRIX)
+    results: list[weakref.ref] = []
+    chunks_started = []
+    orthogonalize, momentum_phase = opt._orthogonalize, opt._momentum_phase
+
+    def tracked_orthogonalize(*args, **kwargs):
+        out = orthogonalize(*args, **kwargs)
+        results.extend(weakref.ref(t) for t in (out if isinstance(out, list) else [out]))
+        return out
+
+    def tracked_momentum_phase(*args, **kwargs):
+        alive = sum(ref() is not None for ref in results)
+        chunks_started.append(alive)
+        return momentum_phase(*args, **kwargs)
+
+    monkeypatch.setattr(opt, "_orthogonalize", tracked_orthogonalize)
+    monkeypatch.setattr(opt, "_momentum_phase", tracked_momentum_phase)
+    run_steps(opt, params, make_grads(params, gen, 2))
+    assert len(chunks_started) == 2 * len(SHAPES) and results
+    assert chunks_started == [0] * len(chunks_started), chunks_started
