@@ -63,15 +63,21 @@ void run_newton_schulz_cuda(const Tensor& input, Tensor& out, const NsOptions& o
     return;
   }
 
-  const NsScratchLayout layout = ns_scratch_layout(opts.batch, opts.rows, opts.cols, opts.transpose, opts.precision);
+  // Writing over the input, G and B may take the input's storage (ns_products_fit_in_input) where
+  // it starts as aligned as a scratch allocation (a view at an offset may not).
+  const bool result_over_input = out.const_data_ptr() == input.const_data_ptr() &&
+                                 reinterpret_cast<std::uintptr_t>(input.const_data_ptr()) % 256 == 0;
+  const NsScratchLayout layout = ns_cuda_scratch_layout(opts.batch, opts.rows, opts.cols, opts.transpose,
+                                                        opts.precision, result_over_input);
   const Tensor buffer = device_bytes(layout.total, input);
   auto* base = static_cast<char*>(buffer.data_ptr());
+  auto* products = layout.products_in_input ? static_cast<char*>(out.mutable_data_ptr()) : base;
   NsScratch scratch{};
   scratch.iterate[0] = layout.iterate0 == SIZE_MAX ? static_cast<void*>(out.mutable_data_ptr<float>())
                                                    : static_cast<void*>(base + layout.iterate0);
   scratch.iterate[1] = base + layout.iterate1;
-  scratch.gram = base + layout.gram;
-  scratch.poly = base + layout.poly;
+  scratch.gram = products + layout.gram;
+  scratch.poly = products + layout.poly;
   scratch.sum_squares = reinterpret_cast<float*>(base + layout.sum_squares);
   scratch.norm_partials = reinterpret_cast<float*>(base + layout.norm_partials);
   scratch.row_scales = row_scales_ptr;

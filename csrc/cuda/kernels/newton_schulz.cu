@@ -31,36 +31,11 @@ unsigned elementwise_blocks(int64_t count) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((count + kThreads - 1) / kThreads, 2048)));
 }
 
-std::size_t align_up(std::size_t v) { return (v + 255) / 256 * 256; }
-
 }  // namespace
 
-NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision) {
-  const std::size_t elem = ns_element_bytes(precision);
-  const int64_t g = transpose ? n : m;
-  const std::size_t iterate_bytes = align_up(static_cast<std::size_t>(batch * m * n) * elem);
-  // G and B with padded rows (make_ns_gemm_plan): every matrix of the batch 16-byte aligned.
-  const std::size_t gram_bytes = align_up(static_cast<std::size_t>(batch * padded_square_ld(g) * g) * elem);
-  NsScratchLayout layout{};
-  std::size_t offset = 0;
-  if (precision == NsPrecision::kMedium) {
-    layout.iterate0 = offset;
-    offset += iterate_bytes;
-  } else {
-    layout.iterate0 = SIZE_MAX;
-  }
-  layout.iterate1 = offset;
-  offset += iterate_bytes;
-  layout.gram = offset;
-  offset += gram_bytes;
-  layout.poly = offset;
-  offset += gram_bytes;
-  layout.sum_squares = offset;
-  offset += align_up(static_cast<std::size_t>(batch) * sizeof(float));
-  layout.norm_partials = offset;
-  offset += align_up(static_cast<std::size_t>(ns_norm_partial_slots(batch, m * n)) * sizeof(float));
-  layout.total = offset;
-  return layout;
+NsScratchLayout ns_cuda_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision,
+                                       bool result_over_input) {
+  return ns_scratch_layout(batch, m, n, transpose, precision, ns_norm_partial_slots(batch, m * n), result_over_input);
 }
 
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n, bool transpose,

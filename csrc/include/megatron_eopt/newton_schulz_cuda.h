@@ -10,6 +10,7 @@
 #include "megatron_eopt/ns_precision.h"
 #include "megatron_eopt/ns_recipe.h"
 #include "megatron_eopt/ns_schedule.h"
+#include "megatron_eopt/ns_scratch_layout.h"
 
 namespace megatron_eopt {
 
@@ -21,24 +22,17 @@ struct NsScratch {
   void* gram;          // batch * g * g elements of the compute type, g = Gram side
   void* poly;          // same size as gram
   float* sum_squares;    // batch floats
-  float* norm_partials;  // per-block partial sums of squares; ns_scratch_layout sizes them
+  float* norm_partials;  // per-block partial sums of squares (ns_norm_partial_slots of them)
   float* row_scales;     // batch * m floats with MuonEq (recipe.row_equilibration), else unused
 };
 
-// Byte offsets, 256-byte aligned, of the scratch buffers inside one allocation.
-struct NsScratchLayout {
-  std::size_t iterate0;  // SIZE_MAX when `out` serves as iterate[0] (fp32 compute)
-  std::size_t iterate1;
-  std::size_t gram;
-  std::size_t poly;
-  std::size_t sum_squares;
-  std::size_t norm_partials;
-  std::size_t total;
-};
+// The layout of one call's scratch (ns_scratch_layout with this library's normalization slots).
+// `result_over_input`: `out` is `x` (the in-place op), so G and B may use x's storage.
+NsScratchLayout ns_cuda_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision,
+                                       bool result_over_input);
 
-NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision);
-
-// out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each.
+// out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each, and
+// out may be x (the normalization reads x before anything is written there).
 // `recipe` is folded into the first pass (normalization, MuonEq) and the last (Muon+).
 // No host synchronisation; everything is enqueued on `blas.stream`.
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n, bool transpose,

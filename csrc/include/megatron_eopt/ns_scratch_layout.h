@@ -1,0 +1,84 @@
+// Where the standard Newton–Schulz iteration on CUDA keeps its buffers (kernels/newton_schulz.cu):
+// byte offsets inside one scratch allocation of the caching allocator, or inside the input's own
+// storage when the call writes its result over its input. Torch- and CUDA-free, so GoogleTest
+// checks the layouts.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "megatron_eopt/ns_gemm_plan.h"
+#include "megatron_eopt/ns_precision.h"
+
+namespace megatron_eopt {
+
+inline std::size_t ns_align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// Bytes of one of G and B for a batch: batch matrices of g x padded_square_ld(g) elements of the
+// compute type, g the Gram side (every matrix of the batch 16-byte aligned, make_ns_gemm_plan).
+inline std::size_t ns_product_bytes(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision) {
+  const int64_t g = transpose ? n : m;
+  return ns_align256(static_cast<std::size_t>(batch * padded_square_ld(g) * g) * ns_element_bytes(precision));
+}
+
+// Byte offsets, 256-byte aligned. iterate0 is SIZE_MAX when `out` serves as iterate[0] (fp32
+// compute). With products_in_input, `gram` and `poly` are offsets into the input's storage
+// instead of the scratch.
+struct NsScratchLayout {
+  std::size_t iterate0;
+  std::size_t iterate1;
+  std::size_t gram;
+  std::size_t poly;
+  bool products_in_input;
+  std::size_t sum_squares;
+  std::size_t norm_partials;
+  std::size_t total;  // bytes of the scratch allocation
+};
+
+// Whether G and B may live in the input's storage (batch * m * n floats) of a call that writes its
+// result over its input: under "medium" the iterates are bf16 scratch, so from the pass that
+// normalizes the input into the first iterate until the pass that widens the last iterate into
+// the output, nothing reads or writes the input's storage but the products. They must fit it at
+// their aligned sizes (a square matrix's padded rows may not).
+inline bool ns_products_fit_in_input(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision) {
+  if (precision != NsPrecision::kMedium) return false;  // fp32 iterates: the output is iterate[0]
+  const std::size_t input_bytes = static_cast<std::size_t>(batch * m * n) * sizeof(float);
+  return 2 * ns_product_bytes(batch, m, n, transpose, precision) <= input_bytes;
+}
+
+// The layout of one call: two iterates (one when fp32 compute writes `out` directly), G and B
+// (in the input's storage when `result_over_input` and they fit), the per-matrix sums of squares
+// and `norm_partial_slots` partial sums of the normalization.
+inline NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision,
+                                         int64_t norm_partial_slots, bool result_over_input = false) {
+  const std::size_t iterate_bytes = ns_align256(static_cast<std::size_t>(batch * m * n) * ns_element_bytes(precision));
+  const std::size_t product_bytes = ns_product_bytes(batch, m, n, transpose, precision);
+  NsScratchLayout layout{};
+  std::size_t offset = 0;
+  if (precision == NsPrecision::kMedium) {
+    layout.iterate0 = offset;
+    offset += iterate_bytes;
+  } else {
+    layout.iterate0 = SIZE_MAX;
+  }
+  layout.iterate1 = offset;
+  offset += iterate_bytes;
+  layout.products_in_input = result_over_input && ns_products_fit_in_input(batch, m, n, transpose, precision);
+  if (layout.products_in_input) {
+    layout.gram = 0;
+    layout.poly = product_bytes;
+  } else {
+    layout.gram = offset;
+    offset += product_bytes;
+    layout.poly = offset;
+    offset += product_bytes;
+  }
+  layout.sum_squares = offset;
+  offset += ns_align256(static_cast<std::size_t>(batch) * sizeof(float));
+  layout.norm_partials = offset;
+  offset += ns_align256(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
+  layout.total = offset;
+  return layout;
+}
+
+}  // namespace megatron_eopt

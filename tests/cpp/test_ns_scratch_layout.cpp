@@ -1,0 +1,93 @@
+// The standard Newton–Schulz iteration's CUDA scratch layout: buffers 256-byte aligned and apart,
+// and G and B in the input's storage only where a call writes over its input under "medium" and
+// they fit there.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "megatron_eopt/ns_scratch_layout.h"
+
+namespace megatron_eopt {
+namespace {
+
+struct Case {
+  int64_t batch, m, n;
+};
+
+const Case kCases[] = {{1, 1, 9},   {1, 9, 1},      {1, 8, 8},       {3, 97, 37},      {2, 37, 97},
+                       {1, 16, 16}, {8, 768, 2048}, {1, 4096, 4096}, {1, 4096, 11008}, {5, 7, 7}};
+
+std::vector<std::pair<std::size_t, std::size_t>> spans(const NsScratchLayout& l, std::size_t iterate,
+                                                       std::size_t product) {
+  std::vector<std::pair<std::size_t, std::size_t>> s;
+  if (l.iterate0 != SIZE_MAX) s.emplace_back(l.iterate0, l.iterate0 + iterate);
+  s.emplace_back(l.iterate1, l.iterate1 + iterate);
+  if (!l.products_in_input) {
+    s.emplace_back(l.gram, l.gram + product);
+    s.emplace_back(l.poly, l.poly + product);
+  }
+  s.emplace_back(l.sum_squares, l.norm_partials);
+  s.emplace_back(l.norm_partials, l.total);
+  return s;
+}
+
+TEST(NsScratchLayout, BuffersAreAlignedAndApartInEveryPrecision) {
+  for (const Case& c : kCases) {
+    for (bool transpose : {false, true}) {
+      for (NsPrecision p : {NsPrecision::kMedium, NsPrecision::kHigh, NsPrecision::kHighest}) {
+        for (bool over_input : {false, true}) {
+          const NsScratchLayout l = ns_scratch_layout(c.batch, c.m, c.n, transpose, p, 40, over_input);
+          const std::size_t iterate = static_cast<std::size_t>(c.batch * c.m * c.n) * ns_element_bytes(p);
+          const std::size_t product = ns_product_bytes(c.batch, c.m, c.n, transpose, p);
+          const int64_t g = transpose ? c.n : c.m;
+          EXPECT_GE(product, static_cast<std::size_t>(c.batch * g * g) * ns_element_bytes(p));
+          EXPECT_EQ(l.iterate0 == SIZE_MAX, p != NsPrecision::kMedium);  // fp32: out is iterate[0]
+          auto s = spans(l, iterate, product);
+          std::sort(s.begin(), s.end());
+          for (std::size_t i = 0; i < s.size(); ++i) {
+            EXPECT_EQ(s[i].first % 256, 0u);
+            if (i + 1 < s.size()) EXPECT_LE(s[i].second, s[i + 1].first);
+          }
+          EXPECT_LE(s.back().second, l.total);
+          EXPECT_GE(l.total - l.norm_partials, 40 * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+TEST(NsScratchLayout, ProductsTakeTheInputOnlyWritingOverItUnderMediumWhereTheyFit) {
+  for (const Case& c : kCases) {
+    for (bool transpose : {false, true}) {
+      for (NsPrecision p : {NsPrecision::kMedium, NsPrecision::kHigh, NsPrecision::kHighest}) {
+        const NsScratchLayout apart = ns_scratch_layout(c.batch, c.m, c.n, transpose, p, 1, false);
+        const NsScratchLayout over = ns_scratch_layout(c.batch, c.m, c.n, transpose, p, 1, true);
+        EXPECT_FALSE(apart.products_in_input);
+        const std::size_t product = ns_product_bytes(c.batch, c.m, c.n, transpose, p);
+        const std::size_t input = static_cast<std::size_t>(c.batch * c.m * c.n) * sizeof(float);
+        const bool fits = p == NsPrecision::kMedium && 2 * product <= input;
+        EXPECT_EQ(over.products_in_input, fits);
+        if (fits) {
+          EXPECT_EQ(over.gram, 0u);
+          EXPECT_EQ(over.poly, product);  // 256-byte aligned, and both end inside the input
+          EXPECT_LE(over.poly + product, input);
+          EXPECT_EQ(over.total, apart.total - 2 * product);
+        } else {
+          EXPECT_EQ(over.total, apart.total);
+        }
+      }
+    }
+  }
+  // Rectangular expert matrices under "medium": 768 x 768 G and B (2.25 MiB) come off the scratch.
+  EXPECT_TRUE(ns_products_fit_in_input(8, 768, 2048, false, NsPrecision::kMedium));
+  EXPECT_TRUE(ns_products_fit_in_input(1, 4096, 4096, false, NsPrecision::kMedium));
+  // A square 7 x 7 pads G's rows to 8 and aligns to 256 bytes: more than the input's 196 bytes.
+  EXPECT_FALSE(ns_products_fit_in_input(1, 7, 7, false, NsPrecision::kMedium));
+  EXPECT_FALSE(ns_products_fit_in_input(8, 768, 2048, false, NsPrecision::kHighest));
+}
+
+}  // namespace
+}  // namespace megatron_eopt
