@@ -44,6 +44,25 @@ def test_in_place_equals_the_op(device, precision, algorithm, steps, recipe, gen
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["medium", "highest"])
+def test_a_slice_at_any_offset_is_orthogonalized_in_place_and_its_neighbours_left_alone(device, precision, gen):
+    # Slices of one buffer, as the step's stacks are: on CUDA under "medium" the products may use
+    # the input's own storage, where it is aligned and large enough; a slice at an odd offset or
+    # a small one takes scratch of its own, and nothing outside the slice is touched either way.
+    for shape, offset in (((3, 17, 40), 0), ((3, 17, 40), 1), ((2, 40, 17), 7), ((16, 16), 64), ((5, 5), 3)):
+        count = torch.Size(shape).numel()
+        flat = torch.randn(offset + count + 11, generator=gen).to(device)
+        x = flat[offset : offset + count].view(shape)
+        coefficients, repeat_last = _ns_arguments(5, "quintic", None, 1e-7, precision, "standard")
+        args = (coefficients, 5, repeat_last, 1e-7, None, precision, "standard", *RECIPES["default"])
+        want = _op.newton_schulz(x.clone(), *args)
+        before = flat.clone()
+        _op.newton_schulz_(x, *args)
+        assert torch.equal(x, want), (shape, offset)
+        assert torch.equal(flat[:offset], before[:offset]) and torch.equal(flat[offset + count :], before[offset + count :])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_every_schedule_and_auto(device, gen):
     for coefficient_type, steps in (("polar_express", 8), ("simple", 1), ("cans", 3)):
         for shape in ((64, 96), (4, 96, 64)):
