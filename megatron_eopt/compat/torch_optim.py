@@ -109,7 +109,7 @@ class Muon(OrthogonalizedOptimizer):
         fp32_matmul_prec: str = "medium",
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
-        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
+        workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
         # torch's checks, in torch's order and words.
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:

@@ -127,18 +127,35 @@ class Plan:
     layouts: LayoutCache | None = field(default=None, repr=False, compare=False)
 
 
-# The workspace budget of a step when none is given (``workspace_mib``): the Newton–Schulz
-# buffers of the matrices stepped together. A matrix larger than the budget is stepped alone.
-DEFAULT_WORKSPACE_MIB = 256
+# The workspace budget of a step when none is given (``workspace_mib="auto"``), by where the
+# matrices are. On a GPU, batching mid-size matrices pays: fewer, fuller launches. The CPU
+# Newton–Schulz op orthogonalizes every matrix above a few million multiply-adds one at a time
+# whatever the batch, so there a chunk's size only sets how many inputs wait in its buffer: 64 MiB
+# keeps small models in one chunk and costs no time (benchmarks/RESULTS.md, CPU step memory).
+DEFAULT_WORKSPACE_MIB = "auto"
+AUTO_WORKSPACE_MIB_CPU = 64
+AUTO_WORKSPACE_MIB_GPU = 256
 
 
-def check_workspace_mib(value, where: str = "workspace_mib") -> float | None:
-    """The budget in MiB (a positive number), or None for no bound (every matrix in one chunk)."""
-    if value is None:
-        return None
+def check_workspace_mib(value, where: str = "workspace_mib") -> float | str | None:
+    """The budget in MiB (a positive number), ``"auto"`` (by device, :func:`workspace_budget_bytes`),
+    or None for no bound (every matrix in one chunk)."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
-        raise ValueError(f"{where} must be a positive number of MiB or None (no bound), got {value!r}")
+        raise ValueError(f'{where} must be a positive number of MiB, "auto" or None (no bound), got {value!r}')
     return value
+
+
+def workspace_budget_bytes(workspace_mib: float | str | None, plan: "Plan") -> float | None:
+    """The budget in bytes a plan is chunked with: ``"auto"`` is AUTO_WORKSPACE_MIB_CPU when every
+    matrix is on the CPU, else AUTO_WORKSPACE_MIB_GPU."""
+    if workspace_mib is None:
+        return None
+    if workspace_mib == "auto":
+        on_cpu = bool(plan.buckets) and all(b.device.type == "cpu" for b in plan.buckets)
+        workspace_mib = AUTO_WORKSPACE_MIB_CPU if on_cpu else AUTO_WORKSPACE_MIB_GPU
+    return workspace_mib * 2**20
 
 
 def entry_step_bytes(entry: ParamEntry) -> int:

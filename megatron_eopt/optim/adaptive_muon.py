@@ -74,7 +74,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         ns_eps: float = NS_EPS,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
-        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
+        workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
         config, deferred_error = fused_config(locals())
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)

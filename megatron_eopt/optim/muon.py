@@ -75,7 +75,8 @@ class Muon(OrthogonalizedOptimizer):
     rounded stochastically (unbiased) inside the fused momentum op; see
     :mod:`megatron_eopt.low_memory_state`. Checkpoints convert between state dtypes on load.
 
-    ``workspace_mib`` (an extension, default 256): the step's workspace budget in MiB. Matrices are
+    ``workspace_mib`` (an extension, default ``"auto"``: 256 on GPUs, 64 on the CPU): the step's
+    workspace budget in MiB. Matrices are
     stepped in chunks whose Newton–Schulz buffers fit it together, so the memory a step needs beyond
     params, grads and state is bounded by the budget (or by the largest matrix, stepped alone), not by
     the size of the model; small matrices still share one batched call. ``None``: no bound (every
@@ -109,7 +110,7 @@ class Muon(OrthogonalizedOptimizer):
         ns_eps: float = NS_EPS,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
-        workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
+        workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
     ) -> None:
         config, deferred_error = fused_config(locals())
         self._init_fused(

@@ -69,6 +69,7 @@ from ._plan import (
     check_workspace_mib,
     chunk_entries,
     not_a_matrix,
+    workspace_budget_bytes,
 )
 from ._sharded import (
     ND_MODES,
@@ -111,7 +112,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
     _nd_error_type: type = ValueError  # Muown: TypeError, as EO's
     _nd_error_without_grad = False  # AdaptiveMuon: True (EO checks every param before its grad)
     _momentum_below_one = True  # torch.optim.Muon's front end: any momentum >= 0
-    _workspace_mib: float | None = DEFAULT_WORKSPACE_MIB  # see the workspace_mib property
+    _workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB  # see the workspace_mib property
 
     # Emerging-Optimizers' attributes, each with one home: the fused configuration's field (see
     # ConfigSetting). fp32_matmul_prec is the precision of the Newton–Schulz products: "medium"
@@ -174,7 +175,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
 
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
                     sharded_mode: str = "owner", weight_update_hook: Any | None = None, state_dtype: str = "fp32",
-                    state_block_size: int = lms.DEFAULT_BLOCK_SIZE, workspace_mib: float | None = DEFAULT_WORKSPACE_MIB,
+                    state_block_size: int = lms.DEFAULT_BLOCK_SIZE, workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
                     deferred_error: tuple[str, type, str] | None = None) -> None:
         """Sets up the fused step: ``config`` says how every parameter is orthogonalized; ``state_dtype``
         and ``state_block_size`` how its state is stored (:mod:`megatron_eopt.low_memory_state`);
@@ -311,26 +312,24 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
                 hyper[key] = {
                     k: torch.zeros(1, dtype=torch.float64, device=bucket.device) for k in self._step_keys()
                 }
-        plan.chunks = chunk_entries(plan, self._workspace_bytes())
+        plan.chunks = chunk_entries(plan, workspace_budget_bytes(self._workspace_mib, plan))
         self._plan, self._hyper = plan, hyper
 
     # ------------------------------------------------------------------ workspace budget
     @property
-    def workspace_mib(self) -> float | None:
+    def workspace_mib(self) -> float | str | None:
         """The step's workspace budget in MiB: matrices are stepped in chunks whose Newton–Schulz
         buffers (inputs, outputs, iterates) fit it together, so a step's transient memory does not
-        grow with the number of matrices; a matrix larger than the budget is stepped alone. None:
-        one chunk (every same-shape matrix in one Newton–Schulz call). Settable at any time."""
+        grow with the number of matrices; a matrix larger than the budget is stepped alone.
+        ``"auto"`` (default): 256 MiB on GPUs, 64 MiB when every matrix is on the CPU. None: one
+        chunk (every same-shape matrix in one Newton–Schulz call). Settable at any time."""
         return self._workspace_mib
 
     @workspace_mib.setter
-    def workspace_mib(self, value: float | None) -> None:
+    def workspace_mib(self, value: float | str | None) -> None:
         self._workspace_mib = check_workspace_mib(value)
         if getattr(self, "_plan", None) is not None:
-            self._plan.chunks = chunk_entries(self._plan, self._workspace_bytes())
-
-    def _workspace_bytes(self) -> float | None:
-        return None if self._workspace_mib is None else self._workspace_mib * 2**20
+            self._plan.chunks = chunk_entries(self._plan, workspace_budget_bytes(self._workspace_mib, self._plan))
 
     def _current_plan(self) -> Plan:
         plan = self._plan

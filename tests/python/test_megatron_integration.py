@@ -132,7 +132,7 @@ def test_install_sets_the_state_dtype_and_workspace_of_what_megatron_builds(stoc
 
     integration.install()
     default = built(_config(name))
-    assert default.state_dtype == "fp32" and default.workspace_mib == 256
+    assert default.state_dtype == "fp32" and default.workspace_mib == "auto"
     integration.install(state_dtype="int8", workspace_mib=64)  # already installed: the options change
     ours = built(_config(name))
     assert ours.state_dtype == "int8" and ours.workspace_mib == 64
@@ -143,7 +143,7 @@ def test_install_sets_the_state_dtype_and_workspace_of_what_megatron_builds(stoc
     assert ours.state_dtype == "bf16" and ours.workspace_mib is None
     integration.uninstall()
     integration.install()
-    assert built(_config(name)).workspace_mib == 256  # uninstall forgot the options
+    assert built(_config(name)).workspace_mib == "auto"  # uninstall forgot the options
 
 
 def _emerging_optimizers_adaptive_muon_entry():

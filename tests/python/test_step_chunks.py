@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,10 +25,13 @@ from megatron_eopt.optim import (
     TensorParallelMuon,
 )
 from megatron_eopt.optim._plan import (
+    AUTO_WORKSPACE_MIB_CPU,
+    AUTO_WORKSPACE_MIB_GPU,
     DEFAULT_WORKSPACE_MIB,
+    check_workspace_mib,
     chunk_entries,
     entry_step_bytes,
-    check_workspace_mib,
+    workspace_budget_bytes,
 )
 from megatron_eopt.optim._step_layout import step_layouts
 from megatron_eopt.torch_optim import Muon as TorchOptimMuon
@@ -150,21 +154,35 @@ def test_experts_are_cut_evenly_and_a_stack_that_fits_is_never_split():
 def test_small_models_stay_one_chunk_at_the_default_budget():
     gen = torch.Generator().manual_seed(2)
     opt = Muon(make_params(SHAPES, gen), lr=0.01)
-    assert opt.workspace_mib == DEFAULT_WORKSPACE_MIB
+    assert opt.workspace_mib == DEFAULT_WORKSPACE_MIB == "auto"
     assert len(opt._plan.chunks) == 1
 
 
-def test_large_matrices_are_chunked_at_the_default_budget():
-    # Eight 2048×2048 matrices: 80 MiB of NS buffers each by the estimate; 256 MiB holds three.
-    params = [torch.nn.Parameter(torch.empty(2048, 2048)) for _ in range(8)]
+def test_the_default_budget_is_chosen_by_where_the_matrices_are():
+    # "auto": 64 MiB when every matrix is on the CPU, 256 MiB where any is on a GPU.
+    gen = torch.Generator().manual_seed(2)
+    plan = Muon(make_params(SHAPES, gen), lr=0.01)._plan
+    assert workspace_budget_bytes("auto", plan) == AUTO_WORKSPACE_MIB_CPU * 2**20 == 64 * 2**20
+    on_gpu = SimpleNamespace(buckets=[SimpleNamespace(device=torch.device("cpu")),
+                                      SimpleNamespace(device=torch.device("cuda", 1))])
+    assert workspace_budget_bytes("auto", on_gpu) == AUTO_WORKSPACE_MIB_GPU * 2**20 == 256 * 2**20
+    assert workspace_budget_bytes(None, plan) is None and workspace_budget_bytes(12.5, on_gpu) == 12.5 * 2**20
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_large_matrices_are_chunked_at_the_default_budget(device):
+    # Eight 2048×2048 matrices: 80 MiB of NS buffers each by the estimate; 256 MiB (GPU) holds
+    # three, 64 MiB (CPU) none, so each is a chunk of its own.
+    params = [torch.nn.Parameter(torch.empty(2048, 2048, device=device)) for _ in range(8)]
     opt = Muon(params, lr=0.01)
     each = entry_step_bytes(opt._plan.entries[0])
-    per_chunk = int(DEFAULT_WORKSPACE_MIB * 2**20 // each)
+    budget = AUTO_WORKSPACE_MIB_CPU if device == "cpu" else AUTO_WORKSPACE_MIB_GPU
+    per_chunk = max(1, int(budget * 2**20 // each))
     assert [len(c) for c in opt._plan.chunks] == [per_chunk] * (8 // per_chunk) + (
         [8 % per_chunk] if 8 % per_chunk else [])
 
 
-@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "64", True])
+@pytest.mark.parametrize("bad", [0, -1, float("inf"), float("nan"), "64", "AUTO", True])
 def test_bad_workspace_mib_is_refused_naming_it(bad):
     gen = torch.Generator().manual_seed(3)
     with pytest.raises(ValueError, match="workspace_mib"):
@@ -185,6 +203,9 @@ def test_setting_workspace_mib_recuts_the_plan():
     assert len(opt._plan.chunks) == len(SHAPES)
     opt.workspace_mib = None
     assert len(opt._plan.chunks) == 1
+    opt.workspace_mib = ONE_MATRIX
+    opt.workspace_mib = "auto"  # back to the default: these small matrices fit 64 MiB
+    assert opt.workspace_mib == "auto" and len(opt._plan.chunks) == 1
 
 
 def test_workspace_mib_survives_copy_and_pickle_and_stays_out_of_the_state_dict():
