@@ -125,15 +125,18 @@ def workspace_support() -> str | None:
     return "attribute" if hasattr(probe, "workspace_mib") else None
 
 
-def parse_workspace(value: str) -> int | None:
-    return None if value.lower() == "none" else int(value)
+def parse_workspace(value: str) -> float | str | None:
+    """A --workspace-mib value as the optimizers take it: MiB, "auto" or None ("none")."""
+    if value.lower() in ("none", "auto"):
+        return None if value.lower() == "none" else "auto"
+    return float(value) if "." in value else int(value)
 
 
 def impl_label(key: str, workspace: str | None) -> str:
     label = IMPLS[key][0]
     if workspace is not None:
         mib = parse_workspace(workspace)
-        label += ", workspace " + ("unbounded" if mib is None else f"{mib} MiB")
+        label += ", workspace " + ("unbounded" if mib is None else "auto" if mib == "auto" else f"{mib} MiB")
     return label
 
 

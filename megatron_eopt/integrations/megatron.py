@@ -316,7 +316,7 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
     Memory of the optimizers built through the installed entries (those whose constructor takes
     them: Muon and AdaptiveMuon, i.e. "muon" and "adaptive_muon"): ``state_dtype`` ("fp32", "bf16",
     "int8", "fp8") and ``state_block_size`` store the momentum (and AdaMuon's second moment) in
-    low precision; ``workspace_mib`` is the step's workspace budget in MiB (None: no bound). Left
+    low precision; ``workspace_mib`` is the step's workspace budget in MiB ("auto": by device; None: no bound). Left
     out, the class defaults (fp32 state, budget "auto"); a later call changes them for the optimizers
     built after it. Per build, an attribute set on Megatron-LM's ``OptimizerConfig`` wins:
     ``muon_state_dtype``, ``muon_state_block_size``, ``muon_workspace_mib``.

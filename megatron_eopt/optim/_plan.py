@@ -220,13 +220,14 @@ def _cut(sizes: list[int], capacity: float) -> list[int]:
 
 
 def _even_pieces(sizes: list[int], budget_bytes: float) -> list[int]:
-    """Lengths of the fewest runs of ``sizes`` that fit ``budget_bytes``, their largest sum made as
-    small as possible: the greedy cut at the smallest capacity that needs no more runs than the
+    """Lengths of the fewest runs of ``sizes`` that fit ``budget_bytes``, the largest sum of a run
+    within the budget made as small as possible (an entry over the budget is a run of its own
+    whatever the cut): the greedy cut at the smallest capacity that needs no more runs than the
     greedy cut at the budget (the number of runs only falls as the capacity grows)."""
     fewest = _cut(sizes, budget_bytes)
     if len(fewest) <= 1 or len(fewest) == len(sizes):
         return fewest
-    low, high = max(sum(sizes) // len(fewest), 1), int(budget_bytes)  # high is known to do
+    low, high = 1, int(budget_bytes)  # high is known to do
     while low < high:
         mid = (low + high) // 2
         if len(_cut(sizes, mid)) <= len(fewest):

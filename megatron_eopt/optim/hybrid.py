@@ -199,12 +199,12 @@ class HybridMuon(torch.optim.Optimizer):
         return self._offload.enabled
 
     @property
-    def workspace_mib(self) -> float | None:
+    def workspace_mib(self) -> float | str | None:
         """The Muon side's step workspace budget (see :class:`Muon`); None without Muon groups."""
         return None if self._muon is None else self._muon.workspace_mib
 
     @workspace_mib.setter
-    def workspace_mib(self, value: float | None) -> None:
+    def workspace_mib(self, value: float | str | None) -> None:
         if self._muon is not None:
             self._muon.workspace_mib = value
 

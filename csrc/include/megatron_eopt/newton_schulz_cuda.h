@@ -19,7 +19,7 @@ namespace megatron_eopt {
 // `iterate[0]`, so with fp32 compute the caller passes `out` there and saves a copy.
 struct NsScratch {
   void* iterate[2];
-  void* gram;          // batch * g * g elements of the compute type, g = Gram side
+  void* gram;          // batch * g * padded_square_ld(g) elements of the compute type, g = Gram side
   void* poly;          // same size as gram
   float* sum_squares;    // batch floats
   float* norm_partials;  // per-block partial sums of squares (ns_norm_partial_slots of them)
@@ -31,8 +31,9 @@ struct NsScratch {
 NsScratchLayout ns_cuda_scratch_layout(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision,
                                        bool result_over_input);
 
-// out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each, and
-// out may be x (the normalization reads x before anything is written there).
+// out[b] = NS(x[b]) for b < batch; x and out are fp32 and contiguous, (m x n) row-major each. out
+// may be x where cuda_result_may_overwrite_input allows (the normalization then writes a buffer
+// other than x, which it reads).
 // `recipe` is folded into the first pass (normalization, MuonEq) and the last (Muon+).
 // No host synchronisation; everything is enqueued on `blas.stream`.
 void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, int64_t n, bool transpose,
