@@ -15,6 +15,7 @@ import torch
 
 from .. import low_memory_state as lms
 from .. import ops
+from .._errors import call_op
 from ._config import check_step_value
 from ._distributed import (
     distributed_orthogonalize,
@@ -26,6 +27,8 @@ from ._distributed import (
 from ._plan import Plan, QKVSplit, Stack
 from ._sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
 from ._step_layout import ChunkLayout, buffer_floats
+
+_OPS = torch.ops.megatron_eopt
 
 
 # The device types whose fused step orthogonalizes its Newton–Schulz inputs in place. CUDA joins
@@ -62,7 +65,9 @@ class FusedStep:
                 raise ValueError(
                     f"{type(self).__name__} does not support sparse gradients (param of shape {tuple(p.shape)})"
                 )
-            if is_dtensor(p) and (not is_dtensor(g) or g.placements != p.placements or g.device_mesh != p.device_mesh):
+            # entry.sharding: p is a DTensor (the plan is rebuilt when a param is replaced)
+            if entry.sharding is not None and (not is_dtensor(g) or g.placements != p.placements
+                                               or g.device_mesh != p.device_mesh):
                 raise ValueError(
                     f"grad of a DTensor param of shape {tuple(p.shape)} with placements {list(p.placements)} must be a "
                     f"DTensor on the same mesh and placements, got "
@@ -162,8 +167,7 @@ class FusedStep:
         launches = []
         for bi, bucket_members, plain in layout.buckets:
             bucket = plan.buckets[bi]
-            for i in bucket_members:
-                self._init_entry_state(i)
+            states = [self._init_entry_state(i) for i in bucket_members]
             group = self.param_groups[bucket.group_index]
             group_cfg = plan.configs[bucket.group_index]
             # The ops run on local matrix views (DTensor: to_local(); nd_mode: (E, m, n) or
@@ -175,7 +179,6 @@ class FusedStep:
             else:
                 params = [entries[i].view(entries[i].param) for i in bucket_members]
                 grads = [entries[i].view(entries[i].param.grad) for i in bucket_members]
-            states = [self.state[entries[i].param] for i in bucket_members]
             hyper = {k: buf.view(()) for k, buf in self._hyper[(bucket.group_index, bucket.device)].items()}
             scale_t, inf_t = scalers[bucket.device]
             momentum_args = dict(
@@ -189,8 +192,14 @@ class FusedStep:
             l2_params = params if group_cfg.weight_decay_method == "l2" else ()
             outs = [ns_inputs[i] for i in bucket_members]
             if not self._low_memory_state:
-                bufs = [entries[i].view(s["momentum_buffer"]) for i, s in zip(bucket_members, states)]
-                ops.foreach_momentum_(grads, bufs, outs, l2_params, **momentum_args)
+                bufs = [s["momentum_buffer"] for s in states] if plain else \
+                    [entries[i].view(s["momentum_buffer"]) for i, s in zip(bucket_members, states)]
+                # The op itself, not the checking wrapper: every argument is the step's own
+                # (device scalars, lists built above), and a wrapper call per bucket and chunk
+                # shows in a small model's step time.
+                call_op(_OPS.foreach_momentum_, grads, bufs, outs, list(l2_params), momentum_args["momentum"],
+                        momentum_args["nesterov"], momentum_args["weight_decay"], momentum_args["weight_decay_method"],
+                        momentum_args["grad_scale"], momentum_args["found_inf"])
             else:  # codes shaped like the local param; the other lists pair up element by element
                 codes = [local(s["momentum_buffer"]) for s in states]
                 scales = [local(s["momentum_buffer_scales"]) for s in states if "momentum_buffer_scales" in s]
@@ -245,9 +254,8 @@ class FusedStep:
                                 hyper, scale_t, inf_t)
             # cautious decay too: its mask reads the unscaled update and p before the decay, in the op
             if hook is None:
-                ops.foreach_update_(params, bucket_updates, bucket_scales, lr=hyper["lr"],
-                                    weight_decay=hyper["weight_decay"],
-                                    weight_decay_method=group_cfg.weight_decay_method, found_inf=inf_t)
+                call_op(_OPS.foreach_update_, params, bucket_updates, bucket_scales, hyper["lr"],
+                        hyper["weight_decay"], group_cfg.weight_decay_method, inf_t)  # the op, as above
             else:
                 self._hooked_update(hook, params, bucket_updates, bucket_scales, hyper, inf_t,
                                     group_cfg.weight_decay_method)

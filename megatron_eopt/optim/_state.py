@@ -119,7 +119,8 @@ class FusedState:
         return moment2_view_shape(method, entry.local_shape, entry.normuon_dim), torch.float32
 
     # ------------------------------------------------------------------ creation
-    def _init_entry_state(self, index: int) -> None:
+    def _init_entry_state(self, index: int) -> dict:
+        """Creates what is missing of entry ``index``'s state; returns its state dict."""
         entry = self._plan.entries[index]
         p = entry.param
         state = self.state[p]
@@ -146,6 +147,7 @@ class FusedState:
                 state["moment2_buffer"] = torch.zeros_like(p, dtype=torch.float32)
             else:
                 state["moment2_buffer"] = zeros_state(p, entry.sharding, shape, torch.float32)
+        return state
 
     @torch.no_grad()
     def init_state(self) -> None:
