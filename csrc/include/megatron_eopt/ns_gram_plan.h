@@ -26,6 +26,7 @@
 
 #include "megatron_eopt/ns_gemm_plan.h"
 #include "megatron_eopt/ns_schedule.h"
+#include "megatron_eopt/ns_scratch_layout.h"
 
 namespace megatron_eopt {
 
@@ -251,7 +252,6 @@ struct GramScratchLayout {
 
 inline GramScratchLayout gram_scratch_layout(const GramProgram& p, int64_t batch, int64_t m, int64_t n,
                                              int64_t norm_partial_slots) {
-  const auto align = [](std::size_t v) { return (v + 255) / 256 * 256; };
   // s x s buffers use the padded leading dimension of make_ns_gemm_plan (16-byte aligned rows).
   const std::size_t square = static_cast<std::size_t>(padded_square_ld(p.gram_side) * p.gram_side);
   GramScratchLayout layout{};
@@ -263,13 +263,12 @@ inline GramScratchLayout gram_scratch_layout(const GramProgram& p, int64_t batch
     const bool w = b == GramBuf::kX0 || b == GramBuf::kX1;
     const std::size_t elems = static_cast<std::size_t>(batch) * (w ? static_cast<std::size_t>(m * n) : square);
     layout.offset[i] = at;
-    at += align(elems * (gram_buf_is_bf16(p, b) ? 2 : 4));
+    at += ns_align256(elems * (gram_buf_is_bf16(p, b) ? 2 : 4));
   }
-  layout.sum_squares = at;
-  at += align(static_cast<std::size_t>(batch) * sizeof(float));
-  layout.norm_partials = at;
-  at += align(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
-  layout.total = at;
+  const NsNormScratch norm = ns_norm_scratch(at, batch, norm_partial_slots);
+  layout.sum_squares = norm.sum_squares;
+  layout.norm_partials = norm.norm_partials;
+  layout.total = norm.end;
   return layout;
 }
 

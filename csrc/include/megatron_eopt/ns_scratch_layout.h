@@ -14,6 +14,22 @@ namespace megatron_eopt {
 
 inline std::size_t ns_align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// The normalization's scratch of a call (both iterations'), placed from byte `offset` on: `batch`
+// sums of squares, then `norm_partial_slots` partial sums; `end` is where it stops.
+struct NsNormScratch {
+  std::size_t sum_squares;
+  std::size_t norm_partials;
+  std::size_t end;
+};
+
+inline NsNormScratch ns_norm_scratch(std::size_t offset, int64_t batch, int64_t norm_partial_slots) {
+  NsNormScratch s{};
+  s.sum_squares = offset;
+  s.norm_partials = s.sum_squares + ns_align256(static_cast<std::size_t>(batch) * sizeof(float));
+  s.end = s.norm_partials + ns_align256(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
+  return s;
+}
+
 // Bytes of one of G and B for a batch: batch matrices of g x padded_square_ld(g) elements of the
 // compute type, g the Gram side (every matrix of the batch 16-byte aligned, make_ns_gemm_plan).
 inline std::size_t ns_product_bytes(int64_t batch, int64_t m, int64_t n, bool transpose, NsPrecision precision) {
@@ -73,11 +89,10 @@ inline NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bo
     layout.poly = offset;
     offset += product_bytes;
   }
-  layout.sum_squares = offset;
-  offset += ns_align256(static_cast<std::size_t>(batch) * sizeof(float));
-  layout.norm_partials = offset;
-  offset += ns_align256(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
-  layout.total = offset;
+  const NsNormScratch norm = ns_norm_scratch(offset, batch, norm_partial_slots);
+  layout.sum_squares = norm.sum_squares;
+  layout.norm_partials = norm.norm_partials;
+  layout.total = norm.end;
   return layout;
 }
 
