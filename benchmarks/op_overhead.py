@@ -7,7 +7,8 @@ On tiny tensors a call's time is its host work: argument checks, the dispatcher,
 allocation, the algorithm choice, kernel and GEMM launches. Each row times N calls back to back
 (CUDA: enqueued without synchronizing, then one synchronize) and reports microseconds per call,
 the best of five such runs. The ATen rows are the floor one dispatcher call costs. The last rows
-time a whole Muon step of the demo model's 16 matrices (examples/train_gpt.py), eager.
+time a whole Muon step of the demo model's 16 matrices (examples/train_gpt.py), eager; below the
+table, the Python calls of one such step (a count, steady where a shared machine's timings move).
 
 ``--profile`` adds torch.profiler's table (CPU and, on a GPU, CUDA activity) of a few Newton–Schulz
 calls at 1024² and of a few demo steps: where the host time goes.
@@ -100,6 +101,23 @@ def rows(device: torch.device, calls: int, precision: str) -> list[tuple[str, fl
     return out
 
 
+def python_calls_per_step(device: torch.device, precision: str, steps: int = 20) -> float:
+    """Python-level calls (cProfile's count, calls into C included) of one eager demo-model step: a
+    figure of the step's host work that, unlike its time, does not move with the machine's load."""
+    import cProfile
+    import pstats
+
+    step = demo_step(device, precision)
+    for _ in range(3):  # the plan's layouts and the state are made by the first steps
+        step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    return pstats.Stats(prof).total_calls / steps
+
+
 def profile(device: torch.device, precision: str) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -142,6 +160,8 @@ def main(argv=None) -> int:
              f"date {env['date_utc']}; precision {precision}; best of five runs of back-to-back calls.", "",
              "| call | µs per call |", "|---|---|"]
     lines += [f"| {name} | {us:.1f} |" for name, us in measured]
+    lines += ["", f"Python calls per demo-model step (cProfile's count, calls into C included): "
+                  f"{python_calls_per_step(device, precision):.0f}."]
     print("\n".join(lines))
     if args.profile:
         print()

@@ -183,3 +183,17 @@ def test_step_memory_render_rebuilds_the_section(step_memory_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     table = [line for line in md.splitlines() if line.startswith("| ")]
     assert table and all(line in rendered.read_text() for line in table)
+
+
+def test_op_overhead_reports_every_row_and_the_step_s_python_calls():
+    script = os.path.join(os.path.dirname(RUN_PY), "op_overhead.py")
+    proc = subprocess.run([sys.executable, script, "--device", "cpu", "--calls", "20"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "µs per call" not in line]
+    names = [row.split(" | ")[0].lstrip("| ") for row in rows]
+    assert "aten: torch.mm 8x8" in names and "Muon step, demo model (16 matrices)" in names
+    assert all(float(row.rstrip(" |").rsplit("| ", 1)[1]) > 0 for row in rows)
+    calls = proc.stdout.split("Python calls per demo-model step")[1]
+    count = float(calls.split(":", 1)[1].strip().rstrip("."))
+    assert 50 < count < 5000  # a count of Python-level calls, not a time
