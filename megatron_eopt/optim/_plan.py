@@ -131,7 +131,7 @@ class Plan:
 # matrices are. On a GPU, batching mid-size matrices pays: fewer, fuller launches. The CPU
 # Newton–Schulz op orthogonalizes every matrix above a few million multiply-adds one at a time
 # whatever the batch, so there a chunk's size only sets how many inputs wait in its buffer: 64 MiB
-# keeps small models in one chunk and costs no time (benchmarks/RESULTS.md, CPU step memory).
+# keeps small models in one chunk and measured no slower than 256 on the CPU (docs/step-memory.md).
 DEFAULT_WORKSPACE_MIB = "auto"
 AUTO_WORKSPACE_MIB_CPU = 64
 AUTO_WORKSPACE_MIB_GPU = 256

@@ -1,7 +1,8 @@
 // Where the standard Newton–Schulz iteration on CUDA keeps its buffers (kernels/newton_schulz.cu):
 // byte offsets inside one scratch allocation of the caching allocator, or inside the input's own
-// storage when the call writes its result over its input. Torch- and CUDA-free, so GoogleTest
-// checks the layouts.
+// storage when the call writes its result over its input; and the normalization's scratch, which
+// the Gram iteration's layout (ns_gram_plan.h) places the same way. Torch- and CUDA-free, so
+// GoogleTest checks the layouts.
 #pragma once
 
 #include <cstddef>
