@@ -12,6 +12,7 @@
 // With c = 0 the G G product is skipped. Iterating on W^T (tall inputs) is a choice of products
 // (G = W^T W, W' = W P, P symmetric), so no transpose is materialized.
 #include <utility>
+#include <vector>
 
 #include "cpu/batched_gemm.h"
 #include "cpu/newton_schulz_gram_cpu.h"
@@ -33,15 +34,19 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   // scratch buffers and the result is widened at the end. `out` may be w itself (the in-place op):
   // w is read only by the normalization, which is elementwise (in place where W0 is `out`) or
   // writes the scratch buffer, before any product writes `out`.
+  // G, then G^2 overwritten in place by P: both symmetric, only their upper parts multiplied.
+  // All of the call's temporaries are taken at once (one pooled buffer).
   CpuScratch scratch;
   const bool first_in_out = !bf16 && steps % 2 == 0;
-  Tensor it = first_in_out ? out : scratch.take({batch, m, n}, type);
+  std::vector<std::vector<int64_t>> sizes(bf16 ? 2 : 1, std::vector<int64_t>{batch, m, n});
+  sizes.insert(sizes.end(), 2, {batch, side, side});
+  std::vector<Tensor> temps = scratch.take_all(sizes, type);
+  Tensor gram = temps[temps.size() - 2];
+  Tensor poly = temps[temps.size() - 1];
+  Tensor it = first_in_out ? out : temps[0];
   normalize_input_out(it, w, opts.eps, opts.recipe);
-  Tensor spare = bf16 || first_in_out ? scratch.take({batch, m, n}, type) : out;
-  // G, then G^2 overwritten in place by P: both symmetric, only their upper parts multiplied.
+  Tensor spare = bf16 ? temps[1] : first_in_out ? temps[0] : out;
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
-  Tensor gram = scratch.take({batch, side, side}, type);
-  Tensor poly = scratch.take({batch, side, side}, type);
   // The transposed views the products take, made once: W alternates between two buffers.
   const Tensor gram_t = aten::mT(gram);
   Tensor it_t = aten::mT(it);

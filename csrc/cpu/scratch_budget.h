@@ -92,6 +92,27 @@ void keep_returned(KeptBuffers<Buffer>& kept, std::vector<Buffer>& returned, int
 }
 
 // Takes the kept buffer at `index` out for a call (its bytes go back to `budget`).
+// A call asks for `bytes` of a kind (dtype) that no kept buffer of that kind holds: the kept buffers
+// of that kind smaller than the request are freed before the new one is allocated. Once the new
+// buffer is kept it serves every call they could serve (each call takes the smallest kept buffer
+// that holds it), so keeping them would only add their bytes to the process's resident memory
+// while the call runs, and keep them there after.
+template <class Buffer, class BytesOf, class SameKind>
+void drop_smaller(KeptBuffers<Buffer>& kept, int64_t bytes, KeptBytesBudget& budget, BytesOf bytes_of,
+                  SameKind same_kind) {
+  std::vector<Buffer> remaining;
+  for (Buffer& buffer : kept.buffers) {
+    const int64_t b = bytes_of(buffer);
+    if (same_kind(buffer) && b < bytes) {
+      kept.bytes -= b;
+      budget.release(b);
+    } else {
+      remaining.push_back(std::move(buffer));
+    }
+  }
+  kept.buffers = std::move(remaining);
+}
+
 template <class Buffer, class BytesOf>
 Buffer take_kept(KeptBuffers<Buffer>& kept, std::size_t index, KeptBytesBudget& budget, BytesOf bytes_of) {
   Buffer buffer = std::move(kept.buffers[index]);

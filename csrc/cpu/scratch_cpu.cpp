@@ -9,6 +9,9 @@ namespace {
 
 KeptBytesBudget process_budget(kMaxPooledBytesPerProcess);  // constant-initialized, trivially destroyed
 
+// Where each tensor of take_all starts: a cache line, as ATen's own CPU allocations.
+constexpr int64_t kAlignBytes = 64;
+
 int64_t bytes_of(const Tensor& flat) { return flat.numel() * (flat.scalar_type() == kBFloat16 ? 2 : 4); }
 
 struct Pool : KeptBuffers<Tensor> {
@@ -23,9 +26,19 @@ Pool& thread_pool() {
 
 }  // namespace
 
-Tensor CpuScratch::take(const std::vector<int64_t>& sizes, ScalarType dtype) {
-  int64_t numel = 1;
-  for (int64_t s : sizes) numel *= s;
+Tensor CpuScratch::take(const std::vector<int64_t>& sizes, ScalarType dtype) { return take_all({sizes}, dtype)[0]; }
+
+std::vector<Tensor> CpuScratch::take_all(const std::vector<std::vector<int64_t>>& sizes, ScalarType dtype) {
+  const int64_t align = kAlignBytes / (dtype == kBFloat16 ? 2 : 4);
+  std::vector<int64_t> offsets, counts;
+  int64_t numel = 0;
+  for (const std::vector<int64_t>& shape : sizes) {
+    int64_t count = 1;
+    for (int64_t s : shape) count *= s;
+    offsets.push_back(numel);
+    counts.push_back(count);
+    numel += (count + align - 1) / align * align;
+  }
   Pool& pool = thread_pool();
   const std::vector<Tensor>& free = pool.buffers;
   std::size_t best = free.size();
@@ -35,10 +48,20 @@ Tensor CpuScratch::take(const std::vector<int64_t>& sizes, ScalarType dtype) {
       best = i;
     }
   }
-  Tensor flat = best < free.size() ? take_kept(pool, best, process_budget, bytes_of)
-                                   : aten::empty({numel}, dtype, Device(kCPU));
+  Tensor flat;
+  if (best < free.size()) {
+    flat = take_kept(pool, best, process_budget, bytes_of);
+  } else {
+    drop_smaller(pool, numel * (dtype == kBFloat16 ? 2 : 4), process_budget, bytes_of,
+                 [dtype](const Tensor& t) { return t.scalar_type() == dtype; });
+    flat = aten::empty({numel}, dtype, Device(kCPU));
+  }
   lent_.push_back(flat);
-  return aten::view(aten::narrow(flat, 0, 0, numel), sizes);
+  std::vector<Tensor> out;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    out.push_back(aten::view(aten::narrow(flat, 0, offsets[i], counts[i]), sizes[i]));
+  }
+  return out;
 }
 
 CpuScratch::~CpuScratch() { keep_returned(thread_pool(), lent_, kMaxPooledBytes, process_budget, bytes_of); }

@@ -28,6 +28,11 @@ class CpuScratch {
   // of that dtype that holds it (or a new one: the caps never refuse a buffer).
   Tensor take(const std::vector<int64_t>& sizes, ScalarType dtype);
 
+  // Several such tensors, one per entry of `sizes`, from one pooled buffer, each starting on a
+  // 64-byte boundary. A call that takes all its temporaries at once keeps one buffer in the pool,
+  // which serves any later call no larger (see drop_smaller in cpu/scratch_budget.h).
+  std::vector<Tensor> take_all(const std::vector<std::vector<int64_t>>& sizes, ScalarType dtype);
+
  private:
   std::vector<Tensor> lent_;  // flat buffers backing what was taken
 };

@@ -18,6 +18,7 @@
 #include "megatron_eopt/ns_gemm_plan.h"
 #include "megatron_eopt/ns_gram_plan.h"
 #include "reference_gemm.h"
+#include "reference_gram.h"
 
 using namespace megatron_eopt;
 
@@ -33,28 +34,6 @@ std::vector<NsCoefficients> schedule(const std::vector<double>& table, long step
   return expand_schedule(table, steps, &table == &kPolar ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
 }
 
-// Column-major D = alpha op(A) op(B) + beta C over a batch, as cuBLASLt computes it. C is read
-// only when beta != 0 (cuBLASLt's contract, relied on by the programs).
-void ref_gemm(const GemmShape& s, int64_t batch, double alpha, const std::vector<double>& a,
-              const std::vector<double>& b, double beta, const std::vector<double>* c, std::vector<double>& d) {
-  std::vector<double> out(d.size());
-  for (int64_t t = 0; t < batch; ++t) {
-    for (int64_t i = 0; i < s.rows; ++i) {
-      for (int64_t j = 0; j < s.cols; ++j) {
-        double acc = 0;
-        for (int64_t k = 0; k < s.depth; ++k) {
-          const double av = s.trans_a ? a.at(t * s.stride_a + i * s.lda + k) : a.at(t * s.stride_a + k * s.lda + i);
-          const double bv = s.trans_b ? b.at(t * s.stride_b + k * s.ldb + j) : b.at(t * s.stride_b + j * s.ldb + k);
-          acc += av * bv;
-        }
-        const int64_t o = t * s.stride_c + j * s.ldc + i;
-        out.at(o) = alpha * acc + (beta != 0.0 ? beta * c->at(o) : 0.0);
-      }
-    }
-  }
-  d = out;
-}
-
 // The standard iteration (docs/design.md §4.1) on row-major X (batch, m, n), exactly, from normalized input.
 std::vector<double> direct_standard(std::vector<double> x, int64_t batch, int64_t m, int64_t n, bool transpose,
                                     const std::vector<NsCoefficients>& sched) {
@@ -64,38 +43,26 @@ std::vector<double> direct_standard(std::vector<double> x, int64_t batch, int64_
   return x;
 }
 
-// Runs `program` op by op like the CUDA executor: one GemmShape per GEMM, buffers by name.
-// `square_ld`: leading dimension of the s x s buffers (0: unpadded), as the CUDA layout pads it.
+// Runs `program` op by op like the CUDA executor: one GemmShape per GEMM, each buffer its own
+// storage (NaN until written). `square_ld`: leading dimension of the s x s buffers (0: unpadded),
+// as the CUDA layout pads it.
 std::vector<double> run_program(const GramProgram& program, const std::vector<double>& x0, int64_t batch, int64_t m,
                                 int64_t n, bool transpose, int64_t square_ld = 0) {
   const NsGemmPlan plan = make_ns_gemm_plan(m, n, transpose, square_ld);
-  const int64_t s = plan.gram, ld = plan.square_ld;
   std::map<GramBuf, std::vector<double>> buf;
   std::set<GramBuf> written = {program.x_first};
   buf[program.x_first] = x0;
-  for (const GramOp& op : program.ops) {
-    for (GramBuf r : {op.a, op.b}) {
-      if (r != GramBuf::kNone) EXPECT_TRUE(written.count(r)) << "reads an unwritten buffer";
-    }
-    if (op.kind == GramOpKind::kAddDiag) {
-      std::vector<double>& d = buf.at(op.d);
-      for (int64_t t = 0; t < batch; ++t)
-        for (int64_t i = 0; i < s; ++i) d.at(t * plan.square_stride + i * ld + i) += op.alpha;
-    } else if (op.kind == GramOpKind::kRound) {
-      buf[op.d] = buf.at(op.a);  // exact arithmetic: rounding to bf16 is the identity here
+  megatron_eopt::testing::run_gram_program(program, plan, batch, [&](std::size_t i, int operand, GramBuf b) {
+    if (operand == 3) {
+      written.insert(b);
     } else {
-      const GemmShape& shape = op.gemm == GramGemm::kGram    ? plan.gram_gemm
-                               : op.gemm == GramGemm::kApply ? plan.update_gemm
-                                                             : plan.poly_gemm;
-      const std::size_t size = static_cast<std::size_t>(
-          batch * (op.gemm == GramGemm::kSquare || op.gemm == GramGemm::kGram ? plan.square_stride : m * n));
-      std::vector<double> d(size, std::nan(""));
-      ref_gemm(shape, batch, op.alpha, buf.at(op.a), buf.at(op.b), op.beta, op.beta != 0.f ? &buf.at(op.c) : nullptr,
-               d);
-      buf[op.d] = d;
+      EXPECT_TRUE(written.count(b)) << "op " << i << " reads an unwritten buffer";
     }
-    written.insert(op.d);
-  }
+    const bool square = b != GramBuf::kX0 && b != GramBuf::kX1 && b != GramBuf::kOut;
+    std::vector<double>& v = buf[b];
+    if (v.empty()) v.assign(static_cast<std::size_t>(batch * (square ? plan.square_stride : m * n)), std::nan(""));
+    return v.data();
+  });
   return buf.at(GramBuf::kOut);
 }
 

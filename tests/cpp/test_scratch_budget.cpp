@@ -73,6 +73,24 @@ TEST(ScratchBudget, ProcessCapBindsAcrossThreads) {
   EXPECT_EQ(first.bytes, 0);
 }
 
+TEST(ScratchBudget, AMissFreesTheSmallerBuffersOfItsKind) {
+  // Odd sizes stand for bf16 buffers, even ones for fp32: only the request's kind is freed.
+  const auto even = [](int64_t b) { return b % 2 == 0; };
+  KeptBytesBudget budget(1000);
+  KeptBuffers<int64_t> kept;
+  std::vector<int64_t> call{40, 11, 80, 60, 101};
+  keep_returned(kept, call, 1000, budget, bytes_of);
+  drop_smaller(kept, 70, budget, bytes_of, even);  // 40 and 60 can only serve what 70 serves
+  EXPECT_EQ(kept.buffers, (std::vector<int64_t>{11, 80, 101}));
+  EXPECT_EQ(kept.bytes, 192);
+  EXPECT_EQ(budget.kept(), 192);
+  drop_smaller(kept, 80, budget, bytes_of, even);  // a buffer as large as the request stays
+  EXPECT_EQ(kept.buffers, (std::vector<int64_t>{11, 80, 101}));
+  drop_smaller(kept, 1000, budget, bytes_of, [](int64_t b) { return b % 2 == 1; });
+  EXPECT_EQ(kept.buffers, (std::vector<int64_t>{80}));
+  EXPECT_EQ(budget.kept(), 80);
+}
+
 TEST(ScratchBudget, ConcurrentThreadsNeverPassTheCapAndBalance) {
   constexpr int64_t kCap = 1000;
   KeptBytesBudget budget(kCap);
