@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "megatron_eopt/ns_gemm_plan.h"
 #include "megatron_eopt/ns_scratch_layout.h"
 
 namespace megatron_eopt {
@@ -75,6 +76,11 @@ TEST(NsScratchLayout, ProductsTakeTheInputOnlyWritingOverItUnderMediumWhereTheyF
           EXPECT_EQ(over.poly, product);  // 256-byte aligned, and both end inside the input
           EXPECT_LE(over.poly + product, input);
           EXPECT_EQ(over.total, apart.total - 2 * product);
+          // What the GEMMs address, from the GEMM plan itself: the last matrix's last padded column.
+          const int64_t g = transpose ? c.n : c.m;
+          const NsGemmPlan plan = make_ns_gemm_plan(c.m, c.n, transpose, padded_square_ld(g));
+          const int64_t last = (c.batch - 1) * plan.square_stride + (g - 1) * plan.square_ld + g;
+          EXPECT_LE(static_cast<std::size_t>(last) * 2, product);
         } else {
           EXPECT_EQ(over.total, apart.total);
         }
@@ -84,6 +90,14 @@ TEST(NsScratchLayout, ProductsTakeTheInputOnlyWritingOverItUnderMediumWhereTheyF
   // Rectangular expert matrices under "medium": 768 x 768 G and B (2.25 MiB) come off the scratch.
   EXPECT_TRUE(ns_products_fit_in_input(8, 768, 2048, false, NsPrecision::kMedium));
   EXPECT_TRUE(ns_products_fit_in_input(1, 4096, 4096, false, NsPrecision::kMedium));
+  // By hand: 3 x (17 x 40): G is 17 rows of 24 bf16 (3 x 816 = 2448 bytes, 2560 aligned), twice
+  // that within 3 x 17 x 40 x 4 = 8160 bytes. 16 x 16: 512 + 512 bytes fill the 1024 exactly. 1 x 128:
+  // a 1 x 8 G takes 256 bytes aligned, two of them the input's 512; 1 x 127 leaves 508.
+  EXPECT_EQ(ns_product_bytes(3, 17, 40, false, NsPrecision::kMedium), 2560u);
+  EXPECT_TRUE(ns_products_fit_in_input(3, 17, 40, false, NsPrecision::kMedium));
+  EXPECT_TRUE(ns_products_fit_in_input(1, 16, 16, false, NsPrecision::kMedium));
+  EXPECT_TRUE(ns_products_fit_in_input(1, 1, 128, false, NsPrecision::kMedium));
+  EXPECT_FALSE(ns_products_fit_in_input(1, 1, 127, false, NsPrecision::kMedium));
   // A square 7 x 7 pads G's rows to 8 and aligns to 256 bytes: more than the input's 196 bytes.
   EXPECT_FALSE(ns_products_fit_in_input(1, 7, 7, false, NsPrecision::kMedium));
   EXPECT_FALSE(ns_products_fit_in_input(8, 768, 2048, false, NsPrecision::kHighest));

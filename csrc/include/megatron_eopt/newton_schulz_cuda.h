@@ -19,8 +19,12 @@ namespace megatron_eopt {
 // `iterate[0]`, so with fp32 compute the caller passes `out` there and saves a copy.
 struct NsScratch {
   void* iterate[2];
-  void* gram;          // batch * g * padded_square_ld(g) elements of the compute type, g = Gram side
-  void* poly;          // same size as gram
+  // batch * g * padded_square_ld(g) elements of the compute type each, g = Gram side. They may lie
+  // in `out`'s storage when out is x (ns_products_fit_in_input): nothing reads x or out between
+  // the first pass and the last, and the last pass writes all of out from iterate[0] only. A
+  // recipe option that reads x or out in the last pass must keep them apart (glue's choice).
+  void* gram;
+  void* poly;
   float* sum_squares;    // batch floats
   float* norm_partials;  // per-block partial sums of squares (ns_norm_partial_slots of them)
   float* row_scales;     // batch * m floats with MuonEq (recipe.row_equilibration), else unused
