@@ -18,6 +18,7 @@
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
+#include "megatron_eopt/ns_scratch_layout.h"
 #include "ops/aten_ops.h"
 
 namespace megatron_eopt {
@@ -30,22 +31,38 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   const std::size_t steps = opts.schedule.size();
 
   // In fp32 W alternates between `out` and one scratch buffer, starting where the last step lands
-  // in `out` (so an even number of steps starts in `out`); in bf16 it alternates between two
-  // scratch buffers and the result is widened at the end. `out` may be w itself (the in-place op):
-  // w is read only by the normalization, which is elementwise (in place where W0 is `out`) or
-  // writes the scratch buffer, before any product writes `out`.
+  // in `out` (so an even number of steps starts in `out`). In bf16 it alternates between a scratch
+  // buffer and the first half of out's storage, idle until the result is widened into it, whose
+  // second half takes G and P where they fit (ns_cpu_bf16_layout). `out` may be w itself (the
+  // in-place op): w is read only by the normalization, which is elementwise (in place where W0 is
+  // `out`) or writes the scratch buffer, before any product writes `out`.
   // G, then G^2 overwritten in place by P: both symmetric, only their upper parts multiplied.
-  // All of the call's temporaries are taken at once (one pooled buffer).
-  CpuScratch scratch;
+  // The call's temporaries are taken at once (one pooled buffer).
   const bool first_in_out = !bf16 && steps % 2 == 0;
-  std::vector<std::vector<int64_t>> sizes(bf16 ? 2 : 1, std::vector<int64_t>{batch, m, n});
-  sizes.insert(sizes.end(), 2, {batch, side, side});
-  std::vector<Tensor> temps = scratch.take_all(sizes, type);
-  Tensor gram = temps[temps.size() - 2];
-  Tensor poly = temps[temps.size() - 1];
-  Tensor it = first_in_out ? out : temps[0];
+  NsCpuBf16Layout in_out{-1, -1, -1};
+  if (bf16 && out.is_contiguous()) in_out = ns_cpu_bf16_layout(batch, m, n, side);
+  std::vector<std::vector<int64_t>> sizes(bf16 && in_out.iterate < 0 ? 2 : 1, std::vector<int64_t>{batch, m, n});
+  if (in_out.gram < 0) sizes.push_back({batch, side, side});
+  if (in_out.poly < 0) sizes.push_back({batch, side, side});
+  CpuScratch scratch;
+  const std::vector<Tensor> temps = scratch.take_all(sizes, type);
+  std::size_t next = 1;  // temps[0] is the iterate that is not in out
+  Tensor out_bf16;
+  if (in_out.iterate >= 0) out_bf16 = aten::view_dtype(aten::view(out, {batch * m * n}), kBFloat16);
+  const auto in_out_view = [&out_bf16](int64_t offset, const std::vector<int64_t>& shape) {
+    return aten::view(aten::narrow(out_bf16, 0, offset, shape[0] * shape[1] * shape[2]), shape);
+  };
+  Tensor it, spare;
+  if (!bf16) {
+    it = first_in_out ? out : temps[0];
+    spare = first_in_out ? temps[0] : out;
+  } else {
+    it = temps[0];
+    spare = in_out.iterate >= 0 ? in_out_view(in_out.iterate, {batch, m, n}) : temps[next++];
+  }
+  Tensor gram = in_out.gram >= 0 ? in_out_view(in_out.gram, {batch, side, side}) : temps[next++];
+  Tensor poly = in_out.poly >= 0 ? in_out_view(in_out.poly, {batch, side, side}) : temps[next++];
   normalize_input_out(it, w, opts.eps, opts.recipe);
-  Tensor spare = bf16 ? temps[1] : first_in_out ? temps[0] : out;
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
   // The transposed views the products take, made once: W alternates between two buffers.
   const Tensor gram_t = aten::mT(gram);
@@ -61,6 +78,12 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
     else gemm_out(spare, poly, it);    // P W
     std::swap(spare, it);
     std::swap(spare_t, it_t);
+  }
+  // A bf16 result in out's storage moves to the scratch iterate first: widening reads 2 bytes
+  // and writes 4 per value, over itself.
+  if (bf16 && in_out.iterate >= 0 && steps % 2 == 1) {
+    aten::copy_(spare, it);
+    std::swap(it, spare);
   }
   // Muon+ rides on the pass that widens the bf16 result; in fp32 it rescales the result in place.
   if (opts.recipe.frobenius_renorm) frobenius_renorm_out(out, bf16 ? it : out);

@@ -51,6 +51,8 @@ inline Tensor detach(const Tensor& t) { return detail::call("aten::detach", "", 
 inline Tensor view(const Tensor& t, const std::vector<int64_t>& sizes) {
   return torch::stable::view(t, IntList(sizes));
 }
+// The same storage read as `dtype` (the last dimension scaled by the ratio of element sizes).
+inline Tensor view_dtype(const Tensor& t, ScalarType dtype) { return detail::call("aten::view", "dtype", t, dtype); }
 inline Tensor reshape(const Tensor& t, const std::vector<int64_t>& sizes) {
   return torch::stable::reshape(t, IntList(sizes));
 }

@@ -103,5 +103,35 @@ TEST(NsScratchLayout, ProductsTakeTheInputOnlyWritingOverItUnderMediumWhereTheyF
   EXPECT_FALSE(ns_products_fit_in_input(8, 768, 2048, false, NsPrecision::kHighest));
 }
 
+TEST(NsCpuBf16Layout, ProductsAfterTheIterateWhereTheyFitAligned) {
+  for (const Case& c : kCases) {
+    for (bool transpose : {false, true}) {
+      const int64_t side = transpose ? c.n : c.m, iterate = c.batch * c.m * c.n, square = c.batch * side * side;
+      const NsCpuBf16Layout l = ns_cpu_bf16_layout(c.batch, c.m, c.n, side);
+      EXPECT_EQ(l.iterate, 0);
+      if (l.gram < 0) EXPECT_LT(l.poly, 0);  // P is placed only after G
+      for (int64_t at : {l.gram, l.poly}) {
+        if (at < 0) continue;
+        EXPECT_EQ(at % 32, 0);                   // 64 bytes of bf16
+        EXPECT_GE(at, iterate);                  // after the iterate
+        EXPECT_LE(at + square, 2 * iterate);     // inside the fp32 output's bytes
+      }
+      if (l.gram >= 0 && l.poly >= 0) EXPECT_GE(l.poly, l.gram + square);
+    }
+  }
+  // By hand (bf16 values): a 2048 x 8192 output holds 2 x 16 Mi; the iterate takes the first 16 Mi,
+  // G and P (4 Mi each) follow. 128 x 128: G fills the second half exactly, P does not fit. 1 x 9:
+  // the 64-byte boundary after the iterate is already past the output's 18 values.
+  const NsCpuBf16Layout wide = ns_cpu_bf16_layout(1, 2048, 8192, 2048);
+  EXPECT_EQ(wide.gram, int64_t{16} << 20);
+  EXPECT_EQ(wide.poly, int64_t{20} << 20);
+  const NsCpuBf16Layout square = ns_cpu_bf16_layout(1, 128, 128, 128);
+  EXPECT_EQ(square.gram, 16384);
+  EXPECT_EQ(square.poly, -1);
+  const NsCpuBf16Layout tiny = ns_cpu_bf16_layout(1, 1, 9, 1);
+  EXPECT_EQ(tiny.gram, -1);
+  EXPECT_EQ(tiny.poly, -1);
+}
+
 }  // namespace
 }  // namespace megatron_eopt

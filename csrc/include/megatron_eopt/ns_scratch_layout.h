@@ -1,8 +1,9 @@
 // Where the standard Newton–Schulz iteration on CUDA keeps its buffers (kernels/newton_schulz.cu):
 // byte offsets inside one scratch allocation of the caching allocator, or inside the input's own
 // storage when the call writes its result over its input; and the normalization's scratch, which
-// the Gram iteration's layout (ns_gram_plan.h) places the same way. Torch- and CUDA-free, so
-// GoogleTest checks the layouts.
+// the Gram iteration's layout (ns_gram_plan.h) places the same way. Also the CPU standard
+// iteration's use of its output's storage under "medium" (ns_cpu_bf16_layout). Torch- and
+// CUDA-free, so GoogleTest checks the layouts.
 #pragma once
 
 #include <cstddef>
@@ -94,6 +95,31 @@ inline NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bo
   layout.sum_squares = norm.sum_squares;
   layout.norm_partials = norm.norm_partials;
   layout.total = norm.end;
+  return layout;
+}
+
+// The CPU standard iteration under "medium" (cpu/newton_schulz_standard_cpu.cpp) iterates in bf16
+// and widens its result into the fp32 output at the end; until then the output's storage (room
+// for 2 N bf16 values, N = batch * m * n) holds nothing, in place or not (the input is read only
+// by the normalization, which writes the other iterate). Its first N bf16 values take one of the
+// two iterates, and the rest G and P (batch * side * side each, unpadded) where they fit, each
+// starting on a 64-byte boundary of the storage. Offsets in bf16 values; -1: in scratch.
+struct NsCpuBf16Layout {
+  int64_t iterate;  // always 0
+  int64_t gram;
+  int64_t poly;
+};
+
+inline NsCpuBf16Layout ns_cpu_bf16_layout(int64_t batch, int64_t m, int64_t n, int64_t side) {
+  constexpr int64_t kAlign = 32;  // bf16 values per 64 bytes
+  const auto aligned = [](int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; };
+  const int64_t iterate = batch * m * n, capacity = 2 * iterate, square = batch * side * side;
+  NsCpuBf16Layout layout{0, -1, -1};
+  int64_t at = aligned(iterate);
+  if (at + square > capacity) return layout;
+  layout.gram = at;
+  at = aligned(at + square);
+  if (at + square <= capacity) layout.poly = at;
   return layout;
 }
 
