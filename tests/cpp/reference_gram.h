@@ -30,7 +30,8 @@ void run_gram_program(const GramProgram& program, const NsGemmPlan& plan, int64_
       const double* a = where(i, 0, op.a);
       for (int64_t t = 0; t < batch; ++t)
         for (int64_t c = 0; c < s; ++c)
-          for (int64_t r = 0; r < s; ++r) d[t * plan.square_stride + c * ld + r] = a[t * plan.square_stride + c * ld + r];
+          for (int64_t r = 0; r < s; ++r)
+            d[t * plan.square_stride + c * ld + r] = a[t * plan.square_stride + c * ld + r];
     } else {
       const GemmShape& shape = op.gemm == GramGemm::kGram    ? plan.gram_gemm
                                : op.gemm == GramGemm::kApply ? plan.update_gemm

@@ -32,8 +32,7 @@ struct Case {
 
 GramProgram program_of(const Case& c) {
   const std::vector<double>& table = c.polar ? kPolar : kQuintic;
-  const auto sched =
-      expand_schedule(table, c.steps, c.polar ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
+  const auto sched = expand_schedule(table, c.steps, c.polar ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
   return make_gram_program(c.m, c.n, c.transpose, sched, gram_restarts(sched, c.arithmetic),
                            c.arithmetic == GramArithmetic::kBf16W);
 }
@@ -129,9 +128,8 @@ TEST(GramPlacement, PlacedProgramsComputeWhatSeparateBuffersDo) {
         ASSERT_EQ(got.size(), want.size());
         for (std::size_t i = 0; i < want.size(); ++i) {
           ASSERT_FALSE(std::isnan(want[i]));
-          ASSERT_EQ(got[i], want[i]) << "batch " << c.batch << " " << c.m << "x" << c.n << " transpose "
-                                     << c.transpose << " steps " << c.steps << " pieces " << pieces << " gap "
-                                     << gap << " at " << i;
+          ASSERT_EQ(got[i], want[i]) << "batch " << c.batch << " " << c.m << "x" << c.n << " transpose " << c.transpose
+                                     << " steps " << c.steps << " pieces " << pieces << " gap " << gap << " at " << i;
         }
       }
     }
