@@ -4,7 +4,14 @@ Ops live in ``torch.ops.megatron_eopt``; this package adds typed wrappers, the c
 tables, and the optimizer classes built on them.
 """
 
-from ._library import LIBRARY_PATH, cuda_kernels_built, cuda_symmetric_products, set_cuda_symmetric_products
+from ._library import (
+    LIBRARY_PATH,
+    cpu_bf16_products,
+    cuda_kernels_built,
+    cuda_symmetric_products,
+    set_cpu_bf16_products,
+    set_cuda_symmetric_products,
+)
 from .newton_schulz import (
     COEFFICIENT_SETS,
     NS_ALGORITHMS,
@@ -62,6 +69,8 @@ __all__ = [
     "moment2_shape",
     "namo_normalize_",
     "set_cuda_symmetric_products",
+    "set_cpu_bf16_products",
+    "cpu_bf16_products",
     "set_in_place_newton_schulz",
     "new_moment2_buffer",
     "newton_schulz",

@@ -144,6 +144,31 @@ def set_cuda_symmetric_products(max_blocks: int | None, min_panel: int = 1024) -
     _cuda_cdll.megatron_eopt_set_symmetric_panels(ctypes.c_int64(max_blocks or 0), ctypes.c_int64(min_panel))
 
 
+_CPU_BF16_PRODUCTS = ("auto", "bf16", "fp32")
+
+
+def set_cpu_bf16_products(mode: str) -> None:
+    """Process-wide: how the CPU Newton–Schulz computes the bf16 products of "medium". ``"bf16"``:
+    ATen's bf16 GEMMs (oneDNN: fast on CPUs with AVX512-BF16 or AMX, a slow fallback elsewhere);
+    ``"fp32"``: fp32 GEMMs of the same bf16 values, each result rounded to bf16 where the bf16 GEMM
+    stores it. Both are bf16 products with fp32 accumulation and differ by summation order only.
+    ``"auto"`` (the initial setting): ``"bf16"`` where the CPU has those instructions, else ``"fp32"``."""
+    if mode not in _CPU_BF16_PRODUCTS:
+        raise ValueError(f"set_cpu_bf16_products: mode must be one of {_CPU_BF16_PRODUCTS}, got {mode!r}")
+    _cdll.megatron_eopt_set_cpu_bf16_products(ctypes.c_int(_CPU_BF16_PRODUCTS.index(mode)))
+
+
+def cpu_bf16_products() -> dict:
+    """The setting of :func:`set_cpu_bf16_products` (``"mode"``), whether this CPU has bf16 GEMM
+    instructions (``"bf16_instructions"``), and what "medium" runs on it now (``"products"``:
+    ``"bf16"`` or ``"fp32"``)."""
+    mode, instructions = ctypes.c_int(), ctypes.c_int()
+    _cdll.megatron_eopt_cpu_bf16_products(ctypes.byref(mode), ctypes.byref(instructions))
+    setting = _CPU_BF16_PRODUCTS[mode.value]
+    uses = setting if setting != "auto" else ("bf16" if instructions.value else "fp32")
+    return {"mode": setting, "bf16_instructions": bool(instructions.value), "products": uses}
+
+
 def cuda_kernels_built() -> bool:
     """True when the CUDA kernels are loaded (built, and compatible with the running torch);
     ``CUDA_KERNELS_STATUS`` says why not otherwise."""

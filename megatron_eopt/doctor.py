@@ -496,6 +496,9 @@ def facts() -> tuple[list[str], bool]:
                  f"{torch.__version__}"
                  + ("" if supported else f"  [UNSUPPORTED: needs torch >= {info['torch_floor']}]"))
     ok &= supported
+    bf16 = me.cpu_bf16_products()
+    lines.append(f"CPU \"medium\" products: {bf16['products']} GEMMs (bf16 instructions "
+                 f"{'found' if bf16['bf16_instructions'] else 'not found'}; set_cpu_bf16_products: {bf16['mode']})")
     if not cuda_kernels_built():
         lines.append(f"CUDA kernels: not loaded: {info['cuda_status']}")
     else:

@@ -1,5 +1,6 @@
 // Newton–Schulz on the CPU: argument checks, the algorithm choice, and the batch loop around the
 // executors (newton_schulz_standard_cpu.cpp, newton_schulz_gram_cpu.cpp).
+#include "cpu/cpu_bf16_products.h"
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "ops/aten_ops.h"
 #include "ops/newton_schulz_args.h"
@@ -25,7 +26,8 @@ void run_newton_schulz_cpu(const Tensor& x, Tensor& out, NsOptions opts) {
     if (choice.algorithm == NsAlgorithm::kGram) gram_newton_schulz_cpu(part, part_out, opts, choice.program);
     else standard_newton_schulz_cpu(part, part_out, opts);
   };
-  const int64_t per_matrix_macs = opts.precision == NsPrecision::kMedium ? kPerMatrixMacsBf16 : kPerMatrixMacs;
+  const bool bf16_gemms = opts.precision == NsPrecision::kMedium && cpu_uses_bf16_gemms();
+  const int64_t per_matrix_macs = bf16_gemms ? kPerMatrixMacsBf16 : kPerMatrixMacs;
   if (opts.batch > 1 && side * side * (opts.rows * opts.cols / side) >= per_matrix_macs) {
     for (int64_t i = 0; i < opts.batch; ++i) {
       Tensor part_out = aten::narrow(out, 0, i, 1);

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu/batched_gemm.h"
+#include "cpu/cpu_bf16_products.h"
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
@@ -24,7 +25,11 @@
 namespace megatron_eopt {
 
 void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts) {
-  const bool bf16 = opts.precision == NsPrecision::kMedium;
+  // "medium" stores W, G and P in bf16 (ATen's bf16 GEMMs), or in fp32 rounded to bf16 values
+  // after each product where the CPU lacks bf16 instructions (cpu_bf16_products.h).
+  const bool medium = opts.precision == NsPrecision::kMedium;
+  const bool bf16 = medium && cpu_uses_bf16_gemms();
+  const bool round = medium && !bf16;
   const ScalarType type = bf16 ? kBFloat16 : kFloat;
   const bool t = opts.transpose;
   const int64_t batch = w.size(0), m = w.size(1), n = w.size(2), side = t ? n : m;
@@ -63,6 +68,7 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   Tensor gram = in_out.gram >= 0 ? in_out_view(in_out.gram, {batch, side, side}) : temps[next++];
   Tensor poly = in_out.poly >= 0 ? in_out_view(in_out.poly, {batch, side, side}) : temps[next++];
   normalize_input_out(it, w, opts.eps, opts.recipe);
+  if (round) round_bf16_(it);
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
   // The transposed views the products take, made once: W alternates between two buffers.
   const Tensor gram_t = aten::mT(gram);
@@ -72,10 +78,14 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
     const NsCoefficients& co = opts.schedule[k];
     if (t) gram_product_out(gram, it_t, it, blocks);  // W = X^T
     else gram_product_out(gram, it, it_t, blocks);
+    if (round) round_bf16_(gram);
     if (co.c != 0.0f) gram_product_out(poly, gram, gram_t, blocks);  // G G = G G^T
+    if (round && co.c != 0.0f) round_bf16_(poly);
     polynomial_out(poly, co.c, co.c != 0.0f ? poly : gram, co.b, gram, co.a);
+    if (round) round_bf16_(poly);
     if (t) gemm_out(spare, it, poly);  // W P
     else gemm_out(spare, poly, it);    // P W
+    if (round) round_bf16_(spare);
     std::swap(spare, it);
     std::swap(spare_t, it_t);
   }
