@@ -24,8 +24,6 @@
 namespace megatron_eopt {
 namespace {
 
-bool is_x_buffer(GramBuf b) { return b == GramBuf::kX0 || b == GramBuf::kX1; }
-
 // Operand positions of GramPlacement::operand_slot.
 constexpr int kA = 0, kB = 1, kD = 3;
 
@@ -117,7 +115,8 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
           const Tensor& q = transpose ? at_(op.a, kA) : at_(op.b, kB);
           if (transpose) gemm_out(d, x, q);  // X Q = (Q X^T)^T
           else gemm_out(d, q, x);            // Q X
-          if (bf16 && is_x_buffer(op.d)) round_bf16_(d);
+          // Every product with W but the last writes W (a restart), in the W type.
+          if (bf16 && op_index + 1 < program.ops.size()) round_bf16_(d);
         } else {
           // s x s: every such product of the program is a polynomial in one R, so symmetric.
           if (op.alpha == 1.f && op.beta == 0.f) {

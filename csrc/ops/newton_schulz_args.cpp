@@ -57,13 +57,13 @@ constexpr std::size_t kMaxCachedChoices = 4096;
 
 }  // namespace
 
-NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device) {
+NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device, bool standard_bf16_gemms) {
   if (opts.algorithm == NsAlgorithm::kStandard) return {NsAlgorithm::kStandard, {}};
   // The choice and the Gram program (the schedule's peak, restarts, program) cost more host time
   // than a small matrix's iteration: made once per problem and kept for the process.
   ChoiceKey key{static_cast<int>(opts.algorithm),
                 static_cast<int>(opts.precision),
-                static_cast<int>(device),
+                static_cast<int>(device) * 2 + (standard_bf16_gemms ? 1 : 0),
                 opts.rows,
                 opts.cols,
                 opts.transpose,
@@ -78,7 +78,7 @@ NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device) {
     if (it != cache->end()) return it->second;
   }
   NsAlgorithmChoice choice = choose_ns_algorithm(opts.algorithm, opts.rows, opts.cols, opts.transpose, opts.schedule,
-                                                 opts.precision, device);
+                                                 opts.precision, device, standard_bf16_gemms);
   const std::lock_guard<std::mutex> lock(*mutex);
   if (cache->size() >= kMaxCachedChoices) cache->clear();
   cache->emplace(std::move(key), choice);

@@ -32,6 +32,8 @@ NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficie
                            double norm_divisor = 1.0, bool row_equilibration = false, bool frobenius_renorm = false);
 
 // The algorithm that runs on `device` (auto resolved) and, for Gram, its program.
-NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device);
+// `standard_bf16_gemms`: the CPU's "medium" standard iteration runs bf16 GEMMs (the CPU caller
+// passes cpu_uses_bf16_gemms(); see choose_ns_algorithm).
+NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device, bool standard_bf16_gemms = true);
 
 }  // namespace megatron_eopt

@@ -28,13 +28,14 @@ struct Case {
   long steps;
   GramArithmetic arithmetic;
   bool polar;
+  bool cpu = false;  // the CPU's program: bf16 W values in fp32 buffers, the output among them
 };
 
 GramProgram program_of(const Case& c) {
   const std::vector<double>& table = c.polar ? kPolar : kQuintic;
   const auto sched = expand_schedule(table, c.steps, c.polar ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
-  return make_gram_program(c.m, c.n, c.transpose, sched, gram_restarts(sched, c.arithmetic),
-                           c.arithmetic == GramArithmetic::kBf16W);
+  const bool bf16 = c.arithmetic == GramArithmetic::kBf16W;
+  return make_gram_program(c.m, c.n, c.transpose, sched, gram_restarts(sched, c.arithmetic), bf16, !bf16 || c.cpu);
 }
 
 std::vector<double> normalized_input(const Case& c) {
@@ -105,8 +106,11 @@ std::vector<Case> cases() {
         for (GramArithmetic ar : {GramArithmetic::kFp32, GramArithmetic::kBf16W, GramArithmetic::kTf32}) {
           for (bool polar : {false, true}) {
             // Transposed: the matrix is tall, n x m, so that the Gram side stays the short one.
-            all.push_back(transpose ? Case{sh[0], sh[2], sh[1], true, steps, ar, polar}
-                                    : Case{sh[0], sh[1], sh[2], false, steps, ar, polar});
+            for (bool cpu : {false, true}) {
+              if (cpu && ar != GramArithmetic::kBf16W) continue;  // the same program as the default
+              all.push_back(transpose ? Case{sh[0], sh[2], sh[1], true, steps, ar, polar, cpu}
+                                      : Case{sh[0], sh[1], sh[2], false, steps, ar, polar, cpu});
+            }
           }
         }
       }
@@ -167,6 +171,12 @@ TEST(GramPlacement, QuinticFiveStepsNeedOneBufferInFp32AndNoneInBf16) {
   // bf16 W lives in kX0 and kX1, so kOut is free until the end, and two pieces of each suffice.
   run_placed(bf16, program_of(bf16), plan, 2, 0, &placed);
   EXPECT_EQ(placed.dedicated, 0);
+  // The CPU's bf16 program keeps W in kOut and kX0 as fp32 does, plus Q's rounded copy: one buffer.
+  const Case cpu{1, 4, 16, false, 5, GramArithmetic::kBf16W, false, true};
+  const GramProgram cpu_program = program_of(cpu);
+  EXPECT_FALSE(cpu_program.uses[gram_buf_index(GramBuf::kX1)]);
+  run_placed(cpu, cpu_program, plan, 4, 0, &placed);
+  EXPECT_EQ(placed.dedicated, 1);
 }
 
 TEST(GramLiveness, InputFromBeforeTheOpsResultToTheEnd) {

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -67,7 +68,8 @@ std::vector<double> run_program(const GramProgram& program, const std::vector<do
 }
 
 void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool transpose, long steps,
-                                    GramArithmetic arithmetic, const std::vector<double>& table) {
+                                    GramArithmetic arithmetic, const std::vector<double>& table,
+                                    std::optional<bool> w_in_out = {}) {
   std::mt19937 rng(static_cast<unsigned>(m * 977 + n * 31 + steps * 7 + transpose));
   std::normal_distribution<double> normal;
   std::vector<double> x(batch * m * n);
@@ -78,7 +80,8 @@ void check_program_matches_standard(int64_t batch, int64_t m, int64_t n, bool tr
   }
   const auto sched = schedule(table, steps);
   const auto restart = gram_restarts(sched, arithmetic);
-  const GramProgram program = make_gram_program(m, n, transpose, sched, restart, arithmetic == GramArithmetic::kBf16W);
+  const GramProgram program = make_gram_program(m, n, transpose, sched, restart, arithmetic == GramArithmetic::kBf16W,
+                                                w_in_out);
   const auto want = direct_standard(x, batch, m, n, transpose, sched);
   // The padded layout (NaN in the padding) must give the same values as the dense one.
   const auto padded = run_program(program, x, batch, m, n, transpose, padded_square_ld(program.gram_side) + 8);
@@ -194,6 +197,23 @@ TEST(GramProgram, EqualsTheStandardIterationTall) {
 TEST(GramProgram, EqualsTheStandardIterationWithForcedTranspose) {
   check_program_matches_standard(2, 4, 9, true, 5, GramArithmetic::kFp32, kQuintic);
   check_program_matches_standard(2, 9, 4, false, 5, GramArithmetic::kBf16W, kQuintic);
+}
+
+TEST(GramProgram, TheCpuBf16ProgramKeepsWInTheOutput) {
+  // The CPU holds bf16 W values in fp32 buffers: W alternates between kX0 and kOut as in fp32, Q
+  // is still rounded before each product with W, and the arithmetic is the same iteration.
+  const auto sched = schedule(kQuintic, 5);
+  const GramProgram p = make_gram_program(40, 100, false, sched, gram_restarts(sched, GramArithmetic::kBf16W), true,
+                                          true);
+  EXPECT_TRUE(p.x_bf16);
+  EXPECT_TRUE(p.x_in_out);
+  EXPECT_FALSE(p.uses[gram_buf_index(GramBuf::kX1)]);
+  EXPECT_EQ(p.x_first, GramBuf::kOut);  // one restart: kOut, then kX0, then the result in kOut
+  int rounds = 0;
+  for (const GramOp& op : p.ops) rounds += op.kind == GramOpKind::kRound;
+  EXPECT_EQ(rounds, p.restarts + 1);
+  check_program_matches_standard(2, 5, 11, false, 5, GramArithmetic::kBf16W, kQuintic, true);
+  check_program_matches_standard(2, 11, 5, true, 8, GramArithmetic::kBf16W, kPolar, true);
 }
 
 TEST(GramProgram, SingleStepAndLongSchedules) {

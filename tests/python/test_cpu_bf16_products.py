@@ -2,7 +2,7 @@
 GEMMs of the same bf16 values rounded to bf16 after each product. Both modes are tested on every
 machine, whatever "auto" picks on it: each within the bf16 bound of float64 that the op's own
 parity test applies, each in place bit for bit as out of place, and the fp32 mode really rounding
-(far from the fp32 iteration, close to the bf16 one)."""
+(as far from the fp32 iteration as the bf16 GEMMs, and returning bf16 values)."""
 
 import pytest
 import torch
@@ -65,8 +65,9 @@ def test_the_fp32_mode_rounds_where_the_bf16_gemms_store(steps, gen, restore_mod
     me.set_cpu_bf16_products("fp32")
     emulated = newton_schulz(x, steps=steps, precision="medium", algorithm="standard")
     # Without rounding the emulated result would be the fp32 iteration's (about 1e-6 apart); with it,
-    # it lies as far from fp32 as the bf16 GEMMs' result and much closer to theirs.
+    # it lies about as far from fp32 as the bf16 GEMMs' result (0.4-0.7% here; the two bf16 results
+    # are as far apart, rounding some entries the other way).
     assert rel_err(emulated, fp32) > 1e-3
-    assert rel_err(emulated, bf16) < 0.5 * rel_err(emulated, fp32)
+    assert 0.5 < rel_err(emulated, fp32) / rel_err(bf16, fp32) < 2.0
     # Every value it returns is a bf16 value (the last product's result, rounded).
     assert torch.equal(emulated, emulated.to(torch.bfloat16).float())

@@ -183,21 +183,28 @@ AUTO_CPU = [((128, 512), "gram"), ((512, 128), "gram"), ((2, 128, 384), "gram"),
             ((64, 256), "standard"), ((128, 192), "standard"), ((97, 37), "standard")]
 
 
-# "medium": the standard iteration's bf16 GEMMs against the Gram iteration's fp32 products (it
-# needs R with an fp32 result, 2.5x the cost): standard at every shape.
+# "medium" with bf16 GEMMs: the standard iteration's bf16 GEMMs against the Gram iteration's fp32
+# products (it needs R with an fp32 result, 2.5x the cost): standard at every shape. With fp32
+# GEMMs of bf16 values (a CPU without bf16 instructions) both cost the same: as "highest".
 AUTO_CPU_MEDIUM = [(shape, "standard") for shape, _ in AUTO_CPU]
 
 
 @pytest.mark.parametrize(
-    "precision,shape,expected",
-    [("highest", *case) for case in AUTO_CPU] + [("medium", *case) for case in AUTO_CPU_MEDIUM],
+    "precision,products,shape,expected",
+    [("highest", "auto", *case) for case in AUTO_CPU]
+    + [("medium", "bf16", *case) for case in AUTO_CPU_MEDIUM]
+    + [("medium", "fp32", *case) for case in AUTO_CPU],
 )
-def test_auto_picks_by_shape_on_cpu(shape, expected, precision, gen):
-    x = _input(shape, gen, "cpu")
-    auto = me.newton_schulz(x, precision=precision)
-    assert torch.equal(auto, me.newton_schulz(x, precision=precision, algorithm=expected))
-    other = "standard" if expected == "gram" else "gram"
-    assert not torch.equal(auto, me.newton_schulz(x, precision=precision, algorithm=other))
+def test_auto_picks_by_shape_on_cpu(shape, expected, precision, products, gen):
+    me.set_cpu_bf16_products(products)
+    try:
+        x = _input(shape, gen, "cpu")
+        auto = me.newton_schulz(x, precision=precision)
+        assert torch.equal(auto, me.newton_schulz(x, precision=precision, algorithm=expected))
+        other = "standard" if expected == "gram" else "gram"
+        assert not torch.equal(auto, me.newton_schulz(x, precision=precision, algorithm=other))
+    finally:
+        me.set_cpu_bf16_products("auto")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -62,13 +62,15 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 }
 
 // Relative cost of one FLOP of the Gram iteration against one of the standard iteration's. On a
-// CPU with "medium" the standard iteration runs ATen's bf16 GEMMs, while the Gram iteration keeps
-// fp32 products of bf16 values (it needs R with an fp32 result, which those GEMMs cannot write):
-// fp32 GEMMs take 2.1x to 2.5x as long on a CPU with AVX-512 bf16 (benchmarks/RESULTS.md; the
-// upper end is used), more than the Gram iteration saves at any aspect ratio, so "auto" keeps the standard iteration
-// there. Elsewhere both iterations run the same arithmetic.
-inline double gram_flop_weight(NsPrecision precision, NsDevice device) {
-  return precision == NsPrecision::kMedium && device == NsDevice::kCpu ? 2.5 : 1.0;
+// CPU with "medium" the standard iteration runs ATen's bf16 GEMMs (`standard_bf16_gemms`), while
+// the Gram iteration keeps fp32 products of bf16 values (it needs R with an fp32 result, which
+// those GEMMs cannot write): fp32 GEMMs take 2.1x to 2.5x as long on a CPU with AVX-512 bf16
+// (benchmarks/RESULTS.md; the upper end is used), more than the Gram iteration saves at any aspect
+// ratio, so "auto" keeps the standard iteration there. On a CPU without bf16 instructions the
+// standard iteration runs fp32 GEMMs of bf16 values too (cpu/cpu_bf16_products.h), and elsewhere
+// both iterations run the same arithmetic.
+inline double gram_flop_weight(NsPrecision precision, NsDevice device, bool standard_bf16_gemms = true) {
+  return precision == NsPrecision::kMedium && device == NsDevice::kCpu && standard_bf16_gemms ? 2.5 : 1.0;
 }
 
 // When "auto" takes the Gram iteration: its modelled cost (FLOPs weighted as above, symmetric
@@ -91,12 +93,12 @@ inline NsAutoRule ns_auto_rule(NsDevice device) {
 
 // Modelled time ratio standard / Gram of one call; above 1 the Gram iteration does less work.
 inline double gram_speedup_model(const GramProgram& program, std::size_t steps, int64_t m, int64_t n, bool transpose,
-                                 NsPrecision precision, NsDevice device) {
+                                 NsPrecision precision, NsDevice device, bool standard_bf16_gemms = true) {
   const double sym = ns_symmetric_fraction(ns_symmetric_blocks(program.gram_side, device));
   const NsFlops g = gram_program_flops(program);
   const NsFlops st = standard_flops(m, n, transpose, steps);
   const double standard_cost = sym * st.long_symmetric + st.long_general + sym * st.square;
-  const double gram_cost = gram_flop_weight(precision, device) *
+  const double gram_cost = gram_flop_weight(precision, device, standard_bf16_gemms) *
                            (sym * g.long_symmetric + g.long_general +
                             gram_square_flop_weight(precision, device) * sym * g.square);
   return gram_cost > 0 ? standard_cost / gram_cost : 0.0;
@@ -136,18 +138,24 @@ struct NsAlgorithmChoice {
   GramProgram program;    // valid when algorithm == kGram
 };
 
+// `standard_bf16_gemms`: on a CPU under "medium", whether the standard iteration runs bf16 GEMMs
+// (cpu_uses_bf16_gemms) or fp32 GEMMs of bf16 values. The CPU keeps W's bf16 values in fp32
+// buffers, so its programs may hold W in the output (make_gram_program's w_in_out).
 inline NsAlgorithmChoice choose_ns_algorithm(NsAlgorithm requested, int64_t m, int64_t n, bool transpose,
                                              const std::vector<NsCoefficients>& schedule, NsPrecision precision,
-                                             NsDevice device) {
+                                             NsDevice device, bool standard_bf16_gemms = true) {
   NsAlgorithmChoice choice{NsAlgorithm::kStandard, {}};
   if (requested == NsAlgorithm::kStandard) return choice;
   if (requested == NsAlgorithm::kAuto && ns_schedule_peak(schedule) > kGramMaxSchedulePeak) return choice;
   const std::vector<bool> restart = gram_restarts(schedule, gram_arithmetic(precision, device));
-  GramProgram program = make_gram_program(m, n, transpose, schedule, restart, precision == NsPrecision::kMedium);
+  const bool x_bf16 = precision == NsPrecision::kMedium;
+  GramProgram program = make_gram_program(m, n, transpose, schedule, restart, x_bf16,
+                                          !x_bf16 || device == NsDevice::kCpu);
   if (requested == NsAlgorithm::kAuto) {
     const NsAutoRule rule = ns_auto_rule(device);
     const int64_t side = transpose ? n : m;
-    const double speedup = gram_speedup_model(program, schedule.size(), m, n, transpose, precision, device);
+    const double speedup = gram_speedup_model(program, schedule.size(), m, n, transpose, precision, device,
+                                              standard_bf16_gemms);
     if (side < rule.min_gram_side || speedup < rule.min_speedup) return choice;
   }
   choice.algorithm = NsAlgorithm::kGram;

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -118,7 +119,7 @@ struct GramProgram {
   GramBuf x_first;          // where the normalized input W0 goes
   bool transpose;           // iterating on X^T: the Gram side is the column count
   bool x_bf16;              // W (kX0, kX1) and kQx are bf16; everything else is fp32
-  bool x_in_out;            // kOut serves as an fp32 W buffer (no kX1 then)
+  bool x_in_out;            // kOut serves as a W buffer (no kX1 then)
   bool uses[kGramBufCount]; // buffers the program touches (scratch to allocate)
   int restarts;
   int64_t gram_side, long_side;  // s and l
@@ -127,10 +128,11 @@ struct GramProgram {
 inline std::size_t gram_buf_index(GramBuf b) { return static_cast<std::size_t>(b); }
 
 // m, n: rows and columns of each row-major matrix; transpose: iterate on X^T (Gram side n);
-// x_bf16: W is stored in bf16 (precision medium), so Q is rounded (kQx) before the products with W
-// and kOut, being fp32, cannot hold W.
+// x_bf16: W holds bf16 values (precision medium), so Q is rounded (kQx) before the products with W.
+// w_in_out: kOut may hold W; by default only when W is fp32 (CUDA stores bf16 W in bf16 buffers,
+// which the fp32 output cannot be; the CPU keeps bf16 values in fp32 buffers, so it can).
 inline GramProgram make_gram_program(int64_t m, int64_t n, bool transpose, const std::vector<NsCoefficients>& schedule,
-                                     const std::vector<bool>& restart, bool x_bf16) {
+                                     const std::vector<bool>& restart, bool x_bf16, std::optional<bool> w_in_out = {}) {
   if (schedule.empty() || restart.size() != schedule.size()) {
     throw std::invalid_argument("restart must have one entry per schedule step");
   }
@@ -139,7 +141,7 @@ inline GramProgram make_gram_program(int64_t m, int64_t n, bool transpose, const
   p.long_side = transpose ? m : n;
   p.transpose = transpose;
   p.x_bf16 = x_bf16;
-  p.x_in_out = !x_bf16;
+  p.x_in_out = w_in_out.value_or(!x_bf16);
   int restarts = 0;
   for (std::size_t k = 1; k < restart.size(); ++k) restarts += restart[k] ? 1 : 0;
   p.restarts = restarts;
