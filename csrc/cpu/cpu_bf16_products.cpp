@@ -5,6 +5,8 @@
 
 #if defined(__x86_64__)
 #include <cpuid.h>
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
 #endif
 
 #include "ops/c_export.h"
@@ -13,6 +15,10 @@ namespace megatron_eopt {
 namespace {
 
 std::atomic<int> g_mode{static_cast<int>(CpuBf16Products::kAuto)};
+
+#if defined(__aarch64__) && defined(__linux__)
+constexpr unsigned long kHwcap2Bf16 = 1ul << 14;  // HWCAP2_BF16 of the kernel's asm/hwcap.h
+#endif
 
 #if defined(__x86_64__)
 uint64_t enabled_state() {  // XCR0: the register state the OS saves, hence enables
@@ -33,8 +39,10 @@ bool detect() {
   const bool avx512_bf16 = __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) && (a1 & (1u << 5)) != 0;
   return (avx512f && avx512_bf16 && avx512_state) || (amx_bf16 && tile_state);
 }
+#elif defined(__aarch64__) && defined(__linux__)
+bool detect() { return (getauxval(AT_HWCAP2) & kHwcap2Bf16) != 0; }  // the BF16 extension (BFMMLA)
 #else
-bool detect() { return true; }
+bool detect() { return false; }  // unknown: fp32 GEMMs of bf16 values are never the slow path
 #endif
 
 }  // namespace

@@ -10,9 +10,9 @@ namespace megatron_eopt {
 
 enum class CpuBf16Products { kAuto = 0, kBf16 = 1, kFp32 = 2 };
 
-// Whether this CPU has bf16 GEMM instructions its OS enables (AVX512-BF16 with AVX-512 state, or
-// AMX-BF16 with tile state); detected once. True on architectures other than x86-64, whose bf16
-// support is left to ATen.
+// Whether this CPU has bf16 GEMM instructions its OS enables (x86-64: AVX512-BF16 with AVX-512
+// state, or AMX-BF16 with tile state; Linux on aarch64: the BF16 extension); detected once. False
+// elsewhere, where fp32 GEMMs of bf16 values are the safe choice.
 bool cpu_has_bf16_instructions();
 
 // Process-wide setting (megatron_eopt.set_cpu_bf16_products), kAuto at start.

@@ -21,12 +21,13 @@ constexpr int64_t kPerMatrixMacsBf16 = int64_t{1} << 27;
 void run_newton_schulz_cpu(const Tensor& x, Tensor& out, NsOptions opts) {
   const int64_t side = opts.transpose ? opts.cols : opts.rows;
   opts.precision = cpu_iteration_precision(opts.precision, side);
+  // The products mode is read once per call: every matrix of a batch runs alike.
   const bool bf16_gemms = opts.precision == NsPrecision::kMedium && cpu_uses_bf16_gemms();
   const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCpu,
                                                         opts.precision != NsPrecision::kMedium || bf16_gemms);
   const auto run = [&](const Tensor& part, Tensor& part_out) {
     if (choice.algorithm == NsAlgorithm::kGram) gram_newton_schulz_cpu(part, part_out, opts, choice.program);
-    else standard_newton_schulz_cpu(part, part_out, opts);
+    else standard_newton_schulz_cpu(part, part_out, opts, bf16_gemms);
   };
   const int64_t per_matrix_macs = bf16_gemms ? kPerMatrixMacsBf16 : kPerMatrixMacs;
   if (opts.batch > 1 && side * side * (opts.rows * opts.cols / side) >= per_matrix_macs) {

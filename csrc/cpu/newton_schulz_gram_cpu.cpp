@@ -27,8 +27,9 @@ namespace {
 // Operand positions of GramPlacement::operand_slot.
 constexpr int kA = 0, kB = 1, kD = 3;
 
-// s x s pieces of a W buffer start at multiples of 16 floats (64 bytes, a cache line), as ATen's
-// own allocations do, so that a product's BLAS kernels do not depend on where its operands live.
+// s x s pieces of a W buffer start at multiples of 16 floats (64 bytes, a cache line) from the
+// buffer's start: 64-byte aligned where the buffer is, as ATen's own allocations are (a slice of
+// the in-place op or of the batch loop may start anywhere; the results do not depend on it).
 constexpr int64_t kPieceAlignElems = 16;
 
 }  // namespace
@@ -39,8 +40,7 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
   const bool transpose = opts.transpose;
 
   // W buffers by name; the s x s values in the slots of their placement: pieces of W buffers while
-  // those hold nothing (ns_gram_placement.h), else dedicated buffers. The pieces start on 64-byte
-  // boundaries, as ATen's own allocations and take_all's tensors do.
+  // those hold nothing (ns_gram_placement.h), else dedicated buffers.
   std::array<Tensor, kGramBufCount> w_buf;
   w_buf[gram_buf_index(GramBuf::kOut)] = out;
   const int64_t square = batch * s * s;

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "cpu/batched_gemm.h"
-#include "cpu/cpu_bf16_products.h"
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
@@ -24,11 +23,9 @@
 
 namespace megatron_eopt {
 
-void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts) {
-  // "medium" stores W, G and P in bf16 (ATen's bf16 GEMMs), or in fp32 rounded to bf16 values
-  // after each product where the CPU lacks bf16 instructions (cpu_bf16_products.h).
+void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts, bool bf16_gemms) {
   const bool medium = opts.precision == NsPrecision::kMedium;
-  const bool bf16 = medium && cpu_uses_bf16_gemms();
+  const bool bf16 = medium && bf16_gemms;
   const bool round = medium && !bf16;
   const ScalarType type = bf16 ? kBFloat16 : kFloat;
   const bool t = opts.transpose;

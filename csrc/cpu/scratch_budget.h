@@ -91,15 +91,17 @@ void keep_returned(KeptBuffers<Buffer>& kept, std::vector<Buffer>& returned, int
   returned.clear();
 }
 
-// Takes the kept buffer at `index` out for a call (its bytes go back to `budget`).
 // A call asks for `bytes` of a kind (dtype) that no kept buffer of that kind holds: the kept buffers
 // of that kind smaller than the request are freed before the new one is allocated. Once the new
 // buffer is kept it serves every call they could serve (each call takes the smallest kept buffer
 // that holds it), so keeping them would only add their bytes to the process's resident memory
-// while the call runs, and keep them there after.
+// while the call runs, and keep them there after. Nothing is freed for a request over a cap
+// (`thread_cap`, the process's): that buffer is freed after its call, and the smaller calls would
+// then page-fault fresh buffers every time.
 template <class Buffer, class BytesOf, class SameKind>
-void drop_smaller(KeptBuffers<Buffer>& kept, int64_t bytes, KeptBytesBudget& budget, BytesOf bytes_of,
-                  SameKind same_kind) {
+void drop_smaller(KeptBuffers<Buffer>& kept, int64_t bytes, int64_t thread_cap, KeptBytesBudget& budget,
+                  BytesOf bytes_of, SameKind same_kind) {
+  if (bytes > thread_cap || bytes > budget.cap()) return;
   std::vector<Buffer> remaining;
   for (Buffer& buffer : kept.buffers) {
     const int64_t b = bytes_of(buffer);
@@ -113,6 +115,7 @@ void drop_smaller(KeptBuffers<Buffer>& kept, int64_t bytes, KeptBytesBudget& bud
   kept.buffers = std::move(remaining);
 }
 
+// Takes the kept buffer at `index` out for a call (its bytes go back to `budget`).
 template <class Buffer, class BytesOf>
 Buffer take_kept(KeptBuffers<Buffer>& kept, std::size_t index, KeptBytesBudget& budget, BytesOf bytes_of) {
   Buffer buffer = std::move(kept.buffers[index]);

@@ -52,7 +52,7 @@ std::vector<Tensor> CpuScratch::take_all(const std::vector<std::vector<int64_t>>
   if (best < free.size()) {
     flat = take_kept(pool, best, process_budget, bytes_of);
   } else {
-    drop_smaller(pool, numel * (dtype == kBFloat16 ? 2 : 4), process_budget, bytes_of,
+    drop_smaller(pool, numel * (dtype == kBFloat16 ? 2 : 4), kMaxPooledBytes, process_budget, bytes_of,
                  [dtype](const Tensor& t) { return t.scalar_type() == dtype; });
     flat = aten::empty({numel}, dtype, Device(kCPU));
   }

@@ -80,13 +80,20 @@ TEST(ScratchBudget, AMissFreesTheSmallerBuffersOfItsKind) {
   KeptBuffers<int64_t> kept;
   std::vector<int64_t> call{40, 11, 80, 60, 101};
   keep_returned(kept, call, 1000, budget, bytes_of);
-  drop_smaller(kept, 70, budget, bytes_of, even);  // 40 and 60 can only serve what 70 serves
+  drop_smaller(kept, 70, 1000, budget, bytes_of, even);  // 40 and 60 can only serve what 70 serves
   EXPECT_EQ(kept.buffers, (std::vector<int64_t>{11, 80, 101}));
   EXPECT_EQ(kept.bytes, 192);
   EXPECT_EQ(budget.kept(), 192);
-  drop_smaller(kept, 80, budget, bytes_of, even);  // a buffer as large as the request stays
+  drop_smaller(kept, 80, 1000, budget, bytes_of, even);  // a buffer as large as the request stays
   EXPECT_EQ(kept.buffers, (std::vector<int64_t>{11, 80, 101}));
-  drop_smaller(kept, 1000, budget, bytes_of, [](int64_t b) { return b % 2 == 1; });
+  // A request over the thread's cap (or the process's) will not be kept after its call: the
+  // buffers it would replace stay for the calls after it.
+  drop_smaller(kept, 501, 500, budget, bytes_of, [](int64_t b) { return b % 2 == 1; });
+  EXPECT_EQ(kept.buffers, (std::vector<int64_t>{11, 80, 101}));
+  KeptBytesBudget small(400);
+  drop_smaller(kept, 401, 1000, small, bytes_of, [](int64_t b) { return b % 2 == 1; });
+  EXPECT_EQ(kept.buffers, (std::vector<int64_t>{11, 80, 101}));
+  drop_smaller(kept, 1000, 1000, budget, bytes_of, [](int64_t b) { return b % 2 == 1; });
   EXPECT_EQ(kept.buffers, (std::vector<int64_t>{80}));
   EXPECT_EQ(budget.kept(), 80);
 }

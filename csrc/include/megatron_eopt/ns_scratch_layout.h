@@ -103,7 +103,8 @@ inline NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bo
 // for 2 N bf16 values, N = batch * m * n) holds nothing, in place or not (the input is read only
 // by the normalization, which writes the other iterate). Its first N bf16 values take one of the
 // two iterates, and the rest G and P (batch * side * side each, unpadded) where they fit, each
-// starting on a 64-byte boundary of the storage. Offsets in bf16 values; -1: in scratch.
+// at a multiple of 64 bytes from the storage's start (64-byte aligned where the output is).
+// Offsets in bf16 values; -1: in scratch.
 struct NsCpuBf16Layout {
   int64_t iterate;  // always 0
   int64_t gram;
