@@ -2,13 +2,16 @@
 """megatron-eopt's Newton–Schulz algorithms against each other, over matrix shapes.
 
     python benchmarks/ns_algorithms.py [--device cpu|cuda] [--precision P] [--coefficients TYPE]
-                                       [--variants V [V ...]] [--target-s S] [--quick] [--results-md FILE]
+                                       [--variants V [V ...]] [--shapes MxN [MxN ...]] [--target-s S]
+                                       [--quick] [--results-md FILE]
 
 For each shape, the variants are timed interleaved call by call (same inputs, medians), next to
 the ratio of the standard and Gram FLOPs (full GEMMs) and what algorithm="auto" runs there. A
 variant is "standard" or "gram", optionally with CUDA's opt-in symmetric products:
 "standard@4" runs them with at most 4 block columns of at least --min-panel rows
-(megatron_eopt.set_cuda_symmetric_products). This is the measurement the "auto" rule of
+(megatron_eopt.set_cuda_symmetric_products); or, on a CPU, with how "medium" computes its bf16
+products: "standard+bf16" (ATen's bf16 GEMMs) or "standard+fp32" (fp32 GEMMs of bf16 values;
+megatron_eopt.set_cpu_bf16_products). This is the measurement the "auto" rule of
 csrc/include/megatron_eopt/ns_algorithm.h is calibrated on. With --results-md the table becomes
 that file's "algorithms: <device>" section.
 """
@@ -60,22 +63,28 @@ def shapes(quick: bool, device_type: str) -> list[tuple[int, int]]:
     return out + MODEL_SHAPES
 
 
-def parse_variant(name: str) -> tuple[str, int]:
-    """"gram@4" -> ("gram", 4): the algorithm and the symmetric products' most blocks (1: off)."""
+def parse_variant(name: str) -> tuple[str, int, str]:
+    """"gram@4" -> ("gram", 4, "auto"): the algorithm, the symmetric products' most blocks (1: off)
+    and the CPU's bf16 products ("standard+fp32" -> ("standard", 1, "fp32"))."""
+    name, _, products = name.partition("+")
     algorithm, _, blocks = name.partition("@")
-    if algorithm not in ("standard", "gram") or (blocks and not blocks.isdigit()):
-        raise SystemExit(f"ns_algorithms.py: bad variant {name!r} (standard, gram, standard@K, gram@K)")
-    return algorithm, int(blocks or 1)
+    if (algorithm not in ("standard", "gram") or (blocks and not blocks.isdigit())
+            or products not in ("", "bf16", "fp32")):
+        raise SystemExit(f"ns_algorithms.py: bad variant {name!r} (standard, gram, standard@K, gram@K, "
+                         "standard+bf16, standard+fp32)")
+    return algorithm, int(blocks or 1), products or "auto"
 
 
 def time_variants(x: torch.Tensor, device: torch.device, variants: list[str], min_panel: int, target_s: float,
                   max_repeats: int) -> dict[str, float]:
     def make(name):
-        algorithm, blocks = parse_variant(name)
+        algorithm, blocks, products = parse_variant(name)
 
         def run():
             if device.type == "cuda":
                 me.set_cuda_symmetric_products(blocks, min_panel)
+            else:
+                me.set_cpu_bf16_products(products)
             return me.newton_schulz(x, steps=hyper.NS_STEPS, coefficient_type=hyper.COEFFICIENT_TYPE,
                                     precision=hyper.PRECISION, algorithm=algorithm)
 
@@ -101,6 +110,8 @@ def time_variants(x: torch.Tensor, device: torch.device, variants: list[str], mi
             samples[a].append(time.perf_counter() - t0)
     if device.type == "cuda":
         me.set_cuda_symmetric_products(None)  # back to the default
+    else:
+        me.set_cpu_bf16_products("auto")
     return {a: statistics.median(v) * 1e3 for a, v in samples.items()}
 
 
@@ -121,6 +132,7 @@ def main(argv=None) -> int:
                         help="smallest block column of the symmetric products (default 256)")
     parser.add_argument("--target-s", type=float, default=None,
                         help="seconds of timed calls per shape (default 3; 1 on cuda)")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="MxN", help="these shapes only")
     parser.add_argument("--quick", action="store_true", help="two tiny shapes: a smoke run")
     parser.add_argument("--results-md", metavar="FILE")
     args = parser.parse_args(argv)
@@ -133,11 +145,19 @@ def main(argv=None) -> int:
                                  if device.type == "cuda" else ["standard", "gram"])
     if device.type != "cuda" and any(parse_variant(v)[1] > 1 for v in variants):
         raise SystemExit("ns_algorithms.py: symmetric-product variants (@K) are CUDA's")
+    if device.type == "cuda" and any(parse_variant(v)[2] != "auto" for v in variants):
+        raise SystemExit("ns_algorithms.py: bf16-product variants (+bf16, +fp32) are the CPU's")
     for v in variants:
         parse_variant(v)
     target_s = 0.2 if args.quick else (args.target_s or (1.0 if device.type == "cuda" else 3.0))
     rows = []
-    for m, n in shapes(args.quick, device.type):
+    chosen = shapes(args.quick, device.type)
+    if args.shapes:
+        try:
+            chosen = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes]
+        except ValueError:
+            raise SystemExit(f"ns_algorithms.py: --shapes takes MxN, got {args.shapes}") from None
+    for m, n in chosen:
         x = torch.randn(m, n, device=device, generator=gen)
         ms = time_variants(x, device, variants, args.min_panel, target_s=target_s,
                            max_repeats=5 if args.quick else 25)
@@ -164,6 +184,8 @@ def main(argv=None) -> int:
         f"x{hyper.NS_STEPS}, precision {hyper.PRECISION}; variants interleaved call by call"
         + (f" (@K: CUDA's symmetric products, at most K block columns of at least {args.min_panel} rows)"
            if any("@" in v for v in variants) else "")
+        + (" (+bf16 / +fp32: the CPU's \"medium\" products as bf16 GEMMs / fp32 GEMMs of bf16 values)"
+           if any("+" in v for v in variants) else "")
         + ". FLOP ratio: standard over Gram FLOPs with full GEMMs (the CPU also computes symmetric products "
         "as blocks above the diagonal, in both algorithms).",
         "",

@@ -197,3 +197,26 @@ def test_op_overhead_reports_every_row_and_the_step_s_python_calls():
     calls = proc.stdout.split("Python calls per demo-model step")[1]
     count = float(calls.split(":", 1)[1].strip().rstrip("."))
     assert 50 < count < 5000  # a count of Python-level calls, not a time
+
+
+def test_ns_algorithms_times_the_cpu_products_modes_on_the_shapes_given(tmp_path):
+    """benchmarks/ns_algorithms.py --shapes with the CPU's bf16-product variants: one row per shape,
+    a time per variant and the ratios to the first; the products mode is back to "auto" after."""
+    script = os.path.join(os.path.dirname(RUN_PY), "ns_algorithms.py")
+    md_path = tmp_path / "RESULTS.md"
+    proc = subprocess.run(
+        [sys.executable, script, "--device", "cpu", "--precision", "medium", "--target-s", "0.05",
+         "--variants", "standard+fp32", "standard+bf16", "gram", "--shapes", "16x48", "40x24",
+         "--results-md", str(md_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = md_path.read_text()
+    assert "<!-- section: algorithms:" in text and "+bf16 / +fp32" in text
+    rows = [line for line in text.splitlines() if line.startswith("| 16x48") or line.startswith("| 40x24")]
+    assert len(rows) == 2, text
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert all(float(c) > 0 for c in cells[1:4]) and cells[4].endswith("x") and cells[5].endswith("x")
+    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--variants", "standard+fp16"],
+                         capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "bad variant" in bad.stderr
