@@ -15,6 +15,7 @@
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/ns_gram_placement.h"
+#include "megatron_eopt/ns_scratch_layout.h"
 
 #include "ops/aten_ops.h"
 
@@ -26,11 +27,6 @@ namespace {
 
 // Operand positions of GramPlacement::operand_slot.
 constexpr int kA = 0, kB = 1, kD = 3;
-
-// s x s pieces of a W buffer start at multiples of 16 floats (64 bytes, a cache line) from the
-// buffer's start: 64-byte aligned where the buffer is, as ATen's own allocations are (a slice of
-// the in-place op or of the batch loop may start anywhere; the results do not depend on it).
-constexpr int64_t kPieceAlignElems = 16;
 
 }  // namespace
 
@@ -44,7 +40,9 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
   std::array<Tensor, kGramBufCount> w_buf;
   w_buf[gram_buf_index(GramBuf::kOut)] = out;
   const int64_t square = batch * s * s;
-  const int64_t piece_stride = (square + kPieceAlignElems - 1) / kPieceAlignElems * kPieceAlignElems;
+  // Pieces at whole cache lines from the W buffer's start (a slice of the in-place op or of the
+  // batch loop may start anywhere; the results do not depend on it).
+  const int64_t piece_stride = ns_cpu_aligned_elems(square, 4);
   const int64_t w_pieces = gram_pieces_in(batch * m * n, square, piece_stride);
   std::array<int64_t, kGramBufCount> pieces{};
   for (GramBuf b : {GramBuf::kX0, GramBuf::kX1, GramBuf::kOut}) {

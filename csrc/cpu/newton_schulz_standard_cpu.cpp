@@ -41,16 +41,16 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   // G, then G^2 overwritten in place by P: both symmetric, only their upper parts multiplied.
   // The call's temporaries are taken at once (one pooled buffer).
   const bool first_in_out = !bf16 && steps % 2 == 0;
-  NsCpuBf16Layout in_out{-1, -1, -1};
-  if (bf16 && out.is_contiguous()) in_out = ns_cpu_bf16_layout(batch, m, n, side);
-  std::vector<std::vector<int64_t>> sizes(bf16 && in_out.iterate < 0 ? 2 : 1, std::vector<int64_t>{batch, m, n});
+  const bool iterate_in_out = bf16 && out.is_contiguous();  // the second iterate in out's first half
+  const NsCpuBf16Layout in_out = iterate_in_out ? ns_cpu_bf16_layout(batch, m, n, side) : NsCpuBf16Layout{-1, -1};
+  std::vector<std::vector<int64_t>> sizes(bf16 && !iterate_in_out ? 2 : 1, std::vector<int64_t>{batch, m, n});
   if (in_out.gram < 0) sizes.push_back({batch, side, side});
   if (in_out.poly < 0) sizes.push_back({batch, side, side});
   CpuScratch scratch;
   const std::vector<Tensor> temps = scratch.take_all(sizes, type);
   std::size_t next = 1;  // temps[0] is the iterate that is not in out
   Tensor out_bf16;
-  if (in_out.iterate >= 0) out_bf16 = aten::view_dtype(aten::view(out, {batch * m * n}), kBFloat16);
+  if (iterate_in_out) out_bf16 = aten::view_dtype(aten::view(out, {batch * m * n}), kBFloat16);
   const auto in_out_view = [&out_bf16](int64_t offset, const std::vector<int64_t>& shape) {
     return aten::view(aten::narrow(out_bf16, 0, offset, shape[0] * shape[1] * shape[2]), shape);
   };
@@ -60,7 +60,7 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
     spare = first_in_out ? temps[0] : out;
   } else {
     it = temps[0];
-    spare = in_out.iterate >= 0 ? in_out_view(in_out.iterate, {batch, m, n}) : temps[next++];
+    spare = iterate_in_out ? in_out_view(0, {batch, m, n}) : temps[next++];
   }
   Tensor gram = in_out.gram >= 0 ? in_out_view(in_out.gram, {batch, side, side}) : temps[next++];
   Tensor poly = in_out.poly >= 0 ? in_out_view(in_out.poly, {batch, side, side}) : temps[next++];
@@ -88,7 +88,7 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   }
   // A bf16 result in out's storage moves to the scratch iterate first: widening reads 2 bytes
   // and writes 4 per value, over itself.
-  if (bf16 && in_out.iterate >= 0 && steps % 2 == 1) {
+  if (iterate_in_out && steps % 2 == 1) {
     aten::copy_(spare, it);
     std::swap(it, spare);
   }

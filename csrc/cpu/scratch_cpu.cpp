@@ -2,15 +2,13 @@
 
 #include <cstddef>
 
+#include "megatron_eopt/ns_scratch_layout.h"
 #include "ops/aten_ops.h"
 
 namespace megatron_eopt {
 namespace {
 
 KeptBytesBudget process_budget(kMaxPooledBytesPerProcess);  // constant-initialized, trivially destroyed
-
-// Where each tensor of take_all starts: a cache line, as ATen's own CPU allocations.
-constexpr int64_t kAlignBytes = 64;
 
 int64_t bytes_of(const Tensor& flat) { return flat.numel() * (flat.scalar_type() == kBFloat16 ? 2 : 4); }
 
@@ -29,7 +27,7 @@ Pool& thread_pool() {
 Tensor CpuScratch::take(const std::vector<int64_t>& sizes, ScalarType dtype) { return take_all({sizes}, dtype)[0]; }
 
 std::vector<Tensor> CpuScratch::take_all(const std::vector<std::vector<int64_t>>& sizes, ScalarType dtype) {
-  const int64_t align = kAlignBytes / (dtype == kBFloat16 ? 2 : 4);
+  const int64_t elem_bytes = dtype == kBFloat16 ? 2 : 4;
   std::vector<int64_t> offsets, counts;
   int64_t numel = 0;
   for (const std::vector<int64_t>& shape : sizes) {
@@ -37,7 +35,7 @@ std::vector<Tensor> CpuScratch::take_all(const std::vector<std::vector<int64_t>>
     for (int64_t s : shape) count *= s;
     offsets.push_back(numel);
     counts.push_back(count);
-    numel += (count + align - 1) / align * align;
+    numel += ns_cpu_aligned_elems(count, elem_bytes);  // each tensor starts on a cache line
   }
   Pool& pool = thread_pool();
   const std::vector<Tensor>& free = pool.buffers;
@@ -52,7 +50,7 @@ std::vector<Tensor> CpuScratch::take_all(const std::vector<std::vector<int64_t>>
   if (best < free.size()) {
     flat = take_kept(pool, best, process_budget, bytes_of);
   } else {
-    drop_smaller(pool, numel * (dtype == kBFloat16 ? 2 : 4), kMaxPooledBytes, process_budget, bytes_of,
+    drop_smaller(pool, numel * elem_bytes, kMaxPooledBytes, process_budget, bytes_of,
                  [dtype](const Tensor& t) { return t.scalar_type() == dtype; });
     flat = aten::empty({numel}, dtype, Device(kCPU));
   }

@@ -43,12 +43,13 @@ namespace {
 // Everything the choice depends on. The schedule's rows are compared as floats: equal rows, equal choice.
 struct ChoiceKey {
   int algorithm, precision, device;
+  bool standard_bf16_gemms;
   int64_t rows, cols;
   bool transpose;
   std::vector<float> schedule;
   bool operator<(const ChoiceKey& o) const {
-    return std::tie(algorithm, precision, device, rows, cols, transpose, schedule) <
-           std::tie(o.algorithm, o.precision, o.device, o.rows, o.cols, o.transpose, o.schedule);
+    return std::tie(algorithm, precision, device, standard_bf16_gemms, rows, cols, transpose, schedule) <
+           std::tie(o.algorithm, o.precision, o.device, o.standard_bf16_gemms, o.rows, o.cols, o.transpose, o.schedule);
   }
 };
 
@@ -63,7 +64,8 @@ NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device, b
   // than a small matrix's iteration: made once per problem and kept for the process.
   ChoiceKey key{static_cast<int>(opts.algorithm),
                 static_cast<int>(opts.precision),
-                static_cast<int>(device) * 2 + (standard_bf16_gemms ? 1 : 0),
+                static_cast<int>(device),
+                standard_bf16_gemms,
                 opts.rows,
                 opts.cols,
                 opts.transpose,

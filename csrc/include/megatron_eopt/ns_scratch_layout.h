@@ -16,6 +16,14 @@ namespace megatron_eopt {
 
 inline std::size_t ns_align256(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// `elems` values of `elem_bytes` each, rounded up to whole 64-byte cache lines: where the CPU
+// places one temporary after another inside a buffer (ATen's own CPU allocations are 64-byte
+// aligned), so each starts as aligned as the buffer does.
+inline int64_t ns_cpu_aligned_elems(int64_t elems, int64_t elem_bytes) {
+  const int64_t line = 64 / elem_bytes;
+  return (elems + line - 1) / line * line;
+}
+
 // The normalization's scratch of a call (both iterations'), placed from byte `offset` on: `batch`
 // sums of squares, then `norm_partial_slots` partial sums; `end` is where it stops.
 struct NsNormScratch {
@@ -103,25 +111,21 @@ inline NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bo
 // for 2 N bf16 values, N = batch * m * n) holds nothing, in place or not (the input is read only
 // by the normalization, which writes the other iterate). Its first N bf16 values take one of the
 // two iterates, and the rest G and P (batch * side * side each, unpadded) where they fit, each
-// at a multiple of 64 bytes from the storage's start (64-byte aligned where the output is).
-// Offsets in bf16 values; -1: in scratch.
+// at a multiple of 64 bytes from the storage's start (ns_cpu_aligned_elems). Offsets in bf16
+// values; -1: in scratch.
 struct NsCpuBf16Layout {
-  int64_t iterate;  // always 0
   int64_t gram;
   int64_t poly;
 };
 
 inline NsCpuBf16Layout ns_cpu_bf16_layout(int64_t batch, int64_t m, int64_t n, int64_t side) {
-  constexpr int64_t kAlign = 32;  // bf16 values per 64 bytes
-  const auto aligned = [](int64_t v) { return (v + kAlign - 1) / kAlign * kAlign; };
   const int64_t iterate = batch * m * n, capacity = 2 * iterate, square = batch * side * side;
-  NsCpuBf16Layout layout{0, -1, -1};
-  int64_t at = aligned(iterate);
+  NsCpuBf16Layout layout{-1, -1};
+  int64_t at = ns_cpu_aligned_elems(iterate, 2);
   if (at + square > capacity) return layout;
   layout.gram = at;
-  at = aligned(at + square);
+  at = ns_cpu_aligned_elems(at + square, 2);
   if (at + square <= capacity) layout.poly = at;
   return layout;
 }
-
 }  // namespace megatron_eopt
