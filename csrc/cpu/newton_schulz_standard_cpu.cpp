@@ -39,12 +39,18 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   // in-place op): w is read only by the normalization, which is elementwise (in place where W0 is
   // `out`) or writes the scratch buffer, before any product writes `out`.
   // G, then G^2 overwritten in place by P: both symmetric, only their upper parts multiplied.
+  // Where out's storage does not take G, G lives at the start of the spare iterate: it is dead
+  // from the step's P on, and the spare iterate is written only by the step's last product, P W
+  // (s x s fits in s x L unless a forced transpose made s the longer side). P cannot: that
+  // product reads it. G then moves between the two iterates' storage with the iterate, so both
+  // must be contiguous: out is in fp32.
   // The call's temporaries are taken at once (one pooled buffer).
   const bool first_in_out = !bf16 && steps % 2 == 0;
   const bool iterate_in_out = bf16 && out.is_contiguous();  // the second iterate in out's first half
   const NsCpuBf16Layout in_out = iterate_in_out ? ns_cpu_bf16_layout(batch, m, n, side) : NsCpuBf16Layout{-1, -1};
+  const bool gram_in_spare = in_out.gram < 0 && side * side <= m * n && (bf16 || out.is_contiguous());
   std::vector<std::vector<int64_t>> sizes(bf16 && !iterate_in_out ? 2 : 1, std::vector<int64_t>{batch, m, n});
-  if (in_out.gram < 0) sizes.push_back({batch, side, side});
+  if (in_out.gram < 0 && !gram_in_spare) sizes.push_back({batch, side, side});
   if (in_out.poly < 0) sizes.push_back({batch, side, side});
   CpuScratch scratch;
   const std::vector<Tensor> temps = scratch.take_all(sizes, type);
@@ -62,15 +68,29 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
     it = temps[0];
     spare = iterate_in_out ? in_out_view(0, {batch, m, n}) : temps[next++];
   }
-  Tensor gram = in_out.gram >= 0 ? in_out_view(in_out.gram, {batch, side, side}) : temps[next++];
+  // The first batch * side * side values of a contiguous iterate, as the batch of G.
+  const auto gram_at_start = [batch, side, m, n](const Tensor& iterate) {
+    return aten::view(aten::narrow(aten::view(iterate, {batch * m * n}), 0, 0, batch * side * side),
+                      {batch, side, side});
+  };
+  Tensor gram;
+  if (in_out.gram >= 0) gram = in_out_view(in_out.gram, {batch, side, side});
+  else if (gram_in_spare) gram = gram_at_start(spare);
+  else gram = temps[next++];
   Tensor poly = in_out.poly >= 0 ? in_out_view(in_out.poly, {batch, side, side}) : temps[next++];
   normalize_input_out(it, w, opts.eps, opts.recipe);
   if (round) round_bf16_(it);
   const int64_t blocks = ns_symmetric_blocks(side, NsDevice::kCpu);
-  // The transposed views the products take, made once: W alternates between two buffers.
-  const Tensor gram_t = aten::mT(gram);
+  // The transposed views the products take, made once: W (and G with it, where G lives in the
+  // spare iterate) alternates between two buffers.
+  Tensor gram_t = aten::mT(gram);
   Tensor it_t = aten::mT(it);
   Tensor spare_t = aten::mT(spare);
+  Tensor other_gram, other_gram_t;  // G's place in the other iterate
+  if (gram_in_spare) {
+    other_gram = gram_at_start(it);
+    other_gram_t = aten::mT(other_gram);
+  }
   for (std::size_t k = 0; k < steps; ++k) {
     const NsCoefficients& co = opts.schedule[k];
     if (t) gram_product_out(gram, it_t, it, blocks);  // W = X^T
@@ -85,6 +105,10 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
     if (round) round_bf16_(spare);
     std::swap(spare, it);
     std::swap(spare_t, it_t);
+    if (gram_in_spare) {
+      std::swap(gram, other_gram);
+      std::swap(gram_t, other_gram_t);
+    }
   }
   // A bf16 result in out's storage moves to the scratch iterate first: widening reads 2 bytes
   // and writes 4 per value, over itself.
