@@ -1,0 +1,51 @@
+"""The CPU Newton–Schulz op's scratch, measured as the resident peak of one call in a fresh process.
+
+A square fp32 matrix is the case where the standard iteration's s×s products are as large as its
+iterates: its scratch is one iterate and P (G lives in the spare iterate's storage while that
+iterate is dead), 2 × 16 MiB for 2048×2048, where a dedicated G would make it 48. The bound sits
+between the two with 8 MiB either side for what else the process touches (a few MiB); only memory
+is asserted.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+import step_memory  # noqa: E402
+
+CHILD = r"""
+import sys
+import torch
+import megatron_eopt  # noqa: F401
+from megatron_eopt.ops._newton_schulz import _ns_arguments
+sys.path.insert(0, sys.argv[1])
+import step_memory
+
+torch.set_num_threads(1)
+coefficients, repeat_last = _ns_arguments(5, "quintic", None, 1e-7, "highest", "standard")
+args = (coefficients, 5, repeat_last, 1e-7, None, "highest", "standard", "clamp", 1.0, False, False)
+torch.ops.megatron_eopt.newton_schulz_(torch.randn(64, 64), *args)  # loads what a first call loads
+x = torch.randn(2048, 2048)
+assert step_memory.reset_peak_rss()
+before = step_memory.hwm_bytes()
+torch.ops.megatron_eopt.newton_schulz_(x, *args)
+print((step_memory.hwm_bytes() - before) / 2**20)
+"""
+
+
+def test_square_fp32_scratch_is_one_iterate_and_one_product():
+    if not step_memory.peak_reset_works():
+        pytest.skip("the resident-set peak cannot be reset here (/proc/self/clear_refs)")
+    benchmarks = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    # A fixed mmap threshold maps and unmaps every block above 64 KiB, so the resident peak
+    # follows what the call holds at once (see test_step_memory.py).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", CHILD, benchmarks], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    peak_mib = float(done.stdout.split()[-1])
+    print(f"2048x2048 fp32 in-place Newton–Schulz: resident peak {peak_mib:.1f} MiB above its input")
+    assert 30 <= peak_mib <= 44, peak_mib  # the scratch itself is 32 MiB
