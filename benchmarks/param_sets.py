@@ -43,7 +43,7 @@ def llama_8b_layers(layers: int = 4) -> list[tuple[int, int]]:
 def qwen3_moe_layer(expert_rows: int = 2048, q_rows: int = 2048) -> list[tuple[int, int]]:
     """Qwen3-30B-A3B MoE layer: q/o, k/v 512x2048, router 128x2048, 128 experts x (gate, up, down).
 
-    The defaults are the shapes of docs/design.md §10 (experts 2048x2048); the real model has 768-row
+    The defaults are the benchmark shapes of docs/benchmarks.md (experts 2048x2048); the real model has 768-row
     gate/up (and 768-column down) experts and a 4096-row q projection.
     """
     hidden, experts = 2048, 128

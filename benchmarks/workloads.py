@@ -192,7 +192,7 @@ def catalogue() -> list[Workload]:
               "Muon step, 4 Llama-3-8B decoder layers (0.87 B params)",
               cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.llama_8b_layers())})"),
         _step("qwen3_moe_layer", param_sets.qwen3_moe_layer,
-              "Muon step, Qwen3-30B-A3B MoE layer, docs/design.md §10 shapes: 384 expert matrices 2048x2048 (1.6 B params)",
+              "Muon step, Qwen3-30B-A3B MoE layer, docs/benchmarks.md shapes: 384 expert matrices 2048x2048 (1.6 B params)",
               cpu_skip=f"{_TOO_SLOW} ({_tflop(param_sets.qwen3_moe_layer())})"),
         _step("qwen3_moe_layer_real", lambda: param_sets.qwen3_moe_layer(expert_rows=768, q_rows=4096),
               "Muon step, Qwen3-30B-A3B MoE layer, real shapes: experts 768x2048 / 2048x768 (0.62 B params)",

@@ -1,6 +1,6 @@
 """Memory-bound ops alone, over a model's list of matrices, against torch._foreach_* and a per-tensor
 loop doing the same math. Throughput counts the bytes each op must move: every tensor it reads
-once plus every tensor it writes once (docs/design.md §10: momentum over 1e9 fp32 params moves 16 GB)."""
+once plus every tensor it writes once (docs/benchmarks.md's floors: momentum over 1e9 fp32 params moves 16 GB)."""
 
 from __future__ import annotations
 

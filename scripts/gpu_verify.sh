@@ -6,7 +6,7 @@
 #
 #   scripts/gpu_verify.sh OUT_DIR [build] [tests] [bench] [example]     (no step named: all four)
 #
-# Steps for a short lease, named explicitly (each also in "bench" or "tests" where noted):
+# Steps for a short GPU run, named explicitly (each also in "bench" or "tests" where noted):
 #   gputests    the doctor and the GPU-marked tests only, one pytest per target of GPU_VERIFY_TESTS
 #               (test files or folders, in the order given; default tests/python) so that each
 #               target's failures come with their tracebacks; GPU_VERIFY_TESTS_TIMEOUT: seconds for
@@ -17,17 +17,18 @@
 #               symmetric products (GPU_VERIFY_SYMMETRIC, default 4:1024), into RESULTS.md's own section
 #   algorithms  benchmarks/ns_algorithms.py (algorithm and symmetric-product crossovers) and
 #               benchmarks/op_overhead.py --profile (host time per call)
-#   syrk        the Newton-Schulz workloads against Emerging-Optimizers 0.4 (its use_syrk Triton
-#               kernel a peer row), from a wheel in .whl/eo-0.4/ (0.4 is not on the package index:
-#               `pip wheel --no-deps -w .whl/eo-0.4 PATH_TO_ITS_v0.4.0_SOURCE`), installed into a
-#               folder of its own ahead of 0.3.0; RESULTS.md's section with ", Emerging-Optimizers 0.4.0"
-#               (GPU_VERIFY_SYRK_WORKLOADS, default ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008)
+#   syrk        the Newton-Schulz workloads with Emerging-Optimizers' newton_schulz(use_syrk=True) (its
+#               Triton kernel) a peer row, where the machine's own Python has a release that takes
+#               use_syrk (0.4 and later: not on the package index, so none is carried with the
+#               repository); run without the extra wheels' folder, whose 0.3.0 would shadow it;
+#               RESULTS.md's section named after that release (GPU_VERIFY_SYRK_WORKLOADS, default
+#               ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008)
 #   inplace     benchmarks/step_memory.py with the in-place Newton-Schulz switched on for CUDA next
 #               to the default (rows "ours" and "ours-inplace"; GPU_VERIFY_INPLACE_SETS)
 #
-# OUT_DIR receives at most 8 files: summary.txt (environment, the doctor self-test, one line per step), build.log,
-# pytest.log, bench.log, bench_state_dtypes.log, bench_step_memory.log, bench_cuda.json, RESULTS.md (benchmarks/RESULTS.md with this GPU's
-# section added), train_gpt.log, train_gpt_loss.png.
+# OUT_DIR receives, by the steps run: summary.txt (environment, the doctor self-test, one line per
+# step), build.log, pytest.log, bench*.log (one per benchmark step), bench_cuda.json, RESULTS.md
+# (benchmarks/RESULTS.md with this GPU's sections added), train_gpt.log, train_gpt_loss.png.
 #
 # Extra wheels (emerging-optimizers, absl-py, megatron-core, typing_extensions, expecttest,
 # gram-newton-schulz (a benchmark peer); see
@@ -227,16 +228,15 @@ if want symmetric; then
     step_llama_8b_4layers
 fi
 if want syrk; then
-  EO04_SITE=/tmp/site-eo04
-  if ls "$ROOT"/.whl/eo-0.4/*.whl >/dev/null 2>&1 &&
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$EO04_SITE" \
-      "$ROOT"/.whl/eo-0.4/*.whl >>"$SUMMARY" 2>&1; then
+  if PYTHONPATH="$ROOT" "$PY" -c 'import inspect, sys
+from emerging_optimizers.orthogonalized_optimizers import muon_utils
+sys.exit(0 if "use_syrk" in inspect.signature(muon_utils.newton_schulz).parameters else 1)' >/dev/null 2>&1; then
     # shellcheck disable=SC2086
-    bench_step "bench: Emerging-Optimizers 0.4, use_syrk" bench_syrk.log \
-      env PYTHONPATH="$ROOT:$EO04_SITE:$SITE" "$PY" benchmarks/run.py --device cuda --results-md "$OUT/RESULTS.md" \
+    bench_step "bench: Emerging-Optimizers use_syrk" bench_syrk.log \
+      env PYTHONPATH="$ROOT" "$PY" benchmarks/run.py --device cuda --results-md "$OUT/RESULTS.md" \
       --workload ${GPU_VERIFY_SYRK_WORKLOADS:-ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008}
   else
-    say "bench: Emerging-Optimizers 0.4, use_syrk: SKIPPED (no installable wheel in .whl/eo-0.4/)"
+    say "bench: Emerging-Optimizers use_syrk: SKIPPED (the machine's Python has no Emerging-Optimizers with use_syrk)"
   fi
 fi
 if want inplace; then

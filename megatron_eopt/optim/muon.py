@@ -56,8 +56,9 @@ class Muon(OrthogonalizedOptimizer):
       table for that safety factor, every row but the last evaluated at X / s (``None``: the
       table as Emerging-Optimizers ships it, which is s = 1.01 cut to four decimals).
 
-    Cautious decay runs inside the fused update op; the Newton–Schulz options run around the fused
-    op in PyTorch for now (one reduction and one multiply per option).
+    Cautious decay runs inside the fused update op; the Newton–Schulz options run inside the
+    Newton–Schulz op (MuonEq and the normalization in the pass that writes its input, Muon+ in the
+    pass that writes its result), with no elementwise pass of their own.
     NorMuon-style variance reduction as nanochat does it is :class:`AdaptiveMuon` with
     ``moment2_method="normuon", eps=1e-10``.
 
