@@ -194,9 +194,10 @@ def resolve_precision(precision: str | None) -> str:
 
 
 def torch_matmul_precision() -> str:
-    import torch  # kept out of module import: this module is importable without torch
+    # kept out of module import: this module is importable without torch
+    from ._precision import current_fp32_matmul_precision
 
-    return torch.get_float32_matmul_precision()
+    return current_fp32_matmul_precision()
 
 
 def validate_precision(precision: str) -> None:

@@ -16,7 +16,10 @@ class Muown(Muon):
     direction ``v`` (Muon: momentum EMA of the direction gradient, Newton–Schulz, scale), both at
     ``lr``; the weight is rebuilt as ``g · v_new/‖v_new‖_row``. EO 0.4 contrib's constructor,
     defaults and numerics; the Newton–Schulz of all parameters of one shape runs as one batch.
-    State: ``step``, ``g``, ``v_norm``, ``momentum_buffer`` (fp32), ``m_g``, ``v_g``.
+    State: ``step``, ``g``, ``v_norm``, ``momentum_buffer`` (fp32), ``m_g``, ``v_g``. ``step`` is a
+    float64 tensor on the param's device, so a compiled step is one graph for every step count
+    (torch.compile retraces for each new Python int, and its optimizer support takes a step entry
+    for a tensor); checkpoints keep EO's Python int, both ways.
     A param that is not a matrix is a TypeError at ``step()`` (when it has a gradient), as in EO.
     """
 
@@ -66,7 +69,7 @@ class Muown(Muon):
             if len(state) == 0:
                 # Start where Muon would: g = v_norm = the row norms, floored so a zero row gives no 0/0.
                 row_norm = p.norm(dim=1, keepdim=True).to(torch.float32).clamp_min(1e-12)
-                state["step"] = 0
+                state["step"] = _step_tensor(0, p.device)
                 state["g"] = row_norm.clone()
                 state["v_norm"] = row_norm.clone()
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
@@ -104,7 +107,7 @@ class Muown(Muon):
         beta1, beta2 = self.betas
         for (p, group, state, v, grad_g), direction in zip(work, directions):
             lr = group["lr"]
-            step = state["step"] + 1
+            step = state["step"].add_(1)  # float64: beta ** step as EO's Python float
             m_g, v_g, g = state["m_g"], state["v_g"], state["g"]
             m_g.lerp_(grad_g, 1 - beta1)
             v_g.lerp_(grad_g.square(), 1 - beta2)
@@ -114,9 +117,24 @@ class Muown(Muon):
             v_new = v.add(direction, alpha=-lr)
             v_norm_new = v_new.norm(dim=1, keepdim=True)
             p.copy_(g * (v_new / v_norm_new))
-            state["v_norm"] = v_norm_new
-            state["step"] = step
+            state["v_norm"].copy_(v_norm_new)  # in place: a compiled step keeps its state's addresses
         return None
+
+    def state_dict(self) -> dict:
+        state_dict = super().state_dict()
+        # EO's checkpoint holds the step count as a Python int (a copy of each entry: the packed
+        # state shares its dicts with the live state)
+        state_dict["state"] = {
+            index: {**entry, "step": int(entry["step"])} if torch.is_tensor(entry.get("step")) else entry
+            for index, entry in state_dict["state"].items()
+        }
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        for p, entry in self.state.items():
+            if "step" in entry and not torch.is_tensor(entry["step"]):
+                entry["step"] = _step_tensor(entry["step"], p.device)
 
     def _batched_directions(self, momenta: list[torch.Tensor]) -> list[torch.Tensor]:
         """The scaled Newton–Schulz of each momentum; equal shapes as one batch."""
@@ -129,3 +147,7 @@ class Muown(Muon):
             for i, r in zip(index, results.unbind(0)):
                 out[i] = r
         return out
+
+
+def _step_tensor(count: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(float(count), dtype=torch.float64, device=device)

@@ -10,6 +10,7 @@ steps with fresh random gradients; EO's default "medium" (bf16) at 2e-2.
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -556,6 +557,58 @@ def test_checkpoint_layout_matches(name, kwargs, gen):
     assert ours == theirs
 
 
+@pytest.mark.parametrize("name,kwargs", _layout_cases(), ids=lambda v: v if isinstance(v, str) else
+                         v.get("moment2_method", "-"))
+def test_state_dict_resumes_exactly_and_crosses_to_eo_both_ways(name, kwargs, gen):
+    """Two steps, a checkpoint, two more: ours resumed from ours equals ours uninterrupted bit for
+    bit; EO 0.4 (the float64 re-expression) continues from our checkpoint, and ours from its, as
+    the uninterrupted other side does."""
+    cls, eo_cls = getattr(optim, name), eo.CLASSES[name]
+    kwargs = dict(kwargs, lr=0.05, fp32_matmul_prec="highest")
+    shapes = [(6, 4), (3, 5), (5, 5), (1, 7)]
+    # as the parity tests: small weights against the updates (on the sphere for MuonHyperball)
+    params = _on_sphere(shapes, 1.0, gen) if name == "MuonHyperball" else make_params(shapes, gen, scale=PARAM_SCALE)
+    grads = make_grads(params, gen, 4)
+    # Spel's weight is itself a Newton–Schulz result: compared, not its change (test_spel_default_precision)
+    err = _max_weight_err if name == "Spel" else max_delta_err
+    straight = clone_params(params)
+    run_steps(cls(straight, **kwargs), straight, grads)
+
+    first = cls(params, **kwargs)
+    run_steps(first, params, grads[:2])
+    saved = first.state_dict()
+    mid = [p.detach().clone() for p in params]
+    resumed = cls(clone_params(mid), **kwargs)
+    resumed.load_state_dict(copy.deepcopy(saved))  # loading keeps tensors that need no cast: not first's
+    resumed_params = resumed.param_groups[0]["params"]
+    run_steps(resumed, resumed_params, grads[2:])
+    for p, q in zip(resumed_params, straight):
+        assert torch.equal(p, q)
+    if name == "Muown":  # EO keeps the step count as a Python int; so does our checkpoint
+        assert all(type(entry["step"]) is int for entry in saved["state"].values())
+        assert all(entry["step"].dtype == torch.float64 for entry in resumed.state.values())
+
+    # ours -> EO: its continuation from our checkpoint against ours uninterrupted
+    theirs_params = f64_params(mid)
+    theirs = eo_cls(theirs_params, **kwargs)
+    theirs.load_state_dict(first.state_dict())
+    run_reference(theirs, theirs_params, grads[2:])
+    assert err(straight, theirs_params, mid) <= TOLERANCE["highest"]
+
+    # EO -> ours: ours continuing from EO's checkpoint against EO uninterrupted
+    eo_params = f64_params(mid)
+    eo_first = eo_cls(eo_params, **kwargs)
+    run_reference(eo_first, eo_params, grads[:2])
+    eo_mid = [p.detach().clone() for p in eo_params]
+    eo_saved = copy.deepcopy(eo_first.state_dict())  # a state_dict holds the live state tensors
+    run_reference(eo_first, eo_params, grads[2:])
+    ours_params = [torch.nn.Parameter(p.float()) for p in eo_mid]
+    ours = cls(ours_params, **kwargs)
+    ours.load_state_dict(eo_saved)
+    run_steps(ours, ours_params, grads[2:])
+    assert err(ours_params, eo_params, eo_mid) <= TOLERANCE["highest"]
+
+
 # ------------------------------------------------------------------ signatures
 @pytest.mark.parametrize("name", list(eo.CLASSES))
 def test_constructor_signature_matches(name):
@@ -833,21 +886,47 @@ def test_eo_registry_registration(gen):
         registry._OPTIMIZERS.pop(name.lower(), None)
 
 
-# ------------------------------------------------------------------ torch.compile of the fused family steps
-@pytest.mark.parametrize("cls_name", ["Scion", "MuonHyperball"])
-def test_fused_family_steps_compile_without_graph_breaks(cls_name, gen):
-    kwargs = dict(lr=0.05, fp32_matmul_prec="highest")
-    if cls_name == "MuonHyperball":
-        kwargs["hyperball_radius"] = 1.0
-    params = _on_sphere([(8, 12), (12, 8)], 1.0, gen)
+# ------------------------------------------------------------------ torch.compile of the family's steps
+# Every class of the family under torch.compile(fullgraph=True): one graph for all steps (no
+# recompilation as the state fills or the step count grows), the eager result. The fused steps
+# (Scion, MuonHyperball, Muown's Newton–Schulz) and EO's per-parameter step (MOP, PolarGrad, Spel)
+# alike. Spel at its default "medium" under torch's default "highest": inside a compiled step the
+# class's precision cannot switch torch's setting, and must still reach its Newton–Schulz calls
+# (bf16 products, 1e-2 off the fp32 ones), so the compiled result equals the eager one only if it does.
+FAMILY_COMPILE_CASES = {
+    "Scion": dict(fp32_matmul_prec="highest"),
+    "MuonHyperball": dict(fp32_matmul_prec="highest", hyperball_radius=1.0),
+    "MOP": dict(fp32_matmul_prec="highest"),
+    "PolarGrad": dict(fp32_matmul_prec="highest"),
+    "Spel": dict(fp32_matmul_prec="highest"),
+    "Spel-medium": dict(),
+    "Muown": dict(fp32_matmul_prec="highest", weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("case", list(FAMILY_COMPILE_CASES))
+def test_family_steps_compile_as_one_graph_matching_eager(case, gen):
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    cls = getattr(optim, case.split("-")[0])
+    kwargs = dict(lr=0.05, **FAMILY_COMPILE_CASES[case])
+    params = _on_sphere([(8, 12), (12, 8), (8, 12), (1, 9)], 1.0, gen)
     ref = clone_params(params)
-    compiled = getattr(optim, cls_name)(params, **kwargs)
-    eager = getattr(optim, cls_name)(ref, **kwargs)
+    compiled = cls(params, **kwargs)
+    eager = cls(ref, **kwargs)
+    assert torch.get_float32_matmul_precision() == "highest"
     step = torch.compile(compiled.step, fullgraph=True)
-    for grads in make_grads(params, gen, 2):
+    graphs = []
+    for grads in make_grads(params, gen, 4):
         for p, r, g in zip(params, ref, grads):
             p.grad, r.grad = g.clone(), g.clone()
         step()
         eager.step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    # the first step creates the state (a graph), every later one reuses the second graph
+    assert graphs[1:] == [graphs[1]] * 3 and graphs[1] <= 2, graphs
+    assert torch.get_float32_matmul_precision() == "highest"
     for p, r in zip(params, ref):
         assert rel_err(p.detach(), r.detach()) <= 1e-6

@@ -37,6 +37,21 @@ def test_compile_fullgraph_equals_eager(device, gen):
     torch.testing.assert_close(compiled(x, y), fn(x, y))
 
 
+@pytest.mark.parametrize("setting", ["highest", "medium"])
+def test_compile_fullgraph_follows_torchs_precision_setting(setting, gen):
+    # precision=None follows torch.get_float32_matmul_precision(), read when the graph is traced
+    # ("medium": bf16 products, far from the "highest" result, so the compiled call took the setting)
+    x = torch.randn(24, 40, generator=gen)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda v: me.newton_schulz(v) * 1.0, fullgraph=True)(x)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert torch.equal(compiled, me.newton_schulz(x, precision=setting))
+
+
 def test_fake_tensor_mode_shapes():
     with FakeTensorMode():
         x = torch.empty(3, 17, 5)

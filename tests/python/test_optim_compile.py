@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from megatron_eopt.optim import AdaptiveMuon, Muon, TensorParallelMuon
+from megatron_eopt.optim import AdaptiveMuon, Muon, TensorParallelAdaptiveMuon, TensorParallelMuon
 from optim_helpers import clone_params, make_grads, make_params, max_delta_err, run_steps
 from reference import TOLERANCE
 
@@ -28,6 +28,17 @@ CASES = {
         qkv_split_shapes=[2, 1, 1],
         fp32_matmul_prec="highest",
     ),
+    "tp_adaptive_muon_qkv": lambda ps, lr: TensorParallelAdaptiveMuon(
+        ps,
+        lr=lr,
+        momentum=0.9,
+        weight_decay=0.1,
+        moment2_method="adamuon",
+        split_qkv=True,
+        is_qkv_fn=lambda p: p.shape[0] == 12,
+        qkv_split_shapes=[2, 1, 1],
+        fp32_matmul_prec="highest",
+    ),
 }
 
 
@@ -39,6 +50,7 @@ CASES = {
         ("normuon", "tensor", "cpu"),
         ("recipe", "tensor", "cpu"),
         ("tp_muon_qkv", "tensor", "cpu"),
+        ("tp_adaptive_muon_qkv", "tensor", "cpu"),
         pytest.param("muon", "tensor", "cuda", marks=pytest.mark.gpu),
         pytest.param("normuon", "float", "cuda", marks=pytest.mark.gpu),
         pytest.param("recipe", "tensor", "cuda", marks=pytest.mark.gpu),
