@@ -13,8 +13,7 @@ _traced_block_precision: str | None = None
 
 
 def _torch_precision_when_traced() -> str:
-    # A constant of the graph. A later change of TF32 use ("highest" against "high" / "medium")
-    # fails dynamo's global-state guard and retraces; "high" against "medium" alone does not.
+    # A constant of the graph, read when it is traced (dynamo guards on no such string).
     return torch.get_float32_matmul_precision()
 
 
@@ -26,12 +25,16 @@ _torch_precision_when_traced._dynamo_marked_constant = True  # type: ignore[attr
 
 def current_fp32_matmul_precision() -> str:
     """``torch.get_float32_matmul_precision()``; inside a graph torch.compile traces, the innermost
-    :func:`fp32_matmul_precision` block's precision, else torch's setting when the graph was traced."""
+    :func:`fp32_matmul_precision` block's precision. Outside a block, torch's "highest" is a constant
+    of the graph (a change to "high" or "medium" turns TF32 on, which retraces); "high" and "medium"
+    are read when the graph runs, a graph break: a change between them would not retrace."""
     if not torch.compiler.is_compiling():
         return torch.get_float32_matmul_precision()
     if _traced_block_precision is not None:
         return _traced_block_precision
-    return _torch_precision_when_traced()
+    if _torch_precision_when_traced() == "highest":
+        return "highest"
+    return torch.get_float32_matmul_precision()
 
 
 def fp32_matmul_precision(precision: str):

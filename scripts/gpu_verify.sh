@@ -230,13 +230,13 @@ fi
 if want syrk; then
   if PYTHONPATH="$ROOT" "$PY" -c 'import inspect, sys
 from emerging_optimizers.orthogonalized_optimizers import muon_utils
-sys.exit(0 if "use_syrk" in inspect.signature(muon_utils.newton_schulz).parameters else 1)' >/dev/null 2>&1; then
+sys.exit(0 if "use_syrk" in inspect.signature(muon_utils.newton_schulz).parameters else 1)' >>"$SUMMARY" 2>&1; then
     # shellcheck disable=SC2086
     bench_step "bench: Emerging-Optimizers use_syrk" bench_syrk.log \
       env PYTHONPATH="$ROOT" "$PY" benchmarks/run.py --device cuda --results-md "$OUT/RESULTS.md" \
       --workload ${GPU_VERIFY_SYRK_WORKLOADS:-ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008}
   else
-    say "bench: Emerging-Optimizers use_syrk: SKIPPED (the machine's Python has no Emerging-Optimizers with use_syrk)"
+    say "bench: Emerging-Optimizers use_syrk: SKIPPED (the machine's Python has no importable Emerging-Optimizers with use_syrk; its error, if any, is above)"
   fi
 fi
 if want inplace; then

@@ -37,19 +37,25 @@ def test_compile_fullgraph_equals_eager(device, gen):
     torch.testing.assert_close(compiled(x, y), fn(x, y))
 
 
-@pytest.mark.parametrize("setting", ["highest", "medium"])
-def test_compile_fullgraph_follows_torchs_precision_setting(setting, gen):
-    # precision=None follows torch.get_float32_matmul_precision(), read when the graph is traced
-    # ("medium": bf16 products, far from the "highest" result, so the compiled call took the setting)
+def test_compiled_newton_schulz_follows_torchs_precision_setting(gen):
+    # precision=None follows torch.get_float32_matmul_precision() as eager does, through changes of
+    # it between calls: "medium" is bf16 products, 1e-2 off the fp32 ones, so a stale setting shows
+    # (medium -> high does not change TF32 use, which dynamo's global-state guard watches)
     x = torch.randn(24, 40, generator=gen)
     before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(setting)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda v: me.newton_schulz(v) * 1.0)
     try:
+        for setting in ["highest", "medium", "high", "medium", "highest"]:
+            torch.set_float32_matmul_precision(setting)
+            assert torch.equal(compiled(x), me.newton_schulz(x, precision=setting)), setting
+        # at torch's default the whole call is one graph
+        torch.set_float32_matmul_precision("highest")
         torch._dynamo.reset()
-        compiled = torch.compile(lambda v: me.newton_schulz(v) * 1.0, fullgraph=True)(x)
+        whole = torch.compile(lambda v: me.newton_schulz(v) * 1.0, fullgraph=True)
+        assert torch.equal(whole(x), me.newton_schulz(x, precision="highest"))
     finally:
         torch.set_float32_matmul_precision(before)
-    assert torch.equal(compiled, me.newton_schulz(x, precision=setting))
 
 
 def test_fake_tensor_mode_shapes():
