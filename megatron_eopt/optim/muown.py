@@ -17,9 +17,10 @@ class Muown(Muon):
     ``lr``; the weight is rebuilt as ``g · v_new/‖v_new‖_row``. EO 0.4 contrib's constructor,
     defaults and numerics; the Newton–Schulz of all parameters of one shape runs as one batch.
     State: ``step``, ``g``, ``v_norm``, ``momentum_buffer`` (fp32), ``m_g``, ``v_g``. ``step`` is a
-    float64 tensor on the param's device, so a compiled step is one graph for every step count
-    (torch.compile retraces for each new Python int, and its optimizer support takes a step entry
-    for a tensor); checkpoints keep EO's Python int, both ways.
+    0-dim float64 CPU tensor, as torch's Adam keeps its step: an eager step does its count and bias
+    corrections on the host (no device work per parameter), and a compiled step is one graph for
+    every count (torch.compile retraces for each new Python int; it moves the tensor to the
+    param's device). Checkpoints keep EO's Python int, both ways.
     A param that is not a matrix is a TypeError at ``step()`` (when it has a gradient), as in EO.
     """
 
@@ -69,7 +70,7 @@ class Muown(Muon):
             if len(state) == 0:
                 # Start where Muon would: g = v_norm = the row norms, floored so a zero row gives no 0/0.
                 row_norm = p.norm(dim=1, keepdim=True).to(torch.float32).clamp_min(1e-12)
-                state["step"] = _step_tensor(0, p.device)
+                state["step"] = _step_tensor(0)
                 state["g"] = row_norm.clone()
                 state["v_norm"] = row_norm.clone()
                 state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
@@ -132,9 +133,9 @@ class Muown(Muon):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        for p, entry in self.state.items():
+        for entry in self.state.values():
             if "step" in entry and not torch.is_tensor(entry["step"]):
-                entry["step"] = _step_tensor(entry["step"], p.device)
+                entry["step"] = _step_tensor(entry["step"])
 
     def _batched_directions(self, momenta: list[torch.Tensor]) -> list[torch.Tensor]:
         """The scaled Newton–Schulz of each momentum; equal shapes as one batch."""
@@ -149,5 +150,5 @@ class Muown(Muon):
         return out
 
 
-def _step_tensor(count: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor(float(count), dtype=torch.float64, device=device)
+def _step_tensor(count: int) -> torch.Tensor:
+    return torch.tensor(float(count), dtype=torch.float64)
