@@ -169,6 +169,16 @@ def cpu_bf16_products() -> dict:
     return {"mode": setting, "bf16_instructions": bool(instructions.value), "products": uses}
 
 
+def cpu_symmetric_products() -> dict:
+    """Whether the CPU forms the Newton–Schulz products W·Wᵀ and G·G with the package's AVX-512
+    SYRK kernel (half the multiply-adds, a packed copy of the operand as scratch) or with ATen's
+    GEMMs, for fp32 and for bf16 values: ``{"fp32": bool, "bf16": bool}`` (x86-64 CPUs with
+    AVX-512 F/BW/VL, and AVX512-BF16 for bf16)."""
+    fp32, bf16 = ctypes.c_int(), ctypes.c_int()
+    _cdll.megatron_eopt_cpu_syrk_kernel(ctypes.byref(fp32), ctypes.byref(bf16))
+    return {"fp32": bool(fp32.value), "bf16": bool(bf16.value)}
+
+
 def cuda_kernels_built() -> bool:
     """True when the CUDA kernels are loaded (built, and compatible with the running torch);
     ``CUDA_KERNELS_STATUS`` says why not otherwise."""

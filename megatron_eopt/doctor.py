@@ -26,6 +26,7 @@ import megatron_eopt as me
 from megatron_eopt._library import (
     LIBRARY_PATH,
     build_info,
+    cpu_symmetric_products,
     cuda_kernels_built,
     cuda_symmetric_products,
     forced_blas_fallback,
@@ -499,6 +500,9 @@ def facts() -> tuple[list[str], bool]:
     bf16 = me.cpu_bf16_products()
     lines.append(f"CPU \"medium\" products: {bf16['products']} GEMMs (bf16 instructions "
                  f"{'found' if bf16['bf16_instructions'] else 'not found'}; set_cpu_bf16_products: {bf16['mode']})")
+    syrk = cpu_symmetric_products()
+    kinds = [kind for kind in ("fp32", "bf16") if syrk[kind]]
+    lines.append("CPU symmetric products (W·Wᵀ, G·G): " + (f"AVX-512 SYRK kernel ({', '.join(kinds)})" if kinds else "ATen GEMMs"))
     if not cuda_kernels_built():
         lines.append(f"CUDA kernels: not loaded: {info['cuda_status']}")
     else:

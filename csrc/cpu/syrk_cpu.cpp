@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "megatron_eopt/storage_types.h"
+#include "ops/c_export.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MEGATRON_EOPT_SYRK_AVX512 1
@@ -339,3 +340,10 @@ void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, int64_t
 }
 
 }  // namespace megatron_eopt
+
+// ctypes entry point of megatron_eopt.cpu_symmetric_products: whether W W^T runs on this file's
+// kernel for fp32 and for bf16 values (1) or on ATen's GEMMs (0).
+MEGATRON_EOPT_C_EXPORT void megatron_eopt_cpu_syrk_kernel(int* fp32, int* bf16) {
+  *fp32 = megatron_eopt::syrk_available(megatron_eopt::SyrkType::kFp32) ? 1 : 0;
+  *bf16 = megatron_eopt::syrk_available(megatron_eopt::SyrkType::kBf16) ? 1 : 0;
+}

@@ -9,7 +9,6 @@ is asserted.
 """
 
 import os
-import platform
 import subprocess
 import sys
 
@@ -18,6 +17,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 
 import step_memory  # noqa: E402
+from megatron_eopt._library import cpu_symmetric_products  # noqa: E402
 
 CHILD = r"""
 import sys
@@ -39,19 +39,6 @@ print((step_memory.hwm_bytes() - before) / 2**20)
 """
 
 
-def _syrk_packs_a_copy() -> bool:
-    """Whether the CPU's AVX-512 SYRK kernel forms W·Wᵀ here (csrc/cpu/syrk_cpu.cpp: x86-64 builds,
-    CPUs with AVX-512 F, BW and VL), packing W into a buffer of W's size first."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return False
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
-
-
 def test_square_fp32_scratch_is_one_iterate_and_one_product():
     if not step_memory.peak_reset_works():
         pytest.skip("the resident-set peak cannot be reset here (/proc/self/clear_refs)")
@@ -63,5 +50,5 @@ def test_square_fp32_scratch_is_one_iterate_and_one_product():
     assert done.returncode == 0, done.stderr[-2000:]
     peak_mib = float(done.stdout.split()[-1])
     print(f"2048x2048 fp32 in-place Newton–Schulz: resident peak {peak_mib:.1f} MiB above its input")
-    packed = 16 if _syrk_packs_a_copy() else 0
+    packed = 16 if cpu_symmetric_products()["fp32"] else 0  # the SYRK kernel's packed copy of W
     assert 30 + packed <= peak_mib <= 44 + packed, (peak_mib, packed)  # the scratch itself is 32 MiB
