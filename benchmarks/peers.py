@@ -1,8 +1,7 @@
 """The implementations megatron-eopt is measured against, with the same hyper-parameters.
 
-- Emerging-Optimizers 0.3.0: ``Muon`` (a per-parameter loop) and its ``newton_schulz``; with 0.4
-  installed instead, also its ``newton_schulz(use_syrk=True)`` (a Triton SYRK kernel for X·Xᵀ, bf16
-  on CUDA, 2-D inputs only).
+- Emerging-Optimizers 0.3.0: ``Muon`` (a per-parameter loop), its ``newton_schulz`` and its
+  ``newton_schulz(use_syrk=True)`` (a Triton SYRK kernel for X·Xᵀ: bf16 on CUDA, 2-D inputs only).
 - ``torch.optim.Muon`` (PyTorch >= 2.9, single-tensor loop) and its Newton–Schulz function.
 - A plain-PyTorch batched implementation written for this benchmark: torch._foreach_* momentum,
   weight decay and update, equal shapes stacked, Newton–Schulz compiled with ``torch.compile``.
@@ -55,12 +54,12 @@ def emerging_optimizers():
 
 
 def eo_syrk_unavailable(muon_utils, device_type: str, precision: str) -> str | None:
-    """None when the installed Emerging-Optimizers' newton_schulz takes ``use_syrk`` (0.4 and later)
+    """None when the installed Emerging-Optimizers' newton_schulz takes ``use_syrk`` (0.3.0 does)
     and would use its kernel here (CUDA, bf16 products), else why not."""
     import inspect
 
     if "use_syrk" not in inspect.signature(muon_utils.newton_schulz).parameters:
-        return "the installed Emerging-Optimizers has no use_syrk (0.4 and later have)"
+        return "the installed Emerging-Optimizers has no use_syrk (0.3.0 and later have)"
     if device_type != "cuda" or precision != "medium":
         return "use_syrk runs its Triton kernel on CUDA with bf16 products only"
     return None

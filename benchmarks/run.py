@@ -216,7 +216,7 @@ def main(argv=None) -> int:
         environment["device_key"] += f", symmetric products {symmetric[0]}:{symmetric[1]}"
     eo_version = environment.get("emerging_optimizers")
     if eo_version and not str(eo_version).startswith("0.3"):
-        # A run against another Emerging-Optimizers release (0.4's use_syrk) is a table of its own.
+        # A run against another Emerging-Optimizers release is a table of its own.
         environment["device_key"] += f", Emerging-Optimizers {eo_version}"
     print(f"# {environment['device_name']} | torch {environment['torch']} | commit {environment['git_commit']} | "
           f"{'quick' if args.quick else 'full'} run of {len(chosen)} workloads", file=sys.stderr)

@@ -104,7 +104,7 @@ def _implementations(layout: str, device: torch.device, split: tuple[list[int], 
             fns[peers.EO_NS] = lambda x: split_apply(x, *split, eo)
         else:
             fns[peers.EO_NS] = (lambda xs: [eo(x) for x in xs]) if layout == "list" else eo
-        # 0.4's Triton SYRK path: 2-D matrices only (it refuses a bf16 batch with use_syrk).
+        # Its Triton SYRK path: 2-D matrices only (it refuses a bf16 batch with use_syrk).
         why = peers.eo_syrk_unavailable(muon_utils, device.type, hyper.PRECISION)
         if why is None and layout == "batch":
             why = "use_syrk takes 2-D matrices only (Emerging-Optimizers refuses a batch with it)"

@@ -17,12 +17,10 @@
 #               symmetric products (GPU_VERIFY_SYMMETRIC, default 4:1024), into RESULTS.md's own section
 #   algorithms  benchmarks/ns_algorithms.py (algorithm and symmetric-product crossovers) and
 #               benchmarks/op_overhead.py --profile (host time per call)
-#   syrk        the Newton-Schulz workloads with Emerging-Optimizers' newton_schulz(use_syrk=True) (its
-#               Triton kernel) a peer row, where the machine's own Python has a release that takes
-#               use_syrk (0.4 and later: not on the package index, so none is carried with the
-#               repository); run without the extra wheels' folder, whose 0.3.0 would shadow it;
-#               RESULTS.md's section named after that release (GPU_VERIFY_SYRK_WORKLOADS, default
-#               ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008)
+#   syrk        benchmarks/run.py on the Newton-Schulz workloads alone, whose peer rows include
+#               Emerging-Optimizers' newton_schulz(use_syrk=True) (its Triton SYRK kernel, in 0.3.0
+#               from the extra wheels: CUDA, "medium", 2-D matrices) (GPU_VERIFY_SYRK_WORKLOADS,
+#               default ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008; a partial section)
 #   inplace     benchmarks/step_memory.py with the in-place Newton-Schulz switched on for CUDA next
 #               to the default (rows "ours" and "ours-inplace"; GPU_VERIFY_INPLACE_SETS)
 #
@@ -228,16 +226,10 @@ if want symmetric; then
     step_llama_8b_4layers
 fi
 if want syrk; then
-  if PYTHONPATH="$ROOT" "$PY" -c 'import inspect, sys
-from emerging_optimizers.orthogonalized_optimizers import muon_utils
-sys.exit(0 if "use_syrk" in inspect.signature(muon_utils.newton_schulz).parameters else 1)' >>"$SUMMARY" 2>&1; then
-    # shellcheck disable=SC2086
-    bench_step "bench: Emerging-Optimizers use_syrk" bench_syrk.log \
-      env PYTHONPATH="$ROOT" "$PY" benchmarks/run.py --device cuda --results-md "$OUT/RESULTS.md" \
-      --workload ${GPU_VERIFY_SYRK_WORKLOADS:-ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008}
-  else
-    say "bench: Emerging-Optimizers use_syrk: SKIPPED (the machine's Python has no importable Emerging-Optimizers with use_syrk; its error, if any, is above)"
-  fi
+  # shellcheck disable=SC2086
+  bench_step "bench: Newton-Schulz with Emerging-Optimizers' use_syrk" bench_syrk.log "$PY" benchmarks/run.py \
+    --device cuda --results-md "$OUT/RESULTS.md" \
+    --workload ${GPU_VERIFY_SYRK_WORKLOADS:-ns_1024x1024 ns_4096x4096 ns_8192x8192 ns_4096x11008}
 fi
 if want inplace; then
   # shellcheck disable=SC2086
