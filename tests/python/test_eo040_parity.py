@@ -44,11 +44,16 @@ def run_reference(opt, params, grads_per_step):
         opt.step()
 
 
-def state_err(ours, ref):
-    """||ours - ref|| / ||ref||, with ||ref|| floored at an RMS of 1e-3: a state that is exactly 0
-    in fp32 and 1e-16 in float64 (Muown's direction momentum of an n×1 weight) agrees."""
-    floor = 1e-3 * ref.numel() ** 0.5
+def state_err(ours, ref, floor_rms=1e-3):
+    """||ours - ref|| / ||ref||, with ||ref|| floored at an RMS of `floor_rms`: a state that is
+    exactly 0 in fp32 and 1e-16 in float64 (Muown's direction momentum of an n×1 weight) agrees."""
+    floor = floor_rms * ref.numel() ** 0.5
     return float((ours.double() - ref.double()).norm() / max(float(ref.double().norm()), floor))
+
+
+# Muown's m_g averages row sums of grad · u (|u| = 1 per row, grads of RMS 1): terms of order 1
+# whose sum may cancel to 1e-3, where fp32 rounding of the terms (1e-8 and more) is all that is left.
+STATE_FLOOR_RMS = {"m_g": 1e-2}
 
 
 # Weights of RMS 0.02 against gradients of RMS 1: the updates are a good fraction of the
@@ -69,7 +74,7 @@ def _compare(ours_cls, ref_cls, kwargs, gen, shapes=SHAPES, ref_kwargs=None, tol
     assert err(params, ref, start) <= tol
     for p, r in zip(params, ref):
         for key in state_keys:
-            assert state_err(ours.state[p][key], theirs.state[r][key]) <= tol, key
+            assert state_err(ours.state[p][key], theirs.state[r][key], STATE_FLOOR_RMS.get(key, 1e-3)) <= tol, key
     return ours
 
 
