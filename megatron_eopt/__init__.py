@@ -7,9 +7,12 @@ tables, and the optimizer classes built on them.
 from ._library import (
     LIBRARY_PATH,
     cpu_bf16_products,
+    cpu_product_plan,
+    cpu_symmetric_products,
     cuda_kernels_built,
     cuda_symmetric_products,
     set_cpu_bf16_products,
+    set_cpu_symmetric_products,
     set_cuda_symmetric_products,
 )
 from .newton_schulz import (
@@ -71,6 +74,9 @@ __all__ = [
     "set_cuda_symmetric_products",
     "set_cpu_bf16_products",
     "cpu_bf16_products",
+    "cpu_product_plan",
+    "cpu_symmetric_products",
+    "set_cpu_symmetric_products",
     "set_in_place_newton_schulz",
     "new_moment2_buffer",
     "newton_schulz",

@@ -145,6 +145,18 @@ def set_cuda_symmetric_products(max_blocks: int | None, min_panel: int = 1024) -
 
 
 _CPU_BF16_PRODUCTS = ("auto", "bf16", "fp32")
+_CPU_SYMMETRIC_PRODUCTS = ("auto", "kernel", "gemm", "panels", "full")
+
+
+def _check_environment(name: str, allowed: tuple[str, ...]) -> None:
+    # The library reads these at load; a value it does not know would silently mean "auto".
+    value = os.environ.get(name)
+    if value is not None and value not in allowed:
+        raise ValueError(f"megatron_eopt: environment variable {name} must be one of {allowed}, got {value!r}")
+
+
+_check_environment("MEGATRON_EOPT_CPU_BF16_PRODUCTS", _CPU_BF16_PRODUCTS)
+_check_environment("MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS", _CPU_SYMMETRIC_PRODUCTS)
 
 
 def set_cpu_bf16_products(mode: str) -> None:
@@ -152,31 +164,109 @@ def set_cpu_bf16_products(mode: str) -> None:
     ATen's bf16 GEMMs (oneDNN: fast on CPUs with AVX512-BF16 or AMX, a slow fallback elsewhere);
     ``"fp32"``: fp32 GEMMs of the same bf16 values, each result rounded to bf16 where the bf16 GEMM
     stores it. Both are bf16 products with fp32 accumulation and differ by summation order only.
-    ``"auto"`` (the initial setting): ``"bf16"`` where the CPU has those instructions, else ``"fp32"``."""
+    ``"auto"`` (the initial setting, unless the environment variable
+    ``MEGATRON_EOPT_CPU_BF16_PRODUCTS`` names another): whichever :func:`cpu_product_plan` measured
+    faster on this CPU; ``"fp32"`` without bf16 instructions."""
     if mode not in _CPU_BF16_PRODUCTS:
         raise ValueError(f"set_cpu_bf16_products: mode must be one of {_CPU_BF16_PRODUCTS}, got {mode!r}")
     _cdll.megatron_eopt_set_cpu_bf16_products(ctypes.c_int(_CPU_BF16_PRODUCTS.index(mode)))
 
 
-def cpu_bf16_products() -> dict:
+def cpu_bf16_products(side: int = 2048) -> dict:
     """The setting of :func:`set_cpu_bf16_products` (``"mode"``), whether this CPU has bf16 GEMM
-    instructions (``"bf16_instructions"``), and what "medium" runs on it now (``"products"``:
-    ``"bf16"`` or ``"fp32"``)."""
+    instructions (``"bf16_instructions"``), and what "medium" runs now for a Gram side of ``side``
+    (``"products"``: ``"bf16"`` or ``"fp32"``)."""
     mode, instructions = ctypes.c_int(), ctypes.c_int()
     _cdll.megatron_eopt_cpu_bf16_products(ctypes.byref(mode), ctypes.byref(instructions))
     setting = _CPU_BF16_PRODUCTS[mode.value]
-    uses = setting if setting != "auto" else ("bf16" if instructions.value else "fp32")
+    if setting == "auto" and not instructions.value:
+        uses = "fp32"  # nothing to measure
+    else:
+        uses = setting if setting != "auto" else cpu_product_plan(side)["in_use"]["medium"]
     return {"mode": setting, "bf16_instructions": bool(instructions.value), "products": uses}
 
 
-def cpu_symmetric_products() -> dict:
-    """Whether the CPU forms the Newton–Schulz products W·Wᵀ and G·G with the package's AVX-512
-    SYRK kernel (half the multiply-adds, a packed copy of the operand as scratch) or with ATen's
-    GEMMs, for fp32 and for bf16 values: ``{"fp32": bool, "bf16": bool}`` (x86-64 CPUs with
-    AVX-512 F/BW/VL, and AVX512-BF16 for bf16)."""
+def set_cpu_symmetric_products(mode: str) -> None:
+    """Process-wide: how the CPU Newton–Schulz forms its products with a symmetric result (W·Wᵀ and
+    G·G of the standard iteration, R and R·R of the Gram iteration). ``"kernel"``: the package's
+    AVX-512 kernel, which multiplies only the upper triangle (where this CPU has AVX-512; ATen's
+    GEMMs otherwise); ``"gemm"``: ATen's GEMMs, the portable path every CPU runs, on the upper row
+    panels of a side of at least 512 or as one full GEMM, whichever measured faster (``"panels"``
+    and ``"full"`` pin one); ``"auto"`` (the initial setting, unless the environment variable
+    ``MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS`` names another): whichever :func:`cpu_product_plan`
+    measured faster on this CPU. Results differ by summation order only."""
+    if mode not in _CPU_SYMMETRIC_PRODUCTS:
+        raise ValueError(f"set_cpu_symmetric_products: mode must be one of {_CPU_SYMMETRIC_PRODUCTS}, got {mode!r}")
+    _cdll.megatron_eopt_set_cpu_symmetric_products(ctypes.c_int(_CPU_SYMMETRIC_PRODUCTS.index(mode)))
+
+
+def cpu_symmetric_products(side: int = 2048) -> dict:
+    """Whether the CPU forms the Newton–Schulz products W·Wᵀ and G·G of a Gram side ``side`` on the
+    package's AVX-512 kernel (half the multiply-adds, a packed copy of the operand as scratch) or
+    on ATen's GEMMs: ``{"fp32": bool, "bf16": bool}`` for fp32 and bf16 values, with the settings
+    applied; ``"available"``: where the kernel can run on this CPU (x86-64 with AVX-512 F/BW/VL, and
+    AVX512-BF16 for bf16); ``"mode"``: the setting of :func:`set_cpu_symmetric_products`."""
     fp32, bf16 = ctypes.c_int(), ctypes.c_int()
     _cdll.megatron_eopt_cpu_syrk_kernel(ctypes.byref(fp32), ctypes.byref(bf16))
-    return {"fp32": bool(fp32.value), "bf16": bool(bf16.value)}
+    mode = _CPU_SYMMETRIC_PRODUCTS[_cdll.megatron_eopt_cpu_symmetric_products_setting()]
+    available = {"fp32": bool(fp32.value), "bf16": bool(bf16.value)}
+    if not (available["fp32"] or available["bf16"]):
+        in_use = {"fp32": False, "bf16": False}  # nothing to measure
+    else:
+        plan = cpu_product_plan(side)["in_use"]
+        in_use = {"fp32": plan["symmetric_fp32"] == "kernel", "bf16": plan["symmetric_bf16"] == "kernel"}
+    return {**in_use, "available": available, "mode": mode}
+
+
+_cdll.megatron_eopt_cpu_product_plan.restype = ctypes.c_int
+_cdll.megatron_eopt_cpu_product_plan.argtypes = [
+    ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int),
+    ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int64,
+]
+
+
+def cpu_product_plan(side: int = 2048) -> dict:
+    """How the CPU Newton–Schulz computes its products for a Gram (short) side of ``side``, as
+    measured on this CPU: the first call of a size class (sides below 384, and from 384 on) times
+    each candidate once on a probe of that class and the process keeps the result.
+
+    Returns ``probe`` (the probe X's shape; the general product is a square matrix times X, the
+    symmetric one X·Xᵀ), ``ms`` (the best time of each candidate, None where it cannot run here:
+    ``fp32_general``, ``fp32_full`` (X·Xᵀ as one GEMM), ``fp32_panels`` (as GEMMs on its upper row
+    panels), ``fp32_kernel`` and the same for bf16, where bf16 GEMM instructions exist), ``measured``
+    (the faster of each choice: ``symmetric_fp32`` and ``symmetric_bf16`` ``"kernel"`` or
+    ``"gemm"``, ``gemm_fp32`` and ``gemm_bf16`` ``"panels"`` or ``"full"``, ``medium`` ``"bf16"`` or
+    ``"fp32"`` products),
+    ``in_use`` (the same with :func:`set_cpu_symmetric_products` and :func:`set_cpu_bf16_products`
+    applied) and ``bf16_speedup`` (how many times faster "medium"'s step products are in bf16 GEMMs
+    than in fp32 ones: the weight of the Gram iteration's fp32 products in ``algorithm="auto"``)."""
+    probe = ctypes.c_int64()
+    seconds = (ctypes.c_double * 8)()
+    choices, in_use = (ctypes.c_int * 5)(), (ctypes.c_int * 3)()
+    speedup = ctypes.c_double()
+    error = ctypes.create_string_buffer(512)
+    code = _cdll.megatron_eopt_cpu_product_plan(int(side), ctypes.byref(probe), seconds, choices, in_use,
+                                                ctypes.byref(speedup), error, len(error))
+    if code != 0:
+        raise RuntimeError(f"cpu_product_plan: the measurement failed: {error.value.decode()}")
+    names = ("fp32_general", "fp32_full", "fp32_panels", "fp32_kernel",
+             "bf16_general", "bf16_full", "bf16_panels", "bf16_kernel")
+
+    def described(flags):
+        return {"symmetric_fp32": "kernel" if flags[0] else "gemm", "symmetric_bf16": "kernel" if flags[1] else "gemm",
+                "medium": "bf16" if flags[2] else "fp32"}
+
+    measured = described(choices)
+    measured["gemm_fp32"] = "panels" if choices[3] else "full"
+    measured["gemm_bf16"] = "panels" if choices[4] else "full"
+
+    return {
+        "probe": (probe.value, 2 * probe.value),
+        "ms": {k: (v * 1e3 if v > 0 else None) for k, v in zip(names, seconds)},
+        "measured": measured,
+        "in_use": described(in_use),
+        "bf16_speedup": speedup.value,
+    }
 
 
 def cuda_kernels_built() -> bool:

@@ -1,32 +1,17 @@
 #!/usr/bin/env bash
-# Installs everything megatron-eopt needs on a fresh machine and builds the package against the
-# installed torch. torch is pinned to 2.14.1 (a local CUDA 13.0 build on these machines): a
-# looser requirement would make pip download a newer release.
+# Installs what megatron-eopt and its demo need on a fresh machine and builds the package against
+# the installed torch. torch is pinned to 2.14.1 (a local CUDA 13.0 build on these machines): a
+# looser requirement would make pip download a newer release. The test suite's own requirements
+# (references, linters, GoogleTest) are scripts/install_test_deps.sh's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-if ! dpkg -s libgtest-dev >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get update -qq && apt-get install -y -qq libgtest-dev >/dev/null
-fi
 "$PY" -m pip install -q torch==2.14.1
-"$PY" -m pip install -q "scikit-build-core>=0.10" ninja "cmake>=3.26" pytest numpy expecttest matplotlib
-# Linters of scripts/lint.sh (pinned: a new release may add rules or change the C++ layout).
-"$PY" -m pip install -q ruff==0.17.6 clang-format==23.1.5
-# Reference implementations the parity tests compare against (no torch from their requirements).
+"$PY" -m pip install -q "scikit-build-core>=0.10" ninja "cmake>=3.26" numpy matplotlib
+# The demo times its step against Emerging-Optimizers 0.3.0's Muon (no torch from its requirements;
+# it declares Python >= 3.12 and runs on 3.11 with typing_extensions' override).
 "$PY" -m pip install -q --no-deps --ignore-requires-python emerging-optimizers==0.3.0 absl-py typing_extensions
-# Emerging-Optimizers 0.4.0 is not on the package index and is not installed: its behaviour is
-# re-expressed in float64 in tests/python/eo040_reference.py, which the 0.4 parity tests compare to.
-# Benchmark peer: Dao-AILab's gram-newton-schulz (its torch backend only; its GPU kernels' packages,
-# quack-kernels and nvidia-cutlass-dsl, are not needed for that).
-"$PY" -m pip install -q --no-deps gram-newton-schulz==0.1.6
-# Hugging Face Trainer, for the tests of its Muon + AdamW optimizer factory (pinned: Trainer's
-# optimizer entry points change between releases).
-"$PY" -m pip install -q "transformers==5.24.0" "accelerate==1.15.0" torch==2.14.1
-# Megatron-LM's optimizer factory, for the integration tests. megatron-core 0.19.2 declares
-# Python >= 3.12, but its optimizer factory and GPTModel import on 3.11 and need nothing beyond
-# torch, numpy and packaging (its extras pull Transformer Engine, Apex etc.: not wanted here).
-"$PY" -m pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2 "packaging>=24.2"
 # CUDA architectures: the package default (80;90;100 plus PTX) unless MEGATRON_EOPT_CUDA_ARCHS
 # names others; one architecture (e.g. 90) builds about three times faster.
 "$PY" -m pip install -q --no-build-isolation .

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installs everything, lints the sources (scripts/lint.sh), then runs the whole test suite: GoogleTest
+# Installs everything (the package, then the tests' requirements), lints the sources (scripts/lint.sh), then runs the whole test suite: GoogleTest
 # (ctest) for the torch-free C++, pytest for the ops and optimizers (GPU-marked tests skip without a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+bash scripts/install_test_deps.sh
 bash scripts/lint.sh
 
 cmake -S . -B build/cpp-tests -G Ninja -DMEGATRON_EOPT_BUILD_TESTS=ON >/dev/null

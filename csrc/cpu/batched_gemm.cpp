@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "cpu/cpu_clones.h"
+#include "cpu/cpu_product_plan.h"
 #include "cpu/scratch_cpu.h"
 #include "cpu/syrk_cpu.h"
 #include "megatron_eopt/storage_types.h"
@@ -125,27 +126,34 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
 
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
   const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
-  gram_product_out(d, x, syrk_available(type) ? Tensor() : aten::mT(x), blocks);
+  gram_product_out(d, x, cpu_symmetric_on_kernel(type, x.size(1)) ? Tensor() : aten::mT(x), blocks);
 }
 
 void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks) {
+  const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
+  if (cpu_symmetric_on_kernel(type, x.size(1))) symmetric_kernel_out(d, x);
+  else symmetric_gemm_out(d, x, xt, cpu_symmetric_gemm_blocks(type, x.size(1), blocks));
+}
+
+void symmetric_kernel_out(Tensor& d, const Tensor& x) {
   const SyrkShape shape{x.size(0), x.size(1), x.size(2),
                         d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32};
-  if (!syrk_available(shape.type)) {
-    symmetric_gemm_out(d, x, xt, blocks);
-    return;
-  }
   CpuScratch scratch;
-  // The packed copy as fp32 storage: 32-bit words, 64-byte aligned like every ATen CPU buffer.
-  Tensor packed = scratch.take({shape.packed_words()}, kFloat);
-  uint32_t* words = static_cast<uint32_t*>(packed.data_ptr());
+  // The packed copy as fp32 storage: 32-bit words, 64-byte aligned like every ATen CPU buffer;
+  // then the partial sums of a deep product, if any.
+  const int64_t partial_floats = shape.partial_floats();
+  std::vector<std::vector<int64_t>> sizes{{shape.packed_words()}};
+  if (partial_floats > 0) sizes.push_back({partial_floats});
+  const std::vector<Tensor> temps = scratch.take_all(sizes, kFloat);
+  uint32_t* words = static_cast<uint32_t*>(temps[0].data_ptr());
+  float* partials = partial_floats > 0 ? temps[1].mutable_data_ptr<float>() : nullptr;
   const void* xp = x.data_ptr();
   torch::stable::parallel_for(0, shape.batch * shape.panels(), 1, [&](int64_t begin, int64_t end) {
     syrk_pack(xp, x.stride(0), x.stride(1), x.stride(2), shape, words, begin, end);
   });
   void* dp = d.data_ptr();
   torch::stable::parallel_for(0, shape.batch * shape.tiles_per_matrix(), 1,
-                              [&](int64_t begin, int64_t end) { syrk_tiles(words, shape, dp, begin, end); });
+                              [&](int64_t begin, int64_t end) { syrk_tiles(words, shape, dp, partials, begin, end); });
 }
 
 void polynomial_out(Tensor& d, float c, const Tensor& h, float b, const Tensor& g, float a) {

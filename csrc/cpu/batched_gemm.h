@@ -22,13 +22,17 @@ void gemm_out(Tensor& d, const Tensor& a, const Tensor& b);
 void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blocks);
 
 // d = x . x^T for x (batch, s, k) with any strides (a transposed view included), d and x both
-// fp32 or both bf16: the Gram products W W^T, W^T W, G G (G symmetric) and R R. On a CPU with
-// AVX-512 (and AVX512-BF16 for bf16) the symmetric kernel of syrk_cpu.h multiplies only the upper
-// triangle's 8 x 32 tiles; otherwise symmetric_gemm_out with `blocks` row panels.
+// fp32 or both bf16: the Gram products W W^T, W^T W, G G (G symmetric) and R R. On the symmetric
+// kernel of syrk_cpu.h (symmetric_kernel_out) where the product plan runs it (cpu_product_plan.h:
+// measured on this CPU, or set), otherwise symmetric_gemm_out with `blocks` row panels.
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
 // The same with x^T given (a view the caller keeps across calls: each view made is a dispatcher
 // call, which shows on small matrices).
 void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks);
+
+// d = x . x^T on the symmetric kernel (needs syrk_available for d's type): only the upper
+// triangle's 8 x 32 tiles are multiplied; a packed copy of x is the scratch.
+void symmetric_kernel_out(Tensor& d, const Tensor& x);
 
 // One GEMM per matrix (all threads on each) rather than one bmm over the batch, for `batch`
 // matrices of `macs` multiply-adds each in the given element size (2: bf16, 4: fp32).

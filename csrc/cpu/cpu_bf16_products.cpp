@@ -2,6 +2,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -14,7 +16,15 @@
 namespace megatron_eopt {
 namespace {
 
-std::atomic<int> g_mode{static_cast<int>(CpuBf16Products::kAuto)};
+CpuBf16Products initial_mode() {
+  const char* v = std::getenv("MEGATRON_EOPT_CPU_BF16_PRODUCTS");
+  if (v == nullptr) return CpuBf16Products::kAuto;
+  if (std::strcmp(v, "bf16") == 0) return CpuBf16Products::kBf16;
+  if (std::strcmp(v, "fp32") == 0) return CpuBf16Products::kFp32;
+  return CpuBf16Products::kAuto;  // "auto", or a value the Python loader has already refused
+}
+
+std::atomic<int> g_mode{static_cast<int>(initial_mode())};
 
 #if defined(__aarch64__) && defined(__linux__)
 constexpr unsigned long kHwcap2Bf16 = 1ul << 14;  // HWCAP2_BF16 of the kernel's asm/hwcap.h
@@ -55,15 +65,6 @@ bool cpu_has_bf16_instructions() {
 void set_cpu_bf16_products(CpuBf16Products mode) { g_mode.store(static_cast<int>(mode)); }
 
 CpuBf16Products cpu_bf16_products() { return static_cast<CpuBf16Products>(g_mode.load()); }
-
-bool cpu_uses_bf16_gemms() {
-  switch (cpu_bf16_products()) {
-    case CpuBf16Products::kBf16: return true;
-    case CpuBf16Products::kFp32: return false;
-    case CpuBf16Products::kAuto: break;
-  }
-  return cpu_has_bf16_instructions();
-}
 
 }  // namespace megatron_eopt
 

@@ -15,12 +15,11 @@ enum class CpuBf16Products { kAuto = 0, kBf16 = 1, kFp32 = 2 };
 // elsewhere, where fp32 GEMMs of bf16 values are the safe choice.
 bool cpu_has_bf16_instructions();
 
-// Process-wide setting (megatron_eopt.set_cpu_bf16_products), kAuto at start.
+// Process-wide setting (megatron_eopt.set_cpu_bf16_products); at start, the environment variable
+// MEGATRON_EOPT_CPU_BF16_PRODUCTS (auto, bf16 or fp32), else kAuto.
 void set_cpu_bf16_products(CpuBf16Products mode);
 CpuBf16Products cpu_bf16_products();
 
-// The setting resolved: true for ATen's bf16 GEMMs (kBf16, or kAuto on a CPU with bf16
-// instructions), false for fp32 GEMMs of bf16 values.
-bool cpu_uses_bf16_gemms();
+// What "auto" resolves to is measured per size class (cpu_product_plan.h: cpu_uses_bf16_gemms).
 
 }  // namespace megatron_eopt

@@ -1,6 +1,6 @@
 // Newton–Schulz on the CPU: argument checks, the algorithm choice, and the batch loop around the
 // executors (newton_schulz_standard_cpu.cpp, newton_schulz_gram_cpu.cpp).
-#include "cpu/cpu_bf16_products.h"
+#include "cpu/cpu_product_plan.h"
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "ops/aten_ops.h"
 #include "ops/newton_schulz_args.h"
@@ -22,9 +22,9 @@ void run_newton_schulz_cpu(const Tensor& x, Tensor& out, NsOptions opts) {
   const int64_t side = opts.transpose ? opts.cols : opts.rows;
   opts.precision = cpu_iteration_precision(opts.precision, side);
   // The products mode is read once per call: every matrix of a batch runs alike.
-  const bool bf16_gemms = opts.precision == NsPrecision::kMedium && cpu_uses_bf16_gemms();
-  const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCpu,
-                                                        opts.precision != NsPrecision::kMedium || bf16_gemms);
+  const bool medium = opts.precision == NsPrecision::kMedium;
+  const bool bf16_gemms = medium && cpu_uses_bf16_gemms(side);
+  const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCpu, medium ? cpu_bf16_speedup(side) : 1.0);
   const auto run = [&](const Tensor& part, Tensor& part_out) {
     if (choice.algorithm == NsAlgorithm::kGram) gram_newton_schulz_cpu(part, part_out, opts, choice.program);
     else standard_newton_schulz_cpu(part, part_out, opts, bf16_gemms);

@@ -21,6 +21,7 @@ namespace {
 
 constexpr int64_t kPanel = kSyrkPanelRows;
 constexpr int64_t kRows = kSyrkTileRows;
+constexpr int64_t kChunkSteps = 512;  // depth steps per cache block (run_tiles)
 
 // Row tiles of column panel q: those of rows [0, min(side, 32 (q + 1))).
 int64_t row_tiles_of_panel(const SyrkShape& shape, int64_t q) {
@@ -165,23 +166,40 @@ MEGATRON_EOPT_AVX512_BF16 void accumulate_bf16(const uint32_t* a, const uint32_t
   for (int r = 0; r < kRows; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
 }
 
+// fp32 sums are formed in blocks of kSumSteps depth steps, each from zero, then added to the
+// running total: the rounding error of a sum of d products then grows with kSumSteps + d /
+// kSumSteps instead of d, which keeps fp32 products at least as close to float64 as ATen's
+// GEMMs (a single chain over a 513-deep product was 3x further; tests/python/test_cpu_paths.py).
+// The totals live in memory between blocks (16 more registers than AVX-512 has), touched once per
+// block.
+constexpr int64_t kSumSteps = 32;
+
 MEGATRON_EOPT_AVX512 void accumulate_fp32(const uint32_t* a, const uint32_t* b, int64_t steps, const float* partial,
                                           __m512 out[kRows][2]) {
-  __m512 acc[kRows][2];
-  load_partial(partial, acc);
-  for (int64_t p = 0; p < steps; ++p) {
-    // The words are read as the integers they were stored as and reinterpreted in registers.
-    const __m512 b0 = _mm512_castsi512_ps(_mm512_loadu_si512(b + p * kPanel));
-    const __m512 b1 = _mm512_castsi512_ps(_mm512_loadu_si512(b + p * kPanel + 16));
-    const uint32_t* ap = a + p * kPanel;
+  __m512 total[kRows][2];
+  load_partial(partial, total);
+  for (int64_t p0 = 0; p0 < steps; p0 += kSumSteps) {
+    const int64_t p1 = std::min(steps, p0 + kSumSteps);
+    __m512 acc[kRows][2];
+    load_partial(nullptr, acc);
+    for (int64_t p = p0; p < p1; ++p) {
+      // The words are read as the integers they were stored as and reinterpreted in registers.
+      const __m512 b0 = _mm512_castsi512_ps(_mm512_loadu_si512(b + p * kPanel));
+      const __m512 b1 = _mm512_castsi512_ps(_mm512_loadu_si512(b + p * kPanel + 16));
+      const uint32_t* ap = a + p * kPanel;
 #pragma GCC unroll 8
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 ar = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(ap[r])));
+        acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
+      }
+    }
     for (int r = 0; r < kRows; ++r) {
-      const __m512 ar = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(ap[r])));
-      acc[r][0] = _mm512_fmadd_ps(ar, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(ar, b1, acc[r][1]);
+      total[r][0] = _mm512_add_ps(total[r][0], acc[r][0]);
+      total[r][1] = _mm512_add_ps(total[r][1], acc[r][1]);
     }
   }
-  for (int r = 0; r < kRows; ++r) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+  for (int r = 0; r < kRows; ++r) out[r][0] = total[r][0], out[r][1] = total[r][1];
 }
 
 // Rounds 16 fp32 lanes to bf16, nearest even (AVX512-BF16's VCVTNEPS2BF16).
@@ -218,7 +236,6 @@ MEGATRON_EOPT_AVX512 void store_tile(const __m512 acc[kRows][2], T* c, int64_t l
 // column panel over the whole depth from L3 or memory (1 MiB for a 2048 x 8192 fp32 X), and the
 // tiles ran well below their in-cache rate (benchmarks/RESULTS.md). Partial sums are kept exactly in fp32 between chunks, so the result does not
 // depend on the blocking.
-constexpr int64_t kChunkSteps = 512;
 constexpr int64_t kBlockTiles = 16;
 
 // The row tiles [first, last) of column panel q of matrix b: tasks offset .. offset + last - first
@@ -228,14 +245,14 @@ struct TileRun {
 };
 
 template <typename T>
-MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& shape, T* c, int64_t begin, int64_t end) {
+MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& shape, T* c, float* partials,
+                                    int64_t begin, int64_t end) {
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   const int64_t per_matrix = shape.tiles_per_matrix(), steps = shape.steps(), side = shape.side;
   // At least one chunk, so that a zero depth still writes its zero tiles.
   const int64_t panel_words = steps * kPanel, chunks = std::max<int64_t>(1, (steps + kChunkSteps - 1) / kChunkSteps);
   if (begin >= end) return;
   thread_local std::vector<TileRun> runs;
-  thread_local std::vector<float> partials;  // 8 x 32 fp32 per task between chunks
   runs.clear();
   for (int64_t task = begin; task < end;) {
     const int64_t b = task / per_matrix;
@@ -245,7 +262,6 @@ MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& sha
     runs.push_back({b, q, first, last, task - begin});
     task += last - first;
   }
-  if (chunks > 1) partials.resize(static_cast<std::size_t>((end - begin) * kRows * kPanel));
   const int64_t row_blocks = (side + kRows * kBlockTiles - 1) / (kRows * kBlockTiles);
   for (std::size_t at = 0; at < runs.size();) {
     std::size_t stop = at;  // runs [at, stop) belong to one matrix
@@ -263,7 +279,7 @@ MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& sha
           for (int64_t t = std::max(run.first, block * kBlockTiles); t < t_end; ++t) {
             const int64_t i0 = t * kRows;
             const uint32_t* rows = matrix + (i0 / kPanel) * panel_words + i0 % kPanel + s0 * kPanel;
-            float* partial = chunks > 1 ? partials.data() + (run.offset + t - run.first) * kRows * kPanel : nullptr;
+            float* partial = chunks > 1 ? partials + (begin + run.offset + t - run.first) * kRows * kPanel : nullptr;
             __m512 acc[kRows][2];
             if constexpr (bf16) accumulate_bf16(rows, columns, n, chunk > 0 ? partial : nullptr, acc);
             else accumulate_fp32(rows, columns, n, chunk > 0 ? partial : nullptr, acc);
@@ -330,12 +346,16 @@ void syrk_pack(const void* x, int64_t batch_stride, int64_t row_stride, int64_t 
   }
 }
 
-void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, int64_t begin, int64_t end) {
+int64_t SyrkShape::partial_floats() const {
+  return steps() > kChunkSteps ? batch * tiles_per_matrix() * kRows * kPanel : 0;
+}
+
+void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, float* partials, int64_t begin, int64_t end) {
 #if MEGATRON_EOPT_SYRK_AVX512
-  if (shape.type == SyrkType::kBf16) run_tiles(packed, shape, static_cast<uint16_t*>(c), begin, end);
-  else run_tiles(packed, shape, static_cast<float*>(c), begin, end);
+  if (shape.type == SyrkType::kBf16) run_tiles(packed, shape, static_cast<uint16_t*>(c), partials, begin, end);
+  else run_tiles(packed, shape, static_cast<float*>(c), partials, begin, end);
 #else
-  (void)packed, (void)shape, (void)c, (void)begin, (void)end;
+  (void)packed, (void)shape, (void)c, (void)partials, (void)begin, (void)end;
 #endif
 }
 

@@ -45,6 +45,9 @@ struct SyrkShape {
   int64_t packed_words() const { return batch * packed_words_per_matrix(); }
   // C tiles of one matrix: the column panel q takes the row tiles of rows [0, min(side, 32 (q + 1))).
   int64_t tiles_per_matrix() const;
+  // fp32 partial sums syrk_tiles keeps where the depth spans several cache blocks (more than 512
+  // steps): 8 x 32 per tile of the batch, about 2 side^2 bytes per matrix; 0 otherwise.
+  int64_t partial_floats() const;
 };
 
 // Whether this CPU runs the kernel for the type (x86-64 with AVX-512 F/BW/VL, and AVX512-BF16 for
@@ -58,9 +61,8 @@ void syrk_pack(const void* x, int64_t batch_stride, int64_t row_stride, int64_t 
 
 // Step 2 for the tiles [begin, end) of the batch (batch x tiles_per_matrix in all): writes the
 // tiles' elements of c and their mirror images, c a contiguous (batch, side, side) stack of the
-// shape's type. Needs syrk_available(shape.type). Where the depth spans several cache blocks the
-// calling thread keeps 1 KiB of fp32 partial sums per tile of its range (about 2 side^2 bytes
-// over all threads), in a buffer it reuses for later calls.
-void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, int64_t begin, int64_t end);
+// shape's type. Needs syrk_available(shape.type). `partials`: shape.partial_floats() floats of
+// scratch, shared by all ranges (each tile uses its own part); null where that is 0.
+void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, float* partials, int64_t begin, int64_t end);
 
 }  // namespace megatron_eopt

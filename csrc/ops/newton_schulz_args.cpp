@@ -43,13 +43,13 @@ namespace {
 // Everything the choice depends on. The schedule's rows are compared as floats: equal rows, equal choice.
 struct ChoiceKey {
   int algorithm, precision, device;
-  bool standard_bf16_gemms;
+  double cpu_bf16_speedup;
   int64_t rows, cols;
   bool transpose;
   std::vector<float> schedule;
   bool operator<(const ChoiceKey& o) const {
-    return std::tie(algorithm, precision, device, standard_bf16_gemms, rows, cols, transpose, schedule) <
-           std::tie(o.algorithm, o.precision, o.device, o.standard_bf16_gemms, o.rows, o.cols, o.transpose, o.schedule);
+    return std::tie(algorithm, precision, device, cpu_bf16_speedup, rows, cols, transpose, schedule) <
+           std::tie(o.algorithm, o.precision, o.device, o.cpu_bf16_speedup, o.rows, o.cols, o.transpose, o.schedule);
   }
 };
 
@@ -58,14 +58,14 @@ constexpr std::size_t kMaxCachedChoices = 4096;
 
 }  // namespace
 
-NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device, bool standard_bf16_gemms) {
+NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device, double cpu_bf16_speedup) {
   if (opts.algorithm == NsAlgorithm::kStandard) return {NsAlgorithm::kStandard, {}};
   // The choice and the Gram program (the schedule's peak, restarts, program) cost more host time
   // than a small matrix's iteration: made once per problem and kept for the process.
   ChoiceKey key{static_cast<int>(opts.algorithm),
                 static_cast<int>(opts.precision),
                 static_cast<int>(device),
-                standard_bf16_gemms,
+                cpu_bf16_speedup,
                 opts.rows,
                 opts.cols,
                 opts.transpose,
@@ -80,7 +80,7 @@ NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device, b
     if (it != cache->end()) return it->second;
   }
   NsAlgorithmChoice choice = choose_ns_algorithm(opts.algorithm, opts.rows, opts.cols, opts.transpose, opts.schedule,
-                                                 opts.precision, device, standard_bf16_gemms);
+                                                 opts.precision, device, cpu_bf16_speedup);
   const std::lock_guard<std::mutex> lock(*mutex);
   if (cache->size() >= kMaxCachedChoices) cache->clear();
   cache->emplace(std::move(key), choice);

@@ -32,8 +32,9 @@ NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficie
                            double norm_divisor = 1.0, bool row_equilibration = false, bool frobenius_renorm = false);
 
 // The algorithm that runs on `device` (auto resolved) and, for Gram, its program.
-// `standard_bf16_gemms`: the CPU's "medium" standard iteration runs bf16 GEMMs (the CPU caller
-// passes cpu_uses_bf16_gemms(); see choose_ns_algorithm).
-NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device, bool standard_bf16_gemms = true);
+// `cpu_bf16_speedup`: how many times faster the CPU's "medium" standard iteration runs its products
+// than the Gram iteration (the CPU caller passes its product plan's; see gram_flop_weight).
+NsAlgorithmChoice resolve_ns_algorithm(const NsOptions& opts, NsDevice device,
+                                       double cpu_bf16_speedup = kDefaultCpuBf16Speedup);
 
 }  // namespace megatron_eopt

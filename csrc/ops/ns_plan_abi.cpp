@@ -5,7 +5,7 @@
 #include <exception>
 #include <vector>
 
-#include "cpu/cpu_bf16_products.h"
+#include "cpu/cpu_product_plan.h"
 #include "megatron_eopt/ns_algorithm.h"
 
 #include "ops/c_export.h"
@@ -28,8 +28,9 @@ MEGATRON_EOPT_C_EXPORT int megatron_eopt_ns_plan(const double* coefficients, int
                           : algorithm == 1 ? NsAlgorithm::kStandard
                                            : NsAlgorithm::kGram;
     const NsDevice d = device == 1 ? NsDevice::kCuda : NsDevice::kCpu;
-    const bool standard_bf16_gemms = d != NsDevice::kCpu || p != NsPrecision::kMedium || cpu_uses_bf16_gemms();
-    const NsAlgorithmChoice choice = choose_ns_algorithm(a, m, n, transpose != 0, schedule, p, d, standard_bf16_gemms);
+    const int64_t side = transpose != 0 ? n : m;
+    const double speedup = d == NsDevice::kCpu && p == NsPrecision::kMedium ? cpu_bf16_speedup(side) : 1.0;
+    const NsAlgorithmChoice choice = choose_ns_algorithm(a, m, n, transpose != 0, schedule, p, d, speedup);
     const std::vector<bool> r = gram_restarts(schedule, gram_arithmetic(p, d));
     for (std::size_t k = 0; k < r.size(); ++k) restart[k] = r[k] ? 1 : 0;
     return choice.algorithm == NsAlgorithm::kGram ? 1 : 0;

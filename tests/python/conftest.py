@@ -16,6 +16,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 HAS_CUDA = torch.cuda.is_available()
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Which CPU paths of the Newton–Schulz products this run tested, and what this CPU measured."""
+    import cpu_paths
+
+    terminalreporter.write_sep("-", "CPU Newton–Schulz paths")
+    terminalreporter.write_line(cpu_paths.describe())
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -62,15 +62,17 @@ inline double gram_square_flop_weight(NsPrecision precision, NsDevice device) {
 }
 
 // Relative cost of one FLOP of the Gram iteration against one of the standard iteration's. On a
-// CPU with "medium" the standard iteration runs ATen's bf16 GEMMs (`standard_bf16_gemms`), while
-// the Gram iteration keeps fp32 products of bf16 values (it needs R with an fp32 result, which
-// those GEMMs cannot write): fp32 GEMMs take 2.1x to 2.5x as long on a CPU with AVX-512 bf16
-// (benchmarks/RESULTS.md; the upper end is used), more than the Gram iteration saves at any aspect
-// ratio, so "auto" keeps the standard iteration there. On a CPU without bf16 instructions the
-// standard iteration runs fp32 GEMMs of bf16 values too (cpu/cpu_bf16_products.h), and elsewhere
-// both iterations run the same arithmetic.
-inline double gram_flop_weight(NsPrecision precision, NsDevice device, bool standard_bf16_gemms = true) {
-  return precision == NsPrecision::kMedium && device == NsDevice::kCpu && standard_bf16_gemms ? 2.5 : 1.0;
+// CPU with "medium" the standard iteration may run ATen's bf16 GEMMs while the Gram iteration keeps
+// fp32 products of bf16 values (it needs R with an fp32 result, which those GEMMs cannot write):
+// `cpu_bf16_speedup` is how many times faster the standard iteration's products are there, as
+// measured on the running CPU (cpu/cpu_product_plan.h; 1 where "medium" runs fp32 GEMMs of bf16
+// values). The default, 2.5, is the ratio an AVX512-BF16 CPU measured (benchmarks/RESULTS.md).
+// Elsewhere both iterations run the same arithmetic.
+constexpr double kDefaultCpuBf16Speedup = 2.5;
+
+inline double gram_flop_weight(NsPrecision precision, NsDevice device,
+                               double cpu_bf16_speedup = kDefaultCpuBf16Speedup) {
+  return precision == NsPrecision::kMedium && device == NsDevice::kCpu ? std::max(1.0, cpu_bf16_speedup) : 1.0;
 }
 
 // When "auto" takes the Gram iteration: its modelled cost (FLOPs weighted as above, symmetric
@@ -93,12 +95,13 @@ inline NsAutoRule ns_auto_rule(NsDevice device) {
 
 // Modelled time ratio standard / Gram of one call; above 1 the Gram iteration does less work.
 inline double gram_speedup_model(const GramProgram& program, std::size_t steps, int64_t m, int64_t n, bool transpose,
-                                 NsPrecision precision, NsDevice device, bool standard_bf16_gemms = true) {
+                                 NsPrecision precision, NsDevice device,
+                                 double cpu_bf16_speedup = kDefaultCpuBf16Speedup) {
   const double sym = ns_symmetric_fraction(ns_symmetric_blocks(program.gram_side, device));
   const NsFlops g = gram_program_flops(program);
   const NsFlops st = standard_flops(m, n, transpose, steps);
   const double standard_cost = sym * st.long_symmetric + st.long_general + sym * st.square;
-  const double gram_cost = gram_flop_weight(precision, device, standard_bf16_gemms) *
+  const double gram_cost = gram_flop_weight(precision, device, cpu_bf16_speedup) *
                            (sym * g.long_symmetric + g.long_general +
                             gram_square_flop_weight(precision, device) * sym * g.square);
   return gram_cost > 0 ? standard_cost / gram_cost : 0.0;
@@ -138,12 +141,12 @@ struct NsAlgorithmChoice {
   GramProgram program;    // valid when algorithm == kGram
 };
 
-// `standard_bf16_gemms`: on a CPU under "medium", whether the standard iteration runs bf16 GEMMs
-// (cpu_uses_bf16_gemms) or fp32 GEMMs of bf16 values. The CPU keeps W's bf16 values in fp32
+// `cpu_bf16_speedup`: on a CPU under "medium", how many times faster the standard iteration's
+// products are than the Gram iteration's (gram_flop_weight). The CPU keeps W's bf16 values in fp32
 // buffers, so its programs may hold W in the output (make_gram_program's w_in_out).
 inline NsAlgorithmChoice choose_ns_algorithm(NsAlgorithm requested, int64_t m, int64_t n, bool transpose,
                                              const std::vector<NsCoefficients>& schedule, NsPrecision precision,
-                                             NsDevice device, bool standard_bf16_gemms = true) {
+                                             NsDevice device, double cpu_bf16_speedup = kDefaultCpuBf16Speedup) {
   NsAlgorithmChoice choice{NsAlgorithm::kStandard, {}};
   if (requested == NsAlgorithm::kStandard) return choice;
   if (requested == NsAlgorithm::kAuto && ns_schedule_peak(schedule) > kGramMaxSchedulePeak) return choice;
@@ -155,7 +158,7 @@ inline NsAlgorithmChoice choose_ns_algorithm(NsAlgorithm requested, int64_t m, i
     const NsAutoRule rule = ns_auto_rule(device);
     const int64_t side = transpose ? n : m;
     const double speedup = gram_speedup_model(program, schedule.size(), m, n, transpose, precision, device,
-                                              standard_bf16_gemms);
+                                              cpu_bf16_speedup);
     if (side < rule.min_gram_side || speedup < rule.min_speedup) return choice;
   }
   choice.algorithm = NsAlgorithm::kGram;

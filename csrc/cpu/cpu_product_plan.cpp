@@ -1,0 +1,206 @@
+#include "cpu/cpu_product_plan.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "cpu/batched_gemm.h"
+#include "cpu/cpu_bf16_products.h"
+#include "megatron_eopt/ns_algorithm.h"
+#include "ops/aten_ops.h"
+#include "ops/c_export.h"
+
+namespace megatron_eopt {
+namespace {
+
+CpuSymmetricProducts initial_symmetric_setting() {
+  const char* v = std::getenv("MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS");
+  if (v == nullptr) return CpuSymmetricProducts::kAuto;
+  if (std::strcmp(v, "kernel") == 0) return CpuSymmetricProducts::kKernel;
+  if (std::strcmp(v, "gemm") == 0) return CpuSymmetricProducts::kGemm;
+  if (std::strcmp(v, "panels") == 0) return CpuSymmetricProducts::kPanels;
+  if (std::strcmp(v, "full") == 0) return CpuSymmetricProducts::kFull;
+  return CpuSymmetricProducts::kAuto;  // "auto", or a value the Python loader has already refused
+}
+
+std::atomic<int> g_symmetric{static_cast<int>(initial_symmetric_setting())};
+
+constexpr int kClasses = 2;
+constexpr int64_t kLargeClassSide = 384;
+constexpr int64_t kProbeSides[kClasses] = {256, 768};
+// Runs per candidate after a warm-up run; the best counts (other load only ever adds time).
+constexpr int kRuns = 3;
+
+template <typename F>
+double best_seconds(F&& run) {
+  run();
+  double best = 0.0;
+  for (int i = 0; i < kRuns; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    best = i == 0 ? s : std::min(best, s);
+  }
+  return best;
+}
+
+// Values in [-1, 1) from a fixed sequence: timing only, no denormals, no zeros.
+Tensor probe_values(const std::vector<int64_t>& sizes) {
+  Tensor t = aten::empty(sizes, kFloat, Device(kCPU));
+  float* p = t.mutable_data_ptr<float>();
+  uint32_t state = 12345u;
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    state = state * 1664525u + 1013904223u;
+    p[i] = static_cast<float>(state >> 8) / static_cast<float>(1u << 23) - 1.0f;
+  }
+  return t;
+}
+
+CpuProductPlan measure(int size_class) {
+  const int64_t s = kProbeSides[size_class], d = 2 * s;
+  CpuProductPlan plan{s, {}, false, false, false, false, false, 1.0};
+  const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
+  CpuProductSeconds& t = plan.seconds;
+  const auto run_type = [&](ScalarType type, double& general, double& full, double& panels, double& kernel,
+                            bool kernel_runs) {
+    Tensor x = probe_values({1, s, d}), p = probe_values({1, s, s});
+    if (type == kBFloat16) {
+      x = aten::to_dtype(x, kBFloat16);
+      p = aten::to_dtype(p, kBFloat16);
+    }
+    Tensor out = aten::empty({1, s, d}, type, x.device());
+    Tensor g = aten::empty({1, s, s}, type, x.device());
+    const Tensor xt = aten::mT(x);
+    general = best_seconds([&] { gemm_out(out, p, x); });
+    full = best_seconds([&] { symmetric_gemm_out(g, x, xt, 1); });
+    panels = blocks > 1 ? best_seconds([&] { symmetric_gemm_out(g, x, xt, blocks); }) : full;
+    if (kernel_runs) kernel = best_seconds([&] { symmetric_kernel_out(g, x); });
+  };
+  // The faster ATen route of a symmetric product, and the kernel where it beats that.
+  const auto gemm = [](double full, double panels) { return std::min(full, panels); };
+  run_type(kFloat, t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel, syrk_available(SyrkType::kFp32));
+  plan.panels_fp32 = t.fp32_panels < t.fp32_full;
+  plan.kernel_fp32 = t.fp32_kernel > 0 && t.fp32_kernel < gemm(t.fp32_full, t.fp32_panels);
+  // ATen's bf16 GEMMs are a scalar fallback on CPUs without bf16 instructions (hundreds of times
+  // slower): not a candidate there, and not worth timing.
+  if (cpu_has_bf16_instructions()) {
+    run_type(kBFloat16, t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel, syrk_available(SyrkType::kBf16));
+    plan.panels_bf16 = t.bf16_panels < t.bf16_full;
+    plan.kernel_bf16 = t.bf16_kernel > 0 && t.bf16_kernel < gemm(t.bf16_full, t.bf16_panels);
+    // A standard step: two symmetric products and one general one, each on its faster route.
+    const auto symmetric = [&](double full, double panels, double kernel) {
+      return kernel > 0 ? std::min(gemm(full, panels), kernel) : gemm(full, panels);
+    };
+    const double fp32_step = t.fp32_general + 2 * symmetric(t.fp32_full, t.fp32_panels, t.fp32_kernel);
+    const double bf16_step = t.bf16_general + 2 * symmetric(t.bf16_full, t.bf16_panels, t.bf16_kernel);
+    plan.bf16_gemms = bf16_step < fp32_step;
+    if (plan.bf16_gemms) plan.bf16_speedup = fp32_step / bf16_step;
+  }
+  return plan;
+}
+
+}  // namespace
+
+void set_cpu_symmetric_products(CpuSymmetricProducts mode) { g_symmetric.store(static_cast<int>(mode)); }
+
+CpuSymmetricProducts cpu_symmetric_products_setting() { return static_cast<CpuSymmetricProducts>(g_symmetric.load()); }
+
+int cpu_product_class(int64_t side) { return side < kLargeClassSide ? 0 : 1; }
+
+int64_t cpu_product_probe_side(int size_class) { return kProbeSides[size_class]; }
+
+const CpuProductPlan& cpu_product_plan(int64_t side) {
+  static std::once_flag once[kClasses];
+  static CpuProductPlan plans[kClasses];
+  const int c = cpu_product_class(side);
+  std::call_once(once[c], [c] { plans[c] = measure(c); });
+  return plans[c];
+}
+
+bool cpu_symmetric_on_kernel(SyrkType type, int64_t side) {
+  if (!syrk_available(type)) return false;
+  switch (cpu_symmetric_products_setting()) {
+    case CpuSymmetricProducts::kKernel: return true;
+    case CpuSymmetricProducts::kGemm:
+    case CpuSymmetricProducts::kPanels:
+    case CpuSymmetricProducts::kFull: return false;
+    case CpuSymmetricProducts::kAuto: break;
+  }
+  const CpuProductPlan& plan = cpu_product_plan(side);
+  return type == SyrkType::kBf16 ? plan.kernel_bf16 : plan.kernel_fp32;
+}
+
+int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks) {
+  if (blocks <= 1) return 1;
+  const CpuSymmetricProducts setting = cpu_symmetric_products_setting();
+  if (setting == CpuSymmetricProducts::kPanels) return blocks;
+  if (setting == CpuSymmetricProducts::kFull) return 1;
+  const CpuProductPlan& plan = cpu_product_plan(side);
+  return (type == SyrkType::kBf16 ? plan.panels_bf16 : plan.panels_fp32) ? blocks : 1;
+}
+
+bool cpu_uses_bf16_gemms(int64_t side) {
+  switch (cpu_bf16_products()) {
+    case CpuBf16Products::kBf16: return true;
+    case CpuBf16Products::kFp32: return false;
+    case CpuBf16Products::kAuto: break;
+  }
+  return cpu_has_bf16_instructions() && cpu_product_plan(side).bf16_gemms;
+}
+
+double cpu_bf16_speedup(int64_t side) {
+  if (!cpu_uses_bf16_gemms(side)) return 1.0;
+  const CpuProductPlan& plan = cpu_product_plan(side);
+  // Forced bf16 GEMMs where the measurement chose fp32 ones: the measured ratio (below 1) still
+  // says the Gram iteration's fp32 products are no slower; without bf16 instructions nothing was
+  // timed, and the fallback GEMMs are far slower than fp32 ones.
+  return plan.bf16_gemms ? plan.bf16_speedup : 1.0;
+}
+
+}  // namespace megatron_eopt
+
+// ctypes entry points of megatron_eopt.set_cpu_symmetric_products / cpu_product_plan.
+// Modes: 0 auto, 1 kernel, 2 gemm, 3 panels, 4 full (anything else is refused with -1).
+MEGATRON_EOPT_C_EXPORT int megatron_eopt_set_cpu_symmetric_products(int mode) {
+  if (mode < 0 || mode > 4) return -1;
+  megatron_eopt::set_cpu_symmetric_products(static_cast<megatron_eopt::CpuSymmetricProducts>(mode));
+  return 0;
+}
+
+MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_symmetric_products_setting() {
+  return static_cast<int>(megatron_eopt::cpu_symmetric_products_setting());
+}
+
+// The measured plan of the class of `side` (measuring it on first use): seconds[8] as in
+// CpuProductSeconds, choices[5] = measured kernel_fp32, kernel_bf16, bf16_gemms, panels_fp32,
+// panels_bf16; in_use[3] = the first three with the settings applied; the probe side and the bf16 speedup in use. Returns 0, or -1
+// when the measurement failed (message in `error`, up to error_size bytes).
+MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_product_plan(int64_t side, int64_t* probe_side, double* seconds,
+                                                          int* choices, int* in_use, double* speedup, char* error,
+                                                          int64_t error_size) {
+  using namespace megatron_eopt;
+  try {
+    const CpuProductPlan& plan = cpu_product_plan(side);
+    *probe_side = plan.probe_side;
+    const CpuProductSeconds& t = plan.seconds;
+    const double values[8] = {t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel,
+                              t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel};
+    std::copy(values, values + 8, seconds);
+    choices[0] = plan.kernel_fp32, choices[1] = plan.kernel_bf16, choices[2] = plan.bf16_gemms;
+    choices[3] = plan.panels_fp32, choices[4] = plan.panels_bf16;
+    in_use[0] = cpu_symmetric_on_kernel(SyrkType::kFp32, side);
+    in_use[1] = cpu_symmetric_on_kernel(SyrkType::kBf16, side);
+    in_use[2] = cpu_uses_bf16_gemms(side);
+    *speedup = cpu_bf16_speedup(side);
+    return 0;
+  } catch (const std::exception& e) {
+    if (error_size > 0) {
+      std::strncpy(error, e.what(), static_cast<std::size_t>(error_size - 1));
+      error[error_size - 1] = '\0';
+    }
+    return -1;
+  }
+}

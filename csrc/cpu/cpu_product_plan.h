@@ -1,0 +1,72 @@
+// Which code computes the CPU Newton–Schulz products, decided by measurement on the running CPU.
+//
+// CPU classes differ by an order of magnitude in what is fast: on an AVX2-only CPU ATen's bf16
+// GEMMs are a scalar fallback, on an AVX512-BF16 CPU they run dot-product instructions, on an AMX
+// CPU tiles several times faster again; our symmetric kernel (syrk_cpu.h) halves the products'
+// FLOPs but runs on AVX-512 FMAs or AVX512-BF16 dot products only, never on AMX. No rule read off
+// one machine holds on the others, so the first Newton–Schulz call of a size class times the
+// candidates on a probe of that class (a few milliseconds to a few hundred) and the process keeps
+// the choice:
+//   - symmetric products X X^T (W W^T, G G, R, R R) in fp32 and in bf16: the kernel, or ATen's
+//     GEMMs on the upper row panels (batched_gemm.h);
+//   - "medium"'s bf16 products: ATen's bf16 GEMMs, or fp32 GEMMs of the same bf16 values;
+//   - how much faster the standard iteration's products are than the Gram iteration's under
+//     "medium" (the Gram iteration keeps fp32 products of bf16 values): the weight of
+//     gram_flop_weight in the algorithm choice.
+// Process-wide settings (set_cpu_symmetric_products, set_cpu_bf16_products, or the environment
+// variables MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS = auto | kernel | gemm and
+// MEGATRON_EOPT_CPU_BF16_PRODUCTS = auto | bf16 | fp32 read at load) override the measurement,
+// e.g. to pin a reproducible path or to force the portable one (gemm: ATen's GEMMs only).
+#pragma once
+
+#include <cstdint>
+
+#include "cpu/syrk_cpu.h"
+
+namespace megatron_eopt {
+
+// kGemm: ATen's GEMMs, as the upper row panels or one full GEMM, whichever measured faster;
+// kPanels / kFull pin one of those two.
+enum class CpuSymmetricProducts { kAuto = 0, kKernel = 1, kGemm = 2, kPanels = 3, kFull = 4 };
+
+void set_cpu_symmetric_products(CpuSymmetricProducts mode);
+CpuSymmetricProducts cpu_symmetric_products_setting();
+
+// Seconds of one probe product of each candidate (the best of a few runs; 0: not run, because the
+// candidate cannot run on this CPU or is not a candidate here).
+struct CpuProductSeconds {
+  double fp32_general, fp32_full, fp32_panels, fp32_kernel;
+  double bf16_general, bf16_full, bf16_panels, bf16_kernel;
+};
+
+// The measurement of one size class: probe X of probe_side x 2 probe_side; the general product is
+// (probe_side x probe_side) . X, the symmetric one X X^T, as one full GEMM, as the upper row panels
+// (ns_symmetric_blocks) or on the kernel.
+struct CpuProductPlan {
+  int64_t probe_side;
+  CpuProductSeconds seconds;
+  bool kernel_fp32;      // measured choice for fp32 X X^T (before the setting)
+  bool kernel_bf16;      // the same for bf16
+  bool panels_fp32;      // on ATen's GEMMs, the row panels beat one full GEMM (fp32)
+  bool panels_bf16;      // the same for bf16
+  bool bf16_gemms;       // measured choice for "medium" (before the setting)
+  double bf16_speedup;   // fp32 step products' time / bf16's (>= 1 where bf16_gemms, else 1)
+};
+
+// Size classes: symmetric sides below 384, and from 384 on (probes of side 256 and 768).
+int cpu_product_class(int64_t side);
+int64_t cpu_product_probe_side(int size_class);
+
+// The measured plan of the class of `side`, measured on first use and then kept.
+const CpuProductPlan& cpu_product_plan(int64_t side);
+
+// What runs, the settings applied: whether X X^T of side `side` in `type` runs on the symmetric
+// kernel, and otherwise in how many row panels (`blocks` from ns_symmetric_blocks, or 1 where one
+// full GEMM measured faster); whether "medium" runs ATen's bf16 GEMMs; the Gram weight that goes
+// with it.
+bool cpu_symmetric_on_kernel(SyrkType type, int64_t side);
+int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks);
+bool cpu_uses_bf16_gemms(int64_t side);
+double cpu_bf16_speedup(int64_t side);
+
+}  // namespace megatron_eopt
