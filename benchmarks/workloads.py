@@ -152,6 +152,12 @@ _TOO_SLOW = "too slow for a 2-core CPU"
 
 def catalogue() -> list[Workload]:
     single = [
+        # GPT-2 / the demo model's widths, where CPU classes differ most (bf16 GEMMs on AMX tiles,
+        # AVX512-BF16 dot products or a scalar fallback).
+        _ns_single(256, 768),
+        _ns_single(768, 768),
+        _ns_single(768, 3072),
+        _ns_single(2048, 2048),
         _ns_single(1024, 1024),
         _ns_single(1024, 4096),
         _ns_single(4096, 1024, in_quick=True),

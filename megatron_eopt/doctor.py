@@ -485,6 +485,28 @@ def arch_covers(archs: list[str], capability: tuple[int, int]) -> bool:
     return False
 
 
+def cpu_plan_lines() -> list[str]:
+    """What the CPU Newton–Schulz runs for each size class, and why: the probe times this CPU
+    measured (megatron_eopt.cpu_product_plan) and the settings that override them."""
+    bf16 = me.cpu_bf16_products()
+    syrk = cpu_symmetric_products()
+    lines = [f"CPU: bf16 GEMM instructions {'found' if bf16['bf16_instructions'] else 'not found'}; AVX-512 "
+             f"symmetric kernel fp32 {'runs' if syrk['available']['fp32'] else 'not available'}, bf16 "
+             f"{'runs' if syrk['available']['bf16'] else 'not available'}; settings: set_cpu_symmetric_products "
+             f"{syrk['mode']}, set_cpu_bf16_products {bf16['mode']}"]
+    for side, label in ((256, "sides < 384"), (2048, "sides >= 384")):
+        plan = me.cpu_product_plan(side)
+        ms = plan["ms"]
+        timed = ", ".join(f"{k} {v:.2f}" for k, v in ms.items() if v is not None)
+        use = plan["in_use"]
+        lines.append(f"CPU products, {label} (probe {plan['probe'][0]}x{plan['probe'][1]}, ms: {timed}): "
+                     f"X·Xᵀ fp32 on {use['symmetric_fp32']} ({plan['measured']['gemm_fp32']} GEMM where ATen's), "
+                     f"bf16 on {use['symmetric_bf16']} ({plan['measured']['gemm_bf16']}); \"medium\" on "
+                     f"{use['medium']} GEMMs (bf16 {plan['bf16_speedup']:.2f}x fp32 for the Gram choice)"
+                     + ("" if use == {k: plan["measured"][k] for k in use} else "; set by the settings"))
+    return lines
+
+
 def facts() -> tuple[list[str], bool]:
     """Lines about the build and the machine, and whether they show a problem."""
     info = build_info()
@@ -497,12 +519,7 @@ def facts() -> tuple[list[str], bool]:
                  f"{torch.__version__}"
                  + ("" if supported else f"  [UNSUPPORTED: needs torch >= {info['torch_floor']}]"))
     ok &= supported
-    bf16 = me.cpu_bf16_products()
-    lines.append(f"CPU \"medium\" products: {bf16['products']} GEMMs (bf16 instructions "
-                 f"{'found' if bf16['bf16_instructions'] else 'not found'}; set_cpu_bf16_products: {bf16['mode']})")
-    syrk = cpu_symmetric_products()
-    kinds = [kind for kind in ("fp32", "bf16") if syrk[kind]]
-    lines.append("CPU symmetric products (W·Wᵀ, G·G): " + (f"AVX-512 SYRK kernel ({', '.join(kinds)})" if kinds else "ATen GEMMs"))
+    lines.extend(cpu_plan_lines())
     if not cuda_kernels_built():
         lines.append(f"CUDA kernels: not loaded: {info['cuda_status']}")
     else:

@@ -5,7 +5,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
+#include <vector>
 
 #include "cpu/batched_gemm.h"
 #include "cpu/cpu_bf16_products.h"
@@ -31,18 +33,24 @@ std::atomic<int> g_symmetric{static_cast<int>(initial_symmetric_setting())};
 constexpr int kClasses = 2;
 constexpr int64_t kLargeClassSide = 384;
 constexpr int64_t kProbeSides[kClasses] = {256, 768};
-// Runs per candidate after a warm-up run; the best counts (other load only ever adds time).
-constexpr int kRuns = 3;
+// Rounds of the candidates after a warm-up run of each: every round runs each candidate once, in
+// turn, and each keeps its best time. Interleaved, a burst of other load on the machine slows
+// whichever candidate it meets, and the other rounds still see that candidate unhindered.
+constexpr int kRounds = 5;
 
-template <typename F>
-double best_seconds(F&& run) {
-  run();
-  double best = 0.0;
-  for (int i = 0; i < kRuns; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    run();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = i == 0 ? s : std::min(best, s);
+using Candidate = std::function<void()>;
+
+// The best time of each candidate (seconds).
+std::vector<double> best_seconds(const std::vector<Candidate>& candidates) {
+  for (const Candidate& run : candidates) run();
+  std::vector<double> best(candidates.size(), 0.0);
+  for (int round = 0; round < kRounds; ++round) {
+    for (std::size_t i = 0; i < candidates.size(); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      candidates[i]();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      best[i] = round == 0 ? s : std::min(best[i], s);
+    }
   }
   return best;
 }
@@ -61,9 +69,8 @@ Tensor probe_values(const std::vector<int64_t>& sizes) {
 
 CpuProductPlan measure(int size_class) {
   const int64_t s = kProbeSides[size_class], d = 2 * s;
-  CpuProductPlan plan{s, {}, false, false, false, false, false, 1.0};
   const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
-  CpuProductSeconds& t = plan.seconds;
+  CpuProductSeconds t{};
   const auto run_type = [&](ScalarType type, double& general, double& full, double& panels, double& kernel,
                             bool kernel_runs) {
     Tensor x = probe_values({1, s, d}), p = probe_values({1, s, s});
@@ -74,32 +81,22 @@ CpuProductPlan measure(int size_class) {
     Tensor out = aten::empty({1, s, d}, type, x.device());
     Tensor g = aten::empty({1, s, s}, type, x.device());
     const Tensor xt = aten::mT(x);
-    general = best_seconds([&] { gemm_out(out, p, x); });
-    full = best_seconds([&] { symmetric_gemm_out(g, x, xt, 1); });
-    panels = blocks > 1 ? best_seconds([&] { symmetric_gemm_out(g, x, xt, blocks); }) : full;
-    if (kernel_runs) kernel = best_seconds([&] { symmetric_kernel_out(g, x); });
+    std::vector<Candidate> candidates{[&] { gemm_out(out, p, x); }, [&] { symmetric_gemm_out(g, x, xt, 1); }};
+    if (blocks > 1) candidates.emplace_back([&] { symmetric_gemm_out(g, x, xt, blocks); });
+    if (kernel_runs) candidates.emplace_back([&] { symmetric_kernel_out(g, x); });
+    const std::vector<double> best = best_seconds(candidates);
+    general = best[0];
+    full = best[1];
+    if (blocks > 1) panels = best[2];
+    if (kernel_runs) kernel = best.back();
   };
-  // The faster ATen route of a symmetric product, and the kernel where it beats that.
-  const auto gemm = [](double full, double panels) { return std::min(full, panels); };
   run_type(kFloat, t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel, syrk_available(SyrkType::kFp32));
-  plan.panels_fp32 = t.fp32_panels < t.fp32_full;
-  plan.kernel_fp32 = t.fp32_kernel > 0 && t.fp32_kernel < gemm(t.fp32_full, t.fp32_panels);
   // ATen's bf16 GEMMs are a scalar fallback on CPUs without bf16 instructions (hundreds of times
   // slower): not a candidate there, and not worth timing.
   if (cpu_has_bf16_instructions()) {
     run_type(kBFloat16, t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel, syrk_available(SyrkType::kBf16));
-    plan.panels_bf16 = t.bf16_panels < t.bf16_full;
-    plan.kernel_bf16 = t.bf16_kernel > 0 && t.bf16_kernel < gemm(t.bf16_full, t.bf16_panels);
-    // A standard step: two symmetric products and one general one, each on its faster route.
-    const auto symmetric = [&](double full, double panels, double kernel) {
-      return kernel > 0 ? std::min(gemm(full, panels), kernel) : gemm(full, panels);
-    };
-    const double fp32_step = t.fp32_general + 2 * symmetric(t.fp32_full, t.fp32_panels, t.fp32_kernel);
-    const double bf16_step = t.bf16_general + 2 * symmetric(t.bf16_full, t.bf16_panels, t.bf16_kernel);
-    plan.bf16_gemms = bf16_step < fp32_step;
-    if (plan.bf16_gemms) plan.bf16_speedup = fp32_step / bf16_step;
   }
-  return plan;
+  return CpuProductPlan{s, t, choose_cpu_products(t)};
 }
 
 }  // namespace
@@ -129,8 +126,8 @@ bool cpu_symmetric_on_kernel(SyrkType type, int64_t side) {
     case CpuSymmetricProducts::kFull: return false;
     case CpuSymmetricProducts::kAuto: break;
   }
-  const CpuProductPlan& plan = cpu_product_plan(side);
-  return type == SyrkType::kBf16 ? plan.kernel_bf16 : plan.kernel_fp32;
+  const CpuProductChoice& choice = cpu_product_plan(side).choice;
+  return type == SyrkType::kBf16 ? choice.kernel_bf16 : choice.kernel_fp32;
 }
 
 int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks) {
@@ -138,8 +135,8 @@ int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks) {
   const CpuSymmetricProducts setting = cpu_symmetric_products_setting();
   if (setting == CpuSymmetricProducts::kPanels) return blocks;
   if (setting == CpuSymmetricProducts::kFull) return 1;
-  const CpuProductPlan& plan = cpu_product_plan(side);
-  return (type == SyrkType::kBf16 ? plan.panels_bf16 : plan.panels_fp32) ? blocks : 1;
+  const CpuProductChoice& choice = cpu_product_plan(side).choice;
+  return (type == SyrkType::kBf16 ? choice.panels_bf16 : choice.panels_fp32) ? blocks : 1;
 }
 
 bool cpu_uses_bf16_gemms(int64_t side) {
@@ -148,16 +145,16 @@ bool cpu_uses_bf16_gemms(int64_t side) {
     case CpuBf16Products::kFp32: return false;
     case CpuBf16Products::kAuto: break;
   }
-  return cpu_has_bf16_instructions() && cpu_product_plan(side).bf16_gemms;
+  return cpu_has_bf16_instructions() && cpu_product_plan(side).choice.bf16_gemms;
 }
 
 double cpu_bf16_speedup(int64_t side) {
   if (!cpu_uses_bf16_gemms(side)) return 1.0;
-  const CpuProductPlan& plan = cpu_product_plan(side);
+  const CpuProductChoice& choice = cpu_product_plan(side).choice;
   // Forced bf16 GEMMs where the measurement chose fp32 ones: the measured ratio (below 1) still
   // says the Gram iteration's fp32 products are no slower; without bf16 instructions nothing was
   // timed, and the fallback GEMMs are far slower than fp32 ones.
-  return plan.bf16_gemms ? plan.bf16_speedup : 1.0;
+  return choice.bf16_gemms ? choice.bf16_speedup : 1.0;
 }
 
 }  // namespace megatron_eopt
@@ -189,8 +186,9 @@ MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_product_plan(int64_t side, int64_t*
     const double values[8] = {t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel,
                               t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel};
     std::copy(values, values + 8, seconds);
-    choices[0] = plan.kernel_fp32, choices[1] = plan.kernel_bf16, choices[2] = plan.bf16_gemms;
-    choices[3] = plan.panels_fp32, choices[4] = plan.panels_bf16;
+    const CpuProductChoice& c = plan.choice;
+    choices[0] = c.kernel_fp32, choices[1] = c.kernel_bf16, choices[2] = c.bf16_gemms;
+    choices[3] = c.panels_fp32, choices[4] = c.panels_bf16;
     in_use[0] = cpu_symmetric_on_kernel(SyrkType::kFp32, side);
     in_use[1] = cpu_symmetric_on_kernel(SyrkType::kBf16, side);
     in_use[2] = cpu_uses_bf16_gemms(side);

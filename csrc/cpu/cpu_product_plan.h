@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "cpu/syrk_cpu.h"
+#include "megatron_eopt/cpu_product_choice.h"
 
 namespace megatron_eopt {
 
@@ -32,25 +33,12 @@ enum class CpuSymmetricProducts { kAuto = 0, kKernel = 1, kGemm = 2, kPanels = 3
 void set_cpu_symmetric_products(CpuSymmetricProducts mode);
 CpuSymmetricProducts cpu_symmetric_products_setting();
 
-// Seconds of one probe product of each candidate (the best of a few runs; 0: not run, because the
-// candidate cannot run on this CPU or is not a candidate here).
-struct CpuProductSeconds {
-  double fp32_general, fp32_full, fp32_panels, fp32_kernel;
-  double bf16_general, bf16_full, bf16_panels, bf16_kernel;
-};
-
-// The measurement of one size class: probe X of probe_side x 2 probe_side; the general product is
-// (probe_side x probe_side) . X, the symmetric one X X^T, as one full GEMM, as the upper row panels
-// (ns_symmetric_blocks) or on the kernel.
+// The measurement of one size class: probe X of probe_side x 2 probe_side, the candidates' times
+// and the choices made from them (cpu_product_choice.h).
 struct CpuProductPlan {
   int64_t probe_side;
   CpuProductSeconds seconds;
-  bool kernel_fp32;      // measured choice for fp32 X X^T (before the setting)
-  bool kernel_bf16;      // the same for bf16
-  bool panels_fp32;      // on ATen's GEMMs, the row panels beat one full GEMM (fp32)
-  bool panels_bf16;      // the same for bf16
-  bool bf16_gemms;       // measured choice for "medium" (before the setting)
-  double bf16_speedup;   // fp32 step products' time / bf16's (>= 1 where bf16_gemms, else 1)
+  CpuProductChoice choice;  // as measured, before the settings
 };
 
 // Size classes: symmetric sides below 384, and from 384 on (probes of side 256 and 768).

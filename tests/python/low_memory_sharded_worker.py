@@ -22,6 +22,7 @@ from megatron_eopt import low_memory_state as lms  # noqa: E402
 from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
 from dist_harness import gloo_world  # noqa: E402
 from reference import rel_err  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
 
 SHAPES = [(37, 300), (5, 24), (37, 37)]  # 37 and 5 rows: uneven shards on 2 and 4 ranks
 KWARGS = dict(lr=0.02, momentum=0.9, weight_decay=0.1, fp32_matmul_prec="highest", nesterov=True)
@@ -151,6 +152,7 @@ def check_dcp(world, pair, seed, path, fmt):
     opt.step()  # and the 4-rank optimizer steps on
 
 
+@exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     with gloo_world(rank, world_size, init_file):
         world = init_device_mesh("cpu", (world_size,))

@@ -21,6 +21,9 @@ def test_cli_passes_on_this_machine():
                  "adamuon_normalize_", "normuon_normalize_", "namo_normalize_", "Muon step", "AdaptiveMuon"):
         assert name in out, name
     assert "FAIL" not in out
+    # What the CPU products run on, per size class, with the probe times it was chosen from.
+    assert "CPU products, sides < 384 (probe 256x512, ms: fp32_general" in out
+    assert "CPU products, sides >= 384 (probe 768x1536, ms: fp32_general" in out
 
 
 def test_build_info_matches_the_build():
