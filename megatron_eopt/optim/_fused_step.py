@@ -220,7 +220,8 @@ class FusedStep:
                 by_config.setdefault(id(plan.configs[entries[i].group_index]), []).append(i)
         for sharded in by_config.values():
             outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
-                                     plan.configs[entries[sharded[0]].group_index])
+                                     plan.configs[entries[sharded[0]].group_index],
+                                     [entries[i].qkv for i in sharded])
             updates.update(zip(sharded, outs))
         # Nothing reads a Newton–Schulz input after its Newton–Schulz (but NAMO's normalization and
         # an orthogonalize() override), so the results may take the inputs' memory: a quarter of a
@@ -338,7 +339,7 @@ class FusedStep:
                 found_inf=found_inf)
             for j, i in enumerate(members):
                 if entries[i].qkv is not None:
-                    _scale_parts_(updates[j], entries[i].qkv, entries[i].part_scales)
+                    _scale_parts_(updates[j], entries[i].qkv, entries[i].part_scales, _first_row(entries[i]))
             return
         moment2 = []
         for j, i in enumerate(members):
@@ -395,7 +396,15 @@ class FusedStep:
         for j, i in enumerate(members):
             entry = entries[i]
             if entry.qkv is not None:
-                _scale_parts_(updates[j], entry.qkv, entry.part_scales)
+                _scale_parts_(updates[j], entry.qkv, entry.part_scales, _first_row(entry))
+
+
+def _first_row(entry) -> int:
+    """The matrix row of a sharded entry's first local row (0 where the rows are whole)."""
+    sharding = entry.sharding
+    if sharding is None or sharding.kind == "local":
+        return 0
+    return sharding.local_box[0][-2]
 
 
 def _capturing_cuda_graph(plan: Plan) -> bool:
@@ -425,8 +434,18 @@ def _write_scalar(buf: torch.Tensor, value) -> None:
         buf.fill_(_host_value(value))
 
 
-def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales) -> None:
-    """Multiplies each QKV part of a (rows, cols) update by its own Muon scale, in place."""
-    view = update.view(update.shape[0] // qkv.total, qkv.total, update.shape[1])
+def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales, first_row: int = 0) -> None:
+    """Multiplies each QKV part of a (rows, cols) update by its own Muon scale, in place. The update
+    may be a shard of the projection's rows starting at matrix row ``first_row`` (a DTensor's local
+    rows need not start or end on a query group)."""
+    rows = update.shape[0]
+    if first_row == 0 and rows % qkv.total == 0:
+        view = update.view(rows // qkv.total, qkv.total, update.shape[1])
+        for offset, size, scale in part_scales:
+            view[:, offset : offset + size, :].mul_(scale)
+        return
+    per_row = torch.empty(qkv.total, dtype=update.dtype)
     for offset, size, scale in part_scales:
-        view[:, offset : offset + size, :].mul_(scale)
+        per_row[offset : offset + size] = scale
+    index = (torch.arange(rows) + first_row) % qkv.total
+    update.mul_(per_row[index].to(update.device).unsqueeze(1))

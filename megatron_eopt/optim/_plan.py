@@ -294,8 +294,23 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
             if tp is not None:
                 global_shape[tp.partition_dim] *= tp.size
             global_shape = tuple(global_shape)
+            spans = sharding is not None and sharding.kind != "local"  # orthogonalized across ranks
+            if spans and tp is not None:
+                raise ValueError(
+                    f"{where}: a DTensor whose matrices span ranks ({sharding.kind} mode) cannot also take a "
+                    f"tensor-parallel layout ({tp.mode}, partition_dim {tp.partition_dim}): pass Megatron's plain "
+                    "tensor-parallel shards, or a DTensor sharded over the tensor-parallel ranks without tp_mode"
+                )
             sizes = qkv_fn(p)
-            qkv = None if sizes is None else _qkv_split(sizes, local_shape, global_shape, where)
+            # A shard's rows need not hold whole query groups: the split is checked on the matrix.
+            qkv = None if sizes is None else _qkv_split(sizes, global_shape if spans else local_shape, global_shape,
+                                                         where)
+            if qkv is not None and spans and adaptive and sharding.local_box is None:
+                raise ValueError(
+                    f"{where}: QKV split of an adaptive optimizer on a DTensor with placements "
+                    f"{list(sharding.placements)}: its local rows are not one contiguous range of the projection, "
+                    "so the per-part scales cannot be placed; use plain Shard / Replicate placements or split_qkv=False"
+                )
             part_scales: tuple = ()
             if qkv is None:
                 update_scale = group_config.scale(*global_shape)

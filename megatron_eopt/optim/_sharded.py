@@ -77,6 +77,10 @@ class ShardLayout:
     shard_dims: dict[int, tuple[int, ...]] = field(default_factory=dict)
     route: OwnerRoute | None = None  # owner mode: the ranks that hold the parts of one matrix
     boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)  # per route member
+    # (offset, size) of this rank's shard in view coordinates; None where the placements are not
+    # plain Shard / Replicate (FSDP2's strided shards over tensor parallelism), whose local rows
+    # are not one contiguous range of the matrix
+    local_box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def mesh_dims_for_matrix(self) -> tuple[int, ...]:
@@ -250,6 +254,9 @@ def describe(
                 f"got shape {shape} and placements {list(placements)}"
             )
     layout = ShardLayout(mesh, placements, view, "local", {d: tuple(v) for d, v in shard_dims.items()})
+    coordinate = mesh.get_coordinate()
+    if exact and coordinate is not None:
+        layout.local_box = _box(view, placements, coordinate, tuple(mesh.mesh.shape))
     matrix_dims = layout.mesh_dims_for_matrix
     if not matrix_dims:
         return layout  # replicated, or experts sharded on the batch dim: each rank holds whole matrices
@@ -460,13 +467,22 @@ class ShardedOrthogonalizer:
         # Matrices orthogonalized per mode since construction (tests and benchmarks read it).
         self.matrices = {mode: 0 for mode in SHARDED_MODES}
 
-    def _ns(self, full: list[torch.Tensor], config=None) -> list[torch.Tensor]:
+    def _ns(self, full: list[torch.Tensor], config=None, splits=None) -> list[torch.Tensor]:
         """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors, with
-        ``config`` (None: the orthogonalizer's own)."""
+        ``config`` (None: the orthogonalizer's own). ``splits[k]``: the QKVSplit of a fused
+        projection, orthogonalized part by part as the unsharded step does (parts scaled for Muon,
+        raw for the adaptive variants, which scale them after their normalization)."""
         config = self.config if config is None else config
         out: list[torch.Tensor | None] = [None] * len(full)
         by_shape: dict[tuple[int, int], list[int]] = {}
         for k, t in enumerate(full):
+            split = None if splits is None else splits[k]
+            if split is not None:
+                x = t.reshape(-1, *t.shape[-2:])
+                res = config.newton_schulz_split(x, split.sizes, x.shape[-2] // split.total,
+                                                 scaled=config.moment2_method is None)
+                out[k] = res.view(t.shape)
+                continue
             by_shape.setdefault(tuple(t.shape[-2:]), []).append(k)
         for ks in by_shape.values():
             batch = torch.cat([full[k].reshape(-1, *full[k].shape[-2:]) for k in ks])
@@ -478,9 +494,12 @@ class ShardedOrthogonalizer:
                 start += count
         return out
 
-    def run(self, layouts: list[ShardLayout], inputs: list[torch.Tensor], config=None) -> list[torch.Tensor]:
-        """inputs: local fp32 NS inputs in view coordinates -> local fp32 raw NS outputs, orthogonalized
-        with ``config`` (None: the orthogonalizer's own; a param group's settings may differ from it)."""
+    def run(self, layouts: list[ShardLayout], inputs: list[torch.Tensor], config=None,
+            splits=None) -> list[torch.Tensor]:
+        """inputs: local fp32 NS inputs in view coordinates -> local fp32 NS outputs (raw, or QKV parts
+        scaled as :meth:`_ns` says), orthogonalized with ``config`` (None: the orthogonalizer's own; a
+        param group's settings may differ from it); ``splits[k]``: input k's QKVSplit or None."""
+        splits = [None] * len(inputs) if splits is None else splits
         outputs: list[torch.Tensor | None] = [None] * len(inputs)
         routes: dict[tuple, list[int]] = {}
         for k, lay in enumerate(layouts):
@@ -488,20 +507,20 @@ class ShardedOrthogonalizer:
             if lay.kind == "owner":
                 routes.setdefault(lay.route.key, []).append(k)
             else:
-                outputs[k] = self._gather_one(lay, inputs[k], config)
+                outputs[k] = self._gather_one(lay, inputs[k], config, splits[k])
         for ks in routes.values():
-            self._owner(ks, layouts, inputs, outputs, config)
+            self._owner(ks, layouts, inputs, outputs, config, splits)
         return outputs
 
-    def _gather_one(self, lay: ShardLayout, x: torch.Tensor, config=None) -> torch.Tensor:
+    def _gather_one(self, lay: ShardLayout, x: torch.Tensor, config=None, split=None) -> torch.Tensor:
         shape = lay.view_shape
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
         full = DTensor.from_local(x, lay.mesh, lay.placements, run_check=False, shape=torch.Size(shape),
                                   stride=stride).full_tensor()
-        out = self._ns([full], config)[0]
+        out = self._ns([full], config, [split])[0]
         return distribute_tensor(out, lay.mesh, lay.placements, src_data_rank=None).to_local()
 
-    def _owner(self, ks: list[int], layouts, inputs, outputs, config=None) -> None:
+    def _owner(self, ks: list[int], layouts, inputs, outputs, config=None, splits=None) -> None:
         """Owner mode for matrices of one route: shards to the owner, NS there, parts back."""
         # Same-shape matrices next to each other, so that an owner's matrices of a chunk batch.
         ks = sorted(ks, key=lambda k: (layouts[k].view_shape[-2:], k))
@@ -521,7 +540,7 @@ class ShardedOrthogonalizer:
                     box = lays[i].boxes[s]
                     matrix[_slices(box)] = piece.view(box[1])
                 full.append(matrix)
-            return self._ns(full, config)
+            return self._ns(full, config, None if splits is None else [splits[ks[i]] for i in owned])
 
         def deliver(i, piece):
             outputs[ks[i]] = piece.view(inputs[ks[i]].shape)

@@ -426,7 +426,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         x = grad.to(torch.float32)
         if entry.stack_index < 0:
             # A matrix spanning ranks: a collective, so every rank of its mesh must call this.
-            out = self._sharded.run([entry.sharding], [x.contiguous()], plan.configs[entry.group_index])[0]
+            out = self._sharded.run([entry.sharding], [x.contiguous()], plan.configs[entry.group_index],
+                                    [entry.qkv])[0]
         else:
             res = self._orthogonalize(plan.stacks[entry.stack_index], x if x.ndim == 3 else x.unsqueeze(0))
             out = res[0] if x.ndim == 2 else (res if isinstance(res, torch.Tensor) else torch.stack(res))

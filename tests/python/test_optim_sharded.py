@@ -6,6 +6,7 @@ import os
 import pytest
 import torch.multiprocessing as mp
 
+import sharded_qkv_worker
 import sharded_worker
 
 
@@ -29,3 +30,14 @@ def test_hsdp_x_tp_and_pipeline_stage_meshes_of_8_processes_run_owner_mode(tmp_p
     seed = gen.initial_seed() % (2**31)
     mp.spawn(sharded_worker.hsdp_tp_worker, args=(8, os.path.join(tmp_path, "rendezvous"), seed), nprocs=8,
              join=True)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_qkv_split_on_dtensor_shards_matches_the_whole_projection(tmp_path, gen, world_size):
+    """A fused QKV projection sharded over 2 or 4 ranks (rows cutting through query groups, or
+    columns) steps as the whole projection does: per-part orthogonalization and scales, for Muon and
+    the adaptive variants, in owner and gather mode."""
+    seed = gen.initial_seed() % (2**31)
+    mp.spawn(sharded_qkv_worker.worker, args=(world_size, os.path.join(tmp_path, "rendezvous"), seed),
+             nprocs=world_size, join=True)
