@@ -23,6 +23,7 @@ __all__ = [
     "Route",
     "RoutingTable",
     "build_optimizers",
+    "muon_param_groups",
     "route_parameters",
 ]
 
@@ -162,6 +163,7 @@ def route_parameters(
     embedding_patterns: Sequence[str] = DEFAULT_EMBEDDING_PATTERNS,
     head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
     adamw_patterns: Sequence[str] = (),
+    nd_mode: str = "error",
 ) -> tuple[RoutingTable, dict[str, list[torch.Tensor]]]:
     """The routing of :func:`build_optimizers` without building anything.
 
@@ -170,8 +172,12 @@ def route_parameters(
     AdamW; an ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, a Megatron
     ``is_embedding_or_output_parameter`` tag, or an embedding name → AdamW; an output-head
     name → AdamW; sharing storage with an embedding (tied head) → AdamW; 0-D/1-D (scalars,
-    biases, norms) → AdamW without weight decay; 2-D → Muon; N-D → AdamW.
+    biases, norms) → AdamW without weight decay; 2-D → Muon; N-D → AdamW, or Muon when
+    ``nd_mode`` is ``"flatten"`` or ``"batch"`` (the Muon optimizer must then be built with the
+    same ``nd_mode``).
     """
+    if nd_mode not in ("error", "flatten", "batch"):
+        raise ValueError(f"nd_mode must be one of ['error', 'batch', 'flatten'], got {nd_mode!r}")
     if adamw_weight_decay is None:
         adamw_weight_decay = weight_decay
     flags = re.IGNORECASE
@@ -238,6 +244,8 @@ def route_parameters(
             optimizer = ADAMW
         elif p.dim() == 2:
             optimizer, reason = MUON, "2-D hidden matrix"
+        elif nd_mode != "error":
+            optimizer, reason = MUON, f"{p.dim()}-D tensor (nd_mode={nd_mode!r})"
         else:
             optimizer, reason = ADAMW, f"{p.dim()}-D tensor (Muon takes 2-D matrices)"
 
@@ -316,3 +324,39 @@ def build_optimizers(
     if verbose:
         table.print()
     return optimizers, table
+
+
+def muon_param_groups(
+    model_or_named_params: Any,
+    *,
+    verbose: bool = False,
+    embedding_patterns: Sequence[str] = DEFAULT_EMBEDDING_PATTERNS,
+    head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
+    adamw_patterns: Sequence[str] = (),
+    nd_mode: str = "error",
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``(muon_params, other_params)``: the parameters a Muon optimizer takes and the rest, for AdamW.
+
+    The rules and arguments of :func:`route_parameters` (those of :func:`build_optimizers`):
+    2-D hidden matrices go to Muon; embeddings, output heads (tied ones too), norms, biases,
+    scalars and N-D tensors to the other list; frozen parameters to neither. ``nd_mode="flatten"``
+    or ``"batch"`` sends N-D tensors to Muon too, for a Muon built with that ``nd_mode``
+    (``megatron_eopt.torch_optim.Muon``); the default suits ``torch.optim.Muon``, which takes 2-D
+    parameters only. Each list is in the model's parameter order, a tied parameter once.
+    ``verbose=True`` prints the routing table (every parameter, where it went and why).
+    """
+    if not isinstance(model_or_named_params, (nn.Module, Mapping)):
+        model_or_named_params = list(model_or_named_params)  # read twice below
+    table, groups = route_parameters(
+        model_or_named_params,
+        embedding_patterns=embedding_patterns,
+        head_patterns=head_patterns,
+        adamw_patterns=adamw_patterns,
+        nd_mode=nd_mode,
+    )
+    if verbose:
+        table.print()
+    muon = {id(p) for p in groups["muon"]}
+    other = {id(p) for p in groups["adamw_decay"] + groups["adamw_no_decay"]}
+    params = [p for p, _ in _named_parameters(model_or_named_params)[0]]
+    return [p for p in params if id(p) in muon], [p for p in params if id(p) in other]
