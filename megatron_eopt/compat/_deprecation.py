@@ -22,7 +22,7 @@ _REPLACEMENTS = {
     "TensorParallelMuon": "megatron_eopt.optim.TensorParallelMuon",
     "MotifMuon": (
         "megatron_eopt.optim.HybridMuon (groups flagged use_muon, clip_config, cpu_offload; its own EMA "
-        "momentum and exact per-head QK-clip, see the README for how they differ from Motif's)"
+        "momentum and exact per-head QK-clip, see docs/compatibility.md for how they differ from Motif's)"
     ),
     "MuonWithAuxAdam": "megatron_eopt.optim.HybridMuon (groups flagged use_muon)",
     "SingleDeviceMuonWithAuxAdam": "megatron_eopt.optim.HybridMuon (groups flagged use_muon)",

@@ -41,6 +41,8 @@ __all__ = ["MotifMuon", "default_is_muon", "get_default_muon_param_groups", "par
 
 MOTIF_KEYS = ("adamw_betas", "adamw_eps", "none_grad", "debug", "clip_config", "warmup_step", "chunk_size",
               "use_distributed_muon", "expert_keys", "cpu_offload")
+# The defaults that lr=None / weight_decay=None stand for (megatron_eopt.muon.Muon shows None for both).
+MOTIF_DEFAULTS = {"lr": 1e-3, "weight_decay": 0.1}
 # Names Motif's default routing keeps away from Muon (substrings of the parameter name).
 _SKIP_KEYS = ("embeddings", "lm_head", "model.norm")
 
@@ -129,11 +131,13 @@ class MotifMuon(HybridMuon):
 
     _muon_class = _SGDBufferMuon
 
-    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+    def __init__(self, params, lr: float | None = 1e-3, weight_decay: float | None = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5, adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8,
                  none_grad: bool = True, debug: bool = False, clip_config: Mapping[str, Any] | None = None,
                  warmup_step: int = 5, chunk_size: int = -1, use_distributed_muon: bool = False, expert_keys=None,
                  cpu_offload: bool = False, state_dtype: str = "fp32") -> None:
+        lr = MOTIF_DEFAULTS["lr"] if lr is None else lr  # None: Motif's default (megatron_eopt.muon.Muon's lr=None)
+        weight_decay = MOTIF_DEFAULTS["weight_decay"] if weight_decay is None else weight_decay
         if isinstance(params, types.GeneratorType):
             raise ValueError("params must be a list of param groups, each with a 'use_muon' key (e.g. "
                              "get_default_muon_param_groups(model)), not a generator")

@@ -4,8 +4,9 @@ on the fused :class:`megatron_eopt.optim.Muon`."""
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -73,13 +74,101 @@ def _legacy_scale(shape: torch.Size) -> float:
     return math.sqrt(max(1.0, shape[-2] / shape[-1]))
 
 
-class Muon(torch.optim.Optimizer):
-    """Keller Jordan's / nanochat's Muon on megatron-eopt's fused :class:`megatron_eopt.optim.Muon`.
+# The defaults that lr=None / weight_decay=None stand for on each path of the name Muon.
+SNIPPET_DEFAULTS = {"lr": 0.02, "weight_decay": 0.0}
+# Keywords only the snippet's Muon takes (Motif's has no Newton–Schulz backend choice).
+_SNIPPET_ONLY_KEYS = ("backend", "backend_steps")
 
-    Per parameter (2-D, or N-D flattened to ``(size(0), -1)`` like conv filters in the popular
-    snippet): decoupled weight decay ``p *= 1 - lr·wd``; momentum ``M ← lerp(M, g, 1-momentum)``;
-    Nesterov ``lerp(g, M, momentum)``; ``ns_steps`` simple-quintic Newton–Schulz iterations in
-    bf16; ``p -= lr·√max(1, p.size(-2)/p.size(-1))·update``.
+
+def _check_snippet_state_dtype(state_dtype: str) -> None:
+    from ..low_memory_state import validate_state_dtype
+
+    validate_state_dtype(state_dtype)
+    if state_dtype != "fp32":
+        raise ValueError(
+            f"state_dtype={state_dtype!r}: megatron_eopt.muon.Muon given a flat parameter list is the snippet's "
+            "Muon, which keeps nanochat's fp32 momentum_buffer (its checkpoint layout). Low-memory state is "
+            "offered with Motif's param groups flagged use_muon, or by megatron_eopt.optim.Muon(params, lr=0.02, "
+            "weight_decay=0.0, nesterov=True, coefficient_type='simple', scale_mode='shape_scaling', "
+            f"state_dtype={state_dtype!r})"
+        )
+
+
+def _check_motif_call(params: list, kwargs: dict[str, Any]) -> None:
+    """Refuses, naming them, the arguments of one library given to the other's Muon."""
+    snippet_only = [k for k in _SNIPPET_ONLY_KEYS if k in kwargs]
+    if snippet_only:
+        raise TypeError(
+            f"megatron_eopt.muon.Muon: {_arguments(snippet_only)} of the snippet's Muon (built from a flat parameter "
+            "list); param groups flagged use_muon and Motif's keywords build Motif's Muon, which has no such argument"
+        )
+    if params and not any(isinstance(g, Mapping) for g in params):
+        motif_keys = [k for k in motif.MOTIF_KEYS if k in kwargs]
+        raise TypeError(
+            f"megatron_eopt.muon.Muon: {_arguments(motif_keys)} of Motif's Muon, which takes param groups flagged "
+            "use_muon (e.g. get_default_muon_param_groups(model)); a flat parameter list builds the snippet's Muon, "
+            "which has no such argument"
+        )
+
+
+def _arguments(names: list[str]) -> str:
+    quoted = ", ".join(repr(n) for n in names)
+    return f"{quoted} is an argument" if len(names) == 1 else f"{quoted} are arguments"
+
+
+class _DispatchSignature:
+    """What ``inspect.signature(Muon)`` shows: the parameters of both optimizers the name builds
+    (a subclass such as DistMuon shows its own constructor's)."""
+
+    def __init__(self) -> None:
+        P = inspect.Parameter
+        kw = P.KEYWORD_ONLY
+        keywords = dict(
+            momentum=0.95, nesterov=True, ns_steps=5, weight_decay=None,
+            backend="newtonschulz5", backend_steps=None, state_dtype="fp32",
+            adamw_betas=(0.9, 0.95), adamw_eps=1e-8, none_grad=True, clip_config=None, expert_keys=None,
+            cpu_offload=False, debug=False, warmup_step=5, chunk_size=-1, use_distributed_muon=False,
+        )
+        self.signature = inspect.Signature(
+            [P("params", P.POSITIONAL_OR_KEYWORD), P("lr", P.POSITIONAL_OR_KEYWORD, default=None),
+             P("args", P.VAR_POSITIONAL)]
+            + [P(name, kw, default=value) for name, value in keywords.items()]
+        )
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.owner = owner
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> inspect.Signature | None:
+        return self.signature if obj is None and objtype is self.owner else None
+
+
+class Muon(torch.optim.Optimizer):
+    """``megatron_eopt.muon.Muon``: one name for two optimizers, chosen by the arguments.
+
+    - A flat list of parameters (or param groups without ``use_muon``): Keller Jordan's /
+      nanochat's Muon, ``Muon(params, lr=0.02, momentum=0.95, nesterov=True, ns_steps=5,
+      weight_decay=0.0, *, backend="newtonschulz5", backend_steps=None, state_dtype="fp32")``,
+      this class.
+    - Param groups flagged ``use_muon`` (``get_default_muon_param_groups(model)``), or any of
+      Motif's keywords (``adamw_betas``, ``adamw_eps``, ``none_grad``, ``clip_config``,
+      ``expert_keys``, ``cpu_offload``, ``debug``, ``warmup_step``, ``chunk_size``,
+      ``use_distributed_muon``): Motif's Muon, ``Muon(params, lr=1e-3, weight_decay=0.1,
+      momentum=0.95, nesterov=True, ns_steps=5, ...)``, an instance of
+      :class:`megatron_eopt.compat.motif.MotifMuon`.
+
+    ``lr=None`` / ``weight_decay=None`` (the defaults shown by ``inspect.signature``) take the
+    chosen library's own: 0.02 / 0.0 for the snippet, 1e-3 / 0.1 for Motif. Positional arguments
+    after ``lr`` follow that library's order (snippet: momentum, nesterov, ns_steps, weight_decay;
+    Motif: weight_decay, momentum, nesterov, ns_steps, ...). An argument of one library given to
+    the other is refused naming it: ``backend`` / ``backend_steps`` with Motif's groups, Motif's
+    keywords with a flat list (TypeError), ``state_dtype`` other than "fp32" with a flat list
+    (ValueError: the snippet's Muon keeps nanochat's fp32 ``momentum_buffer``; low-memory state
+    is offered with Motif's groups and by :class:`megatron_eopt.optim.Muon`).
+
+    The snippet's Muon, per parameter (2-D, or N-D flattened to ``(size(0), -1)`` like conv
+    filters in the popular snippet): decoupled weight decay ``p *= 1 - lr·wd``; momentum
+    ``M ← lerp(M, g, 1-momentum)``; Nesterov ``lerp(g, M, momentum)``; ``ns_steps``
+    simple-quintic Newton–Schulz iterations in bf16; ``p -= lr·√max(1, p.size(-2)/p.size(-1))·update``.
 
     Groups keep ``lr``, ``momentum``, ``nesterov``, ``ns_steps`` and ``weight_decay`` (read at
     every step, so schedulers and momentum warmups work); ``nesterov`` and ``ns_steps`` must be
@@ -92,12 +181,14 @@ class Muon(torch.optim.Optimizer):
     """
 
     _legacy_name = "Muon"
+    __signature__ = _DispatchSignature()
 
     def __new__(cls, params: Iterable[Any] = (), *args: Any, **kwargs: Any):
         # Motif's constructor (groups flagged use_muon, AdamW / QK-clip keywords): the hybrid class.
         if cls is Muon:
             params = list(params)
             if motif.is_motif_call(params, kwargs):
+                _check_motif_call(params, kwargs)
                 _warn_once("MotifMuon")
                 obj = motif.MotifMuon.__new__(motif.MotifMuon)
                 obj.__init__(params, *args, **kwargs)
@@ -110,17 +201,21 @@ class Muon(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = 0.02,
+        lr: float | None = 0.02,
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_steps: int = 5,
-        weight_decay: float = 0.0,
+        weight_decay: float | None = 0.0,
         *,
         backend: str = "newtonschulz5",
         backend_steps: int | None = None,
+        state_dtype: str = "fp32",
     ) -> None:
         if self._legacy_name == "Muon":  # DistMuon warns under its own name
             _warn_once("Muon")
+        _check_snippet_state_dtype(state_dtype)
+        lr = SNIPPET_DEFAULTS["lr"] if lr is None else lr
+        weight_decay = SNIPPET_DEFAULTS["weight_decay"] if weight_decay is None else weight_decay
         params = self.__dict__.pop("_new_params", params)
         params = _groups_by_numel(params)
         ns_steps = _resolve_steps(ns_steps, backend, backend_steps)

@@ -278,6 +278,61 @@ def test_bad_arguments(build, match):
         build([torch.nn.Parameter(torch.randn(4, 4))])
 
 
+
+def _motif_groups():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    return legacy.get_default_muon_param_groups(model)
+
+
+def test_signature_shows_the_arguments_of_both_optimizers():
+    import inspect
+
+    sig = inspect.signature(legacy.Muon)
+    names = list(sig.parameters)
+    assert names[:3] == ["params", "lr", "args"]
+    for name in ("momentum", "nesterov", "ns_steps", "weight_decay", "backend", "backend_steps", "state_dtype",
+                 "adamw_betas", "adamw_eps", "none_grad", "clip_config", "expert_keys", "cpu_offload"):
+        assert name in sig.parameters, name
+    assert sig.parameters["lr"].default is None and sig.parameters["weight_decay"].default is None
+    # a subclass shows its own constructor
+    assert "owners" in inspect.signature(legacy.DistMuon).parameters
+    assert "Motif" in legacy.Muon.__doc__ and "0.02" in legacy.Muon.__doc__ and "1e-3" in legacy.Muon.__doc__
+
+
+@pytest.mark.parametrize("explicit_none", [False, True])
+def test_each_path_has_its_librarys_defaults(explicit_none):
+    kwargs = dict(lr=None, weight_decay=None) if explicit_none else {}
+    flat = legacy.Muon([torch.nn.Parameter(torch.randn(4, 4))], **kwargs)
+    assert type(flat) is legacy.Muon
+    assert (flat.param_groups[0]["lr"], flat.param_groups[0]["weight_decay"]) == (0.02, 0.0)
+    motif = legacy.Muon(_motif_groups(), **kwargs)
+    assert type(motif).__name__ == "MotifMuon"
+    assert (motif.param_groups[0]["lr"], motif.param_groups[0]["weight_decay"]) == (1e-3, 0.1)
+
+
+def test_state_dtype_on_each_path(gen):
+    params = [torch.nn.Parameter(torch.randn(4, 4, generator=gen))]
+    assert type(legacy.Muon(params, state_dtype="fp32")) is legacy.Muon  # the snippet's own layout
+    with pytest.raises(ValueError, match=r"state_dtype='int8'.*flat parameter list.*megatron_eopt\.optim\.Muon"):
+        legacy.Muon(params, state_dtype="int8")
+    with pytest.raises(ValueError, match="state_dtype must be one of"):
+        legacy.Muon(params, state_dtype="int4")
+    groups = _motif_groups()
+    opt = legacy.Muon(groups, state_dtype="int8")
+    for group in groups:
+        for p in group["params"]:
+            p.grad = torch.randn(p.shape, generator=gen)
+    opt.step()
+    muon_param = groups[0]["params"][0]
+    assert opt.state[muon_param]["momentum_buffer"].dtype == torch.int8
+
+
+def test_arguments_of_the_other_library_are_refused_by_name():
+    with pytest.raises(TypeError, match="'backend_steps' is an argument of the snippet's Muon"):
+        legacy.Muon(_motif_groups(), backend_steps=3)
+    with pytest.raises(TypeError, match="'clip_config', 'cpu_offload' are arguments of Motif's Muon"):
+        legacy.Muon([torch.nn.Parameter(torch.randn(4, 4))], clip_config=None, cpu_offload=False)
+
 def _deprecations(record, name):
     return [w for w in record if issubclass(w.category, DeprecationWarning) and f"muon.{name} " in str(w.message)]
 
