@@ -2,8 +2,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -11,20 +9,14 @@
 #include <sys/auxv.h>
 #endif
 
+#include "cpu/env_choice.h"
 #include "ops/c_export.h"
 
 namespace megatron_eopt {
 namespace {
 
-CpuBf16Products initial_mode() {
-  const char* v = std::getenv("MEGATRON_EOPT_CPU_BF16_PRODUCTS");
-  if (v == nullptr) return CpuBf16Products::kAuto;
-  if (std::strcmp(v, "bf16") == 0) return CpuBf16Products::kBf16;
-  if (std::strcmp(v, "fp32") == 0) return CpuBf16Products::kFp32;
-  return CpuBf16Products::kAuto;  // "auto", or a value the Python loader has already refused
-}
-
-std::atomic<int> g_mode{static_cast<int>(initial_mode())};
+// The order of CpuBf16Products.
+std::atomic<int> g_mode{env_choice("MEGATRON_EOPT_CPU_BF16_PRODUCTS", {"auto", "bf16", "fp32"})};
 
 #if defined(__aarch64__) && defined(__linux__)
 constexpr unsigned long kHwcap2Bf16 = 1ul << 14;  // HWCAP2_BF16 of the kernel's asm/hwcap.h

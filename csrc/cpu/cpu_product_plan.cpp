@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -11,6 +10,7 @@
 
 #include "cpu/batched_gemm.h"
 #include "cpu/cpu_bf16_products.h"
+#include "cpu/env_choice.h"
 #include "megatron_eopt/ns_algorithm.h"
 #include "ops/aten_ops.h"
 #include "ops/c_export.h"
@@ -18,17 +18,9 @@
 namespace megatron_eopt {
 namespace {
 
-CpuSymmetricProducts initial_symmetric_setting() {
-  const char* v = std::getenv("MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS");
-  if (v == nullptr) return CpuSymmetricProducts::kAuto;
-  if (std::strcmp(v, "kernel") == 0) return CpuSymmetricProducts::kKernel;
-  if (std::strcmp(v, "gemm") == 0) return CpuSymmetricProducts::kGemm;
-  if (std::strcmp(v, "panels") == 0) return CpuSymmetricProducts::kPanels;
-  if (std::strcmp(v, "full") == 0) return CpuSymmetricProducts::kFull;
-  return CpuSymmetricProducts::kAuto;  // "auto", or a value the Python loader has already refused
-}
-
-std::atomic<int> g_symmetric{static_cast<int>(initial_symmetric_setting())};
+// The order of CpuSymmetricProducts.
+std::atomic<int> g_symmetric{
+    env_choice("MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS", {"auto", "kernel", "gemm", "panels", "full"})};
 
 constexpr int kClasses = 2;
 constexpr int64_t kLargeClassSide = 384;
