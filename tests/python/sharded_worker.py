@@ -150,9 +150,9 @@ def check_each_matrix_once(world, seed):
     counted = []
     original = opt._sharded._ns
 
-    def ns(full, config=None):
+    def ns(full, config=None, splits=None):
         counted.extend(tuple(t.shape) for t in full)
-        return original(full, config)
+        return original(full, config, splits)
 
     opt._sharded._ns = ns
     for p, s in zip(params, shapes):
