@@ -44,12 +44,16 @@ from . import low_memory_state  # noqa: E402
 from . import optim  # noqa: E402  (after the ops it is built on)
 from .optim._fused_step import in_place_newton_schulz, set_in_place_newton_schulz
 from . import registry
+from .clipping import CLIP_POLICIES, GradNorms, clip_grad_norm_
 from .param_routing import RoutingTable, build_optimizers
 from .schedulers import build_schedulers
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CLIP_POLICIES",
+    "GradNorms",
+    "clip_grad_norm_",
     "adamuon_normalize_quantized_",
     "foreach_momentum_quantized_",
     "COEFFICIENT_SETS",

@@ -17,6 +17,12 @@ checkpointing (``optimizer.pt``) and resuming see a single optimizer. Trainer's
 
 Outside Trainer's factory path, ``build_muon_adamw(model, ...)`` returns the same optimizer (for
 ``Trainer(optimizers=(optimizer, None))`` or a hand-written loop).
+
+Trainer clips every gradient by one global norm (``max_grad_norm=1.0`` by default).
+:class:`MuonClipMixin` (or the ready-made ``MuonClipTrainer = MuonClipMixin + Trainer``) replaces
+that clip with :func:`megatron_eopt.clip_grad_norm_` at the same ``max_grad_norm``: by default only
+the AdamW part is clipped, by its own norm, and the logged ``grad_norm`` is still the norm of all
+gradients before clipping.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from torch import nn
 from ..optim.hybrid import HybridMuon
 from ..param_routing import DEFAULT_EMBEDDING_PATTERNS, DEFAULT_HEAD_PATTERNS, route_parameters
 
-__all__ = ["MuonAdamWFactory", "build_muon_adamw"]
+__all__ = ["MuonAdamWFactory", "MuonClipMixin", "build_muon_adamw"]  # and MuonClipTrainer, built on first use
 
 
 def build_muon_adamw(
@@ -86,3 +92,51 @@ class MuonAdamWFactory:
 
     def __call__(self, model: nn.Module, **kwargs: Any) -> torch.optim.Optimizer:
         return build_muon_adamw(model, **kwargs)
+
+
+class MuonClipMixin:
+    """Muon-aware gradient clipping for a ``transformers.Trainer`` subclass:
+    ``class MyTrainer(MuonClipMixin, Trainer)``, or ``MuonClipTrainer``.
+
+    Trainer's clip (``_clip_grad_norm``, called when ``args.max_grad_norm > 0``) becomes
+    :func:`megatron_eopt.clip_grad_norm_` over the optimizer's parameters with
+    ``policy=muon_clip_policy`` (a class attribute, ``"adamw"`` by default; ``"global"`` is
+    Trainer's own clip, ``"separate"`` clips each part by its own norm) at ``args.max_grad_norm``.
+    Its return value, the norm of all gradients before clipping, is what Trainer logs as
+    ``grad_norm``; the parts of the last clip are kept as ``self.grad_norm_parts``
+    (:class:`megatron_eopt.GradNorms`, tensors). fp16 gradients are unscaled by accelerate's
+    ``unscale_gradients`` first, as accelerate's own clip does. DeepSpeed, FSDP1 and SageMaker
+    model parallelism keep Trainer's own clip (their gradients are the engine's).
+    """
+
+    muon_clip_policy: str = "adamw"
+    grad_norm_parts: Any = None
+
+    def _clip_grad_norm(self, model):  # Trainer's hook (transformers 5.x)
+        from ..clipping import clip_grad_norm_
+
+        accelerator = self.accelerator
+        distributed = str(getattr(accelerator, "distributed_type", ""))
+        if "DEEPSPEED" in distributed or ("FSDP" in distributed and not getattr(accelerator, "is_fsdp2", False)) \
+                or getattr(self.args, "sagemaker_mp_enabled", False) or not hasattr(self, "optimizer"):
+            return super()._clip_grad_norm(model)
+        optimizer = self.optimizer
+        while type(optimizer).__name__ == "AcceleratedOptimizer":
+            optimizer = optimizer.optimizer  # accelerate's wrapper: the classes tell Muon's parameters
+        accelerator.unscale_gradients()
+        parts = clip_grad_norm_(optimizer, self.args.max_grad_norm, policy=self.muon_clip_policy, return_parts=True)
+        self.grad_norm_parts = parts
+        return parts.total
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MuonClipTrainer":  # built on first use, so that importing this module needs no transformers
+        import transformers
+
+        cls = type("MuonClipTrainer", (MuonClipMixin, transformers.Trainer), {
+            "__doc__": "``transformers.Trainer`` with :class:`MuonClipMixin`'s Muon-aware gradient clipping.",
+            "__module__": __name__,
+        })
+        globals()["MuonClipTrainer"] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

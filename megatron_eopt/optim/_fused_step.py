@@ -228,6 +228,7 @@ class FusedStep:
         # matrix's working set in the step.
         in_place = self._config.moment2_method != "namo" and self._orthogonalize_is_base()
         for si, (stack_members, x) in stacked.items():
+            self._count_ns_inputs_below_eps(plan.stacks[si], x)
             results = self._orthogonalize(plan.stacks[si], x, in_place=in_place and in_place_newton_schulz(x.device))
             slices = results.unbind(0) if isinstance(results, torch.Tensor) else results
             k = 0
@@ -243,6 +244,42 @@ class FusedStep:
         if not self._orthogonalize_is_base():
             self._call_orthogonalize_override(entries, members, ns_inputs, updates, scales)
         return updates, scales
+
+    def _count_ns_inputs_below_eps(self, stack: Stack, x: torch.Tensor) -> None:
+        """Adds to the step's count the matrices of one (k, m, n) stack whose Frobenius norm is below
+        the normalization eps (their Newton–Schulz output degenerates): one norm per matrix and a
+        sum, on the device, before the Newton–Schulz may overwrite ``x``. A tensor-parallel stack
+        holds shards, whose norms are not the matrices'; it is not counted."""
+        if stack.tp is not None:
+            return
+        counts = self.__dict__.get("_ns_below_eps_counts")
+        if counts is None:
+            counts = self._ns_below_eps_counts = {}
+        count = counts.get(x.device)
+        if count is None:
+            count = counts[x.device] = torch.zeros((), dtype=torch.int64, device=x.device)
+        norms = torch.linalg.vector_norm(x, dim=(-2, -1))
+        count.add_((norms < stack.config.ns_eps).sum())
+
+    def _reset_ns_inputs_below_eps(self) -> None:
+        for count in (self.__dict__.get("_ns_below_eps_counts") or {}).values():
+            count.zero_()
+
+    @property
+    def ns_inputs_below_eps(self) -> torch.Tensor | None:
+        """How many matrices entered Newton–Schulz with a Frobenius norm below its normalization eps
+        (``ns_eps``) in the last fused step: a 0-D int64 tensor on the matrices' device (the sum over
+        devices on the first), read without a host sync; None before the first fused step. Such a
+        matrix's update is degenerate (a gradient clipped or underflowed to ~0, Megatron-LM's silent
+        failure under a global clip). Tensor-parallel shards are not counted."""
+        counts = self.__dict__.get("_ns_below_eps_counts")
+        if not counts:
+            return None
+        values = list(counts.values())
+        total = values[0]
+        for v in values[1:]:
+            total = total + v.to(total.device)
+        return total
 
     def _update_phase(self, plan: Plan, launches: list[tuple], updates: dict, scales: dict, ns_inputs: dict) -> None:
         """3. Second-moment normalization (AdaptiveMuon), 4. decay + update, per bucket."""

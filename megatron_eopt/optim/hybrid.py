@@ -199,6 +199,12 @@ class HybridMuon(torch.optim.Optimizer):
         return self._offload.enabled
 
     @property
+    def ns_inputs_below_eps(self) -> torch.Tensor | None:
+        """The Muon part's count of Newton–Schulz inputs below the normalization eps in the last step
+        (see ``OrthogonalizedOptimizer.ns_inputs_below_eps``); None without Muon groups or before a step."""
+        return None if self._muon is None else self._muon.ns_inputs_below_eps
+
+    @property
     def workspace_mib(self) -> float | str | None:
         """The Muon side's step workspace budget (see :class:`Muon`); None without Muon groups."""
         return None if self._muon is None else self._muon.workspace_mib

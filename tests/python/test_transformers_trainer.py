@@ -108,3 +108,47 @@ def test_trainer_checkpoint_holds_and_resumes_the_optimizer_state(tmp_path):
     resumed = trainer_for(tiny_gpt2(), tmp_path, max_steps=3, lr_scheduler_type="constant")
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert resumed.state.global_step == 3
+
+
+@pytest.mark.parametrize("policy", ["adamw", "global"])
+def test_muon_clip_trainer_clips_adamw_only_and_logs_the_total_norm(tmp_path, monkeypatch, policy):
+    from megatron_eopt.integrations.transformers import MuonClipTrainer
+
+    import megatron_eopt as me
+    from megatron_eopt import clipping
+
+    seen = []
+    original = clipping.clip_grad_norm_
+
+    def recording(optimizer, max_norm, **kwargs):
+        muon = [p for g in optimizer.param_groups if g["use_muon"] for p in g["params"]]
+        other = [p for g in optimizer.param_groups if not g["use_muon"] for p in g["params"]]
+        before = [p.grad.clone() for p in muon + other]
+        out = original(optimizer, max_norm, **kwargs)
+        seen.append((max_norm, before, [p.grad.clone() for p in muon + other], len(muon), out))
+        return out
+
+    monkeypatch.setattr(clipping, "clip_grad_norm_", recording)
+    model = tiny_gpt2()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=3,
+                                          use_cpu=True, report_to=[], logging_steps=1, disable_tqdm=True, seed=0,
+                                          save_strategy="no", max_grad_norm=0.05)  # small: every step clips
+    cls = MuonClipTrainer if policy == "adamw" else type("GlobalClip", (MuonClipTrainer,), {"muon_clip_policy": "global"})
+    trainer = cls(model=model, args=args, train_dataset=Tokens(),
+                  optimizer_cls_and_kwargs=(MuonAdamWFactory, dict(lr=0.02, adamw_lr=3e-3)))
+    trainer.train()
+    assert isinstance(trainer, transformers.Trainer) and len(seen) == 3
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert len(logged) == 3
+    for (max_norm, before, after, n_muon, parts), grad_norm in zip(seen, logged):
+        assert max_norm == 0.05 and isinstance(parts, me.GradNorms)
+        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in before]))
+        assert grad_norm == pytest.approx(total.item(), rel=1e-5)  # the logged norm: all gradients, before clipping
+        if policy == "adamw":
+            assert all(torch.equal(a, b) for a, b in zip(before[:n_muon], after[:n_muon]))  # Muon's untouched
+            adamw_after = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in after[n_muon:]]))
+            assert adamw_after.item() == pytest.approx(0.05, rel=1e-4)
+        else:
+            after_total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in after]))
+            assert after_total.item() == pytest.approx(0.05, rel=1e-4)
+    assert trainer.grad_norm_parts.total.item() == pytest.approx(logged[-1], rel=1e-5)
