@@ -251,7 +251,10 @@ def test_overridden_extension_points_are_called(overrides, gen):
     # The same override on EO's Muon and on ours: ours leaves the fused step and calls it as EO does.
     ours = type("OursCustom", (optim.Muon,), dict(overrides))
     theirs = type("EOCustom", (eo.Muon,), dict(overrides))
-    opt = _compare(ours, theirs, dict(lr=0.05, weight_decay=0.1, fp32_matmul_prec="highest"), gen)
+    # 2e-5: a random 16x16 draw can have a tiny singular value that the fp32 iteration's own rounding
+    # magnifies past 1e-5 (seen once in CI: 1.35e-5 with MEGATRON_EOPT_TEST_SEED=616949391, equal on
+    # every CPU product path; 0 of 30 other seeds past 1e-5).
+    opt = _compare(ours, theirs, dict(lr=0.05, weight_decay=0.1, fp32_matmul_prec="highest"), gen, tol=2e-5)
     if "orthogonalize" not in overrides:  # an overridden orthogonalize is called from the fused step
         assert not opt._use_fused_step()
         assert sorted(opt.overridden_extension_points()) == sorted(overrides)
