@@ -25,11 +25,12 @@ the AdamW part. Plain parameters need ``muon_params``: a collection of tensors, 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CLIP_POLICIES", "GradNorms", "clip_grad_norm_", "muon_and_other_params"]
+__all__ = ["CLIP_POLICIES", "GradNorms", "clip_grad_norm_", "muon_and_other_params", "orthogonalizing_classes"]
 
 CLIP_POLICIES = ("global", "adamw", "separate")
 
@@ -45,7 +46,14 @@ class GradNorms(NamedTuple):
     adamw: torch.Tensor
 
 
-def _orthogonalizing_classes() -> tuple[type, ...]:
+# Emerging-Optimizers' base class of its orthogonalized optimizers (Megatron-LM's stock Muon), looked
+# up only where that package is already imported: an optimizer of it exists only then.
+_EO_ORTHOGONALIZED = ("emerging_optimizers.orthogonalized_optimizers.orthogonalized_optimizer", "OrthogonalizedOptimizer")
+
+
+def orthogonalizing_classes() -> tuple[type, ...]:
+    """The optimizer classes whose parameters are "the Muon part": ours, torch's Muon, the snippet's
+    and nanochat's, and Emerging-Optimizers' where it is imported."""
     from .compat.nanochat import _NanochatMuonBase
     from .compat.snippet import Muon as SnippetMuon
     from .optim import OrthogonalizedOptimizer
@@ -54,6 +62,9 @@ def _orthogonalizing_classes() -> tuple[type, ...]:
     torch_muon = getattr(torch.optim, "Muon", None)
     if isinstance(torch_muon, type):
         classes.append(torch_muon)
+    eo = getattr(sys.modules.get(_EO_ORTHOGONALIZED[0]), _EO_ORTHOGONALIZED[1], None)
+    if isinstance(eo, type):
+        classes.append(eo)
     return tuple(classes)
 
 
@@ -66,7 +77,7 @@ def _is_muon_group(optimizer: torch.optim.Optimizer, group: dict, whole: bool) -
 
 
 def _optimizer_params(optimizers: list[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    classes = _orthogonalizing_classes()
+    classes = orthogonalizing_classes()
     muon: list[torch.Tensor] = []
     other: list[torch.Tensor] = []
     for opt in optimizers:

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from .. import registry
+from . import megatron_clipping
 
 __all__ = ["MIN_MEGATRON_CORE", "classes_replaced", "install", "installed", "megatron_core_version", "uninstall"]
 
@@ -287,7 +288,8 @@ def classes_replaced() -> bool:
 
 
 def install(names: list[str] | None = None, *, replace_classes: bool = False, state_dtype: str | None = None,
-            state_block_size: int | None = None, workspace_mib: Any = _UNSET) -> dict[str, Any]:
+            state_block_size: int | None = None, workspace_mib: Any = _UNSET,
+            clip_policy: str | None = None) -> dict[str, Any]:
     """Puts megatron-eopt's registry entries into Megatron-LM's emerging-optimizer registry.
 
     ``names`` selects entries of :mod:`megatron_eopt.registry` (default: all of them, i.e.
@@ -321,9 +323,21 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
     built after it. Per build, an attribute set on Megatron-LM's ``OptimizerConfig`` wins:
     ``muon_state_dtype``, ``muon_state_block_size``, ``muon_workspace_mib``.
 
+    Gradient clipping: Megatron-LM's chained and layer-wise optimizers clip every sub-optimizer by one
+    norm of all gradients (``clip_grad``, 1.0 by default), the Muon one included. With ``clip_policy``
+    "adamw" (the default; left out, an earlier call's choice stays) their step clips only the sub-optimizers that are not orthogonalizing
+    (Adam, Lion), by the norm of their own gradients, and leaves Muon's gradients alone; "separate"
+    clips each part by its own norm; "global" keeps Megatron-LM's own step. The step still returns
+    the total norm of all gradients, and ``grad_norm_skip_threshold`` still compares with it; the
+    parts' norms are on the optimizer as ``grad_norms_by_part`` after each step. Per build, an
+    ``OptimizerConfig`` attribute ``muon_clip_policy`` wins. See
+    :mod:`megatron_eopt.integrations.megatron_clipping`.
+
     Raises ImportError with the reason when megatron-core is missing, older than 0.18, or fails
     to import.
     """
+    if clip_policy is not None:
+        megatron_clipping.check_policy(clip_policy)
     options = {k: v for k, v in (("state_dtype", state_dtype), ("state_block_size", state_block_size)) if v is not None}
     if workspace_mib is not _UNSET:
         options["workspace_mib"] = workspace_mib
@@ -353,6 +367,8 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
             replaced[name] = current
             table[name] = megatron_entry
         _STEP_OPTIONS.update(options)
+        megatron_clipping.patch(importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer,
+                                clip_policy)
         if replace_classes:
             _bind_classes(emerging)
         # The layer-wise buffer rule follows the routing of use_muon = False only where our
@@ -403,6 +419,7 @@ def uninstall() -> None:
                 table[name] = previous
         _REPLACED.clear()
         _STEP_OPTIONS.clear()
+        megatron_clipping.unpatch()
         while _PATCHED_GLOBALS:
             module, name, value, had = _PATCHED_GLOBALS.pop()
             if had:

@@ -84,7 +84,7 @@ def adam_step_left_to_its_own_loader():
         DistributedOptimizer._set_main_param_and_optimizer_states = original
 
 
-def build_hybrid(plug, seed, steps, not_muon=()):
+def build_hybrid(plug, seed, steps, not_muon=(), clip_grad=0.0):
     """A bf16 GPT under Megatron DDP (layer-wise layout) and its hybrid optimizer, after ``steps``
     steps; the parameters named in ``not_muon`` are marked ``use_muon = False``."""
     import megatron.core.optimizer as mcore_optimizer
@@ -101,7 +101,7 @@ def build_hybrid(plug, seed, steps, not_muon=()):
         dict(model.named_parameters())[name].use_muon = False
     config = mcore_optimizer.OptimizerConfig(
         optimizer="muon", use_layer_wise_distributed_optimizer=True, use_distributed_optimizer=True, lr=0.02,
-        min_lr=0.0, weight_decay=0.1, clip_grad=0.0, bf16=True, params_dtype=torch.bfloat16,
+        min_lr=0.0, weight_decay=0.1, clip_grad=clip_grad, bf16=True, params_dtype=torch.bfloat16,
     )
     with megatron_cpu.megatron_ddp_on_cpu(), layer_wise.on_cpu():
         (ddp_model,) = wrap_model_chunks_with_ddp(
