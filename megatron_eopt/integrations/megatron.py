@@ -42,7 +42,15 @@ import torch
 from .. import registry
 from . import megatron_clipping
 
-__all__ = ["MIN_MEGATRON_CORE", "classes_replaced", "install", "installed", "megatron_core_version", "uninstall"]
+__all__ = [
+    "MIN_MEGATRON_CORE",
+    "allow_torch_fsdp2",
+    "classes_replaced",
+    "install",
+    "installed",
+    "megatron_core_version",
+    "uninstall",
+]
 
 MIN_MEGATRON_CORE = (0, 18)
 
@@ -395,6 +403,57 @@ def _check_step_options(options: dict[str, Any]) -> None:
         lms.validate_block_size(options["state_block_size"])
     if "workspace_mib" in options:
         check_workspace_mib(options["workspace_mib"])
+
+
+# The checkpoint format Megatron-LM's training script can use for an emerging optimizer under
+# Torch-FSDP2: torch.distributed.checkpoint of the module's and optimizer's state dicts.
+FSDP2_CKPT_FORMAT = "torch_dcp"
+
+
+def allow_torch_fsdp2() -> None:
+    """Lets Megatron-LM's training script take ``--use-torch-fsdp2`` with megatron-eopt's optimizer.
+
+    megatron-core's ``get_megatron_optimizer`` builds an emerging optimizer over FSDP2 (DTensor)
+    parameters, and ours keep every layout option there (or refuse it with an error); Megatron-LM's
+    argument check (``megatron.training.arguments.validate_args``) still refuses the combination
+    ("Emerging optimizer does not support Torch-FSDP2 for now"). After this call that one refusal
+    is lifted for an optimizer name whose entry is megatron-eopt's (see :func:`installed`); every
+    other check runs as before. Under FSDP2 the run must use ``--ckpt-format torch_dcp`` (its
+    ``torch_dist`` optimizer checkpoint cannot find FSDP2's parameters, for any optimizer), and
+    ``--use-distributed-optimizer`` / ``dist_muon`` stay refused (FSDP2 shards the state already):
+    both are a ValueError from the check. :func:`uninstall` puts the check back.
+    """
+    arguments = importlib.import_module("megatron.training.arguments")
+    original = arguments.validate_args
+    if getattr(original, "_megatron_eopt", False):
+        return
+
+    def validate_args(args: Any, defaults: dict | None = None) -> Any:
+        name = getattr(args, "optimizer", None)
+        if not (getattr(args, "use_torch_fsdp2", False) and name in installed()):
+            return original(args, {} if defaults is None else defaults)
+        if getattr(args, "use_distributed_optimizer", False):
+            raise ValueError(
+                f"--optimizer {name} with --use-torch-fsdp2 takes no --use-distributed-optimizer: FSDP2 "
+                "already shards the optimizer state"
+            )
+        if getattr(args, "ckpt_format", None) != FSDP2_CKPT_FORMAT:
+            raise ValueError(
+                f"--optimizer {name} with --use-torch-fsdp2 needs --ckpt-format {FSDP2_CKPT_FORMAT} (got "
+                f"{getattr(args, 'ckpt_format', None)!r}): megatron-core's torch_dist optimizer checkpoint "
+                "cannot match FSDP2's DTensor parameters"
+            )
+        # Megatron-LM's check refuses every optimizer but sgd / adam with FSDP2; it reads the name in
+        # three places only (that refusal, dist_muon's conversion, Megatron-FSDP's refusal), so
+        # validating under "adam" lifts the refusal and nothing else.
+        args.optimizer = "adam"
+        try:
+            return original(args, {} if defaults is None else defaults)
+        finally:
+            args.optimizer = name
+
+    validate_args._megatron_eopt = True
+    _set_global(arguments, "validate_args", validate_args)
 
 
 def installed() -> list[str]:

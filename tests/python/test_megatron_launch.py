@@ -144,3 +144,72 @@ def test_launcher_installs_before_running_the_script(tmp_path):
 def test_launcher_without_a_script_prints_usage():
     proc = subprocess.run([sys.executable, LAUNCH], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "megatron_launch.py" in proc.stderr
+
+
+# A tiny GPT's flags for Megatron-LM's argument check, with Torch-FSDP2 (which needs untied embeddings).
+FSDP2_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "16",
+    "--max-position-embeddings", "16", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "10",
+    "--no-gradient-accumulation-fusion", "--untie-embeddings-and-output-weights", "--use-torch-fsdp2",
+]
+
+
+def _validated(monkeypatch, flags):
+    """Megatron-LM's own parse_args + validate_args on ``flags`` (one rank); the args."""
+    arguments = pytest.importorskip("megatron.training.arguments")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
+    args = arguments.parse_args()
+    arguments.validate_args(args, {})
+    return args
+
+
+@pytest.mark.parametrize("name", ["muon", "adaptive_muon"])
+def test_allow_torch_fsdp2_lifts_megatrons_refusal_only(monkeypatch, name):
+    from megatron_eopt.integrations import megatron as eopt_megatron
+
+    flags = [*FSDP2_FLAGS, "--optimizer", name, "--ckpt-format", "torch_dcp"]
+    try:
+        eopt_megatron.install()
+        with pytest.raises(AssertionError, match="Torch-FSDP2"):  # Megatron-LM's refusal, without the opt-in
+            _validated(monkeypatch, flags)
+        eopt_megatron.allow_torch_fsdp2()
+        args = _validated(monkeypatch, flags)
+        assert args.optimizer == name and args.use_torch_fsdp2 and args.ckpt_format == "torch_dcp"
+        assert not args.use_layer_wise_distributed_optimizer
+        with pytest.raises(ValueError, match="--ckpt-format torch_dcp"):
+            _validated(monkeypatch, [*FSDP2_FLAGS, "--optimizer", name, "--ckpt-format", "torch_dist"])
+        with pytest.raises(ValueError, match="--use-distributed-optimizer"):
+            _validated(monkeypatch, [*flags, "--use-distributed-optimizer"])
+        with pytest.raises(AssertionError, match="untie"):  # Megatron-LM's other checks still run
+            _validated(monkeypatch, [f for f in flags if f != "--untie-embeddings-and-output-weights"])
+        eopt_megatron.uninstall()  # the check is Megatron-LM's own again
+        with pytest.raises(AssertionError, match="Torch-FSDP2"):
+            _validated(monkeypatch, flags)
+    finally:
+        eopt_megatron.uninstall()
+
+
+FSDP2_STAND_IN_SCRIPT = """
+import sys
+from megatron.training import arguments
+args = arguments.parse_args()
+arguments.validate_args(args, {})
+print("validated", args.optimizer, args.use_torch_fsdp2, args.ckpt_format)
+"""
+
+
+def test_launcher_opt_in_flag_lifts_the_fsdp2_refusal(tmp_path):
+    pytest.importorskip("megatron.training.arguments")
+    script = tmp_path / "pretrain_stand_in.py"
+    script.write_text(FSDP2_STAND_IN_SCRIPT)
+    env = {**os.environ, "WORLD_SIZE": "1", "RANK": "0"}
+    flags = [*FSDP2_FLAGS, "--optimizer", "muon", "--ckpt-format", "torch_dcp"]
+    refused = subprocess.run([sys.executable, LAUNCH, str(script), *flags], capture_output=True, text=True,
+                             timeout=300, env=env)
+    assert refused.returncode != 0 and "does not support Torch-FSDP2" in refused.stderr
+    allowed = subprocess.run([sys.executable, LAUNCH, str(script), "--eopt-allow-torch-fsdp2", *flags],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "validated muon True torch_dcp" in allowed.stdout
