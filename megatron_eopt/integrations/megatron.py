@@ -341,6 +341,12 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
     ``OptimizerConfig`` attribute ``muon_clip_policy`` wins. See
     :mod:`megatron_eopt.integrations.megatron_clipping`.
 
+    Torch-FSDP2: megatron-core's torch_dist optimizer checkpoint (``sharded_state_dict``) cannot map
+    DTensor parameters on torch 2.14, for any optimizer; after install() it stops with a ValueError
+    that names torch.distributed.checkpoint (``--ckpt-format torch_dcp``) instead of megatron-core's
+    "Param id 0 does not match any model sharded param". :func:`allow_torch_fsdp2` lets Megatron-LM's
+    training script take ``--use-torch-fsdp2``.
+
     Raises ImportError with the reason when megatron-core is missing, older than 0.18, or fails
     to import.
     """
@@ -375,6 +381,7 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
             replaced[name] = current
             table[name] = megatron_entry
         _STEP_OPTIONS.update(options)
+        _guard_torch_dist_under_fsdp2()
         megatron_clipping.patch(importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer,
                                 clip_policy)
         if replace_classes:
@@ -408,6 +415,41 @@ def _check_step_options(options: dict[str, Any]) -> None:
 # The checkpoint format Megatron-LM's training script can use for an emerging optimizer under
 # Torch-FSDP2: torch.distributed.checkpoint of the module's and optimizer's state dicts.
 FSDP2_CKPT_FORMAT = "torch_dcp"
+
+
+def _torch_dist_under_fsdp2_error(original: Any) -> Any:
+    """``get_param_id_to_sharded_param_map`` that fails clearly where megatron-core cannot map FSDP2 parameters.
+
+    megatron-core keys the optimizer's parameters by ``id(param.to_local())`` and the model's sharded
+    tensors by the id of their local shard; where ``to_local()`` makes a new view on each call
+    (torch 2.14) nothing matches, for every optimizer, and the save stops at "Param id 0 does not
+    match any model sharded param". Where some DTensor parameter is left unmapped this raises first,
+    saying what to use instead; elsewhere it is megatron-core's function.
+    """
+
+    def get_param_id_to_sharded_param_map(model_sharded_state_dict: Any, optim_params_iter: Any) -> Any:
+        params = list(optim_params_iter)
+        mapped = original(model_sharded_state_dict, params)
+        unmapped = [i for i, p in enumerate(params) if hasattr(p, "device_mesh") and i not in mapped]
+        if unmapped:
+            raise ValueError(
+                f"Megatron's torch_dist optimizer checkpoint cannot find {len(unmapped)} Torch-FSDP2 (DTensor) "
+                f"parameters among the model's sharded tensors (torch {torch.__version__} makes a new local view "
+                "on each to_local(); this happens with every optimizer). Save with torch.distributed.checkpoint "
+                f"instead: --ckpt-format {FSDP2_CKPT_FORMAT} in Megatron-LM's training script, or dcp.save of the "
+                "module's and the optimizer's state_dict() (docs/megatron.md, \"Torch-FSDP2\")"
+            )
+        return mapped
+
+    get_param_id_to_sharded_param_map._megatron_eopt = True
+    return get_param_id_to_sharded_param_map
+
+
+def _guard_torch_dist_under_fsdp2() -> None:
+    module = importlib.import_module("megatron.core.optimizer.optimizer")
+    original = getattr(module, "get_param_id_to_sharded_param_map", None)
+    if original is not None and not getattr(original, "_megatron_eopt", False):
+        _set_global(module, "get_param_id_to_sharded_param_map", _torch_dist_under_fsdp2_error(original))
 
 
 def allow_torch_fsdp2() -> None:

@@ -247,11 +247,15 @@ class FusedStep:
 
     def _count_ns_inputs_below_eps(self, stack: Stack, x: torch.Tensor) -> None:
         """Adds to the step's count the matrices of one (k, m, n) stack whose Frobenius norm is below
-        the normalization eps (their Newton–Schulz output degenerates): one norm per matrix and a
-        sum, on the device, before the Newton–Schulz may overwrite ``x``. A tensor-parallel stack
-        holds shards, whose norms are not the matrices'; it is not counted."""
-        if stack.tp is not None:
-            return
+        the normalization eps (their Newton–Schulz output degenerates), before the Newton–Schulz may
+        overwrite ``x``. A tensor-parallel stack holds shards, whose norms are not the matrices'; it
+        is not counted (a DTensor sharded across ranks is counted whole by the sharded path, on the
+        rank that orthogonalizes it: ``_count_below_eps``)."""
+        if stack.tp is None:
+            self._count_below_eps(x, stack.config.ns_eps)
+
+    def _count_below_eps(self, x: torch.Tensor, eps: float) -> None:
+        """One norm per matrix of ``x`` (k, m, n) and a sum, on the device, no host sync."""
         counts = self.__dict__.get("_ns_below_eps_counts")
         if counts is None:
             counts = self._ns_below_eps_counts = {}
@@ -259,7 +263,7 @@ class FusedStep:
         if count is None:
             count = counts[x.device] = torch.zeros((), dtype=torch.int64, device=x.device)
         norms = torch.linalg.vector_norm(x, dim=(-2, -1))
-        count.add_((norms < stack.config.ns_eps).sum())
+        count.add_((norms < eps).sum())
 
     def _reset_ns_inputs_below_eps(self) -> None:
         for count in (self.__dict__.get("_ns_below_eps_counts") or {}).values():
@@ -271,7 +275,9 @@ class FusedStep:
         (``ns_eps``) in the last fused step: a 0-D int64 tensor on the matrices' device (the sum over
         devices on the first), read without a host sync; None before the first fused step. Such a
         matrix's update is degenerate (a gradient clipped or underflowed to ~0, Megatron-LM's silent
-        failure under a global clip). Tensor-parallel shards are not counted."""
+        failure under a global clip). Tensor-parallel shards are not counted; a matrix sharded across
+        ranks (DTensor) is counted by the rank that runs its Newton–Schulz (its owner, so a sum over
+        the ranks counts each once; every rank in gather mode)."""
         counts = self.__dict__.get("_ns_below_eps_counts")
         if not counts:
             return None

@@ -466,6 +466,9 @@ class ShardedOrthogonalizer:
         self.bytes_sent = 0  # owner mode: bytes this rank put into all-to-alls (benchmarks read it)
         # Matrices orthogonalized per mode since construction (tests and benchmarks read it).
         self.matrices = {mode: 0 for mode in SHARDED_MODES}
+        # count_below_eps(x, eps): told every whole matrix (a (k, m, n) view) before its Newton–Schulz,
+        # on the rank that runs it (the owner; every rank in gather mode). Set by the optimizer.
+        self.count_below_eps = None
 
     def _ns(self, full: list[torch.Tensor], config=None, splits=None) -> list[torch.Tensor]:
         """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors, with
@@ -475,6 +478,9 @@ class ShardedOrthogonalizer:
         config = self.config if config is None else config
         out: list[torch.Tensor | None] = [None] * len(full)
         by_shape: dict[tuple[int, int], list[int]] = {}
+        if self.count_below_eps is not None:
+            for t in full:
+                self.count_below_eps(t.reshape(-1, *t.shape[-2:]), config.ns_eps)
         for k, t in enumerate(full):
             split = None if splits is None else splits[k]
             if split is not None:

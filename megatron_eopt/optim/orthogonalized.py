@@ -170,6 +170,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         self._config = config
         self.scaled_orthogonalize_fn = FusedScaledOrthogonalize(config, scaled=config.moment2_method is None)
         self._sharded = ShardedOrthogonalizer(config)
+        self._sharded.count_below_eps = self._count_below_eps
         if self._constructed:
             self._rebuild_plan()
 
@@ -354,7 +355,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
     def _run_step(self) -> None:
         """The step itself, without torch's step hooks (``step`` is wrapped with them per class, so a
         front end with its own ``step`` calls this rather than ``super().step``)."""
-        error = self._step_time_error()
+        error = self._step_time_error() or self._spanning_matrix_error()
         if error is not None:
             raise error
         if not self._use_fused_step():
@@ -390,6 +391,29 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         launches = self._momentum_phase(plan, layout, ns_inputs, scalers)
         updates, scales = self._orthogonalize_phase(plan, layout.members, ns_inputs, stacked)
         self._update_phase(plan, launches, updates, scales, ns_inputs)
+
+    def _spanning_matrix_error(self) -> Exception | None:
+        """What cannot run on a matrix sharded across ranks (a DTensor the sharded path orthogonalizes
+        whole on an owner), refused before anything changes rather than computed on the local shard:
+        a weight-update hook (its norms would be the shard's) and an ``orthogonalize`` override (it
+        would receive the shard)."""
+        if self._config is None:
+            return None
+        spanning = next((e for e in self._current_plan().entries if e.stack_index < 0), None)
+        if spanning is None:
+            return None
+        where = f"the {tuple(spanning.param.shape)} matrix sharded across ranks"
+        if _effective_hook(self._weight_update_hook) is not None:
+            return ValueError(
+                f"weight_update_hook {type(self._weight_update_hook).__name__} takes whole-matrix norms, which "
+                f"{type(self).__name__} does not compute for {where}: use it with unsharded or replicated parameters"
+            )
+        if not self._orthogonalize_is_base():
+            return ValueError(
+                f"{type(self).__name__} overrides orthogonalize(), which would receive the local shard of {where}: "
+                "an override runs with unsharded or replicated parameters only"
+            )
+        return None
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension point
     def _orthogonalize_is_base(self) -> bool:

@@ -202,9 +202,44 @@ def wrap_in_megatron_ddp(model):
         return DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
 
 
+def wrap_in_torch_fsdp2(model):
+    """megatron-core's TorchFullyShardedDataParallel around ``model`` (PyTorch FSDP2: ``fully_shard`` on
+    every TransformerLayer, the embedding and the root; every parameter becomes a ``Shard(0)`` DTensor
+    over the data-parallel group), on the CPU.
+
+    Two things differ from a GPU run, nothing else: the wrapper builds its mesh with
+    ``DeviceMesh.from_group(group, "cuda")``, made "cpu" here (the group is gloo); and the model's
+    config says ``transformer_impl="local"`` (build_gpt's layer spec is the local one, the config's
+    default names Transformer Engine), so that the wrapper takes its branch for the local layers and
+    does not also shard the ColumnParallelLinears inside the layers it has sharded already (which
+    ``fully_shard`` refuses for DTensor parameters).
+    """
+    import megatron.core.distributed.torch_fully_sharded_data_parallel as torch_fsdp
+    from megatron.core.distributed.torch_fully_sharded_data_parallel_config import (
+        TorchFullyShardedDataParallelConfig,
+    )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    class _MeshOnCpu:
+        @staticmethod
+        def from_group(group, device_type, *args, **kwargs):
+            return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+    model.config.transformer_impl = "local"
+    saved = torch_fsdp.DeviceMesh
+    if not torch.cuda.is_available():
+        torch_fsdp.DeviceMesh = _MeshOnCpu
+    try:
+        return torch_fsdp.TorchFullyShardedDataParallel(model.config, TorchFullyShardedDataParallelConfig(), model)
+    finally:
+        torch_fsdp.DeviceMesh = saved
+
+
 def train_step_ddp(ddp_model, optimizer, seed: int) -> float:
     """One training step as Megatron's training loop does it: zero the DDP grad buffers, forward /
-    backward, reduce the grads, optimizer.step(). Returns the loss before the update."""
+    backward, reduce the grads, optimizer.step(). Returns the loss before the update. Also steps a
+    model in megatron-core's TorchFullyShardedDataParallel (its grad-buffer calls are no-ops; FSDP2
+    reduce-scatters the grads in backward)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
