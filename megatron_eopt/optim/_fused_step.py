@@ -265,8 +265,16 @@ class FusedStep:
         norms = torch.linalg.vector_norm(x, dim=(-2, -1))
         count.add_((norms < eps).sum())
 
-    def _reset_ns_inputs_below_eps(self) -> None:
-        for count in (self.__dict__.get("_ns_below_eps_counts") or {}).values():
+    def _reset_ns_inputs_below_eps(self, plan: Plan) -> None:
+        """Zeroes the step's count; the first step makes it on the first parameter's device, so that a
+        rank that runs no Newton–Schulz itself (owner mode) still reads 0 rather than None."""
+        counts = self.__dict__.get("_ns_below_eps_counts")
+        if counts is None:
+            counts = self._ns_below_eps_counts = {}
+        if not counts and plan.entries:
+            device = local(plan.entries[0].param).device
+            counts[device] = torch.zeros((), dtype=torch.int64, device=device)
+        for count in counts.values():
             count.zero_()
 
     @property

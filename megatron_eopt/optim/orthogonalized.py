@@ -378,7 +378,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         # step reuses it (a compiled one traces it, without the cache's side effects).
         layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else cached_step_layouts(plan, active)
         inputs = self._ns_input_buffers(layouts)
-        self._reset_ns_inputs_below_eps()
+        self._reset_ns_inputs_below_eps(plan)
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             self._step_chunk(plan, layout, inputs, scalers)
         return None

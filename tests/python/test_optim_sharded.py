@@ -44,8 +44,9 @@ def test_qkv_split_on_dtensor_shards_matches_the_whole_projection(tmp_path, gen,
 
 
 @pytest.mark.distributed
-def test_sharded_options_refusals_and_below_eps_count(tmp_path, gen):
-    """Two ranks: the step's options (recipe, weight decay, scale modes, coefficients, chunking,
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_options_refusals_and_below_eps_count(tmp_path, gen, world_size):
+    """Two and four ranks: the step's options (recipe, weight decay, scale modes, coefficients, chunking,
     per-head splits) equal the whole tensors' step; weight-update hooks, an orthogonalize() override
     and a tensor-parallel layout on a matrix sharded across ranks are a ValueError before anything
     changes (and step on replicated DTensors); ns_inputs_below_eps counts a sharded matrix on its
@@ -53,4 +54,5 @@ def test_sharded_options_refusals_and_below_eps_count(tmp_path, gen):
     import sharded_limits_worker
 
     seed = gen.initial_seed() % (2**31)
-    mp.spawn(sharded_limits_worker.worker, args=(2, os.path.join(tmp_path, "rendezvous"), seed), nprocs=2, join=True)
+    mp.spawn(sharded_limits_worker.worker, args=(world_size, os.path.join(tmp_path, "rendezvous"), seed),
+             nprocs=world_size, join=True)
