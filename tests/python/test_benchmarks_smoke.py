@@ -2,6 +2,7 @@
 and a RESULTS.md section. No timing is asserted, only that every part of the report is there."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -220,3 +221,41 @@ def test_ns_algorithms_times_the_cpu_products_modes_on_the_shapes_given(tmp_path
     bad = subprocess.run([sys.executable, script, "--device", "cpu", "--variants", "standard+fp16"],
                          capture_output=True, text=True, timeout=600)
     assert bad.returncode != 0 and "bad variant" in bad.stderr
+
+
+def test_clipping_study_quick_run_reports_every_policy_and_part(tmp_path):
+    """benchmarks/clipping_study.py --quick: the three parts, each with the four policies (or widths),
+    and what each policy must do to the gradients: under the scaled loss of (a) the global and
+    "separate" clips bring the Muon matrices' gradients to norm <= 1 while "none" and "adamw" leave
+    them at the scaled size; in (c) a clip of the gradient leaves Muon's step as it is, a clip of the
+    update divides it by the update's norm (DeepSpeed's reported grad norm)."""
+    script = os.path.join(os.path.dirname(RUN_PY), "clipping_study.py")
+    json_path, png_path = tmp_path / "clipping.json", tmp_path / "clipping.png"
+    proc = subprocess.run(
+        [sys.executable, script, "--quick", "--out-json", str(json_path), "--plot", str(png_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(json_path.read_text())
+    assert doc["schema"] == "megatron-eopt-benchmarks/clipping-study/1" and doc["mode"] == "quick"
+    assert png_path.stat().st_size > 10_000
+    policies = ["none", "global", "adamw", "separate"]
+    a, b, c = doc["a_huge_grad_norm"], doc["b_spike"], doc["c_deepspeed_table"]
+    assert list(a["policies"]) == policies and list(b["policies"]) == policies
+    for policy, s in a["policies"].items():
+        assert math.isfinite(s["final_val_loss"]) and len(s["train_loss"]) == a["steps"], policy
+        assert s["median_grad_norm"] > 1e3, (policy, s["median_grad_norm"])  # the loss scale took effect
+        clipped = policy in ("global", "separate")
+        assert (s["min_muon_matrix_grad_after_clip"] <= 1.0 + 1e-4) == clipped, (policy, s)
+        assert s["median_muon_update_rms"] > 0 and s["ns_inputs_below_eps_total"] >= 0
+    for policy, s in b["policies"].items():
+        assert s["spike_grad_norm"] > 100 * s["grad_norm_before_spike"], (policy, s)
+        assert len(s["muon_cos"]) == len(s["loss_excess"]) == b["steps"] - b["spike_step"]
+        assert s["loss_excess"][0] == 0.0  # the spike step's own loss precedes any difference
+    assert [r["width"] for r in c["rows"]] == [32, 64]
+    for r in c["rows"]:
+        assert r["attenuation_clip_gradient"] == pytest.approx(1.0, abs=1e-3), r
+        assert r["attenuation_clip_update"] == pytest.approx(r["deepspeed_reported_grad_norm"], rel=1e-3), r
+        assert r["grad_norm"] > 1.0
