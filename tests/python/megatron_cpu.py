@@ -102,17 +102,24 @@ def megatron_world(rank: int, world_size: int, init_file: str, tensor_parallel: 
             parallel_state.destroy_model_parallel()
 
 
-def on_single_rank(check, *args) -> None:
-    """Runs ``check(*args)`` in a one-rank Megatron world (TP = PP = 1, gloo), with our plug
-    uninstalled and the world torn down after."""
+@contextlib.contextmanager
+def single_rank_megatron():
+    """A one-rank Megatron world (TP = PP = 1, gloo) for the block; on the way out our plug is
+    uninstalled and the world torn down."""
     from megatron_eopt.integrations import megatron as integration
 
     init_megatron_single_rank()
     try:
-        check(*args)
+        yield
     finally:
         integration.uninstall()
         shutdown_megatron()
+
+
+def on_single_rank(check, *args) -> None:
+    """Runs ``check(*args)`` in single_rank_megatron()."""
+    with single_rank_megatron():
+        check(*args)
 
 
 def shutdown_megatron() -> None:

@@ -36,12 +36,8 @@ def megatron_env():
         pytest.skip("megatron-core is not installed")
     import megatron_cpu
 
-    megatron_cpu.init_megatron_single_rank()
-    try:
+    with megatron_cpu.single_rank_megatron():
         yield megatron_cpu
-    finally:
-        integration.uninstall()
-        megatron_cpu.shutdown_megatron()
 
 
 @pytest.fixture
