@@ -541,6 +541,8 @@ def plot_c(ax, rows: list[dict]) -> None:
         xlabel="width",
         ylabel="|Δw|",
     )
+    ax.set_xticks(widths, [str(w) for w in widths], minor=False)
+    ax.minorticks_off()
     ax.legend(fontsize=8)
 
 
