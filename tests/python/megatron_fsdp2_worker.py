@@ -81,7 +81,12 @@ CHECKPOINT_CASES = (
 )
 # Muon-aware clipping (install()'s "adamw" policy) at a clip_grad every step's gradients exceed: the
 # norms of FSDP2's DTensor gradient shards, reduced over their mesh, against DDP's whole gradients.
-CLIP_CASES = (("muon", False, True, None), ("adaptive_muon", True, True, "adamuon"))
+# The Adam part's norm is summed in per-shard pieces, so its clip coefficient rounds otherwise than
+# DDP's (a few 1e-8 relative); Adam's first steps are sign-like, so on the elements whose gradient is
+# rounding noise that difference can flip an update. As for NorMuon and NAMO (STATISTICS_TOL), the
+# Adam parameters get the loose tolerance and the cases run in fp32: in bf16 one such flip moves a
+# weight by more than one bf16 step and the runs part (seen in 1 of a few dozen runs).
+CLIP_CASES = (("muon", False, True, None), ("adaptive_muon", False, True, "adamuon"))
 CLIP_GRAD = 1e-3
 SCALE_MODE = {"muon": "spectral", "adaptive_muon": "unit_rms_norm"}
 MUON_MATRICES = 9  # per step: 2 layers x (qkv, proj, fc1, fc2) and the position embedding
@@ -222,8 +227,8 @@ def check_against_ddp(case, seed, same_data=False, clip_grad=0.0):
     (ref, ref_main), (got, got_main) = parameters(ddp[0]), parameters(fsdp[0])
     assert set(got_main) == set(ref_main) and bool(ref_main) == bf16, where
     loose = ()
-    if moment2_method in SPANNING_STATISTICS:
-        assert not bf16, where  # see STATISTICS_TOL
+    if moment2_method in SPANNING_STATISTICS or clip_grad:
+        assert not bf16, where  # see STATISTICS_TOL and CLIP_CASES
         muon_params = {id(p) for group in muon_member(fsdp[1]).param_groups for p in group["params"]}
         loose = {name for name, p in fsdp[0].module.named_parameters() if id(p) not in muon_params}
     worst = assert_close(got, ref, init, where, loose=loose, loose_tol=STATISTICS_TOL)
