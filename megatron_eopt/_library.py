@@ -220,15 +220,16 @@ def cpu_symmetric_products(side: int = 2048) -> dict:
 
 _cdll.megatron_eopt_cpu_product_plan.restype = ctypes.c_int
 _cdll.megatron_eopt_cpu_product_plan.argtypes = [
-    ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int),
-    ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double), ctypes.c_char_p, ctypes.c_int64,
+    ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double),
+    ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double), ctypes.c_char_p,
+    ctypes.c_int64,
 ]
 
 
 def cpu_product_plan(side: int = 2048) -> dict:
     """How the CPU Newton–Schulz computes its products for a Gram (short) side of ``side``, as
-    measured on this CPU: the first call of a size class (sides below 384, and from 384 on) times
-    each candidate once on a probe of that class and the process keeps the result.
+    measured on this CPU: the first call of a size class (sides below 384, 384 to 1535, and from
+    1536 on) times each candidate on a probe of that class and the process keeps the result.
 
     Returns ``probe`` (the probe X's shape; the general product is a square matrix times X, the
     symmetric one X·Xᵀ), ``ms`` (the best time of each candidate, None where it cannot run here:
@@ -240,13 +241,13 @@ def cpu_product_plan(side: int = 2048) -> dict:
     ``in_use`` (the same with :func:`set_cpu_symmetric_products` and :func:`set_cpu_bf16_products`
     applied) and ``bf16_speedup`` (how many times faster "medium"'s step products are in bf16 GEMMs
     than in fp32 ones: the weight of the Gram iteration's fp32 products in ``algorithm="auto"``)."""
-    probe = ctypes.c_int64()
+    probe, depth = ctypes.c_int64(), ctypes.c_int64()
     seconds = (ctypes.c_double * 8)()
     choices, in_use = (ctypes.c_int * 5)(), (ctypes.c_int * 3)()
     speedup = ctypes.c_double()
     error = ctypes.create_string_buffer(512)
-    code = _cdll.megatron_eopt_cpu_product_plan(int(side), ctypes.byref(probe), seconds, choices, in_use,
-                                                ctypes.byref(speedup), error, len(error))
+    code = _cdll.megatron_eopt_cpu_product_plan(int(side), ctypes.byref(probe), ctypes.byref(depth), seconds,
+                                                choices, in_use, ctypes.byref(speedup), error, len(error))
     if code != 0:
         raise RuntimeError(f"cpu_product_plan: the measurement failed: {error.value.decode()}")
     names = ("fp32_general", "fp32_full", "fp32_panels", "fp32_kernel",
@@ -261,7 +262,7 @@ def cpu_product_plan(side: int = 2048) -> dict:
     measured["gemm_bf16"] = "panels" if choices[4] else "full"
 
     return {
-        "probe": (probe.value, 2 * probe.value),
+        "probe": (probe.value, depth.value),
         "ms": {k: (v * 1e3 if v > 0 else None) for k, v in zip(names, seconds)},
         "measured": measured,
         "in_use": described(in_use),

@@ -494,7 +494,7 @@ def cpu_plan_lines() -> list[str]:
              f"symmetric kernel fp32 {'runs' if syrk['available']['fp32'] else 'not available'}, bf16 "
              f"{'runs' if syrk['available']['bf16'] else 'not available'}; settings: set_cpu_symmetric_products "
              f"{syrk['mode']}, set_cpu_bf16_products {bf16['mode']}"]
-    for side, label in ((256, "sides < 384"), (2048, "sides >= 384")):
+    for side, label in ((256, "sides < 384"), (768, "sides 384 to 1535"), (2048, "sides >= 1536")):
         plan = me.cpu_product_plan(side)
         ms = plan["ms"]
         timed = ", ".join(f"{k} {v:.2f}" for k, v in ms.items() if v is not None)

@@ -22,9 +22,15 @@ namespace {
 std::atomic<int> g_symmetric{
     env_choice("MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS", {"auto", "kernel", "gemm", "panels", "full"})};
 
-constexpr int kClasses = 2;
-constexpr int64_t kLargeClassSide = 384;
-constexpr int64_t kProbeSides[kClasses] = {256, 768};
+// Size classes by the symmetric side: below 384, 384 to 1535, from 1536 on. Where a product's
+// fastest route lies moves with its size: on an AMX Xeon ATen's bf16 GEMMs on the upper row panels
+// beat one full GEMM at 768 (0.7 against 0.9 ms) and lose to it at 2048 (14 against 9 ms), so the
+// largest matrices get a probe of their own. Its X is square, not twice as wide as tall, to keep
+// its cost (about a second at fp32 on two AVX2 cores) near the others'.
+constexpr int kClasses = 3;
+constexpr int64_t kClassUpperSides[kClasses - 1] = {384, 1536};
+constexpr int64_t kProbeSides[kClasses] = {256, 768, 1536};
+constexpr int64_t kProbeDepths[kClasses] = {512, 1536, 1536};
 // Rounds of the candidates after a warm-up run of each: every round runs each candidate once, in
 // turn, and each keeps its best time. Interleaved, a burst of other load on the machine slows
 // whichever candidate it meets, and the other rounds still see that candidate unhindered.
@@ -60,7 +66,7 @@ Tensor probe_values(const std::vector<int64_t>& sizes) {
 }
 
 CpuProductPlan measure(int size_class) {
-  const int64_t s = kProbeSides[size_class], d = 2 * s;
+  const int64_t s = kProbeSides[size_class], d = kProbeDepths[size_class];
   const int64_t blocks = ns_symmetric_blocks(s, NsDevice::kCpu);
   CpuProductSeconds t{};
   const auto run_type = [&](ScalarType type, double& general, double& full, double& panels, double& kernel,
@@ -88,7 +94,7 @@ CpuProductPlan measure(int size_class) {
   if (cpu_has_bf16_instructions()) {
     run_type(kBFloat16, t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel, syrk_available(SyrkType::kBf16));
   }
-  return CpuProductPlan{s, t, choose_cpu_products(t)};
+  return CpuProductPlan{s, d, t, choose_cpu_products(t)};
 }
 
 }  // namespace
@@ -97,7 +103,11 @@ void set_cpu_symmetric_products(CpuSymmetricProducts mode) { g_symmetric.store(s
 
 CpuSymmetricProducts cpu_symmetric_products_setting() { return static_cast<CpuSymmetricProducts>(g_symmetric.load()); }
 
-int cpu_product_class(int64_t side) { return side < kLargeClassSide ? 0 : 1; }
+int cpu_product_class(int64_t side) {
+  int c = 0;
+  while (c < kClasses - 1 && side >= kClassUpperSides[c]) ++c;
+  return c;
+}
 
 int64_t cpu_product_probe_side(int size_class) { return kProbeSides[size_class]; }
 
@@ -163,17 +173,19 @@ MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_symmetric_products_setting() {
   return static_cast<int>(megatron_eopt::cpu_symmetric_products_setting());
 }
 
-// The measured plan of the class of `side` (measuring it on first use): seconds[8] as in
-// CpuProductSeconds, choices[5] = measured kernel_fp32, kernel_bf16, bf16_gemms, panels_fp32,
-// panels_bf16; in_use[3] = the first three with the settings applied; the probe side and the bf16 speedup in use. Returns 0, or -1
-// when the measurement failed (message in `error`, up to error_size bytes).
-MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_product_plan(int64_t side, int64_t* probe_side, double* seconds,
-                                                          int* choices, int* in_use, double* speedup, char* error,
-                                                          int64_t error_size) {
+// The measured plan of the class of `side` (measuring it on first use): the probe X's shape,
+// seconds[8] as in CpuProductSeconds, choices[5] = measured kernel_fp32, kernel_bf16, bf16_gemms,
+// panels_fp32, panels_bf16; in_use[3] = the first three with the settings applied; the bf16
+// speedup in use. Returns 0, or -1 when the measurement failed (message in `error`, up to
+// error_size bytes).
+MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_product_plan(int64_t side, int64_t* probe_side, int64_t* probe_depth,
+                                                          double* seconds, int* choices, int* in_use, double* speedup,
+                                                          char* error, int64_t error_size) {
   using namespace megatron_eopt;
   try {
     const CpuProductPlan& plan = cpu_product_plan(side);
     *probe_side = plan.probe_side;
+    *probe_depth = plan.probe_depth;
     const CpuProductSeconds& t = plan.seconds;
     const double values[8] = {t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel,
                               t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel};

@@ -5,7 +5,7 @@
 // CPU tiles several times faster again; our symmetric kernel (syrk_cpu.h) halves the products'
 // FLOPs but runs on AVX-512 FMAs or AVX512-BF16 dot products only, never on AMX. No rule read off
 // one machine holds on the others, so the first Newton–Schulz call of a size class times the
-// candidates on a probe of that class (a few milliseconds to a few hundred) and the process keeps
+// candidates on a probe of that class (a few milliseconds to about a second) and the process keeps
 // the choice:
 //   - symmetric products X X^T (W W^T, G G, R, R R) in fp32 and in bf16: the kernel, or ATen's
 //     GEMMs on the upper row panels (batched_gemm.h);
@@ -33,15 +33,16 @@ enum class CpuSymmetricProducts { kAuto = 0, kKernel = 1, kGemm = 2, kPanels = 3
 void set_cpu_symmetric_products(CpuSymmetricProducts mode);
 CpuSymmetricProducts cpu_symmetric_products_setting();
 
-// The measurement of one size class: probe X of probe_side x 2 probe_side, the candidates' times
+// The measurement of one size class: probe X of probe_side x probe_depth, the candidates' times
 // and the choices made from them (cpu_product_choice.h).
 struct CpuProductPlan {
-  int64_t probe_side;
+  int64_t probe_side, probe_depth;
   CpuProductSeconds seconds;
   CpuProductChoice choice;  // as measured, before the settings
 };
 
-// Size classes: symmetric sides below 384, and from 384 on (probes of side 256 and 768).
+// Size classes: symmetric sides below 384, 384 to 1535, and from 1536 on (probes of side 256, 768
+// and 1536).
 int cpu_product_class(int64_t side);
 int64_t cpu_product_probe_side(int size_class);
 

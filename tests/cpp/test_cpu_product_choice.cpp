@@ -17,6 +17,18 @@ TEST(CpuProductChoice, AmxTakesAtenBf16GemmsAndKeepsTheFp32Kernel) {
   EXPECT_DOUBLE_EQ(c.bf16_speedup, (6.0 + 2 * 4.0) / (1.0 + 2 * 1.1));
 }
 
+TEST(CpuProductChoice, AmxLargeProbeTakesOneFullBf16Gemm) {
+  // The same Xeon on the 1536 x 1536 probe: ATen's bf16 GEMM on tiles runs one full product faster
+  // than its upper row panels (narrow GEMMs), while fp32 still gains from the panels' fewer FLOPs.
+  const CpuProductChoice c = choose_cpu_products({24.8, 24.0, 16.5, 30.0, 3.5, 3.2, 4.2, 20.0});
+  EXPECT_FALSE(c.kernel_fp32);
+  EXPECT_TRUE(c.panels_fp32);
+  EXPECT_FALSE(c.kernel_bf16);
+  EXPECT_FALSE(c.panels_bf16);
+  EXPECT_TRUE(c.bf16_gemms);
+  EXPECT_DOUBLE_EQ(c.bf16_speedup, (24.8 + 2 * 16.5) / (3.5 + 2 * 3.2));
+}
+
 TEST(CpuProductChoice, Avx512Bf16TakesTheKernelForBf16) {
   // An AVX512-BF16 CPU without AMX: bf16 GEMMs about 2x fp32, the kernel half the FLOPs at the same rate.
   const CpuProductChoice c = choose_cpu_products({6.0, 6.0, 4.6, 3.2, 3.0, 3.0, 2.4, 1.6});

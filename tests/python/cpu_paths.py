@@ -39,7 +39,7 @@ def cpu_path(symmetric: str = "auto", bf16: str = "auto"):
 def describe() -> str:
     """One line per size class: what this CPU measured and runs (for the test log)."""
     lines = [f"CPU paths tested: symmetric {CPU_SYMMETRIC_PATHS}, medium products {CPU_BF16_PATHS}"]
-    for side in (256, 2048):
+    for side in (256, 768, 2048):
         plan = megatron_eopt.cpu_product_plan(side)
         ms = ", ".join(f"{k} {v:.2f}" for k, v in plan["ms"].items() if v is not None)
         lines.append(f"CPU product plan, probe {plan['probe']}: in use {plan['in_use']} (ms: {ms})")

@@ -109,9 +109,9 @@ def test_paths_agree_to_rounding(gen):
 def test_plan_reports_measured_choices():
     """The plan reports its probe times and the choices made from them (the rules themselves are
     tested on made-up timings in tests/cpp/test_cpu_product_choice.cpp)."""
-    for side in (64, 383, 384, 4096):
+    for side in (64, 383, 384, 1535, 1536, 4096):
         plan = me.cpu_product_plan(side)
-        assert plan["probe"] == ((256, 512) if side < 384 else (768, 1536))
+        assert plan["probe"] == ((256, 512) if side < 384 else (768, 1536) if side < 1536 else (1536, 1536))
         ms = plan["ms"]
         assert ms["fp32_general"] > 0 and ms["fp32_full"] > 0
         # Row panels exist from side 512 on: timed for the large probe only.

@@ -23,7 +23,8 @@ def test_cli_passes_on_this_machine():
     assert "FAIL" not in out
     # What the CPU products run on, per size class, with the probe times it was chosen from.
     assert "CPU products, sides < 384 (probe 256x512, ms: fp32_general" in out
-    assert "CPU products, sides >= 384 (probe 768x1536, ms: fp32_general" in out
+    assert "CPU products, sides 384 to 1535 (probe 768x1536, ms: fp32_general" in out
+    assert "CPU products, sides >= 1536 (probe 1536x1536, ms: fp32_general" in out
 
 
 def test_build_info_matches_the_build():
