@@ -68,6 +68,53 @@ MEGATRON_EOPT_CPU_CLONES void scale_row(T* dst, const S* src, int64_t stride, in
   }
 }
 
+// The mirror of a symmetric product computed on its upper row panels: every element below the
+// diagonal blocks, d[c][r] = d[r][c] for block(r) < block(c), on rows [c_begin, c_end) of one
+// s x s matrix with row stride ld. `limit[c]` is the first row of c's block (the rows r < it are
+// copied). Square tiles of kMirrorTile: a tile's reads (kMirrorTile columns of as many source rows) stay in the
+// L1 cache while its rows are written contiguously; ATen's strided copy of the transposed view
+// walks the source a whole row apart per element. Writes land below the diagonal blocks and reads
+// come from above them, so tiles run in parallel.
+constexpr int64_t kMirrorTile = 32;
+template <typename Bits>
+void mirror_rows(Bits* d, int64_t ld, const int64_t* limit, int64_t c_begin, int64_t c_end) {
+  const int64_t r_end = limit[c_end - 1];  // rows grow with c: the last row copies the most
+  for (int64_t rb = 0; rb < r_end; rb += kMirrorTile) {
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      const int64_t stop = std::min(rb + kMirrorTile, limit[c]);
+      Bits* row = d + c * ld;
+      for (int64_t r = rb; r < stop; ++r) row[r] = d[r * ld + c];
+    }
+  }
+}
+
+void mirror_below_blocks(Tensor& d, int64_t blocks) {
+  const int64_t s = d.size(-1);
+  // Below the diagonal blocks: the transposes of the panels' parts right of them.
+  if (d.stride(1) != 1) {
+    for (int64_t i = 0; i + 1 < blocks; ++i) {
+      const int64_t r0 = s * i / blocks, rows = s * (i + 1) / blocks - r0, c0 = s * (i + 1) / blocks;
+      Tensor lower = aten::narrow(aten::narrow(d, 0, c0, s - c0), 1, r0, rows);
+      aten::copy_(lower, aten::transpose(aten::narrow(aten::narrow(d, 0, r0, rows), 1, c0, s - c0), 0, 1));
+    }
+    return;
+  }
+  std::vector<int64_t> limit(static_cast<std::size_t>(s));
+  for (int64_t i = 0; i < blocks; ++i) {
+    for (int64_t c = s * i / blocks; c < s * (i + 1) / blocks; ++c) limit[static_cast<std::size_t>(c)] = s * i / blocks;
+  }
+  const int64_t first = s / blocks;  // the rows of the first block copy nothing
+  const int64_t ld = d.stride(0);
+  const int64_t tiles = (s - first + kMirrorTile - 1) / kMirrorTile;
+  const bool bf16 = d.scalar_type() == kBFloat16;
+  void* base = d.data_ptr();
+  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const int64_t c_begin = first + begin * kMirrorTile, c_end = std::min(s, first + end * kMirrorTile);
+    if (bf16) mirror_rows(static_cast<uint16_t*>(base), ld, limit.data(), c_begin, c_end);
+    else mirror_rows(static_cast<uint32_t*>(base), ld, limit.data(), c_begin, c_end);
+  });
+}
+
 MEGATRON_EOPT_CPU_CLONES void round_bf16_range(float* p, int64_t begin, int64_t end) {
   for (int64_t i = begin; i < end; ++i) p[i] = to_float(from_float<Bf16>(p[i]));
 }
@@ -115,12 +162,7 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
       Tensor panel = aten::narrow(aten::narrow(dt, 0, r0, rows), 1, r0, s - r0);
       product_out(panel, aten::narrow(at_, 0, r0, rows), aten::narrow(bt, 1, r0, s - r0));
     }
-    // Below the diagonal blocks: the transposes of the panels' parts right of them.
-    for (int64_t i = 0; i + 1 < blocks; ++i) {
-      const int64_t r0 = edge(i), rows = edge(i + 1) - r0, c0 = edge(i + 1);
-      Tensor lower = aten::narrow(aten::narrow(dt, 0, c0, s - c0), 1, r0, rows);
-      aten::copy_(lower, aten::transpose(aten::narrow(aten::narrow(dt, 0, r0, rows), 1, c0, s - c0), 0, 1));
-    }
+    mirror_below_blocks(dt, blocks);
   }
 }
 
