@@ -190,7 +190,7 @@ def set_cpu_symmetric_products(mode: str) -> None:
     """Process-wide: how the CPU Newton–Schulz forms its products with a symmetric result (W·Wᵀ and
     G·G of the standard iteration, R and R·R of the Gram iteration). ``"kernel"``: the package's
     AVX-512 kernel, which multiplies only the upper triangle (where this CPU has AVX-512; ATen's
-    GEMMs otherwise); ``"gemm"``: ATen's GEMMs, the portable path every CPU runs, on the upper row
+    GEMMs otherwise); ``"gemm"``: ATen's GEMMs, the portable path every CPU runs, on the lower column
     panels of a side of at least 512 or as one full GEMM, whichever measured faster (``"panels"``
     and ``"full"`` pin one); ``"auto"`` (the initial setting, unless the environment variable
     ``MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS`` names another): whichever :func:`cpu_product_plan`
@@ -233,7 +233,7 @@ def cpu_product_plan(side: int = 2048) -> dict:
 
     Returns ``probe`` (the probe X's shape; the general product is a square matrix times X, the
     symmetric one X·Xᵀ), ``ms`` (the best time of each candidate, None where it cannot run here:
-    ``fp32_general``, ``fp32_full`` (X·Xᵀ as one GEMM), ``fp32_panels`` (as GEMMs on its upper row
+    ``fp32_general``, ``fp32_full`` (X·Xᵀ as one GEMM), ``fp32_panels`` (as GEMMs on its lower column
     panels), ``fp32_kernel`` and the same for bf16, where bf16 GEMM instructions exist), ``measured``
     (the faster of each choice: ``symmetric_fp32`` and ``symmetric_bf16`` ``"kernel"`` or
     ``"gemm"``, ``gemm_fp32`` and ``gemm_bf16`` ``"panels"`` or ``"full"``, ``medium`` ``"bf16"`` or

@@ -68,50 +68,53 @@ MEGATRON_EOPT_CPU_CLONES void scale_row(T* dst, const S* src, int64_t stride, in
   }
 }
 
-// The mirror of a symmetric product computed on its upper row panels: every element below the
-// diagonal blocks, d[c][r] = d[r][c] for block(r) < block(c), on rows [c_begin, c_end) of one
-// s x s matrix with row stride ld. `limit[c]` is the first row of c's block (the rows r < it are
-// copied). Square tiles of kMirrorTile: a tile's reads (kMirrorTile columns of as many source rows) stay in the
-// L1 cache while its rows are written contiguously; ATen's strided copy of the transposed view
-// walks the source a whole row apart per element. Writes land below the diagonal blocks and reads
-// come from above them, so tiles run in parallel.
+// The mirror of a symmetric product computed on its lower column panels: every element above the
+// diagonal blocks, d[r][c] = d[c][r] for block(r) < block(c), on the rows [r_begin, r_end) of one
+// s x s matrix with row stride ld. `from[r]` is the first column of the block after r's (the
+// columns c >= it are copied). In tiles of kMirrorTile columns: a tile's reads (kMirrorTile
+// columns of as many source rows) stay in the L1 cache while its rows are written contiguously;
+// ATen's strided copy of the transposed view walks the source a whole row apart per element.
 constexpr int64_t kMirrorTile = 32;
 template <typename Bits>
-void mirror_rows(Bits* d, int64_t ld, const int64_t* limit, int64_t c_begin, int64_t c_end) {
-  const int64_t r_end = limit[c_end - 1];  // rows grow with c: the last row copies the most
-  for (int64_t rb = 0; rb < r_end; rb += kMirrorTile) {
-    for (int64_t c = c_begin; c < c_end; ++c) {
-      const int64_t stop = std::min(rb + kMirrorTile, limit[c]);
-      Bits* row = d + c * ld;
-      for (int64_t r = rb; r < stop; ++r) row[r] = d[r * ld + c];
+void mirror_rows(Bits* d, int64_t ld, int64_t s, const int64_t* from, int64_t r_begin, int64_t r_end) {
+  for (int64_t cb = from[r_begin]; cb < s; cb += kMirrorTile) {  // rows further down copy less
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      Bits* row = d + r * ld;
+      const int64_t stop = std::min(cb + kMirrorTile, s);
+      for (int64_t c = std::max(cb, from[r]); c < stop; ++c) row[c] = d[c * ld + r];
     }
   }
 }
 
-void mirror_below_blocks(Tensor& d, int64_t blocks) {
+void mirror_above_blocks(Tensor& d, int64_t blocks) {
   const int64_t s = d.size(-1);
-  // Below the diagonal blocks: the transposes of the panels' parts right of them.
+  const auto edge = [s, blocks](int64_t i) { return s * i / blocks; };
   if (d.stride(1) != 1) {
     for (int64_t i = 0; i + 1 < blocks; ++i) {
-      const int64_t r0 = s * i / blocks, rows = s * (i + 1) / blocks - r0, c0 = s * (i + 1) / blocks;
-      Tensor lower = aten::narrow(aten::narrow(d, 0, c0, s - c0), 1, r0, rows);
-      aten::copy_(lower, aten::transpose(aten::narrow(aten::narrow(d, 0, r0, rows), 1, c0, s - c0), 0, 1));
+      const int64_t r0 = edge(i), rows = edge(i + 1) - r0, c0 = edge(i + 1);
+      Tensor upper = aten::narrow(aten::narrow(d, 0, r0, rows), 1, c0, s - c0);
+      aten::copy_(upper, aten::transpose(aten::narrow(aten::narrow(d, 0, c0, s - c0), 1, r0, rows), 0, 1));
     }
     return;
   }
-  std::vector<int64_t> limit(static_cast<std::size_t>(s));
+  std::vector<int64_t> from(static_cast<std::size_t>(s));
   for (int64_t i = 0; i < blocks; ++i) {
-    for (int64_t c = s * i / blocks; c < s * (i + 1) / blocks; ++c) limit[static_cast<std::size_t>(c)] = s * i / blocks;
+    for (int64_t r = edge(i); r < edge(i + 1); ++r) from[static_cast<std::size_t>(r)] = edge(i + 1);
   }
-  const int64_t first = s / blocks;  // the rows of the first block copy nothing
+  const int64_t rows = edge(blocks - 1);  // the last block's rows copy nothing
+  const int64_t tiles = (rows + kMirrorTile - 1) / kMirrorTile;
   const int64_t ld = d.stride(0);
-  const int64_t tiles = (s - first + kMirrorTile - 1) / kMirrorTile;
   const bool bf16 = d.scalar_type() == kBFloat16;
   void* base = d.data_ptr();
+  // A row's work falls with its index; tiles are taken from both ends in turn (0, last, 1, ...)
+  // so that the threads' even shares of the range get even shares of the work.
   torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    const int64_t c_begin = first + begin * kMirrorTile, c_end = std::min(s, first + end * kMirrorTile);
-    if (bf16) mirror_rows(static_cast<uint16_t*>(base), ld, limit.data(), c_begin, c_end);
-    else mirror_rows(static_cast<uint32_t*>(base), ld, limit.data(), c_begin, c_end);
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t tile = k % 2 == 0 ? k / 2 : tiles - 1 - k / 2;
+      const int64_t r_begin = tile * kMirrorTile, r_end = std::min(rows, r_begin + kMirrorTile);
+      if (bf16) mirror_rows(static_cast<uint16_t*>(base), ld, s, from.data(), r_begin, r_end);
+      else mirror_rows(static_cast<uint32_t*>(base), ld, s, from.data(), r_begin, r_end);
+    }
   });
 }
 
@@ -150,19 +153,22 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
   }
   const int64_t s = d.size(-1);
   const auto edge = [s, blocks](int64_t i) { return s * i / blocks; };
-  // One matrix at a time, one GEMM per block row: rows [r0, r1) of d from its diagonal on,
-  // d[r0:r1, r0:] = a[r0:r1, :] . b[:, r0:], a strided matrix BLAS writes in place. One product
-  // per row panel rather than per block: fewer, wider GEMMs, which ATen's bf16 and fp32 GEMMs run
-  // faster (benchmarks/RESULTS.md, "The figures behind the built-in rules").
+  // One matrix at a time, one GEMM per block column: columns [c0, c1) of d from its diagonal
+  // down, d[c0:, c0:c1] = a[c0:, :] . b[:, c0:c1], a strided matrix BLAS writes in place. One
+  // product per column panel rather than per block: fewer, larger GEMMs, which ATen's bf16 and
+  // fp32 GEMMs run faster (benchmarks/RESULTS.md, "The figures behind the built-in rules"). Column
+  // panels rather than the row panels of the same blocks: a tall product (many rows of a, few
+  // columns of b) ran 10 to 15% faster than the wide one in ATen's bf16 GEMM on AMX at 2048
+  // (13.2 to 13.6 ms against 14.5 to 16 for X X^T), the same elsewhere.
   for (int64_t t = 0; t < d.size(0); ++t) {
     Tensor dt = aten::select(d, 0, t);
     const Tensor at_ = aten::select(a, 0, t), bt = aten::select(b, 0, t);
     for (int64_t i = 0; i < blocks; ++i) {
-      const int64_t r0 = edge(i), rows = edge(i + 1) - r0;
-      Tensor panel = aten::narrow(aten::narrow(dt, 0, r0, rows), 1, r0, s - r0);
-      product_out(panel, aten::narrow(at_, 0, r0, rows), aten::narrow(bt, 1, r0, s - r0));
+      const int64_t c0 = edge(i), cols = edge(i + 1) - c0;
+      Tensor panel = aten::narrow(aten::narrow(dt, 1, c0, cols), 0, c0, s - c0);
+      product_out(panel, aten::narrow(at_, 0, c0, s - c0), aten::narrow(bt, 1, c0, cols));
     }
-    mirror_below_blocks(dt, blocks);
+    mirror_above_blocks(dt, blocks);
   }
 }
 

@@ -16,15 +16,15 @@ namespace megatron_eopt {
 void gemm_out(Tensor& d, const Tensor& a, const Tensor& b);
 
 // The same for products whose exact result is symmetric (W W^T, and the polynomials in one
-// symmetric matrix of both iterations), computed in `blocks` row panels: only the blocks on and
-// above the diagonal are multiplied (one GEMM per row panel), the others are their transposes
+// symmetric matrix of both iterations), computed in `blocks` column panels: only the blocks on
+// and below the diagonal are multiplied (one GEMM per column panel), the others are their transposes
 // (1: one full product).
 void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blocks);
 
 // d = x . x^T for x (batch, s, k) with any strides (a transposed view included), d and x both
 // fp32 or both bf16: the Gram products W W^T, W^T W, G G (G symmetric) and R R. On the symmetric
 // kernel of syrk_cpu.h (symmetric_kernel_out) where the product plan runs it (cpu_product_plan.h:
-// measured on this CPU, or set), otherwise symmetric_gemm_out with `blocks` row panels.
+// measured on this CPU, or set), otherwise symmetric_gemm_out with `blocks` column panels.
 void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
 // The same with x^T given (a view the caller keeps across calls: each view made is a dispatcher
 // call, which shows on small matrices).

@@ -23,7 +23,7 @@ std::atomic<int> g_symmetric{
     env_choice("MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS", {"auto", "kernel", "gemm", "panels", "full"})};
 
 // Size classes by the symmetric side: below 384, 384 to 1535, from 1536 on. Where a product's
-// fastest route lies moves with its size: on an AMX Xeon ATen's bf16 GEMMs on the upper row panels
+// fastest route lies moves with its size: on an AMX Xeon ATen's bf16 GEMMs on the lower column panels
 // beat one full GEMM at 768 (0.7 against 0.9 ms) and lose to it at 2048 (14 against 9 ms), so the
 // largest matrices get a probe of their own. Its X is square, not twice as wide as tall, to keep
 // its cost (about a second at fp32 on two AVX2 cores) near the others'.

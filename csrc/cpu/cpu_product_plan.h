@@ -8,7 +8,7 @@
 // candidates on a probe of that class (a few milliseconds to about a second) and the process keeps
 // the choice:
 //   - symmetric products X X^T (W W^T, G G, R, R R) in fp32 and in bf16: the kernel, or ATen's
-//     GEMMs on the upper row panels (batched_gemm.h);
+//     GEMMs on the lower column panels (batched_gemm.h);
 //   - "medium"'s bf16 products: ATen's bf16 GEMMs, or fp32 GEMMs of the same bf16 values;
 //   - how much faster the standard iteration's products are than the Gram iteration's under
 //     "medium" (the Gram iteration keeps fp32 products of bf16 values): the weight of
@@ -26,7 +26,7 @@
 
 namespace megatron_eopt {
 
-// kGemm: ATen's GEMMs, as the upper row panels or one full GEMM, whichever measured faster;
+// kGemm: ATen's GEMMs, as the lower column panels or one full GEMM, whichever measured faster;
 // kPanels / kFull pin one of those two.
 enum class CpuSymmetricProducts { kAuto = 0, kKernel = 1, kGemm = 2, kPanels = 3, kFull = 4 };
 
@@ -50,7 +50,7 @@ int64_t cpu_product_probe_side(int size_class);
 const CpuProductPlan& cpu_product_plan(int64_t side);
 
 // What runs, the settings applied: whether X X^T of side `side` in `type` runs on the symmetric
-// kernel, and otherwise in how many row panels (`blocks` from ns_symmetric_blocks, or 1 where one
+// kernel, and otherwise in how many column panels (`blocks` from ns_symmetric_blocks, or 1 where one
 // full GEMM measured faster); whether "medium" runs ATen's bf16 GEMMs; the Gram weight that goes
 // with it.
 bool cpu_symmetric_on_kernel(SyrkType type, int64_t side);

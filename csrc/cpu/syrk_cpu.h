@@ -3,7 +3,7 @@
 // Newton–Schulz (W W^T, W^T W and G G of the standard iteration, R = X X^T and R R of the Gram
 // iteration).
 //
-// Why a kernel of our own: ATen's CPU GEMMs have no symmetric product, so the row panels of
+// Why a kernel of our own: ATen's CPU GEMMs have no symmetric product, so the column panels of
 // symmetric_gemm_out still multiply 2/3 of a 768-wide Gram matrix (one block of three per panel
 // is wasted below the diagonal) and all of a 256-wide one. Here the upper triangle is covered by
 // 8 x 32 tiles, wasting only the lower half of the 32 x 32 diagonal blocks. The tiles run at the

@@ -13,7 +13,7 @@ import megatron_eopt
 
 _SYMMETRIC = megatron_eopt.cpu_symmetric_products()["available"]
 
-# Symmetric products (W·Wᵀ, G·G): ATen's GEMMs everywhere (on the upper row panels from side 512 on,
+# Symmetric products (W·Wᵀ, G·G): ATen's GEMMs everywhere (on the lower column panels from side 512 on,
 # or as one full GEMM), the AVX-512 kernel where it runs.
 CPU_SYMMETRIC_PATHS = ["panels", "full"] + (["kernel"] if _SYMMETRIC["fp32"] else [])
 # "medium"'s bf16 products: fp32 GEMMs of bf16 values everywhere; ATen's bf16 GEMMs where the CPU

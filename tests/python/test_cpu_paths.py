@@ -2,7 +2,7 @@
 
 The product plan (megatron_eopt.cpu_product_plan) measures the candidates on the running CPU and
 picks one per size class; these tests pin each path in turn (cpu_paths.py): ATen's GEMMs as upper
-row panels or one full GEMM (the portable path, every CPU), the AVX-512 symmetric kernel (CPUs with
+column panels or one full GEMM (the portable path, every CPU), the AVX-512 symmetric kernel (CPUs with
 AVX-512), ATen's bf16 GEMMs (CPUs with bf16 instructions) and fp32 GEMMs of bf16 values. Each is
 checked against float64, and fp32 products against torch.mm's own distance from float64.
 """
@@ -20,7 +20,7 @@ from megatron_eopt.ops._newton_schulz import _ns_arguments
 from cpu_paths import CPU_MEDIUM_PATHS, CPU_SYMMETRIC_PATHS, cpu_path
 from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, ns_tolerance, rel_err
 
-# Awkward shapes, and sides from 512 on where the symmetric products split into row panels.
+# Awkward shapes, and sides from 512 on where the symmetric products split into column panels.
 SHAPES = [(1, 64), (64, 1), (97, 37), (37, 97), (3, 97, 37), (33, 130), (520, 530), (2, 130, 520), (2, 530, 517)]
 
 

@@ -8,7 +8,7 @@ namespace megatron_eopt {
 
 // Seconds of one probe product of each candidate (the best of a few runs; 0: not run, because the
 // candidate cannot run on this CPU or is not a candidate there). "general": a square matrix times
-// X; "full", "panels", "kernel": X X^T as one ATen GEMM, as ATen GEMMs on its upper row panels, on
+// X; "full", "panels", "kernel": X X^T as one ATen GEMM, as ATen GEMMs on its lower column panels, on
 // the symmetric kernel.
 struct CpuProductSeconds {
   double fp32_general, fp32_full, fp32_panels, fp32_kernel;
@@ -18,7 +18,7 @@ struct CpuProductSeconds {
 struct CpuProductChoice {
   bool kernel_fp32;     // fp32 X X^T on the kernel
   bool kernel_bf16;     // bf16 X X^T on the kernel
-  bool panels_fp32;     // on ATen's GEMMs, the row panels rather than one full GEMM (fp32)
+  bool panels_fp32;     // on ATen's GEMMs, the column panels rather than one full GEMM (fp32)
   bool panels_bf16;     // the same for bf16
   bool bf16_gemms;      // "medium" on ATen's bf16 GEMMs rather than fp32 GEMMs of bf16 values
   double bf16_speedup;  // fp32 step products' time / bf16's where bf16_gemms, else 1

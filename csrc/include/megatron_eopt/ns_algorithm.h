@@ -33,9 +33,9 @@ inline GramArithmetic gram_arithmetic(NsPrecision precision, NsDevice device) {
   return GramArithmetic::kFp32;
 }
 
-// Products with a symmetric result are computed as nb x nb blocks of which only the upper
-// nb (nb + 1) / 2 are multiplied (the rest mirrored), one GEMM per row panel: on the CPU, panels
-// of at least 256 rows, at most 8 per side (thinner panels lose more BLAS efficiency than they
+// Products with a symmetric result are computed as nb x nb blocks of which only the lower
+// nb (nb + 1) / 2 are multiplied (the rest mirrored), one GEMM per column panel: on the CPU, panels
+// of at least 256 columns, at most 8 per side (thinner panels lose more BLAS efficiency than they
 // save; measured in benchmarks/RESULTS.md, "The figures behind the built-in rules"). CUDA runs full cuBLASLt GEMMs (cuBLASLt has no
 // symmetric product; blocks would under-fill the GPU). Products of the form X X^T (both
 // iterations' Gram matrix, G G and R R) bypass the panels on a CPU with AVX-512 (cpu/syrk_cpu.h
