@@ -23,10 +23,11 @@ std::atomic<int> g_symmetric{
     env_choice("MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS", {"auto", "kernel", "gemm", "panels", "full"})};
 
 // Size classes by the symmetric side: below 384, 384 to 1535, from 1536 on. Where a product's
-// fastest route lies moves with its size: on an AMX Xeon ATen's bf16 GEMMs on the lower column panels
-// beat one full GEMM at 768 (0.7 against 0.9 ms) and lose to it at 2048 (14 against 9 ms), so the
-// largest matrices get a probe of their own. Its X is square, not twice as wide as tall, to keep
-// its cost (about a second at fp32 on two AVX2 cores) near the others'.
+// fastest route lies can move with its size (on an AMX Xeon, ATen's bf16 X X^T at 2048 measured
+// 14.4 ms in row panels against 9.2 for one full GEMM in one run, 14.6 against 21.8 in another,
+// while the 768 probe preferred the panels), so the largest matrices are decided on a probe of
+// their own size rather than by the 768 one. Its X is square, not twice as wide as tall, to keep
+// its cost down (1.2-1.3 s, once per process, on that 2-core Xeon).
 constexpr int kClasses = 3;
 constexpr int64_t kClassUpperSides[kClasses - 1] = {384, 1536};
 constexpr int64_t kProbeSides[kClasses] = {256, 768, 1536};

@@ -5,7 +5,7 @@
 // CPU tiles several times faster again; our symmetric kernel (syrk_cpu.h) halves the products'
 // FLOPs but runs on AVX-512 FMAs or AVX512-BF16 dot products only, never on AMX. No rule read off
 // one machine holds on the others, so the first Newton–Schulz call of a size class times the
-// candidates on a probe of that class (a few milliseconds to about a second) and the process keeps
+// candidates on a probe of that class (a few milliseconds to over a second) and the process keeps
 // the choice:
 //   - symmetric products X X^T (W W^T, G G, R, R R) in fp32 and in bf16: the kernel, or ATen's
 //     GEMMs on the lower column panels (batched_gemm.h);

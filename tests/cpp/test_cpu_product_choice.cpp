@@ -18,8 +18,9 @@ TEST(CpuProductChoice, AmxTakesAtenBf16GemmsAndKeepsTheFp32Kernel) {
 }
 
 TEST(CpuProductChoice, AmxLargeProbeTakesOneFullBf16Gemm) {
-  // The same Xeon on the 1536 x 1536 probe: ATen's bf16 GEMM on tiles runs one full product faster
-  // than its lower column panels (narrow GEMMs), while fp32 still gains from the panels' fewer FLOPs.
+  // Timings of the 1536 x 1536 probe where ATen's bf16 GEMM on tiles runs one full product faster
+  // than the panels (as one run at 2048 measured), while fp32 still gains from the panels' fewer
+  // FLOPs: the two types choose their routes independently.
   const CpuProductChoice c = choose_cpu_products({24.8, 24.0, 16.5, 30.0, 3.5, 3.2, 4.2, 20.0});
   EXPECT_FALSE(c.kernel_fp32);
   EXPECT_TRUE(c.panels_fp32);
