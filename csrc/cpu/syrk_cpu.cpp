@@ -21,7 +21,6 @@ namespace {
 
 constexpr int64_t kPanel = kSyrkPanelRows;
 constexpr int64_t kRows = kSyrkTileRows;
-constexpr int64_t kChunkSteps = 512;  // depth steps per cache block (run_tiles)
 
 // Row tiles of column panel q: those of rows [0, min(side, 32 (q + 1))).
 int64_t row_tiles_of_panel(const SyrkShape& shape, int64_t q) {
@@ -173,6 +172,8 @@ MEGATRON_EOPT_AVX512_BF16 void accumulate_bf16(const uint32_t* a, const uint32_t
 // The totals live in memory between blocks (16 more registers than AVX-512 has), touched once per
 // block.
 constexpr int64_t kSumSteps = 32;
+// A cache block of the depth is a whole number of summation blocks (see run_tiles).
+static_assert(SyrkShape{1, 1, 1, SyrkType::kFp32}.chunk_steps() % kSumSteps == 0, "fp32 chunks split a sum block");
 
 MEGATRON_EOPT_AVX512 void accumulate_fp32(const uint32_t* a, const uint32_t* b, int64_t steps, const float* partial,
                                           __m512 out[kRows][2]) {
@@ -223,19 +224,35 @@ MEGATRON_EOPT_AVX512 void store_tile(const __m512 acc[kRows][2], T* c, int64_t l
     }
   }
   if (mirror_offset == 0) return;
-  for (int64_t j = 0; j < cols; ++j) {
-    T* dst = c + (mirror_offset + j) * ldc - mirror_offset;
-    for (int64_t r = 0; r < rows; ++r) dst[r] = c[r * ldc + j];
+  // The transpose from the accumulators, 16 columns at a time: after transpose_16x16 (the 8 rows
+  // padded with zeros) vector j starts with column j's 8 values, one 8-wide store each. A copy of
+  // the stored elements, one scalar load and store each, took 12% of the tiles' time at 768 x 768
+  // fp32. bf16 rounds the same fp32 values with the same instruction: the mirror is bit-equal.
+  const __mmask8 row_mask = static_cast<__mmask8>((1u << rows) - 1);
+  for (int64_t j0 = 0; j0 < cols; j0 += 16) {
+    __m512i v[16];
+    for (int r = 0; r < 16; ++r) v[r] = r < kRows ? _mm512_castps_si512(acc[r][j0 / 16]) : _mm512_setzero_si512();
+    transpose_16x16(v);
+    for (int64_t j = j0; j < std::min<int64_t>(cols, j0 + 16); ++j) {
+      T* dst = c + (mirror_offset + j) * ldc - mirror_offset;
+      const __m512 column = _mm512_castsi512_ps(v[j - j0]);
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        _mm_mask_storeu_epi16(dst, row_mask, _mm256_castsi256_si128(round_to_bf16(column)));
+      } else {
+        _mm256_mask_storeu_ps(dst, row_mask, _mm512_castps512_ps256(column));
+      }
+    }
   }
 }
 
-// Cache blocking, as in any GEMM: the depth is cut into chunks of kChunkSteps steps and the rows
-// into blocks of kBlockTiles row tiles. For each chunk and row block, the block's rows over the
-// chunk (16 tiles x 8 rows x 512 words = 256 KiB) stay in L2 while every column panel of the
-// range streams its 32 columns over the chunk (64 KiB) by. Without it each 8-row tile re-read its
-// column panel over the whole depth from L3 or memory (1 MiB for a 2048 x 8192 fp32 X), and the
-// tiles ran well below their in-cache rate (benchmarks/RESULTS.md). Partial sums are kept exactly in fp32 between chunks, so the result does not
-// depend on the blocking.
+// Cache blocking, as in any GEMM: the depth is cut into chunks of shape.chunk_steps() steps and
+// the rows into blocks of kBlockTiles row tiles. For each chunk and row block, the block's rows
+// over the chunk (16 tiles x 8 rows x 128 fp32 or 512 bf16-pair words: 64 or 256 KiB) stay in L2
+// while every column panel of the range streams its 32 columns over the chunk (16 or 64 KiB) by.
+// Without it each 8-row tile re-read its column panel over the whole depth from L3 or memory
+// (1 MiB for a 2048 x 8192 fp32 X), and the tiles ran well below their in-cache rate
+// (benchmarks/RESULTS.md). Partial sums are kept exactly in fp32 between chunks, and an fp32
+// chunk is a whole number of kSumSteps blocks, so the result does not depend on the blocking.
 constexpr int64_t kBlockTiles = 16;
 
 // The row tiles [first, last) of column panel q of matrix b: tasks offset .. offset + last - first
@@ -250,7 +267,8 @@ MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& sha
   constexpr bool bf16 = std::is_same_v<T, uint16_t>;
   const int64_t per_matrix = shape.tiles_per_matrix(), steps = shape.steps(), side = shape.side;
   // At least one chunk, so that a zero depth still writes its zero tiles.
-  const int64_t panel_words = steps * kPanel, chunks = std::max<int64_t>(1, (steps + kChunkSteps - 1) / kChunkSteps);
+  const int64_t chunk_steps = shape.chunk_steps(), panel_words = steps * kPanel;
+  const int64_t chunks = std::max<int64_t>(1, (steps + chunk_steps - 1) / chunk_steps);
   if (begin >= end) return;
   thread_local std::vector<TileRun> runs;
   runs.clear();
@@ -269,7 +287,7 @@ MEGATRON_EOPT_AVX512 void run_tiles(const uint32_t* packed, const SyrkShape& sha
     const int64_t b = runs[at].b;
     const uint32_t* matrix = packed + b * shape.packed_words_per_matrix();
     for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      const int64_t s0 = chunk * kChunkSteps, n = std::min(kChunkSteps, steps - s0);
+      const int64_t s0 = chunk * chunk_steps, n = std::min(chunk_steps, steps - s0);
       for (int64_t block = 0; block < row_blocks; ++block) {
         for (std::size_t k = at; k < stop; ++k) {
           const TileRun& run = runs[k];
@@ -347,7 +365,7 @@ void syrk_pack(const void* x, int64_t batch_stride, int64_t row_stride, int64_t 
 }
 
 int64_t SyrkShape::partial_floats() const {
-  return steps() > kChunkSteps ? batch * tiles_per_matrix() * kRows * kPanel : 0;
+  return steps() > chunk_steps() ? batch * tiles_per_matrix() * kRows * kPanel : 0;
 }
 
 void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, float* partials, int64_t begin, int64_t end) {

@@ -43,10 +43,16 @@ struct SyrkShape {
   int64_t steps() const { return type == SyrkType::kBf16 ? (depth + 1) / 2 : depth; }
   int64_t packed_words_per_matrix() const { return panels() * steps() * kSyrkPanelRows; }
   int64_t packed_words() const { return batch * packed_words_per_matrix(); }
+  // Depth steps per cache block of syrk_tiles: a column panel's block must stay in the L1 cache
+  // while the row tiles stream past it. fp32: 128 steps, a 16 KiB block (512 steps, 64 KiB, ran
+  // at 112 to 125 GFLOP/s per core against 133 to 143 on a 2.4 GHz Xeon with AVX-512, whose FMA
+  // peak is 151); bf16: 512 pairs, as fast as 64 to 256 there (VDPBF16PS's rate caps it), and its
+  // partial sums are needed only past 1024 deep. Figures: benchmarks/RESULTS.md.
+  constexpr int64_t chunk_steps() const { return type == SyrkType::kBf16 ? 512 : 128; }
   // C tiles of one matrix: the column panel q takes the row tiles of rows [0, min(side, 32 (q + 1))).
   int64_t tiles_per_matrix() const;
-  // fp32 partial sums syrk_tiles keeps where the depth spans several cache blocks (more than 512
-  // steps): 8 x 32 per tile of the batch, about 2 side^2 bytes per matrix; 0 otherwise.
+  // fp32 partial sums syrk_tiles keeps where the depth spans several cache blocks (more than
+  // chunk_steps()): 8 x 32 per tile of the batch, about 2 side^2 bytes per matrix; 0 otherwise.
   int64_t partial_floats() const;
 };
 

@@ -148,7 +148,7 @@ TEST_P(SyrkCpuTypes, MatchesFloat64OnAwkwardShapesAndLayouts) {
     check_product(type, 3, 45, 33, which, gen);
     if (HasFatalFailure()) return;
   }
-  // Past one cache block: several depth chunks (512 words) and row blocks (128 rows), in a batch.
+  // Past one cache block: several depth chunks (128 fp32 or 512 bf16-pair words) and row blocks (128 rows), in a batch.
   for (int which = 0; which < 5; which += 2) {
     check_product(type, 2, 150, 1100, which, gen);
     if (HasFatalFailure()) return;
