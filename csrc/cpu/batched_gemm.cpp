@@ -7,6 +7,7 @@
 
 #include "cpu/cpu_clones.h"
 #include "cpu/cpu_product_plan.h"
+#include "cpu/mirror_cpu.h"
 #include "cpu/scratch_cpu.h"
 #include "cpu/syrk_cpu.h"
 #include "megatron_eopt/storage_types.h"
@@ -69,23 +70,9 @@ MEGATRON_EOPT_CPU_CLONES void scale_row(T* dst, const S* src, int64_t stride, in
 }
 
 // The mirror of a symmetric product computed on its lower column panels: every element above the
-// diagonal blocks, d[r][c] = d[c][r] for block(r) < block(c), on the rows [r_begin, r_end) of one
-// s x s matrix with row stride ld. `from[r]` is the first column of the block after r's (the
-// columns c >= it are copied). In tiles of kMirrorTile columns: a tile's reads (kMirrorTile
-// columns of as many source rows) stay in the L1 cache while its rows are written contiguously;
-// ATen's strided copy of the transposed view walks the source a whole row apart per element.
-constexpr int64_t kMirrorTile = 32;
-template <typename Bits>
-void mirror_rows(Bits* d, int64_t ld, int64_t s, const int64_t* from, int64_t r_begin, int64_t r_end) {
-  for (int64_t cb = from[r_begin]; cb < s; cb += kMirrorTile) {  // rows further down copy less
-    for (int64_t r = r_begin; r < r_end; ++r) {
-      Bits* row = d + r * ld;
-      const int64_t stop = std::min(cb + kMirrorTile, s);
-      for (int64_t c = std::max(cb, from[r]); c < stop; ++c) row[c] = d[c * ld + r];
-    }
-  }
-}
-
+// diagonal blocks, d[r][c] = d[c][r] for block(r) < block(c) (mirror_cpu.h), in ranges of
+// kMirrorRows rows dealt to the threads.
+constexpr int64_t kMirrorRows = 32;
 void mirror_above_blocks(Tensor& d, int64_t blocks) {
   const int64_t s = d.size(-1);
   const auto edge = [s, blocks](int64_t i) { return s * i / blocks; };
@@ -102,18 +89,17 @@ void mirror_above_blocks(Tensor& d, int64_t blocks) {
     for (int64_t r = edge(i); r < edge(i + 1); ++r) from[static_cast<std::size_t>(r)] = edge(i + 1);
   }
   const int64_t rows = edge(blocks - 1);  // the last block's rows copy nothing
-  const int64_t tiles = (rows + kMirrorTile - 1) / kMirrorTile;
+  const int64_t ranges = (rows + kMirrorRows - 1) / kMirrorRows;
   const int64_t ld = d.stride(0);
-  const bool bf16 = d.scalar_type() == kBFloat16;
+  const int64_t element_bytes = d.scalar_type() == kBFloat16 ? 2 : 4;
   void* base = d.data_ptr();
-  // A row's work falls with its index; tiles are taken from both ends in turn (0, last, 1, ...)
-  // so that the threads' even shares of the range get even shares of the work.
-  torch::stable::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  // A row's work falls with its index; ranges are taken from both ends in turn (0, last, 1, ...)
+  // so that the threads' even shares of them get even shares of the work.
+  torch::stable::parallel_for(0, ranges, 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      const int64_t tile = k % 2 == 0 ? k / 2 : tiles - 1 - k / 2;
-      const int64_t r_begin = tile * kMirrorTile, r_end = std::min(rows, r_begin + kMirrorTile);
-      if (bf16) mirror_rows(static_cast<uint16_t*>(base), ld, s, from.data(), r_begin, r_end);
-      else mirror_rows(static_cast<uint32_t*>(base), ld, s, from.data(), r_begin, r_end);
+      const int64_t range = k % 2 == 0 ? k / 2 : ranges - 1 - k / 2;
+      const int64_t r_begin = range * kMirrorRows, r_end = std::min(rows, r_begin + kMirrorRows);
+      mirror_above_blocks_rows(base, element_bytes, ld, s, from.data(), r_begin, r_end);
     }
   });
 }

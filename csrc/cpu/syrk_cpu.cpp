@@ -4,17 +4,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/avx512_cpu.h"
 #include "megatron_eopt/storage_types.h"
 #include "ops/c_export.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MEGATRON_EOPT_SYRK_AVX512 1
-#include <immintrin.h>
-#define MEGATRON_EOPT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
-#define MEGATRON_EOPT_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-#else
-#define MEGATRON_EOPT_SYRK_AVX512 0
-#endif
 
 namespace megatron_eopt {
 namespace {
@@ -51,31 +43,7 @@ void pack_panel_scalar(const void* x, int64_t row_stride, int64_t depth_stride, 
   }
 }
 
-#if MEGATRON_EOPT_SYRK_AVX512
-
-// Transposes 16 x 16 32-bit words in registers: on return v[j] holds word j of the rows v[0..15].
-MEGATRON_EOPT_AVX512 inline void transpose_16x16(__m512i v[16]) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {  // lane L: rows 2i, 2i + 1 at words 4L, 4L + 1 (lo) and 4L + 2, 4L + 3 (hi)
-    a[2 * i] = _mm512_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // b[4i + c], lane L: word 4L + c of rows 4i .. 4i + 3
-    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // gather lane L of b[c], b[4 + c], b[8 + c], b[12 + c] into word 4L + c
-    const __m512i d0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x88), d1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xDD);
-    const __m512i e0 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x88);
-    const __m512i e1 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xDD);
-    v[c] = _mm512_shuffle_i32x4(d0, e0, 0x88);
-    v[8 + c] = _mm512_shuffle_i32x4(d0, e0, 0xDD);
-    v[4 + c] = _mm512_shuffle_i32x4(d1, e1, 0x88);
-    v[12 + c] = _mm512_shuffle_i32x4(d1, e1, 0xDD);
-  }
-}
+#if MEGATRON_EOPT_AVX512_CODE
 
 // Depth contiguous (rows strided): 16 words of 16 rows at a time, transposed in registers. 16
 // words are 32 bf16 or 16 fp32 depth indices; masked loads give zeros past the depth (the high
@@ -329,11 +297,9 @@ int64_t SyrkShape::tiles_per_matrix() const {
 }
 
 bool syrk_available(SyrkType type) {
-#if MEGATRON_EOPT_SYRK_AVX512
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl");
-  static const bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
-  return type == SyrkType::kBf16 ? bf16 : avx512;
+#if MEGATRON_EOPT_AVX512_CODE
+  static const bool bf16 = cpu_runs_avx512() && __builtin_cpu_supports("avx512bf16");
+  return type == SyrkType::kBf16 ? bf16 : cpu_runs_avx512();
 #else
   (void)type;
   return false;
@@ -348,7 +314,7 @@ void syrk_pack(const void* x, int64_t batch_stride, int64_t row_stride, int64_t 
     const int64_t b = task / panels, i0 = (task % panels) * kPanel, rows = std::min(kPanel, shape.side - i0);
     const void* panel = static_cast<const char*>(x) + (b * batch_stride + i0 * row_stride) * element_bytes;
     uint32_t* out = packed + task * panel_words;
-#if MEGATRON_EOPT_SYRK_AVX512
+#if MEGATRON_EOPT_AVX512_CODE
     if (syrk_available(SyrkType::kFp32)) {  // AVX-512 F/BW/VL: the packing's instructions
       if (depth_stride == 1) {
         pack_depth_contiguous(panel, row_stride, shape, rows, out);
@@ -369,7 +335,7 @@ int64_t SyrkShape::partial_floats() const {
 }
 
 void syrk_tiles(const uint32_t* packed, const SyrkShape& shape, void* c, float* partials, int64_t begin, int64_t end) {
-#if MEGATRON_EOPT_SYRK_AVX512
+#if MEGATRON_EOPT_AVX512_CODE
   if (shape.type == SyrkType::kBf16) run_tiles(packed, shape, static_cast<uint16_t*>(c), partials, begin, end);
   else run_tiles(packed, shape, static_cast<float*>(c), partials, begin, end);
 #else
