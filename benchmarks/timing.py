@@ -8,8 +8,11 @@ optimizer state), warmed up, then timed call by call; the reported figure is the
   Inputs rotate over enough copies to exceed twice the L2 cache, so small shapes are not
   flattered by a warm cache. Memory: torch.cuda.max_memory_allocated() around each call.
 - CPU: wall clock (perf_counter) per call, implementations interleaved call by call so that load
-  from other processes on a shared machine hits them all alike. Memory is not measured on the
-  CPU (tracemalloc does not see tensor storage and RSS deltas depend on the allocator's caching).
+  from other processes on a shared machine hits them all alike. Every implementation runs the same
+  number of rounds (the most any one's time target asks for), so that all medians come from the
+  same stretch of time: with fewer rounds for the slower ones, the faster ones' last calls would
+  meet load the others never saw. Memory is not measured on the CPU (tracemalloc does not see
+  tensor storage and RSS deltas depend on the allocator's caching).
 """
 
 from __future__ import annotations
@@ -168,7 +171,7 @@ def measure(case: Case, plan: Plan, device: torch.device) -> dict[str, dict]:
     else:
         for r in range(max(repeats.values(), default=0)):
             for name, fn in fns.items():
-                if r >= repeats[name] or "error" in results[name]:
+                if "error" in results[name]:
                     continue
                 try:
                     inp = inputs[r % len(inputs)]
