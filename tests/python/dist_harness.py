@@ -12,14 +12,27 @@ import torch
 import torch.distributed as dist
 
 
+def _same_cpu_products_on_every_rank():
+    """Pins the CPU's symmetric products to one full ATen GEMM. Each process times its own CPU
+    paths (docs/newton-schulz.md), so two ranks of one machine can take different ones, whose
+    results differ by summation order: an owner rank's Newton–Schulz would then differ from the
+    same matrix's on another rank by fp32 rounding, and the bitwise comparisons of sharded against
+    whole steps would test the measurement, not the sharding (docs/limits.md)."""
+    import megatron_eopt
+
+    megatron_eopt.set_cpu_symmetric_products("full")
+
+
 @contextlib.contextmanager
 def gloo_world(rank, world_size, init_file):
-    """A gloo process group over ``init_file`` for this rank, one torch thread and fp32 matmuls in
-    full precision ("highest"); the group is destroyed on the way out."""
+    """A gloo process group over ``init_file`` for this rank, one torch thread, fp32 matmuls in
+    full precision ("highest") and the same CPU products on every rank; the group is destroyed on
+    the way out."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         torch.set_num_threads(1)
         torch.set_float32_matmul_precision("highest")
+        _same_cpu_products_on_every_rank()
         yield
     finally:
         dist.destroy_process_group()
@@ -50,13 +63,15 @@ def counted_collectives(names):
 
 def init_from_argv():
     """For a worker started as ``worker.py RANK WORLD PORT SEED OUT CASE``: joins the gloo group at
-    127.0.0.1:PORT with one torch thread and returns ``(rank, world, seed, out, case)``."""
+    127.0.0.1:PORT with one torch thread and the same CPU products on every rank, and returns
+    ``(rank, world, seed, out, case)``."""
     rank, world, port, seed, out, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
                                           sys.argv[5], sys.argv[6])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    _same_cpu_products_on_every_rank()
     return rank, world, seed, out, case
 
 
