@@ -198,6 +198,12 @@ AUTO_CPU_MEDIUM = [(shape, "standard") for shape, _ in AUTO_CPU]
 def test_auto_picks_by_shape_on_cpu(shape, expected, precision, products, gen):
     me.set_cpu_bf16_products(products)
     try:
+        speedup = me.cpu_product_plan(min(shape[-2:]))["bf16_speedup"]
+        if precision == "medium" and products == "bf16" and speedup < 1.5:
+            # The rule weighs the Gram iteration's fp32 products by the measured speedup of bf16
+            # GEMMs (2x to 2.7x on the idle AMX Xeon); a busy machine can measure them barely
+            # faster, or slower (then 1), and the Gram shapes here sit near the rule's threshold.
+            pytest.skip(f"this process measured bf16 GEMMs only {speedup:.2f}x as fast as fp32 ones")
         x = _input(shape, gen, "cpu")
         auto = me.newton_schulz(x, precision=precision)
         assert torch.equal(auto, me.newton_schulz(x, precision=precision, algorithm=expected))
