@@ -196,7 +196,13 @@ def _clip(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor | None
     # A non-finite norm (an overflow) clips nothing: the norm is replaced by 0, whose coefficient
     # torch clamps to 1. A device-side where, so no host sync.
     safe = torch.where(torch.isfinite(norm), norm, torch.zeros_like(norm))
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, safe, foreach)
+    # torch clips one list with one foreach multiply, which cannot mix plain tensors with DTensors or
+    # DTensors of two meshes: one call per mesh (None: plain tensors), as _norm groups them.
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, safe, foreach)
 
 
 def _unless_overflow(norm: torch.Tensor | None, total: torch.Tensor) -> torch.Tensor | None:

@@ -41,3 +41,28 @@ def moment2_view_shape(method: str, view_shape: Sequence[int], normuon_dim: int)
         shape[normuon_dim] = 1
         return tuple(shape)
     return tuple(view_shape[:-2]) + (1,)
+
+
+def moment2_state_shape(method: str, param_shape: Sequence[int], view_shape: Sequence[int],
+                        normuon_dim: int) -> tuple[int, ...]:
+    """The stored second-moment state of a parameter whose matrix view is ``view_shape``: adamuon
+    shaped like the parameter; normuon / namo as :func:`moment2_view_shape`, except that an
+    ``nd_mode="batch"`` parameter of more than three dims keeps its own leading dims ((A, B, m, n)
+    -> (A, B, m, 1), not (A * B, m, 1)), so a state sharded like its parameter on dim 0 holds each
+    rank's matrices in its own rows. :func:`moment2_view` gives the step's view of it."""
+    if method == "adamuon":
+        return tuple(param_shape)
+    shape = moment2_view_shape(method, view_shape, normuon_dim)
+    if len(param_shape) > 3 and len(view_shape) == 3:
+        return tuple(param_shape[:-2]) + shape[1:]
+    return shape
+
+
+def moment2_view(state, method: str, view_ndim: int):
+    """The normuon / namo state as the step reads it: one row per matrix of a (E, m, n) view
+    ((E, m, 1) / (E, 1, n) / (E, 1)); a state with more leading dims (:func:`moment2_state_shape`)
+    has them flattened (a view)."""
+    want = view_ndim if method == "normuon" else view_ndim - 1
+    if state.dim() <= want or view_ndim != 3:
+        return state
+    return state.flatten(0, state.dim() - want)

@@ -16,6 +16,7 @@ import torch
 from .. import low_memory_state as lms
 from .. import ops
 from .._errors import call_op
+from ..second_moment import moment2_view
 from ._config import check_step_value
 from ._distributed import (
     distributed_orthogonalize,
@@ -395,7 +396,7 @@ class FusedStep:
         moment2 = []
         for j, i in enumerate(members):
             v = local(states[j]["moment2_buffer"])
-            moment2.append(entries[i].view(v) if method == "adamuon" else v)
+            moment2.append(entries[i].view(v) if method == "adamuon" else moment2_view(v, method, len(entries[i].local_shape)))
         # Statistics over a whole matrix: TP shards and sharded DTensors reduce them across ranks;
         # everything else goes to the fused op, nd_mode "batch" entries as their 2-D slices.
         subsets: dict[Any, list[int]] = {}

@@ -163,11 +163,17 @@ def entry_step_bytes(entry: ParamEntry) -> int:
     Newton–Schulz input, then for each matrix at the size it is orthogonalized (the global matrix
     for tensor-parallel and sharded params) the output, two iterates and the two s×s products.
     An estimate of what the Newton–Schulz kernels take (the standard iteration's buffers; the Gram
-    iteration's are no larger), used only to cut the step into chunks."""
-    rows, cols = entry.local_shape[-2:]
+    iteration's are no larger), used only to cut the step into chunks.
+
+    A DTensor entry is sized by the largest shard any rank holds (``ShardLayout.largest_view``), not
+    by this rank's: ranks with uneven shards must cut the same chunks, or they would pair the
+    chunks' collectives wrongly (a hang on NCCL)."""
+    view = entry.local_shape if entry.sharding is None else entry.sharding.largest_view
+    rows, cols = view[-2:]
+    batch = view[0] if len(view) == 3 else 1
     g_rows, g_cols = entry.global_shape
     side = min(g_rows, g_cols)
-    return 4 * entry.batch * (rows * cols + 3 * g_rows * g_cols + 2 * side * side)
+    return 4 * batch * (rows * cols + 3 * g_rows * g_cols + 2 * side * side)
 
 
 def chunk_entries(plan: Plan, budget_bytes: float | None) -> tuple[tuple[int, ...], ...]:

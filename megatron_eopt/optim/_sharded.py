@@ -81,6 +81,10 @@ class ShardLayout:
     # plain Shard / Replicate (FSDP2's strided shards over tensor parallelism), whose local rows
     # are not one contiguous range of the matrix
     local_box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # The largest local view any rank holds (the first shard along every sharded dim, by DTensor's
+    # chunking rule): derived from the global shape and the mesh only, so a plan sized by it (the
+    # workspace chunks) is the same on every rank, whatever this rank's own shard is.
+    largest_view: tuple[int, ...] = ()
 
     @property
     def mesh_dims_for_matrix(self) -> tuple[int, ...]:
@@ -122,6 +126,19 @@ def _box(shape, placements, coordinate, mesh_shape) -> tuple[tuple[int, ...], tu
             offset[d] += start
             length[d] = n
     return tuple(offset), tuple(length)
+
+
+def _view_box(shape, view, placements, coordinate, mesh_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box of a shard in the coordinates of the matrix view ``view`` of a param of ``shape``:
+    the param's own box (DTensor chunks the param's dims, not the view's), mapped to the view. Views
+    that merge dims ("flatten", or "batch" over more than three dims) are sharded on dim 0 only
+    (describe refuses the rest), so a merged dim's box is dim 0's times the merged inner sizes."""
+    offset, size = _box(shape, placements, coordinate, mesh_shape)
+    if len(view) == len(shape):
+        return offset, size
+    inner = math.prod(shape[1:]) // math.prod(view[1:]) if math.prod(view[1:]) else 1
+    tail = len(view) - 1
+    return ((offset[0] * inner,) + (0,) * tail, (size[0] * inner,) + tuple(view[1:]))
 
 
 @dataclass(eq=False)
@@ -253,10 +270,21 @@ def describe(
                 f"{where}: nd_mode='batch' on a sharded {nd}-D param needs it 3-D (E, m, n) or sharded on dim 0 only; "
                 f"got shape {shape} and placements {list(placements)}"
             )
-    layout = ShardLayout(mesh, placements, view, "local", {d: tuple(v) for d, v in shard_dims.items()})
+    layout = ShardLayout(mesh, placements, view, "local", {d: tuple(v) for d, v in shard_dims.items()},
+                         largest_view=matrix_view(_largest_shard(shape, placements, mesh), nd_mode))
     coordinate = mesh.get_coordinate()
     if exact and coordinate is not None:
-        layout.local_box = _box(view, placements, coordinate, tuple(mesh.mesh.shape))
+        layout.local_box = _view_box(shape, view, placements, coordinate, tuple(mesh.mesh.shape))
+        mine = layout.local_box[1]
+        if tuple(mine) != matrix_view(tuple(p.to_local().shape), nd_mode):
+            # Every rank must take the same path: a shard that is not where DTensor's chunking rule
+            # puts it is refused (on every rank alike: the callers agree on refusals, _rank_agreement).
+            raise ValueError(
+                f"{where}: its local shard has shape {tuple(p.to_local().shape)}, but placements {list(placements)} "
+                f"of shape {shape} put a shard of {tuple(mine)} on this rank (DTensor's chunking rule, as "
+                "torch.chunk splits); redistribute it to a layout that follows that rule, e.g. with "
+                "distribute_tensor or FSDP2's fully_shard"
+            )
     matrix_dims = layout.mesh_dims_for_matrix
     if not matrix_dims:
         return layout  # replicated, or experts sharded on the batch dim: each rank holds whole matrices
@@ -267,34 +295,51 @@ def describe(
     layout.kind, layout.route = "owner", route
     mesh_shape = tuple(mesh.mesh.shape)
     for coordinate in route.coordinates:
-        layout.boxes.append(_box(view, placements, coordinate, mesh_shape))
-    mine = layout.boxes[route.me][1]
-    if tuple(mine) != matrix_view(tuple(p.to_local().shape), nd_mode):
-        # Every rank must take the same path (a fallback decided on one rank would deadlock), so a
-        # shard that is not where DTensor's chunking rule puts it is an error, not a silent switch.
-        raise ValueError(
-            f"{where}: its local shard has shape {tuple(p.to_local().shape)} but placements {list(placements)} of "
-            f"shape {shape} give {tuple(mine)} on this rank; pass sharded_mode='gather' for such a layout"
-        )
+        layout.boxes.append(_view_box(shape, view, placements, coordinate, mesh_shape))
     return layout
 
 
-def state_placements(layout: ShardLayout, param_shape, state_shape) -> list:
-    """Placements of a state tensor: the param's, Replicate along dims the state reduced to size 1."""
+def _largest_shard(shape, placements, mesh) -> tuple[int, ...]:
+    """The largest local shape of a tensor of ``shape`` over ``mesh`` (the first shard along every
+    sharded dim: DTensor's chunking rule gives it ceil(size / parts), the others no more)."""
+    out = list(shape)
+    for i, pl in enumerate(placements):
+        if _is_shard(pl):
+            d = pl.dim % len(shape)
+            out[d] = -(-out[d] // mesh.size(i)) if out[d] else 0
+    return tuple(out)
+
+
+def _view_dim(param_ndim: int, view_ndim: int, d: int) -> int:
+    """The matrix-view dim that param dim ``d`` lies in (merged dims: see matrix_view)."""
+    if param_ndim == view_ndim:
+        return d
+    if view_ndim == 2:  # flatten: (size(0), rest)
+        return 0 if d == 0 else 1
+    return 0 if d < param_ndim - 2 else d - (param_ndim - 3)  # batch: (prod(leading), m, n)
+
+
+def statistic_placements(layout: ShardLayout, param_ndim: int, kept_view_dims) -> list:
+    """Placements of a statistic of a sharded param (NorMuon's row or column means, NAMO's norms)
+    stored with the param's leading dims (second_moment.moment2_state_shape): a mesh dim that
+    shards a view dim the statistic keeps (an expert, or NorMuon's long side) shards the state
+    along the same param dim; one that shards a dim the statistic reduces over replicates it (the
+    reduction spans the shards, every rank holds the whole statistic). Deciding by the view's dims,
+    not by equal sizes: a reduced dim of size one is still reduced."""
+    view_ndim = len(layout.view_shape)
     out = []
     for pl in layout.placements:
         if _is_shard(pl):
-            d = pl.dim % len(param_shape)
-            keep = d < len(state_shape) and state_shape[d] == param_shape[d]
-            out.append(pl if keep else Replicate())
+            d = pl.dim % param_ndim
+            out.append(pl if _view_dim(param_ndim, view_ndim, d) in kept_view_dims else Replicate())
         else:
             out.append(pl)
     return out
 
 
-def zeros_state(p: torch.Tensor, layout: ShardLayout, shape, dtype) -> torch.Tensor:
-    """A zero state DTensor of `shape` on p's mesh (placements from state_placements)."""
-    placements = state_placements(layout, tuple(p.shape), tuple(shape))
+def zeros_state(p: torch.Tensor, layout: ShardLayout, shape, dtype, kept_view_dims) -> torch.Tensor:
+    """A zero state DTensor of `shape` on p's mesh (placements from statistic_placements)."""
+    placements = statistic_placements(layout, p.dim(), set(kept_view_dims))
     full = torch.zeros(shape, dtype=dtype, device=p.to_local().device)  # small: reduced statistics only
     return distribute_tensor(full, layout.mesh, placements, src_data_rank=None)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import low_memory_state as lms
-from ..second_moment import moment2_view_shape
+from ..second_moment import moment2_state_shape
 from . import _low_memory
 from ._config import config_setting_names
 from ._eo_hooks import EOExtensionPoints
@@ -86,9 +86,34 @@ class FusedState:
         held = {}
         if self._config is not None:
             state_dict, held = _low_memory.split_state_dict(self, state_dict, self._low_memory_target)
+            state_dict = self._reshape_flattened_moment2(state_dict)
         check_loaded_state(self, state_dict)
         super().load_state_dict(state_dict)
         _low_memory.restore(self, state_dict, held, self._state_seeds if self._config is not None else None)
+
+    def _reshape_flattened_moment2(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Checkpoints saved before the NorMuon / NAMO state of an ``nd_mode="batch"`` parameter of
+        more than three dims kept its leading dims ((A * B, m, 1), now (A, B, m, 1)) load as views of
+        the new layout; everything else is left to the check."""
+        saved_groups = state_dict.get("param_groups")
+        if self._config.moment2_method in (None, "adamuon") or not isinstance(saved_groups, (list, tuple)):
+            return state_dict
+        params = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            params.update({index: p for index, p in zip(saved.get("params", ()), group["params"]) if p.dim() > 3})
+        state = dict(state_dict.get("state", {}))
+        changed = False
+        for index, p in params.items():
+            v = state.get(index, {}).get("moment2_buffer") if isinstance(state.get(index), dict) else None
+            want = self._expected_state(p, "moment2_buffer")
+            if not isinstance(v, torch.Tensor) or want is None or tuple(v.shape) == want[0]:
+                continue
+            lead = len(p.shape) - 2
+            if v.dim() == len(want[0]) - lead + 1 and v.numel() == torch.Size(want[0]).numel() \
+                    and tuple(v.shape[1:]) == want[0][lead:]:
+                state[index] = {**state[index], "moment2_buffer": v.reshape(want[0])}
+                changed = True
+        return {**state_dict, "state": state} if changed else state_dict
 
     def state_dict(self) -> dict[str, Any]:
         # Low-memory state also saves the stochastic rounding's seed and its format version (see
@@ -114,9 +139,7 @@ class FusedState:
         entry = plan.entries[plan.index[id(p)]] if id(p) in plan.index else None
         if entry is None or entry.sharding is not None:
             return None  # a DTensor's statistics: laid out by its sharding, checked by DCP's planner
-        if method == "adamuon":  # elementwise: shaped like p (a flattened conv too)
-            return tuple(p.shape), torch.float32
-        return moment2_view_shape(method, entry.local_shape, entry.normuon_dim), torch.float32
+        return moment2_state_shape(method, tuple(p.shape), entry.local_shape, entry.normuon_dim), torch.float32
 
     # ------------------------------------------------------------------ creation
     def _init_entry_state(self, index: int) -> dict:
@@ -136,17 +159,20 @@ class FusedState:
         if method is not None and "moment2_buffer" not in state:
             # fp32 whatever p's dtype (the normalization ops keep their statistics in fp32; for
             # fp32 params this is Emerging-Optimizers' layout, which stores p's dtype).
-            # nd_mode "batch": one statistic per matrix, (E, m, 1) / (E, 1, n) / (E, 1).
+            # nd_mode "batch": one statistic per matrix, (E, m, 1) / (E, 1, n) / (E, 1), the
+            # parameter's own leading dims kept (moment2_state_shape).
             view = entry.local_shape if entry.sharding is None else entry.sharding.view_shape
-            shape = moment2_view_shape(method, view, entry.normuon_dim)
+            shape = moment2_state_shape(method, tuple(p.shape), view, entry.normuon_dim)
             if entry.sharding is None:
-                if method == "adamuon":
-                    shape = tuple(p.shape)  # elementwise: shaped like p (a flattened conv too)
                 state["moment2_buffer"] = torch.zeros(shape, dtype=torch.float32, device=p.device)
             elif method == "adamuon":  # elementwise: sharded exactly like p
                 state["moment2_buffer"] = torch.zeros_like(p, dtype=torch.float32)
             else:
-                state["moment2_buffer"] = zeros_state(p, entry.sharding, shape, torch.float32)
+                nd = len(view)
+                kept = set(range(nd - 2))  # one statistic per matrix of a batch
+                if method == "normuon":  # and one per row (column) of the side not averaged over
+                    kept.add(nd - 1 if entry.normuon_dim == -2 else nd - 2)
+                state["moment2_buffer"] = zeros_state(p, entry.sharding, shape, torch.float32, kept)
         return state
 
     @torch.no_grad()

@@ -22,7 +22,7 @@ from . import _low_memory
 from .adaptive_muon import AdaptiveMuon
 from .muon import Muon
 from ._sharded import is_dtensor
-from .qk_clip import ClipConfig, ClipTarget, apply_qk_clip, parse_target, plan_clip
+from .qk_clip import ClipConfig, ClipTarget, parse_target, plan_clip, scale_row_blocks_
 
 # Keys that belong to the AdamW side of a group; the Muon side ignores them.
 ADAMW_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
@@ -321,13 +321,15 @@ class HybridMuon(torch.optim.Optimizer):
         """Everything that can reject a step's input, run before anything changes."""
         if qk_logits is not None and self.clip_config is None:
             raise ValueError("qk_logits given but QK-clip is off: pass clip_config to the constructor")
-        if qk_logits is not None:
-            plan_clip(self._clip_targets, qk_logits, self.clip_config)
+        # Planned once per step and kept for _apply_qk_clip: planning reads DTensor logits whole
+        # (one full_tensor collective each), which the clip after the update must not repeat.
+        self._clip_plan = plan_clip(self._clip_targets, qk_logits, self.clip_config) if qk_logits else None
         self._check_adamw_grads()
 
     def _apply_qk_clip(self, qk_logits) -> None:
-        if qk_logits:
-            apply_qk_clip(self._clip_targets, qk_logits, self.clip_config)
+        plan, self._clip_plan = getattr(self, "_clip_plan", None), None
+        if plan is not None:
+            scale_row_blocks_(*plan)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, qk_logits: Mapping[int, torch.Tensor] | None = None):

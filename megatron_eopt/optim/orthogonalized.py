@@ -61,6 +61,7 @@ from ._fused_step import FusedStep
 from ._step_layout import cached_step_layouts, step_layouts
 from ._state import FusedState
 from .weight_update_hooks import NoOpWeightUpdateHook
+from ._rank_agreement import agree, meshes_of, plan_digest
 from ._plan import (
     DEFAULT_WORKSPACE_MIB,
     Plan,
@@ -77,6 +78,7 @@ from ._sharded import (
     ShardedOrthogonalizer,
     describe,
     is_dtensor,
+    matrix_view,
 )
 from . import _low_memory
 from .. import low_memory_state as lms
@@ -224,6 +226,9 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
             return
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
+        # Taken before the checks, so every rank agrees over the same meshes whichever check fails where.
+        meshes = meshes_of(group["params"])
+        error = None
         try:
             nd_mode = group.get("nd_mode", self.nd_mode)
             if nd_mode not in ND_MODES:
@@ -244,6 +249,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
                     describe(p, nd_mode, self.sharded_mode, where)  # rejects Partial and impossible views
                     _low_memory.check_sharding(p, self.state_dtype, where)
             check_group_hyperparameters(group, f"param_groups[{gi}]", self._momentum_below_one)
+        except Exception as exc:  # refused on this rank: every rank of the group's meshes refuses it
+            error = exc
+        try:
+            agree(meshes, error, what=f"{type(self).__name__}.add_param_group")
             if self._constructed:
                 self._rebuild_plan()
         except Exception:
@@ -274,7 +283,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
             dims = range(t.ndim) if nd_mode == "flatten" else range(t.ndim - 2)
             # The matrix view must share the param's memory (the update is written through it).
             try:
-                t.view(t.shape[0], -1) if nd_mode == "flatten" else t.view(-1, *t.shape[-2:])
+                t.view(matrix_view(tuple(t.shape), nd_mode))  # explicit sizes: an empty shard has no -1
             except RuntimeError:
                 raise ValueError(
                     f"{where} of shape {tuple(p.shape)} and strides {t.stride()} cannot be viewed as matrices with "
@@ -295,8 +304,19 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         return tuple(self._group_config(group) for group in self.param_groups)
 
     def _rebuild_plan(self) -> None:
-        plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
-                          self.sharded_mode, self._group_configs())
+        # DTensor params: every rank of their meshes builds the same plan or raises the same error
+        # (a refusal or plan seen by some ranks only would leave the others in a collective).
+        meshes = meshes_of(p for g in self.param_groups for p in g["params"])
+        plan, error = None, None
+        try:
+            plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
+                              self.sharded_mode, self._group_configs())
+            plan.chunks = chunk_entries(plan, workspace_budget_bytes(self._workspace_mib, plan))
+        except (ValueError, TypeError) as exc:
+            if not meshes:
+                raise
+            error = exc
+        agree(meshes, error, b"" if plan is None else plan_digest(plan), type(self).__name__)
         hyper = {}
         for bucket in plan.buckets:
             if self._low_memory_state and bucket.device not in self._state_seeds:
@@ -313,7 +333,6 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
                 hyper[key] = {
                     k: torch.zeros(1, dtype=torch.float64, device=bucket.device) for k in self._step_keys()
                 }
-        plan.chunks = chunk_entries(plan, workspace_budget_bytes(self._workspace_mib, plan))
         self._plan, self._hyper = plan, hyper
 
     # ------------------------------------------------------------------ workspace budget

@@ -110,10 +110,23 @@ def _gammas(logits: torch.Tensor, config: ClipConfig) -> torch.Tensor:
     if config.k_indices is not None:
         selected = (selected or set()) | set(config.k_indices)
     if selected is not None:
-        mask = torch.zeros(heads, dtype=torch.bool, device=logits.device)
-        mask[[i for i in sorted(selected) if i < heads]] = True
-        gamma = torch.where(mask, gamma, torch.ones_like(gamma))
+        gamma = torch.where(_head_mask(tuple(sorted(selected)), heads, logits.device), gamma, torch.ones_like(gamma))
     return gamma
+
+
+# Head masks by (selected heads, heads, device): made once, outside any CUDA-graph capture (the first,
+# eager step), so later steps index nothing from the host (a host-to-device copy breaks capture).
+_HEAD_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def _head_mask(selected: tuple[int, ...], heads: int, device: torch.device) -> torch.Tensor:
+    key = (selected, heads, str(device))
+    mask = _HEAD_MASKS.get(key)
+    if mask is None:
+        host = torch.zeros(heads, dtype=torch.bool)
+        host[[i for i in selected if i < heads]] = True
+        mask = _HEAD_MASKS[key] = host.to(device)
+    return mask
 
 
 def _factors(gamma: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -324,3 +324,68 @@ def test_hybrid_muon_clips_layers_on_two_gpus(gen):
     for n, p in zip(names, params):
         if n not in clipped:
             assert torch.equal(p.cpu(), before[n]), n
+
+
+# ------------------------------------------------------------------ once per step, capturable
+def test_hybrid_muon_plans_the_clip_once_per_step(monkeypatch, gen):
+    # Planning reads DTensor logits whole (a full_tensor collective each): the step's input check and
+    # the clip after the update share one plan.
+    model = Model([(False, True), (True, True)])
+    names, params = zip(*model.named_parameters())
+    opt = HybridMuon([{"params": list(params), "names": list(names), "use_muon": True}], lr=0.0, clip_config=CLIP)
+    calls = []
+    original = qk.plan_clip
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("megatron_eopt.optim.hybrid.plan_clip", counting)
+    before = {n: p.detach().clone() for n, p in zip(names, params)}
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    opt.step(qk_logits={0: LOGITS.clone(), 1: LOGITS.clone()})
+    assert len(calls) == 1
+    for i, (fused, gqa) in enumerate([(False, True), (True, True)]):
+        for name, rows in _row_factors(model.layers[i], fused, gqa).items():
+            key = f"layers.{i}.{name}.weight"
+            assert torch.equal(getattr(model.layers[i], name).weight, before[key] * rows[:, None]), key
+    opt.step()  # no logits: nothing planned, nothing clipped again
+    assert len(calls) == 1
+
+
+@pytest.mark.gpu
+def test_hybrid_muon_step_with_selected_heads_replays_from_a_cuda_graph(gen):
+    # q_indices select heads through a device mask made once: the captured step copies nothing from
+    # the host, and replays equal eager steps with the same logits.
+    config = dict(CLIP, q_indices=[1, 2], k_indices=[0])
+
+    def build():
+        torch.manual_seed(0)
+        model = Model([(False, True), (True, False)]).cuda()
+        names, params = zip(*model.named_parameters())
+        opt = HybridMuon([{"params": list(params), "names": list(names), "use_muon": True}], lr=0.02,
+                         clip_config=config, fp32_matmul_prec="highest")
+        return params, opt
+
+    grads = [torch.randn(p.shape, generator=gen).cuda() for p in build()[0]]
+    logits = {0: LOGITS.cuda(), 1: (LOGITS * 0.5).cuda()}
+    params, opt = build()
+    eager, eager_opt = build()
+    for p, q, g in zip(params, eager, grads):
+        p.grad, q.grad = g.clone(), g.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: state, plan and head masks made outside the capture
+        opt.step(qk_logits=logits)
+    torch.cuda.current_stream().wait_stream(side)
+    eager_opt.step(qk_logits=logits)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step(qk_logits=logits)
+    for _ in range(2):
+        graph.replay()
+        eager_opt.step(qk_logits=logits)
+    torch.cuda.synchronize()
+    for p, q in zip(params, eager):
+        assert torch.equal(p, q)

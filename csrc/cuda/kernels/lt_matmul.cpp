@@ -182,10 +182,13 @@ void blas_gemm(const LtGemmArgs& args, const LtContext& ctx) {
         "current stream");
   }
   // Its math mode may allow TF32 for fp32 products. The compute type says what this problem
-  // wants, so the default math mode is set for the call and restored after.
+  // wants, so the default math mode is set for the call and restored after. Split-K partial sums
+  // of bf16 outputs stay in the fp32 compute type (cuBLAS would otherwise be free to reduce them
+  // in bf16), as the cuBLASLt path's reduction-scheme mask asks above.
   cublasMath_t previous = CUBLAS_DEFAULT_MATH;
   check_lt(cublasGetMathMode(handle, &previous), "GetMathMode");
-  check_lt(cublasSetMathMode(handle, CUBLAS_DEFAULT_MATH), "SetMathMode");
+  const auto mode = static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION);
+  check_lt(cublasSetMathMode(handle, mode), "SetMathMode");
   const cublasComputeType_t compute = args.types.compute == LtCompute::kTf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
                                                                              : CUBLAS_COMPUTE_32F;
   const cublasStatus_t status = cublasGemmStridedBatchedEx(

@@ -1,0 +1,128 @@
+"""Every rank of a device mesh takes the same path: refusals and step plans agreed before any step.
+
+A sharded step is a sequence of collectives (owner all-to-alls, gathers, statistics all-reduces)
+that every rank of a mesh must enter in the same order. Two things could break that silently:
+
+- a refusal seen by some ranks only (a shard that breaks DTensor's chunking rule is visible only
+  to the rank that holds it): those ranks raise while the others enter the step's first
+  collective and wait forever on NCCL (gloo aborts);
+- plans that differ between ranks (chunks cut from rank-local sizes, parameters added on one rank).
+
+So wherever the optimizer checks DTensor parameters (``add_param_group``, a plan build), the ranks
+exchange, over every mesh the parameters live on, whether any of them refused and a digest of what
+the plan makes them do; every rank then raises the same error, or none does. This costs one tiny
+all-reduce per mesh dim (and, only on a refusal, one object gather per mesh dim) where parameters
+are added or regrouped, never in a step that keeps its plan.
+
+Meshes are reduced dim by dim (an all-reduce over each mesh dim's group in turn reduces over the
+whole grid), so no process group spanning a mesh is needed: pipeline stages' meshes work as they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ._sharded import is_dtensor
+
+# Exception types a refusal is re-raised as on the ranks that did not see it (others: ValueError).
+_TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError, NotImplementedError)}
+
+
+def meshes_of(params: Iterable[torch.Tensor]) -> list[Any]:
+    """The distinct device meshes of the DTensors among ``params``, in order of first appearance."""
+    out: list[Any] = []
+    for p in params:
+        if is_dtensor(p) and not any(p.device_mesh is m or p.device_mesh == m for m in out):
+            out.append(p.device_mesh)
+    return out
+
+
+def _multi_rank(meshes) -> list[Any]:
+    return [m for m in meshes if m.size() > 1]
+
+
+def _device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _max_over(meshes, values: list[int]) -> list[int]:
+    """Elementwise max of ``values`` over every rank of every mesh (dim by dim)."""
+    out = values
+    for mesh in meshes:
+        t = torch.tensor(out, dtype=torch.int64, device=_device(mesh))
+        for d in range(mesh.ndim):
+            if mesh.size(d) > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
+        out = t.tolist()
+    return out
+
+
+def _union_over(meshes, items: list) -> list:
+    """The union of every rank's ``items`` (picklable, hashable) over the meshes, sorted."""
+    known = set(items)
+    for mesh in meshes:
+        for d in range(mesh.ndim):
+            if mesh.size(d) > 1:
+                group = mesh.get_group(d)
+                gathered: list = [None] * dist.get_world_size(group)
+                dist.all_gather_object(gathered, sorted(known), group=group)
+                for part in gathered:
+                    known.update(part)
+    return sorted(known)
+
+
+def _digest_value(digest: bytes) -> int:
+    # 7 bytes: a non-negative value whose negation also fits int64 (min and max from one MAX reduction).
+    return int.from_bytes(hashlib.blake2b(digest, digest_size=7).digest(), "little")
+
+
+def agree(meshes: list[Any], error: BaseException | None, digest: bytes = b"", what: str = "optimizer") -> None:
+    """Raises on every rank of ``meshes`` if any rank passes an ``error`` or a different ``digest``.
+
+    A refusal is re-raised on every rank with the message of the lowest rank that refused and the
+    ranks that did; the ranks' own tracebacks stay with the ranks that saw it. Without meshes of
+    more than one rank this only raises ``error`` (single process: the error as it is).
+    """
+    meshes = _multi_rank(meshes)
+    if not meshes or torch.compiler.is_compiling():
+        if error is not None:
+            raise error
+        return
+    value = _digest_value(digest)
+    failed, high, neg_low = _max_over(meshes, [int(error is not None), value, -value])
+    if failed:
+        mine = [] if error is None else [(dist.get_rank(), type(error).__name__, str(error))]
+        refusals = _union_over(meshes, mine)
+        rank, type_name, message = refusals[0]
+        ranks = sorted({r for r, _, _ in refusals})
+        exc = _TYPES.get(type_name, ValueError)(f"{message} [refused on rank(s) {ranks}: every rank raises this]")
+        raise exc from error
+    if high != -neg_low:
+        raise ValueError(
+            f"{what}: the ranks built different step plans for their DTensor parameters (shapes, placements, "
+            "nd_mode, sharded_mode, workspace_mib or param groups differ between ranks); every rank of a mesh must "
+            "construct the optimizer alike, or their collectives would not pair [every rank raises this]"
+        )
+
+
+def plan_digest(plan) -> bytes:
+    """What a plan makes the ranks do together: for every DTensor entry, its chunk, kind, global view,
+    placements, mesh shape, matrix dims and split; nothing rank-local (no local shard, no process
+    group id), so equal plans give equal digests on every rank."""
+    parts = []
+    for ci, chunk in enumerate(plan.chunks):
+        for i in chunk:
+            e = plan.entries[i]
+            s = e.sharding
+            if s is None:
+                continue
+            parts.append((ci, i, e.group_index, s.kind, s.view_shape, s.largest_view, tuple(map(str, s.placements)),
+                          tuple(s.mesh.mesh.shape), s.mesh_dims_for_matrix, e.global_shape,
+                          None if e.qkv is None else e.qkv.sizes))
+    return repr((len(plan.entries), parts)).encode()

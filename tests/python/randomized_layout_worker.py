@@ -1,0 +1,85 @@
+"""One rank of the randomized sharded-layout test (spawned by test_sharded_randomized.py, gloo on CPU).
+
+Every case is drawn from ``random.Random(seed, case)``, the same on every rank: a mesh (the 4-rank
+world, a 2 x 2 mesh, or one row of it: 2 ranks), parameters of awkward shapes (1 x n, n x 1, primes,
+fewer rows than ranks: empty shards, MoE experts (E, m, n), 4-D batches and convolutions) with
+placements drawn per mesh dim (uneven shards included), an nd_mode, a sharded mode, a workspace
+budget (one chunk, "auto", or budgets that cut every few matrices) and an optimizer with its
+options. The sharded optimizer steps twice and must equal the unsharded optimizer on the full
+tensors (params and every state tensor, sharded_worker.check). A failure names the seed and the
+case; ``MEGATRON_EOPT_TEST_SEED=SEED`` replays the run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
+from dist_harness import gloo_world  # noqa: E402
+from sharded_worker import check  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
+
+SIDES = (1, 2, 3, 5, 7, 9, 12, 16)
+OPTIMIZERS = [
+    (Muon, {}),
+    (AdaptiveMuon, dict(moment2_method="adamuon")),
+    (AdaptiveMuon, dict(moment2_method="normuon")),
+    (AdaptiveMuon, dict(moment2_method="namo")),
+]
+# One chunk, the default, and budgets that cut a chunk every one to a few of these small matrices.
+BUDGETS = (None, "auto", 0.0002, 0.001, 0.004)
+
+
+def _placement(rng: random.Random, ndim: int, dims: tuple[int, ...]):
+    choice = rng.choice(("replicate",) + tuple(dims))
+    return Replicate() if choice == "replicate" else Shard(choice % ndim)
+
+
+def draw_case(seed: int, case: int) -> dict:
+    """The case's description (plain values, printed on failure)."""
+    rng = random.Random(f"{seed}/{case}")
+    mesh = rng.choice(("world", "grid", "row"))
+    mesh_dims = 2 if mesh == "grid" else 1
+    nd_mode = rng.choice(("error", "error", "batch", "flatten"))
+    params = []
+    for _ in range(rng.randint(1, 4)):
+        m, n = rng.choice(SIDES), rng.choice(SIDES)
+        kind = "matrix" if nd_mode == "error" else rng.choice(("matrix", "lead3", "lead4"))
+        if kind == "matrix":
+            shape, dims = (m, n), (0, 1)
+        elif kind == "lead3":
+            shape = (rng.choice((1, 2, 3, 5)), m, n)
+            # "flatten" views (size(0), -1), so only dim 0 may be sharded
+            dims = (0,) if nd_mode == "flatten" else (0, 1, 2)
+        else:  # a 4-D batch of matrices or a convolution: sharded on dim 0 only
+            shape, dims = (rng.choice((2, 3, 5)), rng.choice((1, 2, 3)), m, n), (0,)
+        params.append((shape, [_placement(rng, len(shape), dims) for _ in range(mesh_dims)]))
+    cls_index = rng.randrange(len(OPTIMIZERS))
+    extra = dict(OPTIMIZERS[cls_index][1])
+    extra["workspace_mib"] = rng.choice(BUDGETS)
+    methods = ("decoupled", "independent") if extra.get("moment2_method") == "namo" else ("decoupled", "independent",
+                                                                                            "l2")
+    extra["weight_decay_method"] = rng.choice(methods)
+    return dict(mesh=mesh, params=params, cls=cls_index, extra=extra, nd_mode=nd_mode,
+                sharded_mode=rng.choice(("owner", "owner", "gather")))
+
+
+@exits_without_teardown
+def worker(rank, world, init_file, seed, cases):
+    with gloo_world(rank, world, init_file):
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        meshes = {"world": init_device_mesh("cpu", (world,)), "grid": grid, "row": grid["b"]}
+        for case in range(cases):
+            c = draw_case(seed, case)
+            try:
+                check(meshes[c["mesh"]], c["params"], OPTIMIZERS[c["cls"]][0], c["extra"], seed * 1000 + case,
+                      nd_mode=c["nd_mode"], sharded_mode=c["sharded_mode"], label=f"case {case}")
+            except Exception as exc:
+                raise AssertionError(f"seed {seed} case {case} ({c}): {exc}") from exc
