@@ -41,6 +41,7 @@ from .ops._low_memory_state import (  # _blocks, _squared_grid: the block layout
     _squared_grid,
     adamuon_normalize_quantized_,
     dequantize,
+    draw_layout,
     foreach_momentum_quantized_,
     has_scales,
     is_low_memory,

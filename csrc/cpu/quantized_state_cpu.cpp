@@ -69,12 +69,13 @@ MEGATRON_EOPT_CPU_CLONES float block_absmax(const float* values, int64_t n) {
 }
 
 // Stores a block's fp32 values in format F with its new scale (the scale written by the caller).
+// Element begin + j draws at index first_draw + j of its parameter (DrawIndex: a block lies in one row).
 template <StateFormat F>
 MEGATRON_EOPT_CPU_CLONES void store_block(void* state, int64_t begin, int64_t n, const float* values, float inverse,
-                                          uint64_t key) {
+                                          uint64_t key, uint64_t first_draw) {
   MEGATRON_EOPT_NO_ALIAS
   for (int64_t j = 0; j < n; ++j) {
-    store_state<F>(state, begin + j, values[j], inverse, element_bits(key, static_cast<uint64_t>(begin + j)));
+    store_state<F>(state, begin + j, values[j], inverse, element_bits(key, first_draw + static_cast<uint64_t>(j)));
   }
 }
 
@@ -102,7 +103,7 @@ MEGATRON_EOPT_CPU_CLONES void momentum_block(const QuantizedStateTensor& t, int6
     s = block_scale(block_absmax(values, end - begin), F);
     t.scales[block] = s.scale;
   }
-  store_block<F>(t.state, begin, end - begin, values, s.inverse, draw_key(seed, t.stream));
+  store_block<F>(t.state, begin, end - begin, values, s.inverse, draw_key(seed, t.stream), t.draw.of(begin, t.row_len));
 }
 
 template <StateFormat F>
@@ -120,17 +121,17 @@ MEGATRON_EOPT_CPU_CLONES void moment2_block(const QuantizedStateTensor& t, int64
     s = block_scale(block_absmax(values, end - begin), F);
     t.scales[block] = s.scale;
   }
-  store_block<F>(t.state, begin, end - begin, values, s.inverse, draw_key(seed, t.stream));
+  store_block<F>(t.state, begin, end - begin, values, s.inverse, draw_key(seed, t.stream), t.draw.of(begin, t.row_len));
 }
 
 void foreach_momentum_quantized_cpu(const TensorList& grads, const TensorList& states, const TensorList& scales,
                                     const TensorList& ns_inputs, const TensorList& params, const Tensor& momentum,
                                     bool nesterov, const Tensor& weight_decay, const std::string& weight_decay_method,
                                     int64_t block_size, const Tensor& seed, const std::optional<Tensor>& grad_scale,
-                                    const std::optional<Tensor>& found_inf) {
+                                    const std::optional<Tensor>& found_inf, const std::vector<int64_t>& draws) {
   const auto call = parse_foreach_momentum_quantized(grads, states, scales, ns_inputs, params, momentum, nesterov,
                                                      weight_decay, weight_decay_method, block_size, seed, grad_scale,
-                                                     found_inf, kCPU);
+                                                     found_inf, draws, kCPU);
   const QuantizedMomentumArgs& args = call.args;
   if (args.tensors.empty() || step_skipped(args.found_inf)) return;
   const MomentumCoefficients c = momentum_coefficients(args.momentum.load(), args.nesterov,
@@ -153,9 +154,9 @@ void foreach_momentum_quantized_cpu(const TensorList& grads, const TensorList& s
 
 void adamuon_normalize_quantized_cpu(const TensorList& updates, const TensorList& moment2, const TensorList& scales,
                                      const Tensor& beta2, const Tensor& eps, int64_t block_size, const Tensor& seed,
-                                     const std::optional<Tensor>& found_inf) {
+                                     const std::optional<Tensor>& found_inf, const std::vector<int64_t>& draws) {
   const auto call = parse_adamuon_normalize_quantized(updates, moment2, scales, beta2, eps, block_size, seed, found_inf,
-                                                      kCPU);
+                                                      draws, kCPU);
   const QuantizedMoment2Args& args = call.args;
   if (args.tensors.empty() || step_skipped(args.scalars.found_inf)) return;
   const Moment2Step h = moment2_step(args.scalars);

@@ -2,6 +2,7 @@
 // in kernels/quantized_state.cu. Nothing here synchronizes with the host.
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "megatron_eopt/quantized_state_cuda.h"
 #include "cuda/cuda_context.h"
@@ -14,11 +15,11 @@ void foreach_momentum_quantized_cuda_op(const TensorList& grads, const TensorLis
                                         const TensorList& ns_inputs, const TensorList& params, const Tensor& momentum,
                                         bool nesterov, const Tensor& weight_decay,
                                         const std::string& weight_decay_method, int64_t block_size, const Tensor& seed,
-                                        const std::optional<Tensor>& grad_scale,
-                                        const std::optional<Tensor>& found_inf) {
+                                        const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf,
+                                        const std::vector<int64_t>& draws) {
   const auto call = parse_foreach_momentum_quantized(grads, states, scales, ns_inputs, params, momentum, nesterov,
                                                      weight_decay, weight_decay_method, block_size, seed, grad_scale,
-                                                     found_inf, kCUDA);
+                                                     found_inf, draws, kCUDA);
   if (call.args.tensors.empty()) return;
   const cuda::OpDevice device(grads[0]);
   foreach_momentum_quantized_cuda(call.args, device.stream);
@@ -27,9 +28,9 @@ void foreach_momentum_quantized_cuda_op(const TensorList& grads, const TensorLis
 
 void adamuon_normalize_quantized_cuda_op(const TensorList& updates, const TensorList& moment2, const TensorList& scales,
                                          const Tensor& beta2, const Tensor& eps, int64_t block_size, const Tensor& seed,
-                                         const std::optional<Tensor>& found_inf) {
+                                         const std::optional<Tensor>& found_inf, const std::vector<int64_t>& draws) {
   const auto call = parse_adamuon_normalize_quantized(updates, moment2, scales, beta2, eps, block_size, seed, found_inf,
-                                                      kCUDA);
+                                                      draws, kCUDA);
   if (call.args.tensors.empty()) return;
   const cuda::OpDevice device(updates[0]);
   adamuon_normalize_quantized_cuda(call.args, device.stream);

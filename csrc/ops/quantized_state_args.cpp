@@ -105,11 +105,43 @@ void check_state(const char* op, const char* name, std::size_t i, const Tensor& 
 
 int64_t row_length(const Tensor& state) { return state.dim() == 0 ? 1 : state.size(state.dim() - 1); }
 
+// Values per tensor in `draws`: key, local_rows, global_rows, global_cols, base (DrawIndex).
+constexpr std::size_t kDrawValues = 5;
+
+// `draws` (empty, or kDrawValues per tensor): where each tensor's elements lie in its parameter,
+// checked against the state's rows so every index stays inside the parameter's matrices.
+void check_draws(const char* op, const std::vector<int64_t>& draws, const TensorList& states, std::size_t n) {
+  if (draws.empty()) return;
+  MEGATRON_EOPT_CHECK_VALUE(draws.size() == kDrawValues * n, op, ": draws must hold ", kDrawValues,
+                            " values per tensor (key, local_rows, global_rows, global_cols, base), got ", draws.size(),
+                            " for ", n, " tensors");
+  for (std::size_t i = 0; i < n; ++i) {
+    const int64_t* d = draws.data() + kDrawValues * i;
+    const int64_t row_len = row_length(states[i]);
+    const int64_t rows = row_len == 0 ? 0 : states[i].numel() / row_len;
+    const bool ok = d[1] >= 1 && rows % d[1] == 0 && d[2] >= d[1] && d[3] >= row_len && d[4] >= 0;
+    MEGATRON_EOPT_CHECK_VALUE(
+        ok, op, ": draws of tensor ", i, " (local_rows ", d[1], ", global_rows ", d[2], ", global_cols ", d[3],
+        ", base ", d[4], ") do not fit its ", rows, " rows of ", row_len,
+        ": local_rows must divide the rows, global_rows >= local_rows, global_cols >= ", "the row length, base >= 0");
+  }
+}
+
+// The draws of tensor i: its stream (keyed by the caller's key, or by i) and its element indices.
+void set_draws(QuantizedStateTensor& t, const std::vector<int64_t>& draws, std::size_t i, uint64_t kind) {
+  if (draws.empty()) {
+    t.stream = draw_stream(i, kind);
+    return;
+  }
+  const int64_t* d = draws.data() + kDrawValues * i;
+  t.stream = draw_stream(static_cast<uint64_t>(d[0]), kind);
+  t.draw = DrawIndex{d[1], d[2], d[3], d[4]};
+}
+
 // The state side of a kernel's tensor: codes, their block scales (when the format has them), the
-// element count (the update's or grad's), the row length the blocks follow, and the tensor's
-// stream of random draws.
+// element count (the update's or grad's) and the row length the blocks follow.
 void set_state(QuantizedStateTensor& t, const Tensor& state, const TensorList& scales, std::size_t i,
-               StateFormat format, int64_t numel, uint64_t stream) {
+               StateFormat format, int64_t numel) {
   Tensor codes = state;
   t.state = codes.data_ptr();
   if (has_scales(format)) {
@@ -118,7 +150,6 @@ void set_state(QuantizedStateTensor& t, const Tensor& state, const TensorList& s
   }
   t.numel = numel;
   t.row_len = row_length(state);
-  t.stream = stream;
 }
 
 }  // namespace
@@ -127,7 +158,8 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
     const TensorList& grads, const TensorList& states, const TensorList& scales, const TensorList& ns_inputs,
     const TensorList& params, const Tensor& momentum, bool nesterov, const Tensor& weight_decay,
     const std::string& weight_decay_method, int64_t block_size, const Tensor& seed,
-    const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf, DeviceType backend) {
+    const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf, const std::vector<int64_t>& draws,
+    DeviceType backend) {
   constexpr const char* op = "foreach_momentum_quantized_";
   WeightDecayMethod method;
   try {
@@ -182,6 +214,7 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
     }
     check_state(op, "states", i, states[i], scales, format, block_size, numel);
   }
+  check_draws(op, draws, states, n);
 
   args.grad_type = storage_type(grad_dtype.value_or(kFloat));
   args.ns_type = storage_type(ns_dtype.value_or(kFloat));
@@ -202,7 +235,8 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
     t.grad = input(grads[i]);
     if (l2) t.param = input(params[i]);
     t.ns_input = (*call.written)[i].data_ptr();
-    set_state(t, states[i], scales, i, format, grads[i].numel(), draw_stream(i, 0));
+    set_state(t, states[i], scales, i, format, grads[i].numel());
+    set_draws(t, draws, i, 0);
     args.tensors.push_back(t);
   }
   return call;
@@ -211,7 +245,7 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
 QuantizedCall<QuantizedMoment2Args> parse_adamuon_normalize_quantized(
     const TensorList& updates, const TensorList& moment2, const TensorList& scales, const Tensor& beta2,
     const Tensor& eps, int64_t block_size, const Tensor& seed, const std::optional<Tensor>& found_inf,
-    DeviceType backend) {
+    const std::vector<int64_t>& draws, DeviceType backend) {
   constexpr const char* op = "adamuon_normalize_quantized_";
   const std::size_t n = updates.size();
   check_count(op, "moment2", moment2, "updates", n);
@@ -234,6 +268,7 @@ QuantizedCall<QuantizedMoment2Args> parse_adamuon_normalize_quantized(
   for (std::size_t i = 0; i < n; ++i) {
     check_state(op, "moment2", i, moment2[i], scales, format, block_size, updates[i].numel());
   }
+  check_draws(op, draws, moment2, n);
   args.format = format;
   args.block_size = block_size;
   call.written.emplace(updates);
@@ -241,7 +276,8 @@ QuantizedCall<QuantizedMoment2Args> parse_adamuon_normalize_quantized(
     if (updates[i].numel() == 0) continue;
     QuantizedStateTensor t;
     t.update = static_cast<float*>((*call.written)[i].data_ptr());
-    set_state(t, moment2[i], scales, i, format, updates[i].numel(), draw_stream(i, 1));
+    set_state(t, moment2[i], scales, i, format, updates[i].numel());
+    set_draws(t, draws, i, 1);
     args.tensors.push_back(t);
   }
   return call;

@@ -29,11 +29,12 @@ QuantizedCall<QuantizedMomentumArgs> parse_foreach_momentum_quantized(
     const TensorList& grads, const TensorList& states, const TensorList& scales, const TensorList& ns_inputs,
     const TensorList& params, const Tensor& momentum, bool nesterov, const Tensor& weight_decay,
     const std::string& weight_decay_method, int64_t block_size, const Tensor& seed,
-    const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf, DeviceType backend);
+    const std::optional<Tensor>& grad_scale, const std::optional<Tensor>& found_inf, const std::vector<int64_t>& draws,
+    DeviceType backend);
 
 QuantizedCall<QuantizedMoment2Args> parse_adamuon_normalize_quantized(
     const TensorList& updates, const TensorList& moment2, const TensorList& scales, const Tensor& beta2,
     const Tensor& eps, int64_t block_size, const Tensor& seed, const std::optional<Tensor>& found_inf,
-    DeviceType backend);
+    const std::vector<int64_t>& draws, DeviceType backend);
 
 }  // namespace megatron_eopt

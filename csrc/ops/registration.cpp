@@ -53,19 +53,23 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
   // float8_e4m3fn with one fp32 scale per block of block_size values of a row (states[i]'s last
   // dimension; scales[i] holds rows * ceil(row_len / block_size) values). The step reads the state,
   // updates it in fp32, writes the NS input from the fp32 momentum and stores the state back with
-  // stochastic rounding, drawn from (seed, i, element): seed is a 0-dim int64 tensor on the lists'
-  // device, changed by the caller every step. grads, params and ns_inputs pair up with states[i]
-  // element by element in row-major order (any shapes of equal numel).
+  // stochastic rounding, drawn from (seed, key, element index): seed is a 0-dim int64 tensor on the
+  // lists' device, changed by the caller every step. draws: empty (key i, index the element's in
+  // states[i]) or five values per tensor, key, local_rows, global_rows, global_cols, base
+  // (DrawIndex: the element's index in its whole parameter, so shards and chunks draw alike).
+  // grads, params and ns_inputs pair up with states[i] element by element in row-major order (any
+  // shapes of equal numel).
   m.def(
       "foreach_momentum_quantized_(Tensor[] grads, Tensor(a!)[] states, Tensor(b!)[] scales, "
       "Tensor(c!)[] ns_inputs, Tensor[] params, Tensor momentum, bool nesterov, Tensor weight_decay, "
       "str weight_decay_method, int block_size, Tensor seed, Tensor? grad_scale=None, "
-      "Tensor? found_inf=None) -> ()");
+      "Tensor? found_inf=None, int[] draws=[]) -> ()");
   // adamuon_normalize_ with the second moment kept in moment2[i]: bfloat16 (v, no scales) or
-  // float8_e4m3fn (sqrt(v), block scales as above); updates[i] fp32 of moment2[i]'s numel.
+  // float8_e4m3fn (sqrt(v), block scales as above); updates[i] fp32 of moment2[i]'s numel; draws
+  // as above.
   m.def(
       "adamuon_normalize_quantized_(Tensor(a!)[] updates, Tensor(b!)[] moment2, Tensor(c!)[] scales, "
-      "Tensor beta2, Tensor eps, int block_size, Tensor seed, Tensor? found_inf=None) -> ()");
+      "Tensor beta2, Tensor eps, int block_size, Tensor seed, Tensor? found_inf=None, int[] draws=[]) -> ()");
 
   // ---- Second-moment normalization of the raw NS output O (docs/design.md §4.7, AdaptiveMuon) ----
   // Per list entry i: updates[i] is O (fp32, 2-D), normalized in place; moment2[i] its fp32 state:

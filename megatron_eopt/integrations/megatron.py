@@ -84,16 +84,40 @@ def _parse_version(text: str) -> tuple[int, ...]:
 
 
 def megatron_core_version() -> tuple[int, ...] | None:
-    """The installed megatron-core version as a tuple, or None when it is not installed."""
+    """The version of the megatron-core that ``import megatron.core`` loads, as a tuple, or None
+    when there is none: a Megatron-LM checkout ahead of an installed release on ``sys.path`` is the
+    one reported (its ``package_info.py``, read without importing ``megatron.core``), then the
+    installed distribution's metadata."""
     from importlib import metadata
 
-    try:
-        return _parse_version(metadata.version("megatron-core"))
-    except metadata.PackageNotFoundError:
-        pass
     info = sys.modules.get("megatron.core.package_info")
     if info is not None and hasattr(info, "__version__"):
         return _parse_version(info.__version__)
+    source = _package_info_source()
+    if source is not None:
+        parts = [re.search(rf"^{name}\s*=\s*(\d+)", source, re.MULTILINE) for name in ("MAJOR", "MINOR", "PATCH")]
+        if all(parts):
+            return tuple(int(m.group(1)) for m in parts)
+    try:
+        return _parse_version(metadata.version("megatron-core"))
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _package_info_source() -> str | None:
+    """The text of megatron/core/package_info.py where ``import megatron.core`` would find it."""
+    import importlib.util
+    import os
+
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(folder, "package_info.py")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                return f.read()
     return None
 
 

@@ -138,9 +138,15 @@ def _squared_grid(device) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, scales: torch.Tensor | None, block_size: int = DEFAULT_BLOCK_SIZE, *,
                linear_fp8: bool = False) -> torch.Tensor:
     """codes (and scales) -> fp32 values, as the kernels read them (fp8: squared codes, or linear
-    ones with ``linear_fp8``, see :func:`quantize`)."""
+    ones with ``linear_fp8``, see :func:`quantize`). Blocks run along the codes' last dim, or, for
+    N-D codes with 2-D scales of one row per ``size(0)``, along their (size(0), -1) view (the state of
+    an N-D parameter stepped with ``nd_mode="flatten"``)."""
     if scales is None:
         return codes.to(torch.float32)
+    if codes.dim() > 2 and scales.dim() == 2:
+        flat = (codes.shape[0], math.prod(codes.shape[1:]))
+        if tuple(scales.shape) == scales_shape(flat, block_size):
+            return dequantize(codes.reshape(flat), scales, block_size, linear_fp8=linear_fp8).reshape(codes.shape)
     values = codes.to(torch.float32)
     if _squared(codes.dtype, linear_fp8):
         values = torch.copysign(values.abs().sqrt(), values)
@@ -173,6 +179,7 @@ def foreach_momentum_quantized_(
     seed=0,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
+    draws: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """:func:`~megatron_eopt.ops.foreach_momentum_` with the momentum in a low-memory format.
 
@@ -182,6 +189,12 @@ def foreach_momentum_quantized_(
     momentum with stochastic rounding drawn from ``seed`` (an int, or a 0-dim int64 tensor on the
     lists' device that the caller advances every step). ``grads``, ``params`` and ``ns_inputs``
     pair up with ``states[i]`` element by element in row-major order.
+
+    ``draws``: None (tensor i draws with key i at its own element indices) or, per tensor, ``(key,
+    local_rows, global_rows, global_cols, base)``: the rows of ``states[i]`` (its last dim long) form
+    matrices of ``local_rows`` rows, each a box of a ``(global_rows, global_cols)`` matrix of a
+    stack starting at element ``base``; every element draws at its index in that whole stack under
+    ``key``. A shard, a chunk and the whole parameter then draw alike (:func:`draw_layout`).
     """
     grads, states = _tensor_list("grads", grads), _tensor_list("states", states)
     scales = _tensor_list("scales", scales)
@@ -195,7 +208,7 @@ def foreach_momentum_quantized_(
     wd = _step_scalar("weight_decay", weight_decay, device)
     call_op(_ops.foreach_momentum_quantized_, grads, states, scales, ns_inputs, params, mu, bool(nesterov), wd,
             weight_decay_method, block_size, _seed_tensor(seed, device), _optional_scalar("grad_scale", grad_scale),
-            _optional_scalar("found_inf", found_inf))
+            _optional_scalar("found_inf", found_inf), _flat_draws(draws, len(states)))
 
 
 def adamuon_normalize_quantized_(
@@ -208,9 +221,11 @@ def adamuon_normalize_quantized_(
     block_size: int = DEFAULT_BLOCK_SIZE,
     seed=0,
     found_inf: torch.Tensor | None = None,
+    draws: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """:func:`~megatron_eopt.ops.adamuon_normalize_` with the second moment in a low-memory format:
-    ``moment2[i]`` bf16 (v) or float8_e4m3fn (``sqrt(v)`` with block ``scales[i]``)."""
+    ``moment2[i]`` bf16 (v) or float8_e4m3fn (``sqrt(v)`` with block ``scales[i]``); ``draws`` as
+    :func:`foreach_momentum_quantized_`'s."""
     updates, moment2 = _tensor_list("updates", updates), _tensor_list("moment2", moment2)
     scales = _tensor_list("scales", scales)
     validate_block_size(block_size)
@@ -219,7 +234,33 @@ def adamuon_normalize_quantized_(
     device = updates[0].device
     b, e = _moment2_scalars(device, beta2, eps)
     call_op(_ops.adamuon_normalize_quantized_, updates, moment2, scales, b, e, block_size, _seed_tensor(seed, device),
-            _optional_scalar("found_inf", found_inf))
+            _optional_scalar("found_inf", found_inf), _flat_draws(draws, len(moment2)))
+
+
+DRAW_VALUES = 5  # per tensor: key, local_rows, global_rows, global_cols, base
+
+
+def _flat_draws(draws, n: int) -> list[int]:
+    if draws is None:
+        return []
+    flat = [int(v) for d in draws for v in d]
+    if len(draws) != n or len(flat) != DRAW_VALUES * n:
+        raise ValueError(f"draws must hold one (key, local_rows, global_rows, global_cols, base) per tensor, got "
+                         f"{len(draws)} entries for {n} tensors")
+    return flat
+
+
+def draw_layout(key: int, local_view: Sequence[int], global_view: Sequence[int],
+                offset: Sequence[int] = ()) -> tuple[int, int, int, int, int]:
+    """The ``draws`` entry of a tensor holding the box of a parameter's matrix view that starts at
+    ``offset`` (zeros: the whole view) and has the shape ``local_view`` ((m, n) or (E, m, n)), in a
+    view of shape ``global_view``: every element then draws at its index in the whole view."""
+    local_view, global_view = tuple(local_view), tuple(global_view)
+    offset = tuple(offset) or (0,) * len(global_view)
+    rows, cols = global_view[-2:]
+    strides = [rows * cols, cols, 1][-len(global_view):]
+    base = sum(o * s for o, s in zip(offset, strides))
+    return int(key), max(1, int(local_view[-2])), max(1, int(rows)), max(1, int(cols), int(local_view[-1])), int(base)
 
 
 # ------------------------------------------------------------------ fake kernels
@@ -233,9 +274,10 @@ def _fake_check_state(op, name, i, state, scales, numel, block_size) -> None:
 
 @torch.library.register_fake("megatron_eopt::foreach_momentum_quantized_")
 def _foreach_momentum_quantized_fake(grads, states, scales, ns_inputs, params, momentum, nesterov, weight_decay,
-                                     weight_decay_method, block_size, seed, grad_scale=None, found_inf=None):
+                                     weight_decay_method, block_size, seed, grad_scale=None, found_inf=None, draws=()):
     op = "foreach_momentum_quantized_"
     n = len(grads)
+    torch._check_value(len(draws) in (0, DRAW_VALUES * n), lambda: f"{op}: draws must hold 5 values per tensor")
     torch._check_value(len(states) == n and len(ns_inputs) == n, lambda: f"{op}: list lengths differ")
     torch._check_value(1 <= block_size <= MAX_BLOCK_SIZE, lambda: f"{op}: block_size out of range")
     dtype = _fake_list_dtype(op, "states", states, _QUANTIZED_DTYPES)
@@ -248,9 +290,11 @@ def _foreach_momentum_quantized_fake(grads, states, scales, ns_inputs, params, m
 
 
 @torch.library.register_fake("megatron_eopt::adamuon_normalize_quantized_")
-def _adamuon_normalize_quantized_fake(updates, moment2, scales, beta2, eps, block_size, seed, found_inf=None):
+def _adamuon_normalize_quantized_fake(updates, moment2, scales, beta2, eps, block_size, seed, found_inf=None,
+                                      draws=()):
     op = "adamuon_normalize_quantized_"
     n = len(updates)
+    torch._check_value(len(draws) in (0, DRAW_VALUES * n), lambda: f"{op}: draws must hold 5 values per tensor")
     torch._check_value(len(moment2) == n, lambda: f"{op}: list lengths differ")
     dtype = _fake_list_dtype(op, "moment2", moment2, (torch.bfloat16, torch.float8_e4m3fn))
     torch._check_value(len(scales) == (n if dtype is not None and has_scales(dtype) else 0),

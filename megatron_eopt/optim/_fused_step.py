@@ -201,11 +201,13 @@ class FusedStep:
                 call_op(_OPS.foreach_momentum_, grads, bufs, outs, list(l2_params), momentum_args["momentum"],
                         momentum_args["nesterov"], momentum_args["weight_decay"], momentum_args["weight_decay_method"],
                         momentum_args["grad_scale"], momentum_args["found_inf"])
-            else:  # codes shaped like the local param; the other lists pair up element by element
-                codes = [local(s["momentum_buffer"]) for s in states]
+            else:  # codes as the local matrix view (blocks along its rows); the other lists pair up element
+                # by element; draws keyed by each param's id and each element's index in the whole view
+                codes = [entries[i].view(s["momentum_buffer"]) for i, s in zip(bucket_members, states)]
                 scales = [local(s["momentum_buffer_scales"]) for s in states if "momentum_buffer_scales" in s]
                 ops.foreach_momentum_quantized_(grads, codes, scales, outs, l2_params, block_size=self.state_block_size,
-                                                seed=self._state_seeds[bucket.device], **momentum_args)
+                                                seed=self._state_seeds[bucket.device],
+                                                draws=[entries[i].draws() for i in bucket_members], **momentum_args)
             launches.append((bucket, group, group_cfg, bucket_members, params, grads, states, hyper, scale_t, inf_t))
         return launches
 
@@ -385,10 +387,10 @@ class FusedStep:
         method = cfg.moment2_method
         if method == "adamuon" and self._low_memory_state:  # elementwise: whole local tensors
             lms.adamuon_normalize_quantized_(
-                updates, [local(s["moment2_buffer"]) for s in states],
+                updates, [entries[i].view(s["moment2_buffer"]) for i, s in zip(members, states)],
                 [local(s["moment2_buffer_scales"]) for s in states if "moment2_buffer_scales" in s],
                 beta2=beta2, eps=eps, block_size=self.state_block_size, seed=self._state_seeds[updates[0].device],
-                found_inf=found_inf)
+                found_inf=found_inf, draws=[entries[i].draws() for i in members])
             for j, i in enumerate(members):
                 if entries[i].qkv is not None:
                     _scale_parts_(updates[j], entries[i].qkv, entries[i].part_scales, _first_row(entries[i]))

@@ -26,11 +26,16 @@ dict it is given, which has both keys: an older DCP checkpoint needs
 
 Format versions: 1: bf16 momentum; int8 codes with ``absmax / 127`` block scales; fp8 momentum in
 squared e4m3 codes (``absmax / sqrt(448)`` block scales); AdaMuon's fp8 second moment as ``sqrt(v)``
-in linear e4m3 codes (see :mod:`megatron_eopt.low_memory_state`).
+in linear e4m3 codes (see :mod:`megatron_eopt.low_memory_state`). Blocks along the rows of the
+parameter's last dim. 2: the same codes; an N-D parameter stepped with ``nd_mode="flatten"`` has
+its blocks along the rows of its (size(0), -1) matrix view (scales of shape (size(0), blocks)). A
+version-1 checkpoint of such a parameter is told apart by its scales' shape and converted on load
+(read as values, stored in the new blocks, rounded to nearest); every other entry is unchanged.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Mapping
 
@@ -44,7 +49,7 @@ MOMENT2 = "moment2_buffer"
 BLOCK_KEY = "state_block_size"
 SEED_KEY = "state_seed"
 FORMAT_KEY = "state_format"
-FORMAT_VERSION = 1  # raise (and convert older versions on load) whenever a code's meaning changes
+FORMAT_VERSION = 2  # raise (and convert older versions on load) whenever a code's meaning changes
 
 
 def scales_key(key: str) -> str:
@@ -55,38 +60,91 @@ def _codes_dtype(key: str, state_dtype: str) -> torch.dtype | None:
     return lms.momentum_dtype(state_dtype) if key == MOMENTUM else lms.moment2_dtype(state_dtype)
 
 
-def new_state(p: torch.Tensor, key: str, state_dtype: str, block_size: int) -> dict[str, Any]:
-    """Zero state of ``key`` for p in ``state_dtype`` (not "fp32"): codes shaped like p, block scales.
+def block_rows(shape, view) -> tuple[int, ...]:
+    """The shape whose rows the blocks run along, for a state shaped like a parameter of ``shape``
+    whose matrix view is ``view``: the parameter's own shape where the view keeps its last dim
+    (2-D, nd_mode "batch"), else the view ("flatten": (size(0), -1); a (256, 256, 3, 3) convolution's
+    rows are 2304 long, not 3, so int8 takes about one byte per value, not 2.3)."""
+    shape, view = tuple(shape), tuple(view)
+    if len(shape) <= 2 or view[-1:] == shape[-1:]:
+        return shape
+    return _flat(shape)
 
-    A DTensor p gets DTensor codes and scales on its mesh with its placements; its rows must not be
-    split across ranks (blocks run along the last dimension), which rules out sharding that dimension.
+
+def _flat(shape) -> tuple[int, ...]:
+    return (shape[0], math.prod(shape[1:]))
+
+
+def state_scales_shape(shape, view, block_size: int) -> tuple[int, ...]:
+    """The block scales of a state shaped like a parameter of ``shape`` with matrix view ``view``."""
+    return lms.scales_shape(block_rows(shape, view), block_size)
+
+
+def _scales_layout(codes_shape, scales_shape, block_size: int) -> tuple[int, ...] | None:
+    """The rows a checkpoint's scales were cut along (the codes' own last dim, or their (size(0), -1)
+    view, see block_rows), told apart by the scales' shape; None when they fit neither."""
+    codes_shape, scales_shape = tuple(codes_shape), tuple(scales_shape)
+    for rows in (codes_shape, _flat(codes_shape)) if len(codes_shape) > 2 else (codes_shape,):
+        if lms.scales_shape(rows, block_size) == scales_shape:
+            return rows
+    return None
+
+
+def new_state(p: torch.Tensor, key: str, state_dtype: str, block_size: int, view) -> dict[str, Any]:
+    """Zero state of ``key`` for p in ``state_dtype`` (not "fp32"): codes shaped like p, block scales
+    along the rows of its matrix view ``view`` (block_rows).
+
+    A DTensor p gets DTensor codes and scales on its mesh with its placements; a shard of the blocks'
+    rows must hold whole blocks (check_sharding).
     """
     dtype = _codes_dtype(key, state_dtype)
     codes = torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
     out: dict[str, Any] = {key: codes}
     if not lms.has_scales(dtype):
         return out
-    # (a DTensor whose rows are sharded was refused at construction: check_sharding)
     loc = local(p)
-    scales = torch.zeros(lms.scales_shape(loc.shape, block_size), dtype=torch.float32, device=loc.device)
-    out[scales_key(key)] = _shaped_like_param(scales, p, lms.scales_shape(p.shape, block_size))
+    rows = _flat(loc.shape) if len(block_rows(p.shape, view)) != p.dim() else tuple(loc.shape)
+    scales = torch.zeros(lms.scales_shape(rows, block_size), dtype=torch.float32, device=loc.device)
+    out[scales_key(key)] = _shaped_like_param(scales, p, state_scales_shape(p.shape, view, block_size))
     out[BLOCK_KEY] = block_size
     return out
 
 
-def check_sharding(p: torch.Tensor, state_dtype: str, where: str) -> None:
-    """Block scales run along rows: a DTensor whose last dimension is sharded cannot keep them."""
+def check_sharding(p: torch.Tensor, state_dtype: str, block_size: int, where: str) -> None:
+    """Block scales run along rows: a DTensor may shard its last dimension only where every shard
+    holds whole blocks of the unsharded rows (each shard starts at a multiple of ``block_size``, and
+    the scales split over the ranks as the blocks do), so every rank keeps the scales of its own
+    blocks and the blocks are those of the unsharded parameter."""
     if state_dtype not in ("int8", "fp8") or not is_dtensor(p):
         return
-    from torch.distributed.tensor import Shard
+    from ._sharded import _box, _is_shard
 
-    for placement in p.placements:
-        if isinstance(placement, Shard) and placement.dim % p.ndim == p.ndim - 1:
-            raise ValueError(
-                f"state_dtype={state_dtype!r} keeps one scale per block of a row, but {where} of shape "
-                f"{tuple(p.shape)} with placements {list(p.placements)} shards its rows (the last dimension): "
-                "use state_dtype='bf16' or 'fp32' for it, or shard another dimension"
-            )
+    last = p.ndim - 1
+    cut = [pl for pl in p.placements if _is_shard(pl) and pl.dim % p.ndim == last]
+    if not cut:
+        return
+    shape = tuple(p.shape)
+    scales = lms.scales_shape(shape, block_size)
+    mesh_shape = tuple(p.device_mesh.mesh.shape)
+    whole = all(type(pl).__name__ == "Shard" for pl in cut)
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)) if whole else ():
+        (offset, size), (s_offset, s_size) = (_box(shape, p.placements, coordinate, mesh_shape),
+                                              _box(scales, p.placements, coordinate, mesh_shape))
+        if size[last] == 0:
+            whole = s_size[last] == 0
+        else:
+            whole = offset[last] % block_size == 0 and s_offset[last] == offset[last] // block_size and \
+                s_size[last] == -(-size[last] // block_size)
+        if not whole:
+            break
+    if not whole:
+        raise ValueError(
+            f"state_dtype={state_dtype!r} keeps one scale per block of {block_size} values of a row, but {where} "
+            f"of shape {shape} with placements {list(p.placements)} shards its rows (the last dimension) where a "
+            f"shard does not start at a multiple of {block_size} (state_block_size) or the ranks would not hold the "
+            "scales of their own blocks: pick a state_block_size that divides every shard's width, or use "
+            "state_dtype='bf16' or 'fp32' for it"
+        )
 
 
 def state_bytes(state: Mapping[str, Any]) -> int:
@@ -105,7 +163,8 @@ def _incoming_format(key: str, data: torch.Tensor) -> str:
 
 
 def _as_values(key: str, values: Mapping[str, Any], fmt: str, label: str) -> torch.Tensor:
-    """The fp32 values of an incoming state entry."""
+    """The fp32 values of an incoming state entry (blocks along the codes' rows, or along their
+    (size(0), -1) view for an N-D parameter stepped with nd_mode "flatten": block_rows)."""
     data = local(values[key])
     if fmt == "values":
         return data.to(torch.float32)
@@ -115,21 +174,25 @@ def _as_values(key: str, values: Mapping[str, Any], fmt: str, label: str) -> tor
         raise ValueError(f"load_state_dict: state['{key}'] of {label} holds {data.dtype} codes but the checkpoint has "
                          f"no '{scales_key(key)}'; nothing was loaded")
     scales = local(scales)
-    if tuple(scales.shape) != lms.scales_shape(data.shape, block):
+    rows = _scales_layout(data.shape, scales.shape, block)
+    if rows is None:
         raise ValueError(
             f"load_state_dict: state['{scales_key(key)}'] of {label} has shape {tuple(scales.shape)}, but codes of "
-            f"shape {tuple(data.shape)} in blocks of {block} need {lms.scales_shape(data.shape, block)}; nothing was "
-            "loaded"
+            f"shape {tuple(data.shape)} in blocks of {block} need {lms.scales_shape(data.shape, block)} (or "
+            f"{lms.scales_shape(_flat(data.shape), block)} along the rows of its matrix view); nothing "
+            "was loaded"
         )
-    out = lms.dequantize(data, scales.to(data.device), block, linear_fp8=fmt == "sqrt-fp8")
+    out = lms.dequantize(data.reshape(rows), scales.to(data.device), block, linear_fp8=fmt == "sqrt-fp8")
+    out = out.reshape(data.shape)
     return out * out if fmt == "sqrt-fp8" else out
 
 
 def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tuple[dict[str, Any], dict]:
     """Converts the low-memory entries of ``state_dict`` to the formats the optimizer keeps.
 
-    ``target_of(p)`` gives ``(state_dtype, block_size, keys)`` for a parameter whose momentum (and
-    the keys listed) the optimizer may keep in a low-memory format, or None. Returns the state dict
+    ``target_of(p)`` gives ``(state_dtype, block_size, keys, view)`` for a parameter whose momentum
+    (and the keys listed) the optimizer may keep in a low-memory format, ``view`` the parameter's
+    matrix view (its blocks' rows: block_rows), or None. Returns the state dict
     for torch's loader (fp32 entries only, codes removed) and ``{saved index: {key: tensor}}`` to put
     into the state after it (see :func:`restore`). Pure: raises before anything is changed.
     """
@@ -150,7 +213,8 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
             new_state[index] = values
             continue
         p, label = entry
-        state_dtype, block_size, keys = target
+        state_dtype, block_size, keys, view = target
+        rows = block_rows(p.shape, view)
         values = dict(values)
         check_format(values, label)
         values.pop(FORMAT_KEY, None)
@@ -177,9 +241,13 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
                     f"parameter of shape {tuple(p.shape)} needs shape {tuple(p.shape)}; nothing was loaded"
                 )
             fmt = _incoming_format(key, values[key])
+            incoming_scales = values.get(scales_key(key))
             same = (
                 lms.is_low_memory(state_dtype) and values[key].dtype == _codes_dtype(key, state_dtype)
-                and (not lms.has_scales(values[key].dtype) or values.get(BLOCK_KEY, lms.DEFAULT_BLOCK_SIZE) == block_size)
+                and (not lms.has_scales(values[key].dtype)
+                     or (values.get(BLOCK_KEY, lms.DEFAULT_BLOCK_SIZE) == block_size
+                         and isinstance(incoming_scales, torch.Tensor)
+                         and tuple(incoming_scales.shape) == lms.scales_shape(rows, block_size)))
             )
             if same:
                 if fmt != "values":
@@ -196,10 +264,11 @@ def split_state_dict(optimizer, state_dict: Mapping[str, Any], target_of) -> tup
                     continue
                 dtype = _codes_dtype(key, state_dtype)
                 moment2_fp8 = dtype == torch.float8_e4m3fn and key == MOMENT2  # stored as sqrt(v), linear codes
+                v = v.reshape(_flat(v.shape) if len(rows) != p.dim() else v.shape)
                 codes, scales = lms.quantize(v.sqrt() if moment2_fp8 else v, dtype, block_size, linear_fp8=moment2_fp8)
-                kept = {key: _shaped_like_param(codes, p, tuple(p.shape))}
+                kept = {key: _shaped_like_param(codes.reshape(local(p).shape), p, tuple(p.shape))}
                 if scales is not None:
-                    kept[scales_key(key)] = _shaped_like_param(scales, p, lms.scales_shape(p.shape, block_size))
+                    kept[scales_key(key)] = _shaped_like_param(scales, p, lms.scales_shape(rows, block_size))
             if any(lms.has_scales(t.dtype) for t in kept.values() if isinstance(t, torch.Tensor)):
                 kept[BLOCK_KEY] = block_size
             held.setdefault(index, {}).update(kept)

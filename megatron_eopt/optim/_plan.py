@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ..ops._low_memory_state import draw_layout
 from ._config import OrthogonalizationConfig
 from ._sharded import ShardLayout, describe, is_dtensor, local, matrix_view
 
@@ -70,6 +71,18 @@ class ParamEntry:
     stack_index: int = -1  # -1: a sharded matrix (orthogonalized by _sharded), not in a stack
     bucket_index: int = -1
     sharding: ShardLayout | None = None  # DTensor params
+    # The parameter's position in the param groups (all params counted): a stable id, the same on
+    # every rank and in every chunk, that keys the low-memory state's stochastic rounding.
+    key: int = 0
+
+    def draws(self) -> tuple[int, int, int, int, int]:
+        """The low-memory ops' ``draws`` entry of this parameter's local matrix view: its elements
+        draw at their index in the whole matrix view (the same bits sharded, chunked or whole). A
+        DTensor whose local rows are not one box of the matrix (strided shards) draws by its local index."""
+        s = self.sharding
+        if s is None or s.local_box is None:
+            return draw_layout(self.key, self.local_shape, self.local_shape)
+        return draw_layout(self.key, self.local_shape, s.view_shape, s.local_box[0])
 
     @property
     def batch(self) -> int:
@@ -283,9 +296,11 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
     coordinates: dict = {}  # mesh coordinates of owner groups, shared by the params of one build
     adaptive = config.moment2_method is not None
     configs = tuple(group_configs) if group_configs is not None else (config,) * len(param_groups)
+    key = -1
     for gi, group in enumerate(param_groups):
         group_config = configs[gi]
         for pi, p in enumerate(group["params"]):
+            key += 1
             where = f"param_groups[{gi}]['params'][{pi}]"
             mode = group.get("nd_mode", nd_mode)
             # A complex param reaches the plan only where a front end accepts it (torch.optim.Muon's
@@ -339,6 +354,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 part_scales=part_scales,
                 normuon_dim=-1 if global_shape[0] >= global_shape[1] else -2,
                 sharding=sharding,
+                key=key,
             )
             ei = len(entries)
             entries.append(entry)

@@ -77,7 +77,13 @@ class FusedState:
             if m2 is not None and m2.dtype != torch.float32:
                 param_state["moment2_buffer"] = m2.float()
         if getattr(self, "_constructed", False):
-            self._rebuild_plan()
+            # A copy (pickle, deepcopy) is made by one rank alone as often as by all: its plan is the
+            # original's, agreed when that was built, so the copy does not ask the other ranks.
+            self._agree_ranks = False
+            try:
+                self._rebuild_plan()
+            finally:
+                del self._agree_ranks
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -126,7 +132,15 @@ class FusedState:
     def _low_memory_target(self, p: torch.Tensor):
         """(state_dtype, block size, keys that follow it) for a parameter of this optimizer."""
         keys = (_low_memory.MOMENTUM,) + ((_low_memory.MOMENT2,) if self._config.moment2_method == "adamuon" else ())
-        return self.state_dtype, self.state_block_size, keys
+        return self.state_dtype, self.state_block_size, keys, self._global_view(p)
+
+    def _global_view(self, p: torch.Tensor) -> tuple[int, ...]:
+        """The matrix view of the whole parameter p (its shape where it has no plan entry)."""
+        plan = self._current_plan()
+        entry = plan.entries[plan.index[id(p)]] if id(p) in plan.index else None
+        if entry is None:
+            return tuple(p.shape)
+        return entry.local_shape if entry.sharding is None else entry.sharding.view_shape
 
     def _expected_state(self, p: torch.Tensor, key: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """What ``load_state_dict`` accepts for ``state[p][key]``: (shape, dtype), or None (not checked)."""
@@ -148,20 +162,21 @@ class FusedState:
         p = entry.param
         state = self.state[p]
         method = self._config.moment2_method
+        view = entry.local_shape if entry.sharding is None else entry.sharding.view_shape  # the whole matrix view
         if "momentum_buffer" not in state:
             if self._low_memory_state:
-                state.update(_low_memory.new_state(p, "momentum_buffer", self.state_dtype, self.state_block_size))
+                state.update(_low_memory.new_state(p, "momentum_buffer", self.state_dtype, self.state_block_size,
+                                                   view))
             else:
                 # A DTensor param gets a DTensor state with its mesh and placements (DCP reshards it).
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if method == "adamuon" and self._low_memory_state and "moment2_buffer" not in state:
-            state.update(_low_memory.new_state(p, "moment2_buffer", self.state_dtype, self.state_block_size))
+            state.update(_low_memory.new_state(p, "moment2_buffer", self.state_dtype, self.state_block_size, view))
         if method is not None and "moment2_buffer" not in state:
             # fp32 whatever p's dtype (the normalization ops keep their statistics in fp32; for
             # fp32 params this is Emerging-Optimizers' layout, which stores p's dtype).
             # nd_mode "batch": one statistic per matrix, (E, m, 1) / (E, 1, n) / (E, 1), the
             # parameter's own leading dims kept (moment2_state_shape).
-            view = entry.local_shape if entry.sharding is None else entry.sharding.view_shape
             shape = moment2_state_shape(method, tuple(p.shape), view, entry.normuon_dim)
             if entry.sharding is None:
                 state["moment2_buffer"] = torch.zeros(shape, dtype=torch.float32, device=p.device)

@@ -247,7 +247,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
                         )
                     mesh = p.device_mesh
                     describe(p, nd_mode, self.sharded_mode, where)  # rejects Partial and impossible views
-                    _low_memory.check_sharding(p, self.state_dtype, where)
+                    _low_memory.check_sharding(p, self.state_dtype, self.state_block_size, where)
             check_group_hyperparameters(group, f"param_groups[{gi}]", self._momentum_below_one)
         except Exception as exc:  # refused on this rank: every rank of the group's meshes refuses it
             error = exc
@@ -306,7 +306,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
     def _rebuild_plan(self) -> None:
         # DTensor params: every rank of their meshes builds the same plan or raises the same error
         # (a refusal or plan seen by some ranks only would leave the others in a collective).
-        meshes = meshes_of(p for g in self.param_groups for p in g["params"])
+        meshes = meshes_of(p for g in self.param_groups for p in g["params"]) if getattr(self, "_agree_ranks", True) \
+            else []
         plan, error = None, None
         try:
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,

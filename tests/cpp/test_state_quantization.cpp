@@ -261,3 +261,38 @@ TEST(StateQuantization, BlocksStayWithinRows) {
   EXPECT_NE(draw_stream(3, 0), draw_stream(3, 1));
   EXPECT_NE(draw_stream(3, 1), draw_stream(4, 0));
 }
+
+// Every box of a stack of matrices maps its elements to their indices in the whole stack, so a
+// shard draws what the whole tensor draws at the same element: compare each shard's indices with
+// the whole stack's, for shards along every dim (experts, rows, columns) and uneven sizes.
+TEST(StateQuantization, DrawIndexOfShardsMatchesTheWholeTensor) {
+  const int64_t experts = 3, rows = 5, cols = 7;
+  auto whole = [&](int64_t e, int64_t r, int64_t c) { return static_cast<uint64_t>((e * rows + r) * cols + c); };
+  struct Box {
+    int64_t e0, ne, r0, nr, c0, nc;
+  };
+  const Box boxes[] = {{0, 3, 0, 5, 0, 7}, {1, 2, 0, 5, 0, 7}, {0, 3, 3, 2, 0, 7},
+                       {0, 3, 0, 5, 4, 3}, {2, 1, 1, 3, 2, 4}, {0, 1, 4, 1, 6, 1}};
+  for (const Box& b : boxes) {
+    const DrawIndex index{b.nr, rows, cols, (b.e0 * rows + b.r0) * cols + b.c0};
+    for (int64_t e = 0; e < b.ne; ++e) {
+      for (int64_t r = 0; r < b.nr; ++r) {
+        for (int64_t c = 0; c < b.nc; ++c) {
+          const int64_t local = (e * b.nr + r) * b.nc + c;
+          EXPECT_EQ(index.of(local, b.nc), whole(b.e0 + e, b.r0 + r, b.c0 + c))
+              << "box e0=" << b.e0 << " r0=" << b.r0 << " c0=" << b.c0 << " local " << local;
+        }
+      }
+    }
+  }
+  // The identity (no layout given): element i draws at i.
+  EXPECT_EQ(DrawIndex{}.of(41, 7), 41u);
+  // Indices past 2^32 (a parameter of more than 2^32 elements) keep their high bits.
+  const DrawIndex big{2, 1 << 20, 1 << 14, int64_t{1} << 33};
+  EXPECT_EQ(big.of(3, 1 << 14), (uint64_t{1} << 33) + 3u);
+  // Draws of the same element through two layouts are the same bits; of neighbours, not.
+  const uint64_t key = draw_key(11, draw_stream(5, 0));
+  EXPECT_EQ(element_bits(key, DrawIndex{2, rows, cols, 3 * cols}.of(1, cols)),
+            element_bits(key, DrawIndex{}.of(3 * cols + 1, cols)));
+  EXPECT_NE(element_bits(key, 3 * cols + 1), element_bits(key, 3 * cols + 2));
+}

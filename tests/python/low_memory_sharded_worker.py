@@ -3,7 +3,10 @@
 FSDP2-style Shard(0) parameters with uneven rows keep int8 / fp8 / bf16 momentum as DTensors whose
 block scales shard with the rows. Each step must equal the unsharded fp32 optimizer continuing from
 the dequantized full state; DCP saves the state on 2 ranks and loads it on 4 bit for bit; a
-parameter sharded along its rows (the last dimension) is refused at construction.
+parameter sharded along its rows (the last dimension) is refused at construction unless every shard
+holds whole blocks. Sharded and chunked runs keep bitwise the unsharded run's state (rows, columns,
+2-D meshes, experts, convolutions), since each element's stochastic rounding is keyed by the
+parameter and its index in the whole parameter.
 """
 
 from __future__ import annotations
@@ -79,14 +82,65 @@ def check_steps(mesh, seed, fmt, cls, extra):
 
 
 def check_row_sharding_is_refused(mesh):
+    # 12 columns over 4 ranks: shards of 3, not whole blocks of 256 (or of 2). Refused on every rank.
     p = torch.nn.Parameter(distribute_tensor(torch.zeros(8, 12), mesh, [Shard(1)], src_data_rank=None))
-    try:
-        Muon([p], state_dtype="int8")
-    except ValueError as e:
-        assert "shards its rows" in str(e), str(e)
-    else:
-        raise AssertionError("a Shard(1) parameter with int8 state was accepted")
+    for block in (256, 2):
+        try:
+            Muon([p], state_dtype="int8", state_block_size=block)
+        except ValueError as e:
+            assert "shards its rows" in str(e) and "every rank raises this" in str(e), str(e)
+        else:
+            raise AssertionError("a Shard(1) parameter whose shards cut blocks was accepted with int8 state")
+    Muon([p], state_dtype="int8", state_block_size=3)  # each shard holds one whole block
     Muon([p], state_dtype="bf16")  # no scales: any sharding
+
+
+# Layouts whose low-memory state must be bitwise that of the unsharded optimizer: FSDP2 rows (uneven),
+# row-parallel columns (shards of whole blocks: 1024 columns over 4 ranks, blocks of 256), a 2-D mesh,
+# MoE experts, and a convolution whose blocks run along its (size(0), -1) view.
+LAYOUTS = [
+    ((37, 300), "world", [Shard(0)]),
+    ((12, 1024), "world", [Shard(1)]),
+    ((9, 512), "grid", [Shard(0), Shard(1)]),
+    ((3, 10, 512), "grid", [Shard(0), Shard(2)]),
+    ((6, 4, 3, 3), "world", [Shard(0)]),
+]
+
+
+def _codes(state):
+    """Every state tensor of one parameter as full bytes (codes, scales), for bitwise comparisons."""
+    return {k: _bits(v) if isinstance(v, DTensor) else (str(v.dtype), v.contiguous().view(torch.uint8).clone())
+            for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def check_layout_independent(meshes, seed, fmt, cls, extra):
+    """The sharded optimizer (owner mode, a budget of a matrix or two per chunk) and the unsharded one
+    (one chunk) keep bitwise the same low-memory state: draws keyed by the parameter and each
+    element's index in the whole parameter."""
+    gen = torch.Generator().manual_seed(seed + 7)
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, _, _ in LAYOUTS]
+    params = [torch.nn.Parameter(distribute_tensor(t.clone(), meshes[m], pl, src_data_rank=None))
+              for t, (_, m, pl) in zip(full, LAYOUTS)]
+    whole = [torch.nn.Parameter(t.clone()) for t in full]
+    kwargs = dict(KWARGS, **extra, state_dtype=fmt, nd_mode="flatten")
+    # one param group per mesh (and nd mode)
+    groups = lambda ps: [{"params": ps[:2]}, {"params": ps[2:4], "nd_mode": "batch"}, {"params": ps[4:]}]  # noqa: E731
+    opt = cls(groups(params), **kwargs, workspace_mib=0.005)
+    ref = cls(groups(whole), **kwargs, workspace_mib=None)
+    for _ in range(3):
+        for p, q, (shape, m, pl) in zip(params, whole, LAYOUTS):
+            g = torch.randn(shape, generator=gen)
+            p.grad = distribute_tensor(g, meshes[m], pl, src_data_rank=None)
+            q.grad = g
+        opt.step()
+        ref.step()
+    for i, (p, q) in enumerate(zip(params, whole)):
+        assert rel_err(p.full_tensor(), q.detach()) <= 1e-6, f"{fmt} {cls.__name__} param {i}"
+        got, want = _codes(opt.state[p]), _codes(ref.state[q])
+        assert set(got) == set(want), (got.keys(), want.keys())
+        for key in want:
+            assert got[key][0] == want[key][0] and torch.equal(got[key][1], want[key][1]), \
+                f"{fmt} {cls.__name__} param {i} {LAYOUTS[i][1:]}: {key} differs from the unsharded state"
 
 
 def _bits(v):
@@ -161,6 +215,11 @@ def worker(rank, world_size, init_file, seed):
             check_steps(world, seed, fmt, Muon, {})
         check_steps(pair, seed, "int8", AdaptiveMuon, dict(moment2_method="adamuon"))
         check_row_sharding_is_refused(world)
+        grid = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        for fmt in ("bf16", "int8", "fp8"):
+            check_layout_independent({"world": world, "grid": grid}, seed, fmt, Muon, {})
+        check_layout_independent({"world": world, "grid": grid}, seed, "fp8", AdaptiveMuon,
+                                 dict(moment2_method="adamuon"))
         ckpt = os.path.join(os.path.dirname(init_file), "ckpt")
         for k, fmt in enumerate(("int8", "fp8")):
             check_dcp(world, pair, seed, f"{ckpt}{k}", fmt)

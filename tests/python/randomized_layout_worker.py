@@ -4,9 +4,10 @@ Every case is drawn from ``random.Random(seed, case)``, the same on every rank: 
 world, a 2 x 2 mesh, or one row of it: 2 ranks), parameters of awkward shapes (1 x n, n x 1, primes,
 fewer rows than ranks: empty shards, MoE experts (E, m, n), 4-D batches and convolutions) with
 placements drawn per mesh dim (uneven shards included), an nd_mode, a sharded mode, a workspace
-budget (one chunk, "auto", or budgets that cut every few matrices) and an optimizer with its
-options. The sharded optimizer steps twice and must equal the unsharded optimizer on the full
-tensors (params and every state tensor, sharded_worker.check). A failure names the seed and the
+budget (one chunk, "auto", or budgets that cut every few matrices), a state dtype (fp32, or the
+low-memory bf16 / int8 / fp8 with blocks of 1 or 256) and an optimizer with its options. The sharded
+optimizer steps twice and must equal the unsharded optimizer on the full tensors (params within
+fp32 rounding, every state tensor: fp32 values likewise, low-memory codes bitwise; sharded_worker.check). A failure names the seed and the
 case; ``MEGATRON_EOPT_TEST_SEED=SEED`` replays the run.
 """
 
@@ -37,8 +38,13 @@ OPTIMIZERS = [
 BUDGETS = (None, "auto", 0.0002, 0.001, 0.004)
 
 
-def _placement(rng: random.Random, ndim: int, dims: tuple[int, ...]):
-    choice = rng.choice(("replicate",) + tuple(dims))
+STATE_DTYPES = ("fp32", "fp32", "bf16", "int8", "fp8")
+
+
+def _placement(rng: random.Random, ndim: int, dims: tuple[int, ...], whole_rows: bool):
+    # whole_rows: the state keeps int8 / fp8 blocks of 256 values along the last dim, whose shards
+    # of these small rows would not hold whole blocks (refused): the last dim stays unsharded
+    choice = rng.choice(("replicate",) + tuple(d for d in dims if not (whole_rows and d == ndim - 1)))
     return Replicate() if choice == "replicate" else Shard(choice % ndim)
 
 
@@ -48,6 +54,8 @@ def draw_case(seed: int, case: int) -> dict:
     mesh = rng.choice(("world", "grid", "row"))
     mesh_dims = 2 if mesh == "grid" else 1
     nd_mode = rng.choice(("error", "error", "batch", "flatten"))
+    state_dtype = rng.choice(STATE_DTYPES)
+    block = rng.choice((1, 256)) if state_dtype in ("int8", "fp8") else 256
     params = []
     for _ in range(rng.randint(1, 4)):
         m, n = rng.choice(SIDES), rng.choice(SIDES)
@@ -60,13 +68,16 @@ def draw_case(seed: int, case: int) -> dict:
             dims = (0,) if nd_mode == "flatten" else (0, 1, 2)
         else:  # a 4-D batch of matrices or a convolution: sharded on dim 0 only
             shape, dims = (rng.choice((2, 3, 5)), rng.choice((1, 2, 3)), m, n), (0,)
-        params.append((shape, [_placement(rng, len(shape), dims) for _ in range(mesh_dims)]))
+        params.append((shape, [_placement(rng, len(shape), dims, block > 1) for _ in range(mesh_dims)]))
     cls_index = rng.randrange(len(OPTIMIZERS))
     extra = dict(OPTIMIZERS[cls_index][1])
     extra["workspace_mib"] = rng.choice(BUDGETS)
     methods = ("decoupled", "independent") if extra.get("moment2_method") == "namo" else ("decoupled", "independent",
                                                                                             "l2")
     extra["weight_decay_method"] = rng.choice(methods)
+    extra["state_dtype"] = state_dtype
+    if state_dtype != "fp32":
+        extra["state_block_size"] = block
     return dict(mesh=mesh, params=params, cls=cls_index, extra=extra, nd_mode=nd_mode,
                 sharded_mode=rng.choice(("owner", "owner", "gather")))
 

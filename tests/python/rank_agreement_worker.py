@@ -10,6 +10,8 @@
   construction, instead of pairing mismatched collectives in the first step.
 - clip_grad_norm_ over plain tensors mixed with DTensors, and over DTensors of two meshes, clips
   every gradient by the total norm (torch's clip cannot mix them in one call).
+- NorMuon / NAMO statistics of a 4-D nd_mode="batch" parameter sharded on dim 0 are sharded with it,
+  hold the unsharded values, and resume from a DCP checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -99,6 +101,49 @@ def clip_mixed(world, grid, rank):
         assert rel_err(clipped, g * coef) <= 1e-6
 
 
+def dcp_resume_of_batched_statistics(mesh, seed, path):
+    # A 4-D nd_mode="batch" parameter sharded on dim 0 (3 over 2 ranks: 2 + 1): its NorMuon / NAMO
+    # statistics are sharded with it, hold the unsharded values, and a DCP save -> load resumes as
+    # the uninterrupted run, bit for bit.
+    import torch.distributed.checkpoint as dcp
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (3, 2, 8, 6)
+    full = torch.randn(shape, generator=gen) * 0.1
+    grads = [torch.randn(shape, generator=gen) for _ in range(3)]
+    for method in ("normuon", "namo"):
+        kw = dict(lr=0.02, momentum=0.9, weight_decay=0.1, moment2_method=method, nd_mode="batch",
+                  fp32_matmul_prec="highest")
+
+        def make(p):
+            return AdaptiveMuon([p], **kw)
+
+        p = torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)], src_data_rank=None))
+        opt = make(p)
+        whole = torch.nn.Parameter(full.clone())
+        ref = make(whole)
+        for g in grads[:2]:
+            p.grad = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
+            whole.grad = g.clone()
+            opt.step()
+            ref.step()
+        v = opt.state[p]["moment2_buffer"]
+        assert v.placements == (Shard(0),) and tuple(v.shape) == tuple(ref.state[whole]["moment2_buffer"].shape)
+        assert rel_err(v.full_tensor(), ref.state[whole]["moment2_buffer"]) <= 1e-6, method
+        where = f"{path}-{method}"
+        dcp.save({"optim": opt.state_dict()}, checkpoint_id=where)
+        q = torch.nn.Parameter(distribute_tensor(p.detach().full_tensor(), mesh, [Shard(0)], src_data_rank=None))
+        resumed = make(q)
+        resumed.init_state()
+        state = {"optim": resumed.state_dict()}
+        dcp.load(state, checkpoint_id=where)
+        resumed.load_state_dict(state["optim"])
+        for o, t in ((opt, p), (resumed, q)):
+            t.grad = distribute_tensor(grads[2], mesh, [Shard(0)], src_data_rank=None)
+            o.step()
+        assert torch.equal(p.to_local(), q.to_local()), f"{method}: the resumed run differs"
+
+
 @exits_without_teardown
 def worker(rank, world, init_file, seed):
     with gloo_world(rank, world, init_file):
@@ -109,4 +154,5 @@ def worker(rank, world, init_file, seed):
         plans_agree(mesh, rank)
         grid = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
         clip_mixed(mesh, grid, rank)
+        dcp_resume_of_batched_statistics(mesh, seed, os.path.join(os.path.dirname(init_file), "ckpt"))
         dist.barrier()

@@ -188,6 +188,10 @@ def test_opcheck(device, gen):
         torch.library.opcheck(torch.ops.megatron_eopt.foreach_momentum_quantized_.default,
                               ([g], [codes], sc, [torch.empty(shape, device=device)], [], mu, True, wd, "decoupled",
                                256, seed), test_utils=_utils(codes.dtype))
+        # with draws: a (6, 300) shard of rows 2..7 of a (12, 300) parameter keyed 5
+        torch.library.opcheck(torch.ops.megatron_eopt.foreach_momentum_quantized_.default,
+                              ([g], [codes], sc, [torch.empty(shape, device=device)], [], mu, True, wd, "decoupled",
+                               256, seed, None, None, [5, 6, 12, 300, 600]), test_utils=_utils(codes.dtype))
     for dtype in (torch.bfloat16, torch.float8_e4m3fn):
         codes, scales = lms.quantize(torch.rand(shape, generator=gen).to(device), dtype, 128, linear_fp8=True)
         b = torch.full((), 0.95, dtype=torch.float64, device=device)
@@ -229,6 +233,11 @@ def test_bad_arguments_are_refused_before_anything_changes(gen):
     with pytest.raises(TypeError, match="moment2"):
         lms.adamuon_normalize_quantized_([torch.zeros(shape)], [torch.zeros(shape, dtype=torch.int8)],
                                          [torch.zeros(8, 1)])
+    with pytest.raises(ValueError, match="draws"):
+        call(draws=[(0, 8, 8, 16)])  # four values, not five
+    for bad in ((0, 3, 8, 16, 0), (0, 8, 4, 16, 0), (0, 8, 8, 15, 0), (0, 8, 8, 16, -1)):
+        with pytest.raises(ValueError, match=r"draws of tensor 0"):
+            call(draws=[bad])  # local rows not dividing 8, more than the global rows, cols short, base < 0
     assert torch.equal(codes, c0) and torch.equal(scales, s0) and torch.equal(ns, torch.zeros(shape))
 
 
@@ -272,3 +281,50 @@ def test_cuda_stores_the_cpu_bits(fmt, gen):
             assert differ.numel() == 0, (
                 f"{what} of tensor {k} {tuple(shapes[k])}: {differ.numel()} of {a.numel()} differ, first at flat "
                 f"index {int(differ[0])}: cpu {a.flatten()[differ[0]].item()} cuda {b.flatten()[differ[0]].item()}")
+
+
+def _momentum_step(grads, codes, scales, device, draws):
+    ns = [torch.empty(g.shape, device=device) for g in grads]
+    lms.foreach_momentum_quantized_(grads, codes, scales, ns, momentum=0.9, nesterov=True, block_size=128,
+                                    seed=torch.full((), 9, dtype=torch.int64, device=device), draws=draws)
+
+
+def _shards_draw_as_the_whole(fmt, gen, device):
+    # A (3, 10, 384) stack of matrices cut into boxes (experts x rows x whole blocks of columns) steps
+    # to the same codes and scales as the whole tensor, when each box says where it lies (draws).
+    shape = (3, 10, 384)
+    grad = torch.randn(shape, generator=gen).to(device)
+    codes, scales = _state(torch.randn(shape, generator=gen) * 0.1, fmt, 128)
+    codes, scales = codes.to(device), None if scales is None else scales.to(device)
+    state, block_scales = codes.clone(), None if scales is None else lms.scales_shape(shape, 128)
+    whole = [state.view(30, 384)]
+    whole_scales = [] if scales is None else [scales.clone().view(30, 3)]
+    _momentum_step([grad.view(30, 384)], whole, whole_scales, device, [lms.draw_layout(4, (3, 10, 384), shape)])
+    for e0, e1, r0, r1, c0, c1 in ((0, 2, 0, 7, 0, 256), (2, 3, 3, 10, 128, 384), (1, 3, 0, 10, 256, 384)):
+        box = (slice(e0, e1), slice(r0, r1), slice(c0, c1))
+        part = codes[box].contiguous()
+        part_scales = [] if scales is None else [scales[e0:e1, r0:r1, c0 // 128:c1 // 128].contiguous()]
+        local = tuple(part.shape)
+        _momentum_step([grad[box].contiguous()], [part], part_scales, device,
+                       [lms.draw_layout(4, local, shape, (e0, r0, c0))])
+        want = state.view(shape)[box]
+        assert torch.equal(part.view(torch.uint8) if part.element_size() == 1 else part,
+                           want.view(torch.uint8) if want.element_size() == 1 else want), (fmt, box)
+        if scales is not None:
+            assert torch.equal(part_scales[0], whole_scales[0].view(block_scales)[e0:e1, r0:r1, c0 // 128:c1 // 128])
+    # without draws, a box draws by its own element indices: not the whole tensor's bits
+    part = codes[:, :, 128:].contiguous()
+    _momentum_step([grad[:, :, 128:].contiguous()], [part], [] if scales is None else
+                   [scales[:, :, 1:].contiguous()], device, None)
+    assert not torch.equal(part.float(), state.view(shape)[:, :, 128:].float())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_shards_with_draws_store_the_whole_tensors_bits(fmt, gen):
+    _shards_draw_as_the_whole(fmt, gen, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cuda_shards_with_draws_store_the_whole_tensors_bits(fmt, gen):
+    _shards_draw_as_the_whole(fmt, gen, "cuda")

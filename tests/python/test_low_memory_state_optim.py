@@ -17,6 +17,7 @@ from megatron_eopt import low_memory_state as lms
 from megatron_eopt.compat.motif import MotifMuon
 from megatron_eopt.optim import AdaptiveMuon, HybridMuon, Muon, TensorParallelAdaptiveMuon, TensorParallelMuon
 from megatron_eopt.optim import dequantize_state_dict, state_bytes
+from reference import rel_err
 
 FORMATS = ["bf16", "int8", "fp8"]
 SHAPES = [(16, 24), (40, 8), (1, 300), (300, 1), (97, 37)]
@@ -288,6 +289,77 @@ def test_state_bytes_per_parameter():
         assert sizes["fp32"] / sizes[fmt] >= 3.5
 
 
+@pytest.mark.parametrize("shape", [(256, 64, 3, 3), (256, 128, 1, 1), (64, 3, 5, 5)], ids=str)
+def test_convolution_blocks_follow_the_matrix_view_rows(shape, gen):
+    # nd_mode="flatten" steps a (out, in, kh, kw) weight as its (out, in * kh * kw) matrix: the blocks
+    # run along those rows, so int8 keeps about one byte per value whatever the kernel shape (blocks
+    # along the last dim kept 4 / kw extra bytes per value: 5 for 1 x 1 kernels).
+    p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.1)
+    opt = Muon([p], lr=0.02, state_dtype="int8", nd_mode="flatten")
+    opt.init_state()
+    row = math.prod(shape[1:])
+    blocks = math.ceil(row / 256)
+    assert tuple(opt.state[p]["momentum_buffer_scales"].shape) == (shape[0], blocks)
+    assert state_bytes(opt.state[p]) / p.numel() == pytest.approx(1 + 4 * blocks / row)
+    assert state_bytes(opt.state[p]) / p.numel() <= 1.1
+    # The step equals the fp32 step on the dequantized state, bit for bit.
+    q = torch.nn.Parameter(p.detach().clone())
+    ref = Muon([q], lr=0.02, nd_mode="flatten")
+    for step in range(2):
+        p.grad = torch.randn(shape, generator=gen)
+        q.grad = p.grad.clone()
+        if step:
+            ref.state[q]["momentum_buffer"] = _dequantized(opt.state[p], "momentum_buffer")
+        opt.step()
+        ref.step()
+        assert torch.equal(p, q)
+
+
+def test_version_1_convolution_checkpoints_convert_to_view_blocks(gen):
+    # A version-1 checkpoint kept a convolution's int8 blocks along its last dim (scales shaped
+    # (out, in, kh, 1)): it loads as values, stored in blocks along the matrix view's rows.
+    shape = (8, 4, 3, 3)
+    values = torch.randn(shape, generator=gen)
+    codes, scales = lms.quantize(values, torch.int8, 256)  # blocks along the last dim (3 values)
+    assert tuple(scales.shape) == (8, 4, 3, 1)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    opt = Muon([p], lr=0.02, state_dtype="int8", nd_mode="flatten")
+    opt.init_state()
+    saved = opt.state_dict()
+    saved["state"][0] = {"momentum_buffer": codes, "momentum_buffer_scales": scales, "state_block_size": 256,
+                         "state_format": torch.tensor(1)}
+    opt.load_state_dict(saved)
+    state = opt.state[p]
+    assert tuple(state["momentum_buffer_scales"].shape) == (8, 1)
+    old = lms.dequantize(codes, scales, 256)
+    assert rel_err(_dequantized(state, "momentum_buffer"), old) <= 1e-2
+    assert int(opt.state_dict()["state"][0]["state_format"]) == 2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_bitwise_equal_for_any_workspace_budget(fmt, gen):
+    # Draws are keyed by each parameter and each element's index in it, not by the launch: one chunk
+    # and a chunk per matrix keep bitwise the same state, and the same parameters.
+    params = _params(gen)
+    others = _clone(params)
+    whole = AdaptiveMuon(params, 0.02, 0.9, 0.01, moment2_method="adamuon", state_dtype=fmt, workspace_mib=None)
+    chunked = AdaptiveMuon(others, 0.02, 0.9, 0.01, moment2_method="adamuon", state_dtype=fmt,
+                           workspace_mib=0.001)
+    assert len(chunked._plan.chunks) > 1
+    for _ in range(3):
+        _set_grads(params, gen)
+        _copy_grads(params, others)
+        whole.step()
+        chunked.step()
+    for p, q in zip(params, others):
+        assert torch.equal(p, q)
+        for key, value in whole.state[p].items():
+            other = chunked.state[q][key]
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value.view(torch.uint8) if value.dtype == torch.float8_e4m3fn else value,
+                                   other.view(torch.uint8) if other.dtype == torch.float8_e4m3fn else other), key
+
+
 @pytest.mark.parametrize("fmt", ["fp32", *FORMATS])
 def test_convex_problem_converges_like_fp32(fmt):
     """0.5·||(W - T) A||² from W = 0 with Muon and a linearly decaying lr: every state format ends
@@ -368,7 +440,7 @@ def test_resumed_run_continues_bit_for_bit(case, fmt, gen):
     opt = make(params, fmt)
     _run_steps(opt, params, grads[:3])
     sd = copy.deepcopy(opt.state_dict())
-    assert all(int(entry["state_format"]) == 1 for i, entry in sd["state"].items() if "momentum_buffer" in entry)
+    assert all(int(entry["state_format"]) == 2 for i, entry in sd["state"].items() if "momentum_buffer" in entry)
     twin_params = _clone(params)  # the model's checkpoint
     resumed = make(twin_params, fmt)
     resumed.load_state_dict(sd)
@@ -419,10 +491,10 @@ def test_newer_state_format_is_refused_before_anything_changes(gen):
     opt.step()
     before = {k: v.clone() for k, v in opt.state[params[0]].items() if isinstance(v, torch.Tensor)}
     seed = int(opt._state_seeds[torch.device("cpu")])
-    for version in (2, torch.tensor(2), 0, "1", 1.0):
+    for version in (3, torch.tensor(3), 0, "1", 1.0):
         bad = {**sd, "state": {0: {**sd["state"][0], "state_format": version}}}
         for target in (opt, Muon(_clone(params), lr=0.02)):  # fp32 targets read the codes too
-            with pytest.raises(ValueError, match=r"state_format.*reads low-memory state formats 1 to 1"):
+            with pytest.raises(ValueError, match=r"state_format.*reads low-memory state formats 1 to 2"):
                 target.load_state_dict(bad)
         with pytest.raises(ValueError, match="state_format"):
             dequantize_state_dict(bad)

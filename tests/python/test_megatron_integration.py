@@ -515,6 +515,23 @@ def test_install_error_when_megatron_is_too_old(monkeypatch):
         integration.install()
 
 
+def test_version_is_the_imported_packages(tmp_path):
+    # A Megatron-LM checkout ahead of the installed release on the path is what `import megatron.core`
+    # loads, so it is the version reported (read from its package_info.py without importing it).
+    import subprocess
+
+    core = tmp_path / "checkout" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("raise ImportError('not imported by the version check')\n")
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 20\nPATCH = 0\nPRE_RELEASE = 'rc0'\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from megatron_eopt.integrations import megatron as m; print(m.megatron_core_version())")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "checkout")], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "(0, 20, 0)", out.stdout + out.stderr
+    installed = integration.megatron_core_version()
+    assert installed is not None and installed >= (0, 18)
+
+
 def test_version_parsing():
     assert integration._parse_version("0.19.2") == (0, 19, 2)
     assert integration._parse_version("0.18.0rc1+abc123") == (0, 18, 0)

@@ -78,10 +78,12 @@ __global__ void __launch_bounds__(kThreads)
     const BlockScale scale = has_scales(F) ? block_scale(warp_absmax(absmax), F) : BlockScale{0.f, 0.f};
     NsT* ns = static_cast<NsT*>(d.ns_input);
     const uint64_t key = draw_key(seed, d.stream);
+    const uint64_t first_draw = d.draw.of(begin, d.row_len);  // the block lies in one row: consecutive indices
     for (int64_t i = begin + lane; i < end; i += 32) {
       const MomentumResult r = element(i, load_state<F>(d.state, i, old_scale));
       ns[i] = from_float<NsT>(r.ns_input);
-      store_state<F>(d.state, i, r.buffer, scale.inverse, element_bits(key, static_cast<uint64_t>(i)));
+      store_state<F>(d.state, i, r.buffer, scale.inverse,
+                     element_bits(key, first_draw + static_cast<uint64_t>(i - begin)));
     }
     // Every lane read the old scale before the shuffles above, so it can be replaced now.
     if (has_scales(F) && lane == 0) d.scales[b] = scale.scale;
@@ -106,10 +108,12 @@ __global__ void __launch_bounds__(kThreads)
     }
     const BlockScale scale = has_scales(F) ? block_scale(warp_absmax(absmax), F) : BlockScale{0.f, 0.f};
     const uint64_t key = draw_key(seed, d.stream);
+    const uint64_t first_draw = d.draw.of(begin, d.row_len);
     for (int64_t i = begin + lane; i < end; i += 32) {
       float v = moment2_from_stored<F>(load_state<F>(d.state, i, old_scale));
       d.update[i] = adamuon_normalize(d.update[i], v, h.weight, h.eps);
-      store_state<F>(d.state, i, moment2_stored<F>(v), scale.inverse, element_bits(key, static_cast<uint64_t>(i)));
+      store_state<F>(d.state, i, moment2_stored<F>(v), scale.inverse,
+                     element_bits(key, first_draw + static_cast<uint64_t>(i - begin)));
     }
     if (has_scales(F) && lane == 0) d.scales[b] = scale.scale;
   });

@@ -28,6 +28,7 @@ struct QuantizedStateTensor {
   int64_t numel = 0;
   int64_t row_len = 1;          // the state's last dimension: blocks never span two rows
   uint64_t stream = 0;          // draw_stream() of this tensor and state kind
+  DrawIndex draw;               // each element's index in its whole parameter, for its draw
 };
 
 struct QuantizedMomentumArgs {

@@ -254,6 +254,33 @@ struct BlockLayout {
 };
 
 // Streams of the uniform draws: the momentum and the second moment of one tensor never share one.
-MEGATRON_EOPT_HD uint64_t draw_stream(uint64_t tensor_index, uint64_t kind) { return tensor_index * 2u + kind; }
+// `tensor_key` is the caller's stable id of the tensor's parameter (the optimizers pass the
+// parameter's position in their param groups), or the tensor's position in the op's list.
+MEGATRON_EOPT_HD uint64_t draw_stream(uint64_t tensor_key, uint64_t kind) { return tensor_key * 2u + kind; }
+
+// Where the elements of a tensor lie in the whole parameter they belong to, so that each element's
+// draw is keyed by its index in the whole parameter: a shard, a chunk of the step or the whole
+// tensor then draw the same bits for the same element, and two shards never share draws.
+// The tensor's rows (row_len values each, BlockLayout's rows) form matrices of `local_rows` rows;
+// matrix k's row r and column c lie at row r, column c of matrix k of a stack of
+// (global_rows, global_cols) matrices, offset by `base` elements (the shard's first element).
+// local_rows == 0: the identity (element i draws at index i).
+struct DrawIndex {
+  int64_t local_rows = 0;
+  int64_t global_rows = 0;
+  int64_t global_cols = 0;
+  int64_t base = 0;
+
+  // The index of local element i (0 <= i < numel); a block's elements, which lie in one row, are
+  // consecutive: of(begin) + j.
+  MEGATRON_EOPT_HD uint64_t of(int64_t i, int64_t row_len) const {
+    if (local_rows <= 0 || row_len <= 0) return static_cast<uint64_t>(i);
+    const int64_t row = i / row_len;
+    const int64_t col = i - row * row_len;
+    const int64_t matrix = row / local_rows;
+    const int64_t r = row - matrix * local_rows;
+    return static_cast<uint64_t>(base + (matrix * global_rows + r) * global_cols + col);
+  }
+};
 
 }  // namespace megatron_eopt
