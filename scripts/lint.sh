@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lints the sources: ruff on the Python code (rules in pyproject.toml), clang-format on the C++ / CUDA
 # files of csrc/ (include/ is under it) and tests/cpp/ (style in .clang-format). Versions are pinned in
-# scripts/install.sh. Every C++ file must conform (`clang-format -i FILE` fixes one).
+# scripts/install_test_deps.sh. Every C++ file must conform (`clang-format -i FILE` fixes one).
 #
 #   bash scripts/lint.sh                      check (exit 1 on any finding)
 #   bash scripts/lint.sh --list-unformatted   print the C++ files clang-format would change

@@ -110,8 +110,6 @@ int cpu_product_class(int64_t side) {
   return c;
 }
 
-int64_t cpu_product_probe_side(int size_class) { return kProbeSides[size_class]; }
-
 const CpuProductPlan& cpu_product_plan(int64_t side) {
   static std::once_flag once[kClasses];
   static CpuProductPlan plans[kClasses];

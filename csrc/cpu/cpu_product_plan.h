@@ -14,9 +14,10 @@
 //     "medium" (the Gram iteration keeps fp32 products of bf16 values): the weight of
 //     gram_flop_weight in the algorithm choice.
 // Process-wide settings (set_cpu_symmetric_products, set_cpu_bf16_products, or the environment
-// variables MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS = auto | kernel | gemm and
+// variables MEGATRON_EOPT_CPU_SYMMETRIC_PRODUCTS = auto | kernel | gemm | panels | full and
 // MEGATRON_EOPT_CPU_BF16_PRODUCTS = auto | bf16 | fp32 read at load) override the measurement,
-// e.g. to pin a reproducible path or to force the portable one (gemm: ATen's GEMMs only).
+// e.g. to pin a reproducible path or to force the portable one (gemm: ATen's GEMMs only; panels /
+// full: one of its two forms).
 #pragma once
 
 #include <cstdint>
@@ -44,7 +45,6 @@ struct CpuProductPlan {
 // Size classes: symmetric sides below 384, 384 to 1535, and from 1536 on (probes of side 256, 768
 // and 1536).
 int cpu_product_class(int64_t side);
-int64_t cpu_product_probe_side(int size_class);
 
 // The measured plan of the class of `side`, measured on first use and then kept.
 const CpuProductPlan& cpu_product_plan(int64_t side);
