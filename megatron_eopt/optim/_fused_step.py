@@ -207,7 +207,7 @@ class FusedStep:
                 scales = [local(s["momentum_buffer_scales"]) for s in states if "momentum_buffer_scales" in s]
                 ops.foreach_momentum_quantized_(grads, codes, scales, outs, l2_params, block_size=self.state_block_size,
                                                 seed=self._state_seeds[bucket.device],
-                                                draws=[entries[i].draws() for i in bucket_members], **momentum_args)
+                                                draws=[entries[i].draws for i in bucket_members], **momentum_args)
             launches.append((bucket, group, group_cfg, bucket_members, params, grads, states, hyper, scale_t, inf_t))
         return launches
 
@@ -390,7 +390,7 @@ class FusedStep:
                 updates, [entries[i].view(s["moment2_buffer"]) for i, s in zip(members, states)],
                 [local(s["moment2_buffer_scales"]) for s in states if "moment2_buffer_scales" in s],
                 beta2=beta2, eps=eps, block_size=self.state_block_size, seed=self._state_seeds[updates[0].device],
-                found_inf=found_inf, draws=[entries[i].draws() for i in members])
+                found_inf=found_inf, draws=[entries[i].draws for i in members])
             for j, i in enumerate(members):
                 if entries[i].qkv is not None:
                     _scale_parts_(updates[j], entries[i].qkv, entries[i].part_scales, _first_row(entries[i]))

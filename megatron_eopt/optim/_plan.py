@@ -74,15 +74,8 @@ class ParamEntry:
     # The parameter's position in the param groups (all params counted): a stable id, the same on
     # every rank and in every chunk, that keys the low-memory state's stochastic rounding.
     key: int = 0
-
-    def draws(self) -> tuple[int, int, int, int, int]:
-        """The low-memory ops' ``draws`` entry of this parameter's local matrix view: its elements
-        draw at their index in the whole matrix view (the same bits sharded, chunked or whole). A
-        DTensor whose local rows are not one box of the matrix (strided shards) draws by its local index."""
-        s = self.sharding
-        if s is None or s.local_box is None:
-            return draw_layout(self.key, self.local_shape, self.local_shape)
-        return draw_layout(self.key, self.local_shape, s.view_shape, s.local_box[0])
+    # The low-memory ops' ``draws`` entry of the local matrix view (_draws_of), made with the plan.
+    draws: tuple[int, ...] = ()
 
     @property
     def batch(self) -> int:
@@ -256,6 +249,16 @@ def _even_pieces(sizes: list[int], budget_bytes: float) -> list[int]:
     return _cut(sizes, high)
 
 
+def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
+    """The low-memory ops' ``draws`` entry of an entry's local matrix view: its elements draw at
+    their index in the whole matrix view (the same bits sharded, chunked or whole). A DTensor whose
+    local rows are not one box of the matrix (strided shards) draws by its local index."""
+    s = entry.sharding
+    if s is None or s.local_box is None:
+        return draw_layout(entry.key, entry.local_shape, entry.local_shape)
+    return draw_layout(entry.key, entry.local_shape, s.view_shape, s.local_box[0])
+
+
 def not_a_matrix(p: torch.Tensor, nd_mode: str) -> bool:
     """True when ``p`` has no matrix view under ``nd_mode`` (0-D / 1-D, or N-D with "error")."""
     return p.ndim < 2 or (p.ndim > 2 and nd_mode == "error")
@@ -356,6 +359,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 sharding=sharding,
                 key=key,
             )
+            entry.draws = _draws_of(entry)
             ei = len(entries)
             entries.append(entry)
             bkey = (gi, p.dtype, p.device)

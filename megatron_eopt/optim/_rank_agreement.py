@@ -29,7 +29,7 @@ import torch.distributed as dist
 from ._sharded import is_dtensor
 
 # Exception types a refusal is re-raised as on the ranks that did not see it (others: ValueError).
-_TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError, NotImplementedError)}
+_TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError)}
 
 
 def meshes_of(params: Iterable[torch.Tensor]) -> list[Any]:
