@@ -45,7 +45,8 @@ from . import optim  # noqa: E402  (after the ops it is built on)
 from .optim._fused_step import in_place_newton_schulz, set_in_place_newton_schulz
 from . import registry
 from .clipping import CLIP_POLICIES, GradNorms, clip_grad_norm_
-from .param_routing import RoutingTable, build_optimizers
+from .model_views import MatrixView, model_matrix_views
+from .param_routing import RoutingTable, build_optimizers, muon_param_groups, route_parameters
 from .schedulers import build_schedulers
 
 __version__ = "0.1.0"
@@ -60,6 +61,7 @@ __all__ = [
     "LIBRARY_PATH",
     "MOMENT2_METHODS",
     "NS_ALGORITHMS",
+    "MatrixView",
     "RoutingTable",
     "adamuon_normalize_",
     "build_optimizers",
@@ -73,7 +75,9 @@ __all__ = [
     "get_muon_scale_factor",
     "get_supported_coefficient_types",
     "in_place_newton_schulz",
+    "model_matrix_views",
     "moment2_shape",
+    "muon_param_groups",
     "namo_normalize_",
     "set_cuda_symmetric_products",
     "set_cpu_bf16_products",
@@ -91,5 +95,6 @@ __all__ = [
     "optim",
     "qk_clip_",
     "registry",
+    "route_parameters",
     "validate_coefficient_type",
 ]

@@ -1,9 +1,13 @@
 """Split a model's parameters between Muon and AdamW, and say why for each one.
 
-Muon orthogonalizes 2-D hidden matrices; embeddings, output heads, norms, biases, scalars and
-N-D tensors belong to AdamW. :func:`build_optimizers` applies these rules and returns the two
-optimizers with a :class:`RoutingTable` listing every parameter, where it went and why, so a
-misrouted parameter shows up in the table instead of silently training with the wrong method.
+Muon orthogonalizes hidden matrices; embeddings, output heads, norms, biases, scalars and
+unrecognized N-D tensors belong to AdamW. Given a model, the routing also reads its modules
+(:mod:`megatron_eopt.model_views`): a ``Conv1D`` weight is an (out, in) matrix stored transposed,
+a fused QKV or gate/up projection is split into its matrices, a transformers MoE experts
+parameter is one matrix per expert, a router goes to AdamW. :func:`build_optimizers` applies these
+rules and returns the two optimizers with a :class:`RoutingTable` listing every parameter, where it
+went, its matrix view and scale, and why, so a misrouted parameter shows up in the table instead
+of silently training with the wrong method.
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from typing import Any, Mapping, Sequence, TextIO
 
 import torch
 from torch import nn
+
+from .model_views import MatrixView, check_view_overrides, model_matrix_views
+from .newton_schulz import get_muon_scale_factor
 
 __all__ = [
     "DEFAULT_EMBEDDING_PATTERNS",
@@ -52,6 +59,9 @@ class Route:
     optimizer: str  # "muon", "adamw" or "frozen"
     reason: str
     weight_decay: float | None
+    view: str = ""  # the Muon matrices, e.g. "96x32" or "4 x [24x32 + 24x32]"
+    scale: str = ""  # their shape-dependent Muon scale(s)
+    group_keys: tuple[tuple[str, Any], ...] = ()  # the Muon param-group keys of its view
 
     @property
     def name(self) -> str:
@@ -96,13 +106,14 @@ class RoutingTable:
         return out
 
     def format(self) -> str:
-        rows = [("parameter", "shape", "optimizer", "wd", "reason")]
+        rows = [("parameter", "shape", "optimizer", "wd", "muon view (out x in)", "scale", "reason")]
         for r in self.routes:
             name = r.name if len(r.names) == 1 else f"{r.name} (= {', '.join(r.names[1:])})"
             wd = "-" if r.weight_decay is None else f"{r.weight_decay:g}"
-            rows.append((name, "x".join(map(str, r.shape)) or "scalar", r.optimizer, wd, r.reason))
-        widths = [max(len(row[i]) for row in rows) for i in range(4)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in rows]
+            rows.append((name, "x".join(map(str, r.shape)) or "scalar", r.optimizer, wd, r.view or "-",
+                         r.scale or "-", r.reason))
+        widths = [max(len(row[i]) for row in rows) for i in range(6)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:6], widths)) + "  " + row[6] for row in rows]
         totals = ", ".join(f"{opt}: {n} tensors / {numel:,} elements" for opt, (n, numel) in self.summary().items())
         return "\n".join(lines + [totals])
 
@@ -164,18 +175,52 @@ def route_parameters(
     head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
     adamw_patterns: Sequence[str] = (),
     nd_mode: str = "error",
-) -> tuple[RoutingTable, dict[str, list[torch.Tensor]]]:
+    fused_gate_up: str = "split",
+    routers: str = "adamw",
+    views: Mapping[str, Any] | None = None,
+    scale_mode: str = "shape_scaling",
+) -> tuple[RoutingTable, dict[str, list]]:
     """The routing of :func:`build_optimizers` without building anything.
 
-    Returns the table and ``{"muon": [...], "adamw_decay": [...], "adamw_no_decay": [...]}``.
+    Returns the table and ``{"muon": [...], "adamw_decay": [...], "adamw_no_decay": [...]}``
+    (:func:`muon_param_groups` with ``as_groups=True`` gives the Muon side as param groups with
+    each view's ``nd_mode`` / ``matrix_layout`` / ``split_shapes`` keys).
     Rules, first match wins: frozen (``requires_grad=False``) → none; ``adamw_patterns`` →
     AdamW; an ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, a Megatron
     ``is_embedding_or_output_parameter`` tag, or an embedding name → AdamW; an output-head
-    name → AdamW; sharing storage with an embedding (tied head) → AdamW; 0-D/1-D (scalars,
-    biases, norms) → AdamW without weight decay; 2-D → Muon; N-D → AdamW, or Muon when
-    ``nd_mode`` is ``"flatten"`` or ``"batch"`` (the Muon optimizer must then be built with the
-    same ``nd_mode``).
+    name → AdamW; sharing storage with an embedding (tied head) → AdamW; a parameter of a module
+    :func:`megatron_eopt.model_views.model_matrix_views` recognizes (``Conv1D``, fused QKV and
+    gate/up projections, transformers MoE experts, MLA projections, routers) → its view
+    (``fused_gate_up`` and ``routers`` choose two of them; ``views={name: MatrixView | dict | None}``
+    sets a parameter's view by hand, None for the plain rules); 0-D/1-D (scalars, biases, norms) →
+    AdamW without weight decay; 2-D → Muon; other N-D → AdamW with a warning naming them, or Muon
+    when ``nd_mode`` is ``"flatten"`` or ``"batch"``. ``scale_mode`` only fills the table's scale
+    column. A pattern of ``adamw_patterns`` or a name of ``views`` that matches no parameter is a
+    ValueError.
     """
+    table, groups, _ = _route(
+        model_or_named_params, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay,
+        embedding_patterns=embedding_patterns, head_patterns=head_patterns, adamw_patterns=adamw_patterns,
+        nd_mode=nd_mode, fused_gate_up=fused_gate_up, routers=routers, views=views, scale_mode=scale_mode,
+    )
+    return table, groups
+
+
+def _route(
+    model_or_named_params: Any,
+    *,
+    weight_decay: float = 0.0,
+    adamw_weight_decay: float | None = None,
+    embedding_patterns: Sequence[str] = DEFAULT_EMBEDDING_PATTERNS,
+    head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
+    adamw_patterns: Sequence[str] = (),
+    nd_mode: str = "error",
+    fused_gate_up: str = "split",
+    routers: str = "adamw",
+    views: Mapping[str, Any] | None = None,
+    scale_mode: str = "shape_scaling",
+) -> tuple[RoutingTable, dict[str, list], list[dict]]:
+    """:func:`route_parameters`, and the Muon side as param groups, one per matrix view."""
     if nd_mode not in ("error", "flatten", "batch"):
         raise ValueError(f"nd_mode must be one of ['error', 'batch', 'flatten'], got {nd_mode!r}")
     if adamw_weight_decay is None:
@@ -186,6 +231,26 @@ def route_parameters(
     force_re = [re.compile(p, flags) for p in adamw_patterns]
 
     params, embedding_module_params = _named_parameters(model_or_named_params)
+    all_names = {n for _, names in params for n in names}
+    for pattern in force_re:
+        if not any(pattern.search(n) for n in all_names):
+            raise ValueError(f"adamw_patterns: {pattern.pattern!r} matches no parameter name of the model")
+    if isinstance(model_or_named_params, nn.Module):
+        model_views = {i: v for i, (_, v) in model_matrix_views(model_or_named_params, fused_gate_up=fused_gate_up,
+                                                                   routers=routers).items()}
+    else:
+        model_views = {}
+        if fused_gate_up not in ("split", "whole") or routers not in ("adamw", "muon"):
+            model_matrix_views(nn.Module(), fused_gate_up=fused_gate_up, routers=routers)  # the options' errors
+    overrides = check_view_overrides(views, all_names)
+    for p, names in params:
+        for name in names:
+            if name in overrides:
+                if overrides[name] is None:
+                    model_views.pop(id(p), None)
+                else:
+                    model_views[id(p)] = overrides[name]
+    unrecognized: list[str] = []
 
     # First pass: embeddings, whose storage marks tied heads in the second pass.
     embedding_reason: dict[int, str] = {}
@@ -203,6 +268,7 @@ def route_parameters(
 
     routes: list[Route] = []
     groups: dict[str, list[torch.Tensor]] = {"muon": [], "adamw_decay": [], "adamw_no_decay": []}
+    muon_groups: dict[tuple, list[torch.Tensor]] = {}
     seen_storage: dict[tuple[str, int], str] = {}
     for p, names in params:
         key = _storage_key(p)
@@ -223,6 +289,7 @@ def route_parameters(
         if key is not None:
             seen_storage.setdefault(key, names[0])
 
+        view = None
         if (hit := _matches(force_re, names)) is not None:
             optimizer, reason = ADAMW, f"adamw_patterns (name {hit!r})"
         elif id(p) in embedding_reason:
@@ -231,6 +298,8 @@ def route_parameters(
             optimizer, reason = ADAMW, f"output head (name {hit!r})"
         elif key is not None and key in embedding_storage:
             optimizer, reason = ADAMW, f"output head (shares storage with embedding {embedding_storage[key]!r})"
+        elif (view := model_views.get(id(p))) is not None:
+            optimizer, reason = (MUON if view.optimizer == "muon" else ADAMW), view.what
         elif p.dim() == 0:
             optimizer, reason = ADAMW, "scalar"
         elif p.dim() == 1:
@@ -246,20 +315,45 @@ def route_parameters(
             optimizer, reason = MUON, "2-D hidden matrix"
         elif nd_mode != "error":
             optimizer, reason = MUON, f"{p.dim()}-D tensor (nd_mode={nd_mode!r})"
+            view = MatrixView("nd", reason, nd_mode=nd_mode)
         else:
-            optimizer, reason = ADAMW, f"{p.dim()}-D tensor (Muon takes 2-D matrices)"
+            optimizer, reason = ADAMW, f"{p.dim()}-D tensor of an unrecognized module (not given to Muon)"
+            unrecognized.append(names[0])
 
+        view_text = scale_text = ""
+        keys: tuple = ()
         if optimizer == MUON:
             wd = weight_decay
             groups["muon"].append(p)
+            if view is None:
+                view = MatrixView("linear", "2-D hidden matrix")
+            keys = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in view.group_keys().items())
+            muon_groups.setdefault(keys, []).append(p)
+            view_text = view.describe(tuple(p.shape))
+            scales = [get_muon_scale_factor(o, i, scale_mode) for o, i in view.matrices(tuple(p.shape))[1]]
+            scale_text = " / ".join(f"{x:.3g}" for x in scales)
+        elif view is not None and view.kind == "expert_bias":
+            wd = 0.0
+            groups["adamw_no_decay"].append(p)
         elif p.dim() >= 2:
             wd = adamw_weight_decay
             groups["adamw_decay"].append(p)
         else:
             wd = 0.0
             groups["adamw_no_decay"].append(p)
-        routes.append(Route(tuple(names), tuple(p.shape), optimizer, reason + tied, wd))
-    return RoutingTable(routes), groups
+        routes.append(Route(tuple(names), tuple(p.shape), optimizer, reason + tied, wd, view_text, scale_text, keys))
+    if unrecognized:
+        warnings.warn(
+            f"{len(unrecognized)} parameter(s) of more than two dims belong to modules the routing does not know, "
+            f"so they go to AdamW: {unrecognized[:5]}{' ...' if len(unrecognized) > 5 else ''}. Give them to Muon "
+            "with nd_mode='batch' (stacked matrices) or 'flatten' (convolutions), or with views={name: ...}; "
+            "adamw_patterns keeps them on AdamW without this warning",
+            stacklevel=3,
+        )
+    param_groups = [
+        dict({k: list(v) if isinstance(v, tuple) else v for k, v in keys}, params=ps) for keys, ps in muon_groups.items()
+    ]
+    return RoutingTable(routes), groups, param_groups
 
 
 def build_optimizers(
@@ -279,6 +373,9 @@ def build_optimizers(
     embedding_patterns: Sequence[str] = DEFAULT_EMBEDDING_PATTERNS,
     head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
     adamw_patterns: Sequence[str] = (),
+    fused_gate_up: str = "split",
+    routers: str = "adamw",
+    views: Mapping[str, Any] | None = None,
     verbose: bool = False,
 ) -> tuple[list[torch.optim.Optimizer], RoutingTable]:
     """Muon for 2-D hidden matrices, ``torch.optim.AdamW`` for everything else.
@@ -292,24 +389,42 @@ def build_optimizers(
     √max(1, m/n) scale that lr ≈ 0.02 is tuned for), updated by ``muon_kwargs``. AdamW gets
     ``adamw_weight_decay`` (default ``weight_decay``) on its matrices and none on 0-D/1-D
     tensors. Returns ``([muon, adamw], table)``, leaving out an optimizer with no parameters;
-    ``verbose=True`` prints the table.
+    ``verbose=True`` prints the table. Matrices with a view (``Conv1D``, fused projections, MoE
+    experts: ``fused_gate_up``, ``routers`` and ``views`` as in :func:`route_parameters`) get Muon
+    param groups of their own with the view's keys, which a ``muon_cls`` of ``megatron_eopt.optim``
+    takes; another ``muon_cls`` is refused for such a model (ValueError) rather than given weights
+    it would orthogonalize as stored.
     """
-    table, groups = route_parameters(
+    kwargs: dict[str, Any] = {"scale_mode": "shape_scaling"}
+    kwargs.update(muon_kwargs or {})
+    table, groups, muon_groups = _route(
         model_or_named_params,
         weight_decay=weight_decay,
         adamw_weight_decay=adamw_weight_decay,
         embedding_patterns=embedding_patterns,
         head_patterns=head_patterns,
         adamw_patterns=adamw_patterns,
+        fused_gate_up=fused_gate_up,
+        routers=routers,
+        views=views,
+        scale_mode=kwargs["scale_mode"] if isinstance(kwargs["scale_mode"], str) else "shape_scaling",
     )
     optimizers: list[torch.optim.Optimizer] = []
     if groups["muon"]:
         if muon_cls is None:
             from .optim import Muon as muon_cls
-        kwargs: dict[str, Any] = {"scale_mode": "shape_scaling"}
-        kwargs.update(muon_kwargs or {})
+        if any(len(g) > 1 for g in muon_groups):
+            from .optim.orthogonalized import OrthogonalizedOptimizer
+
+            if not (isinstance(muon_cls, type) and issubclass(muon_cls, OrthogonalizedOptimizer)):
+                viewed = [r.name for r in table if r.optimizer == MUON and r.group_keys][:3]
+                raise ValueError(
+                    f"muon_cls {getattr(muon_cls, '__name__', muon_cls)!r} takes no matrix views, and the model has "
+                    f"weights Muon must see as other matrices than stored (e.g. {viewed}): use a Muon of "
+                    "megatron_eopt.optim (the default), or route those weights with views={name: None}"
+                )
         optimizers.append(
-            muon_cls(groups["muon"], lr=muon_lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, **kwargs)
+            muon_cls(muon_groups, lr=muon_lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, **kwargs)
         )
     adamw_groups = []
     if groups["adamw_decay"]:
@@ -334,7 +449,11 @@ def muon_param_groups(
     head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
     adamw_patterns: Sequence[str] = (),
     nd_mode: str = "error",
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    fused_gate_up: str = "split",
+    routers: str = "adamw",
+    views: Mapping[str, Any] | bool | None = None,
+    as_groups: bool = False,
+) -> tuple[list, list[torch.Tensor]]:
     """``(muon_params, other_params)``: the parameters a Muon optimizer takes and the rest, for AdamW.
 
     The rules and arguments of :func:`route_parameters` (those of :func:`build_optimizers`):
@@ -344,18 +463,43 @@ def muon_param_groups(
     (``megatron_eopt.torch_optim.Muon``); the default suits ``torch.optim.Muon``, which takes 2-D
     parameters only. Each list is in the model's parameter order, a tied parameter once.
     ``verbose=True`` prints the routing table (every parameter, where it went and why).
+
+    A model's weights that Muon must see as other matrices than stored (``Conv1D``, fused QKV and
+    gate/up projections, transformers MoE experts; see :func:`route_parameters`) need param-group
+    keys a flat list cannot carry: ``as_groups=True`` returns the Muon side as param-group dicts
+    with those keys, for ``megatron_eopt.optim.Muon`` or ``megatron_eopt.torch_optim.Muon``.
+    Without it, such 2-D weights stay in the flat Muon list and 3-D experts go to the other list,
+    with a warning naming them.
     """
     if not isinstance(model_or_named_params, (nn.Module, Mapping)):
         model_or_named_params = list(model_or_named_params)  # read twice below
-    table, groups = route_parameters(
+    table, groups, muon_groups = _route(
         model_or_named_params,
         embedding_patterns=embedding_patterns,
         head_patterns=head_patterns,
         adamw_patterns=adamw_patterns,
         nd_mode=nd_mode,
+        fused_gate_up=fused_gate_up,
+        routers=routers,
+        views=views,
     )
     if verbose:
         table.print()
+    if as_groups:
+        other = {id(p) for p in groups["adamw_decay"] + groups["adamw_no_decay"]}
+        params = [p for p, _ in _named_parameters(model_or_named_params)[0]]
+        return muon_groups, [p for p in params if id(p) in other]
+    # Stacked matrices (experts) under another nd_mode than the caller's Muon takes: the other list.
+    batched = {id(p) for g in muon_groups if g.get("nd_mode", "error") != nd_mode for p in g["params"]}
+    groups["muon"] = [p for p in groups["muon"] if id(p) not in batched]
+    groups["adamw_decay"] = groups["adamw_decay"] + [p for g in muon_groups for p in g["params"] if id(p) in batched]
+    if any(r.optimizer == MUON and r.group_keys for r in table):
+        names = [r.name for r in table if r.optimizer == MUON and r.group_keys]
+        warnings.warn(
+            f"muon_param_groups: {len(names)} weight(s) need a matrix view a flat list cannot carry ({names[:3]}"
+            f"{' ...' if len(names) > 3 else ''}): pass as_groups=True for param groups with their views",
+            stacklevel=2,
+        )
     muon = {id(p) for p in groups["muon"]}
     other = {id(p) for p in groups["adamw_decay"] + groups["adamw_no_decay"]}
     params = [p for p, _ in _named_parameters(model_or_named_params)[0]]

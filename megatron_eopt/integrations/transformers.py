@@ -9,8 +9,11 @@ the instance with the model and the keyword arguments. :class:`MuonAdamWFactory`
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       optimizer_cls_and_kwargs=(MuonAdamWFactory, dict(lr=0.02, adamw_lr=3e-4)))
 
-It routes the model's parameters with :func:`megatron_eopt.route_parameters` (2-D hidden matrices
-to Muon; embeddings, output heads, norms, biases and N-D tensors to AdamW) and returns one
+It routes the model's parameters with :func:`megatron_eopt.route_parameters` (hidden matrices to
+Muon, each seen as the (out, in) matrices its module multiplies by: ``Conv1D`` weights stored (in,
+out), fused QKV and gate/up projections split, MoE experts one matrix per expert, see
+:mod:`megatron_eopt.model_views`; embeddings, output heads, norms, biases and routers to AdamW)
+and returns one
 :class:`megatron_eopt.optim.HybridMuon`, so Trainer's learning-rate scheduler, gradient clipping,
 checkpointing (``optimizer.pt``) and resuming see a single optimizer. Trainer's
 ``args.learning_rate`` and ``args.weight_decay`` do not reach a factory: give the values here.
@@ -27,13 +30,13 @@ gradients before clipping.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from ..optim.hybrid import HybridMuon
-from ..param_routing import DEFAULT_EMBEDDING_PATTERNS, DEFAULT_HEAD_PATTERNS, route_parameters
+from ..param_routing import DEFAULT_EMBEDDING_PATTERNS, DEFAULT_HEAD_PATTERNS, _route
 
 __all__ = ["MuonAdamWFactory", "MuonClipMixin", "build_muon_adamw"]  # and MuonClipTrainer, built on first use
 
@@ -53,6 +56,9 @@ def build_muon_adamw(
     embedding_patterns: Sequence[str] = DEFAULT_EMBEDDING_PATTERNS,
     head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
     adamw_patterns: Sequence[str] = (),
+    fused_gate_up: str = "split",
+    routers: str = "adamw",
+    views: Mapping[str, Any] | None = None,
     verbose: bool = False,
     **muon_kwargs: Any,
 ) -> HybridMuon:
@@ -60,17 +66,24 @@ def build_muon_adamw(
     ``weight_decay``, ``scale_mode`` — √max(1, m/n) by default, the scale lr ≈ 0.02 is tuned
     for — and any other :class:`megatron_eopt.optim.Muon` keyword) on the 2-D hidden matrices,
     AdamW (``adamw_lr``, ``adamw_betas``, ``adamw_eps``, ``adamw_weight_decay`` on matrices, none
-    on 0-D / 1-D tensors) on the rest. ``verbose=True`` prints the routing table.
+    on 0-D / 1-D tensors) on the rest. ``verbose=True`` prints the routing table (each parameter's
+    optimizer, matrix view and scale). ``fused_gate_up`` (``"split"``: gate and up of a fused
+    projection orthogonalized apart, as separate ``nn.Linear`` would be; ``"whole"``: together, as
+    Megatron-LM's ``linear_fc1``), ``routers`` (``"adamw"`` or ``"muon"``) and ``views`` are those
+    of :func:`megatron_eopt.route_parameters`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    table, routed = route_parameters(
+    table, routed, muon_groups = _route(
         model, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay,
         embedding_patterns=embedding_patterns, head_patterns=head_patterns, adamw_patterns=adamw_patterns,
+        fused_gate_up=fused_gate_up, routers=routers, views=views,
+        scale_mode=scale_mode if isinstance(scale_mode, str) else "shape_scaling",
     )
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     groups = [
-        {"params": routed["muon"], "use_muon": True, "weight_decay": weight_decay},
+        dict(g, use_muon=True, weight_decay=weight_decay) for g in muon_groups
+    ] + [
         {"params": routed["adamw_decay"], "use_muon": False, "weight_decay": adamw_wd},
         {"params": routed["adamw_no_decay"], "use_muon": False, "weight_decay": 0.0},
     ]

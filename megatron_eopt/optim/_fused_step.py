@@ -25,6 +25,7 @@ from ._distributed import (
     tp_namo_normalize_,
     tp_normuon_normalize_,
 )
+from ._matrix_view import split_newton_schulz
 from ._plan import Plan, QKVSplit, Stack
 from ._sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
 from ._step_layout import ChunkLayout, buffer_floats
@@ -374,9 +375,7 @@ class FusedStep:
                 return cfg.newton_schulz_(x) if in_place else cfg.newton_schulz(x)
             outs = list(cfg.newton_schulz(x).unbind(0))
         else:  # every part of every projection of the stack: one batched NS per part size
-            outs = list(
-                cfg.newton_schulz_split(x, stack.qkv.sizes, x.shape[-2] // stack.qkv.total, scaled=scale_parts).unbind(0)
-            )
+            outs = list(split_newton_schulz(cfg, x, stack.qkv, scale_parts).unbind(0))
         return outs if tp is None else [local_chunk(o, tp) for o in outs]
 
     def _normalize(self, group, members, updates, grads, states, ns_inputs, hyper, grad_scale, found_inf) -> None:
@@ -454,11 +453,12 @@ class FusedStep:
 
 
 def _first_row(entry) -> int:
-    """The matrix row of a sharded entry's first local row (0 where the rows are whole)."""
+    """The projection row (a stored column for ``matrix_layout="in_out"``) of a sharded entry's first
+    local one (0 where the rows are whole)."""
     sharding = entry.sharding
     if sharding is None or sharding.kind == "local":
         return 0
-    return sharding.local_box[0][-2]
+    return sharding.local_box[0][-1 if entry.qkv.columns else -2]
 
 
 def _capturing_cuda_graph(plan: Plan) -> bool:
@@ -489,14 +489,17 @@ def _write_scalar(buf: torch.Tensor, value) -> None:
 
 
 def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales, first_row: int = 0) -> None:
-    """Multiplies each QKV part of a (rows, cols) update by its own Muon scale, in place. The update
-    may be a shard of the projection's rows starting at matrix row ``first_row`` (a DTensor's local
-    rows need not start or end on a query group)."""
-    rows = update.shape[0]
+    """Multiplies each QKV part of a (rows, cols) update (or an (E, rows, cols) batch of them) by its
+    own Muon scale, in place. The update may be a shard of the projection's rows starting at matrix
+    row ``first_row`` (a DTensor's local rows need not start or end on a query group). A projection
+    stored (in, out) is split along its columns."""
+    if qkv.columns:
+        update = update.mT
+    rows = update.shape[-2]
     if first_row == 0 and rows % qkv.total == 0:
-        view = update.view(rows // qkv.total, qkv.total, update.shape[1])
+        view = update.unflatten(-2, (rows // qkv.total, qkv.total))
         for offset, size, scale in part_scales:
-            view[:, offset : offset + size, :].mul_(scale)
+            view[..., offset : offset + size, :].mul_(scale)
         return
     per_row = torch.empty(qkv.total, dtype=update.dtype)
     for offset, size, scale in part_scales:

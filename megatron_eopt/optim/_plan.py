@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..ops._low_memory_state import draw_layout
 from ._config import OrthogonalizationConfig
+from ._matrix_view import group_matrix_view
 from ._sharded import ShardLayout, describe, is_dtensor, local, matrix_view
 
 if TYPE_CHECKING:
@@ -43,11 +44,15 @@ class TPLayout:
 
 @dataclass
 class QKVSplit:
-    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8)."""
+    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8).
+
+    ``columns``: the projection is stored (in, out) (``matrix_layout="in_out"``: a Conv1D, a transposed
+    expert), so its output rows are the stored matrix's columns and the split runs along them."""
 
     sizes: tuple[int, ...]
     local_groups: int  # query groups in the local rows
     global_groups: int  # query groups in the global (unsharded) rows
+    columns: bool = False
 
     @property
     def total(self) -> int:
@@ -264,17 +269,19 @@ def not_a_matrix(p: torch.Tensor, nd_mode: str) -> bool:
     return p.ndim < 2 or (p.ndim > 2 and nd_mode == "error")
 
 
-def _qkv_split(sizes, local_shape, global_shape, where: str) -> QKVSplit:
+def _qkv_split(sizes, local_shape, global_shape, where: str, columns: bool = False) -> QKVSplit:
     sizes = tuple(int(s) for s in sizes)
     if not sizes or any(s <= 0 for s in sizes):
         raise ValueError(f"{where}: qkv_split_shapes must be positive sizes, got {list(sizes)}")
     total = sum(sizes)
-    if local_shape[0] % total != 0:
+    axis = -1 if columns else -2  # the projection's output rows (the last two dims are one matrix)
+    if local_shape[axis] % total != 0:
+        what = "columns (matrix_layout='in_out')" if columns else "rows"
         raise ValueError(
-            f"{where}: QKV split shape mismatch: rows {local_shape[0]} of shape {tuple(local_shape)} are not a "
+            f"{where}: QKV split shape mismatch: {what} {local_shape[axis]} of shape {tuple(local_shape)} are not a "
             f"multiple of sum(qkv_split_shapes) = {total} (split shapes {list(sizes)})"
         )
-    return QKVSplit(sizes, local_shape[0] // total, global_shape[0] // total)
+    return QKVSplit(sizes, local_shape[axis] // total, global_shape[axis] // total, columns)
 
 
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
@@ -325,10 +332,18 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                     f"tensor-parallel layout ({tp.mode}, partition_dim {tp.partition_dim}): pass Megatron's plain "
                     "tensor-parallel shards, or a DTensor sharded over the tensor-parallel ranks without tp_mode"
                 )
-            sizes = qkv_fn(p)
+            view = group_matrix_view(group)
+            if view.transposed and tp is not None:
+                raise ValueError(
+                    f"{where}: matrix_layout='in_out' (weights stored (in, out)) cannot take a tensor-parallel "
+                    "layout: Megatron's tensor-parallel weights are stored (out, in)"
+                )
+            # (out, in): the matrix the Muon scale, the split and NorMuon's statistic are defined on.
+            oriented = global_shape[::-1] if view.transposed else global_shape
+            sizes = view.split_shapes if view.split_shapes is not None else qkv_fn(p)
             # A shard's rows need not hold whole query groups: the split is checked on the matrix.
             qkv = None if sizes is None else _qkv_split(sizes, global_shape if spans else local_shape, global_shape,
-                                                         where)
+                                                         where, view.transposed)
             if qkv is not None and spans and adaptive and sharding.local_box is None:
                 raise ValueError(
                     f"{where}: QKV split of an adaptive optimizer on a DTensor with placements "
@@ -337,15 +352,19 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 )
             part_scales: tuple = ()
             if qkv is None:
-                update_scale = group_config.scale(*global_shape)
+                update_scale = group_config.scale(*oriented)
             else:
                 update_scale = 1.0
                 if adaptive:
                     offsets = [sum(qkv.sizes[:i]) for i in range(len(qkv.sizes))]
                     part_scales = tuple(
-                        (off, s, group_config.scale(qkv.global_groups * s, global_shape[1]))
+                        (off, s, group_config.scale(qkv.global_groups * s, oriented[1]))
                         for off, s in zip(offsets, qkv.sizes)
                     )
+            # NorMuon keeps one statistic per row of the (out, in) matrix when out >= in, else per column.
+            normuon_dim = -1 if oriented[0] >= oriented[1] else -2
+            if view.transposed:
+                normuon_dim = -3 - normuon_dim
             entry = ParamEntry(
                 param=p,
                 group_index=gi,
@@ -355,7 +374,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 qkv=qkv,
                 update_scale=update_scale,
                 part_scales=part_scales,
-                normuon_dim=-1 if global_shape[0] >= global_shape[1] else -2,
+                normuon_dim=normuon_dim,
                 sharding=sharding,
                 key=key,
             )
@@ -372,8 +391,8 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 sharded.append(ei)
                 continue
 
-            skey = (local_shape[-2:], p.device, None if tp is None else tp.key, None if qkv is None else qkv.sizes,
-                    id(group_config))
+            skey = (local_shape[-2:], p.device, None if tp is None else tp.key,
+                    None if qkv is None else (qkv.sizes, qkv.columns), id(group_config))
             if skey not in stack_of:
                 stack_of[skey] = len(stacks)
                 stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, qkv, group_config))

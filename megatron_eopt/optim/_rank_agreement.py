@@ -124,5 +124,5 @@ def plan_digest(plan) -> bytes:
                 continue
             parts.append((ci, i, e.group_index, s.kind, s.view_shape, s.largest_view, tuple(map(str, s.placements)),
                           tuple(s.mesh.mesh.shape), s.mesh_dims_for_matrix, e.global_shape,
-                          None if e.qkv is None else e.qkv.sizes))
+                          None if e.qkv is None else (e.qkv.sizes, e.qkv.columns)))
     return repr((len(plan.entries), parts)).encode()

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._matrix_view import split_newton_schulz
+
 try:  # torch.distributed.tensor is public from torch 2.4; guarded for builds without distributed
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -529,9 +531,8 @@ class ShardedOrthogonalizer:
         for k, t in enumerate(full):
             split = None if splits is None else splits[k]
             if split is not None:
-                x = t.reshape(-1, *t.shape[-2:])
-                res = config.newton_schulz_split(x, split.sizes, x.shape[-2] // split.total,
-                                                 scaled=config.moment2_method is None)
+                res = split_newton_schulz(config, t.reshape(-1, *t.shape[-2:]), split,
+                                          scaled=config.moment2_method is None)
                 out[k] = res.view(t.shape)
                 continue
             by_shape.setdefault(tuple(t.shape[-2:]), []).append(k)

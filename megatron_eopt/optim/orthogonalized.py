@@ -58,6 +58,7 @@ from ._config import (
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from ._fused_step import FusedStep
+from ._matrix_view import check_matrix_view_keys
 from ._step_layout import cached_step_layouts, step_layouts
 from ._state import FusedState
 from .weight_update_hooks import NoOpWeightUpdateHook
@@ -233,6 +234,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
             nd_mode = group.get("nd_mode", self.nd_mode)
             if nd_mode not in ND_MODES:
                 raise ValueError(f"param_groups[{gi}]['nd_mode'] must be one of {list(ND_MODES)}, got {nd_mode!r}")
+            check_matrix_view_keys(group, f"param_groups[{gi}]")
             mesh = None
             for pi, p in enumerate(group["params"]):
                 where = f"param_groups[{gi}]['params'][{pi}]"
