@@ -490,11 +490,12 @@ def muon_param_groups(
         params = [p for p, _ in _named_parameters(model_or_named_params)[0]]
         return muon_groups, [p for p in params if id(p) in other]
     # Stacked matrices (experts) under another nd_mode than the caller's Muon takes: the other list.
-    batched = {id(p) for g in muon_groups if g.get("nd_mode", "error") != nd_mode for p in g["params"]}
+    batched = {id(p) for g in muon_groups if g.get("nd_mode") not in (None, nd_mode) for p in g["params"]}
     groups["muon"] = [p for p in groups["muon"] if id(p) not in batched]
     groups["adamw_decay"] = groups["adamw_decay"] + [p for g in muon_groups for p in g["params"] if id(p) in batched]
-    if any(r.optimizer == MUON and r.group_keys for r in table):
-        names = [r.name for r in table if r.optimizer == MUON and r.group_keys]
+    names = [r.name for r in table
+             if r.optimizer == MUON and any(k != "nd_mode" or v != nd_mode for k, v in r.group_keys)]
+    if names:
         warnings.warn(
             f"muon_param_groups: {len(names)} weight(s) need a matrix view a flat list cannot carry ({names[:3]}"
             f"{' ...' if len(names) > 3 else ''}): pass as_groups=True for param groups with their views",

@@ -375,8 +375,11 @@ class FusedStep:
                 return cfg.newton_schulz_(x) if in_place else cfg.newton_schulz(x)
             outs = list(cfg.newton_schulz(x).unbind(0))
         else:  # every part of every projection of the stack: one batched NS per part size
-            outs = list(split_newton_schulz(cfg, x, stack.qkv, scale_parts).unbind(0))
-        return outs if tp is None else [local_chunk(o, tp) for o in outs]
+            out = split_newton_schulz(cfg, x, stack.qkv, scale_parts)
+            if tp is None:  # a tensor: an expert batch of a rank holding none of its experts is an empty slice
+                return out
+            outs = list(out.unbind(0))
+        return [local_chunk(o, tp) for o in outs]
 
     def _normalize(self, group, members, updates, grads, states, ns_inputs, hyper, grad_scale, found_inf) -> None:
         """Second-moment normalization of the raw NS output of one bucket, then per-part QKV scales."""

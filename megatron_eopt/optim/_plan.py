@@ -340,7 +340,14 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 )
             # (out, in): the matrix the Muon scale, the split and NorMuon's statistic are defined on.
             oriented = global_shape[::-1] if view.transposed else global_shape
-            sizes = view.split_shapes if view.split_shapes is not None else qkv_fn(p)
+            sizes = qkv_fn(p)
+            if view.split_shapes is not None:
+                if sizes is not None and tuple(int(x) for x in sizes) != view.split_shapes:
+                    raise ValueError(
+                        f"{where}: param_groups[{gi}]['split_shapes'] = {list(view.split_shapes)} and the optimizer's "
+                        f"own split of this parameter ({list(sizes)}: split_qkv / split_heads) disagree: set one"
+                    )
+                sizes = view.split_shapes
             # A shard's rows need not hold whole query groups: the split is checked on the matrix.
             qkv = None if sizes is None else _qkv_split(sizes, global_shape if spans else local_shape, global_shape,
                                                          where, view.transposed)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
+from megatron_eopt.optim import AdaptiveMuon, Muon, TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
 from dist_harness import gloo_world  # noqa: E402
 from reference import rel_err  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
@@ -72,6 +72,39 @@ def check(mesh, placements, cls, extra, seed, sharded_mode):
             assert rel_err(got, value) <= TOL, f"{where} param {i} state {key}"
 
 
+def check_columns(mesh, placements, moment2_method, seed, sharded_mode):
+    """A fused projection stored (in, out) (a Conv1D's c_attn; matrix_layout="in_out"): the split
+    runs along the stored columns, which Shard(1) cuts through query groups."""
+    rows = GROUPS * sum(SPLIT)
+    shapes = [(20, rows), (3, 20, 2 * rows)]  # the projection, and experts (E, in, out) split per expert
+    gen = torch.Generator().manual_seed(seed + 1)
+    full = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(STEPS)]
+    params = [torch.nn.Parameter(distribute_tensor(t, mesh, placements, src_data_rank=None)) for t in full]
+    ref = [torch.nn.Parameter(t.clone()) for t in full]
+    kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1, fp32_matmul_prec="highest", sharded_mode=sharded_mode,
+                  scale_mode="shape_scaling")
+
+    def build(ps):
+        groups = [{"params": [ps[0]], "matrix_layout": "in_out", "split_shapes": SPLIT},
+                  {"params": [ps[1]], "matrix_layout": "in_out", "split_shapes": [1, 1], "nd_mode": "batch"}]
+        if moment2_method is None:
+            return Muon(groups, **kwargs)
+        return AdaptiveMuon(groups, moment2_method=moment2_method, **kwargs)
+
+    opt, ref_opt = build(params), build(ref)
+    for step_grads in grads:
+        for p, r, g in zip(params, ref, step_grads):
+            p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
+            r.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+    where = f"in_out {moment2_method} {placements} {sharded_mode} on {mesh.size()} ranks"
+    for i, (p, r, t) in enumerate(zip(params, ref, full)):
+        err = rel_err(p.full_tensor() - t, r.detach() - t)
+        assert err <= TOL, f"{where} param {i}: rel err {err:.2e} of the update"
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     with gloo_world(rank, world_size, init_file):
@@ -81,3 +114,7 @@ def worker(rank, world_size, init_file, seed):
                 check(mesh, placements, cls, extra, seed, "owner")
         for cls, extra in OPTIMIZERS[:2]:
             check(mesh, [Shard(0)], cls, extra, seed, "gather")
+        for placements in ([Shard(0)], [Shard(1)]):
+            for method in (None, "normuon", "adamuon"):
+                check_columns(mesh, placements, method, seed, "owner")
+        check_columns(mesh, [Shard(1)], None, seed, "gather")

@@ -146,3 +146,11 @@ def test_in_out_split_mismatch_names_columns():
     p = torch.nn.Parameter(torch.randn(8, 9))
     with pytest.raises(ValueError, match=r"columns \(matrix_layout='in_out'\) 9"):
         Muon([{"params": [p], "matrix_layout": "in_out", "split_shapes": [2, 2]}], lr=0.1)
+
+
+def test_split_shapes_and_torch_front_split_heads_disagree():
+    from megatron_eopt.torch_optim import Muon as TorchFrontMuon
+
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    with pytest.raises(ValueError, match=r"'split_shapes'\] = \[4, 4\] and the optimizer's own split"):
+        TorchFrontMuon([{"params": [p], "split_heads": 4, "split_shapes": [4, 4]}], lr=0.1)
