@@ -153,6 +153,8 @@ def _named_parameters(model_or_named_params: Any) -> tuple[list[tuple[torch.Tens
 
 
 def _storage_key(p: torch.Tensor) -> tuple[str, int] | None:
+    if hasattr(p, "to_local"):  # a DTensor (FSDP2, tensor parallel): its shard's memory on this rank
+        p = p.to_local()
     if p.device.type == "meta" or p.numel() == 0:
         return None
     return (str(p.device), p.untyped_storage().data_ptr())

@@ -210,7 +210,7 @@ def test_one_step_equals_float64_per_matrix_muon(arch):
     assert checked > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss", "gpt2", "phi3", "deepseek_v3", "gpt_neox"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_one_trainer_step(arch, tmp_path):
     model = _model(arch)
 
@@ -280,5 +280,47 @@ def test_flat_lists_and_groups():
     groups, other = muon_param_groups(model, as_groups=True)
     batch = [g for g in groups if g.get("nd_mode") == "batch"]
     assert {id(p) for g in batch for p in g["params"]} == experts
+    from megatron_eopt.torch_optim import Muon as TorchFrontMuon
+
+    opt = TorchFrontMuon(groups, lr=0.02)  # torch.optim.Muon's front end takes the views' keys
+    ids = torch.randint(0, VOCAB, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
+    opt.step()
+    assert all(not torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if n in before)
     views = model_matrix_views(model)
     assert sum(v.kind == "router" for _, v in views.values()) == 2
+
+
+def test_build_optimizers_gives_views_to_its_muon_and_refuses_a_muon_without_them():
+    from megatron_eopt import build_optimizers
+
+    model = _model("gpt2")
+    (muon, adamw), table = build_optimizers(model)
+    layouts = {g.get("matrix_layout") for g in muon.param_groups}
+    assert layouts == {"in_out"} and any(g.get("split_shapes") == [H, H, H] for g in muon.param_groups)
+    with pytest.raises(ValueError, match=r"muon_cls 'Muon' takes no matrix views"):
+        build_optimizers(model, muon_cls=torch.optim.Muon)
+
+    class TorchMuon(torch.optim.Muon):
+        def __init__(self, params, scale_mode=None, **kwargs):  # build_optimizers' scale_mode: not torch's
+            super().__init__(params, **kwargs)
+
+    (muon, _), _ = build_optimizers(model, muon_cls=TorchMuon, views={
+        n: None for n, p in model.named_parameters() if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))})
+    assert isinstance(muon, torch.optim.Muon)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world_size", [2])
+def test_fsdp2_sharded_models_step_as_one_process(tmp_path, world_size):
+    """GPT-2 (Conv1D, fused QKV columns), Qwen3-MoE and gpt-oss (experts, routers) under fully_shard
+    on gloo ranks equal one process on the whole model, in owner and gather mode."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    import hf_fsdp2_worker
+
+    mp.spawn(hf_fsdp2_worker.worker, args=(world_size, os.path.join(tmp_path, "rendezvous")), nprocs=world_size,
+             join=True)

@@ -20,6 +20,10 @@ CASES = {
                                           weight_decay_method="cautious", row_equilibration=True,
                                           frobenius_renorm=True, ns_eps_mode="add", ns_norm_divisor=1.01,
                                           fp32_matmul_prec="highest"),
+    # model-routing views: a Conv1D-like fused QKV split along columns, a Conv1D-like plain weight
+    "muon_views": lambda ps, lr: Muon([{"params": ps[:1], "matrix_layout": "in_out", "split_shapes": [2, 1, 1]},
+                                       {"params": ps[1:2], "matrix_layout": "in_out"}, {"params": ps[2:]}],
+                                      lr=lr, weight_decay=0.1, nesterov=True, fp32_matmul_prec="highest"),
     "tp_muon_qkv": lambda ps, lr: TensorParallelMuon(
         ps,
         lr=lr,
@@ -49,6 +53,7 @@ CASES = {
         ("muon", "float", "cpu"),
         ("normuon", "tensor", "cpu"),
         ("recipe", "tensor", "cpu"),
+        ("muon_views", "tensor", "cpu"),
         ("tp_muon_qkv", "tensor", "cpu"),
         ("tp_adaptive_muon_qkv", "tensor", "cpu"),
         pytest.param("muon", "tensor", "cuda", marks=pytest.mark.gpu),
