@@ -78,8 +78,10 @@ class Route:
 class RoutingTable:
     """Every parameter with its optimizer and the rule that sent it there."""
 
-    def __init__(self, routes: Sequence[Route]):
+    def __init__(self, routes: Sequence[Route], muon_groups: Sequence[dict] = ()):
         self.routes: list[Route] = list(routes)
+        # The Muon parameters as param-group dicts, one per matrix view (its group keys).
+        self.muon_groups: list[dict] = list(muon_groups)
 
     def __iter__(self):
         return iter(self.routes)
@@ -184,9 +186,9 @@ def route_parameters(
 ) -> tuple[RoutingTable, dict[str, list]]:
     """The routing of :func:`build_optimizers` without building anything.
 
-    Returns the table and ``{"muon": [...], "adamw_decay": [...], "adamw_no_decay": [...]}``
-    (:func:`muon_param_groups` with ``as_groups=True`` gives the Muon side as param groups with
-    each view's ``nd_mode`` / ``matrix_layout`` / ``split_shapes`` keys).
+    Returns the table and ``{"muon": [...], "adamw_decay": [...], "adamw_no_decay": [...]}``.
+    The table's ``muon_groups`` are the Muon side as param-group dicts, one per matrix view, with
+    its ``nd_mode`` / ``matrix_layout`` / ``split_shapes`` keys.
     Rules, first match wins: frozen (``requires_grad=False``) → none; ``adamw_patterns`` →
     AdamW; an ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, a Megatron
     ``is_embedding_or_output_parameter`` tag, or an embedding name → AdamW; an output-head
@@ -200,29 +202,6 @@ def route_parameters(
     column. A pattern of ``adamw_patterns`` or a name of ``views`` that matches no parameter is a
     ValueError.
     """
-    table, groups, _ = _route(
-        model_or_named_params, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay,
-        embedding_patterns=embedding_patterns, head_patterns=head_patterns, adamw_patterns=adamw_patterns,
-        nd_mode=nd_mode, fused_gate_up=fused_gate_up, routers=routers, views=views, scale_mode=scale_mode,
-    )
-    return table, groups
-
-
-def _route(
-    model_or_named_params: Any,
-    *,
-    weight_decay: float = 0.0,
-    adamw_weight_decay: float | None = None,
-    embedding_patterns: Sequence[str] = DEFAULT_EMBEDDING_PATTERNS,
-    head_patterns: Sequence[str] = DEFAULT_HEAD_PATTERNS,
-    adamw_patterns: Sequence[str] = (),
-    nd_mode: str = "error",
-    fused_gate_up: str = "split",
-    routers: str = "adamw",
-    views: Mapping[str, Any] | None = None,
-    scale_mode: str = "shape_scaling",
-) -> tuple[RoutingTable, dict[str, list], list[dict]]:
-    """:func:`route_parameters`, and the Muon side as param groups, one per matrix view."""
     if nd_mode not in ("error", "flatten", "batch"):
         raise ValueError(f"nd_mode must be one of ['error', 'batch', 'flatten'], got {nd_mode!r}")
     if adamw_weight_decay is None:
@@ -355,7 +334,7 @@ def _route(
     param_groups = [
         dict({k: list(v) if isinstance(v, tuple) else v for k, v in keys}, params=ps) for keys, ps in muon_groups.items()
     ]
-    return RoutingTable(routes), groups, param_groups
+    return RoutingTable(routes, param_groups), groups
 
 
 def build_optimizers(
@@ -399,7 +378,7 @@ def build_optimizers(
     """
     kwargs: dict[str, Any] = {"scale_mode": "shape_scaling"}
     kwargs.update(muon_kwargs or {})
-    table, groups, muon_groups = _route(
+    table, groups = route_parameters(
         model_or_named_params,
         weight_decay=weight_decay,
         adamw_weight_decay=adamw_weight_decay,
@@ -415,6 +394,7 @@ def build_optimizers(
     if groups["muon"]:
         if muon_cls is None:
             from .optim import Muon as muon_cls
+        muon_groups = table.muon_groups
         if any(len(g) > 1 for g in muon_groups):
             from .optim.orthogonalized import OrthogonalizedOptimizer
 
@@ -475,7 +455,7 @@ def muon_param_groups(
     """
     if not isinstance(model_or_named_params, (nn.Module, Mapping)):
         model_or_named_params = list(model_or_named_params)  # read twice below
-    table, groups, muon_groups = _route(
+    table, groups = route_parameters(
         model_or_named_params,
         embedding_patterns=embedding_patterns,
         head_patterns=head_patterns,
@@ -487,6 +467,7 @@ def muon_param_groups(
     )
     if verbose:
         table.print()
+    muon_groups = table.muon_groups
     if as_groups:
         other = {id(p) for p in groups["adamw_decay"] + groups["adamw_no_decay"]}
         params = [p for p, _ in _named_parameters(model_or_named_params)[0]]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..optim.hybrid import HybridMuon
-from ..param_routing import DEFAULT_EMBEDDING_PATTERNS, DEFAULT_HEAD_PATTERNS, _route
+from ..param_routing import DEFAULT_EMBEDDING_PATTERNS, DEFAULT_HEAD_PATTERNS, route_parameters
 
 __all__ = ["MuonAdamWFactory", "MuonClipMixin", "build_muon_adamw"]  # and MuonClipTrainer, built on first use
 
@@ -74,7 +74,7 @@ def build_muon_adamw(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    table, routed, muon_groups = _route(
+    table, routed = route_parameters(
         model, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay,
         embedding_patterns=embedding_patterns, head_patterns=head_patterns, adamw_patterns=adamw_patterns,
         fused_gate_up=fused_gate_up, routers=routers, views=views,
@@ -82,7 +82,7 @@ def build_muon_adamw(
     )
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     groups = [
-        dict(g, use_muon=True, weight_decay=weight_decay) for g in muon_groups
+        dict(g, use_muon=True, weight_decay=weight_decay) for g in table.muon_groups
     ] + [
         {"params": routed["adamw_decay"], "use_muon": False, "weight_decay": adamw_wd},
         {"params": routed["adamw_no_decay"], "use_muon": False, "weight_decay": 0.0},

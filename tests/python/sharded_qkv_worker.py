@@ -37,6 +37,16 @@ OPTIMIZERS = [
 ]
 
 
+def step_both(opt, ref_opt, params, ref, grads, mesh, placements):
+    """Steps the sharded optimizer and the whole one on the same gradients."""
+    for step_grads in grads:
+        for p, r, g in zip(params, ref, step_grads):
+            p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
+            r.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+
+
 def check(mesh, placements, cls, extra, seed, sharded_mode):
     rows = GROUPS * sum(SPLIT)
     shapes = [(rows, 20), (12, 20)]  # the fused projection and a plain matrix beside it
@@ -52,12 +62,7 @@ def check(mesh, placements, cls, extra, seed, sharded_mode):
     opt.sharded_mode = sharded_mode  # the TensorParallel constructors take Megatron's arguments only
     opt._rebuild_plan()
     ref_opt = cls(ref, **kwargs)
-    for step_grads in grads:
-        for p, r, g in zip(params, ref, step_grads):
-            p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
-            r.grad = g.clone()
-        opt.step()
-        ref_opt.step()
+    step_both(opt, ref_opt, params, ref, grads, mesh, placements)
     where = f"{cls.__name__} {extra} {placements} {sharded_mode} on {mesh.size()} ranks"
     ran = {mode: n for mode, n in opt._sharded.matrices.items() if n}
     expected = {} if placements == [Replicate()] or mesh.size() == 1 else {sharded_mode: 2 * STEPS}
@@ -93,12 +98,7 @@ def check_columns(mesh, placements, moment2_method, seed, sharded_mode):
         return AdaptiveMuon(groups, moment2_method=moment2_method, **kwargs)
 
     opt, ref_opt = build(params), build(ref)
-    for step_grads in grads:
-        for p, r, g in zip(params, ref, step_grads):
-            p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
-            r.grad = g.clone()
-        opt.step()
-        ref_opt.step()
+    step_both(opt, ref_opt, params, ref, grads, mesh, placements)
     where = f"in_out {moment2_method} {placements} {sharded_mode} on {mesh.size()} ranks"
     for i, (p, r, t) in enumerate(zip(params, ref, full)):
         err = rel_err(p.full_tensor() - t, r.detach() - t)
