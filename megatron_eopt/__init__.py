@@ -42,7 +42,7 @@ from .ops import (
 from .second_moment import MOMENT2_METHODS, moment2_shape
 from . import low_memory_state  # noqa: E402
 from . import optim  # noqa: E402  (after the ops it is built on)
-from .optim._fused_step import in_place_newton_schulz, set_in_place_newton_schulz
+from .optim.step.fused import in_place_newton_schulz, set_in_place_newton_schulz
 from . import registry
 from .clipping import CLIP_POLICIES, GradNorms, clip_grad_norm_
 from .model_views import MatrixView, model_matrix_views

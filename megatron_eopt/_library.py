@@ -218,12 +218,26 @@ def cpu_symmetric_products(side: int = 2048) -> dict:
     return {**in_use, "available": available, "mode": mode}
 
 
+_cdll.megatron_eopt_cpu_product_plan_fields.restype = ctypes.c_char_p
+_cdll.megatron_eopt_cpu_product_plan_fields.argtypes = [ctypes.c_int]
+# The names of cpu_product_plan's seconds, choices and in-use entries, as the library lays them out.
+_PLAN_FIELDS = tuple(_cdll.megatron_eopt_cpu_product_plan_fields(i).decode().split(",") for i in range(3))
 _cdll.megatron_eopt_cpu_product_plan.restype = ctypes.c_int
 _cdll.megatron_eopt_cpu_product_plan.argtypes = [
-    ctypes.c_int64, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double),
-    ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double), ctypes.c_char_p,
+    ctypes.c_int64,
+    ctypes.POINTER(ctypes.c_int64),
+    ctypes.POINTER(ctypes.c_int64),
+    ctypes.POINTER(ctypes.c_double),
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.POINTER(ctypes.c_int),
+    ctypes.POINTER(ctypes.c_int64),
+    ctypes.POINTER(ctypes.c_double),
+    ctypes.c_char_p,
     ctypes.c_int64,
 ]
+# What each choice's flag means (True, False).
+_CHOICE_WORDS = {"symmetric_fp32": ("kernel", "gemm"), "symmetric_bf16": ("kernel", "gemm"), "medium": ("bf16", "fp32"),
+                 "gemm_fp32": ("panels", "full"), "gemm_bf16": ("panels", "full")}
 
 
 def cpu_product_plan(side: int = 2048) -> dict:
@@ -242,30 +256,27 @@ def cpu_product_plan(side: int = 2048) -> dict:
     applied) and ``bf16_speedup`` (how many times faster "medium"'s step products are in bf16 GEMMs
     than in fp32 ones: the weight of the Gram iteration's fp32 products in ``algorithm="auto"``)."""
     probe, depth = ctypes.c_int64(), ctypes.c_int64()
-    seconds = (ctypes.c_double * 8)()
-    choices, in_use = (ctypes.c_int * 5)(), (ctypes.c_int * 3)()
+    names, choice_names, in_use_names = _PLAN_FIELDS
+    seconds = (ctypes.c_double * len(names))()
+    choices, in_use = (ctypes.c_int * len(choice_names))(), (ctypes.c_int * len(in_use_names))()
+    sizes = (ctypes.c_int64 * 3)(*map(len, _PLAN_FIELDS))
     speedup = ctypes.c_double()
     error = ctypes.create_string_buffer(512)
     code = _cdll.megatron_eopt_cpu_product_plan(int(side), ctypes.byref(probe), ctypes.byref(depth), seconds,
-                                                choices, in_use, ctypes.byref(speedup), error, len(error))
+                                                choices, in_use, sizes, ctypes.byref(speedup), error, len(error))
     if code != 0:
         raise RuntimeError(f"cpu_product_plan: the measurement failed: {error.value.decode()}")
-    names = ("fp32_general", "fp32_full", "fp32_panels", "fp32_kernel",
-             "bf16_general", "bf16_full", "bf16_panels", "bf16_kernel")
 
-    def described(flags):
-        return {"symmetric_fp32": "kernel" if flags[0] else "gemm", "symmetric_bf16": "kernel" if flags[1] else "gemm",
-                "medium": "bf16" if flags[2] else "fp32"}
+    def described(fields, flags):
+        return {name: _CHOICE_WORDS[name][0 if flag else 1] for name, flag in zip(fields, flags)}
 
-    measured = described(choices)
-    measured["gemm_fp32"] = "panels" if choices[3] else "full"
-    measured["gemm_bf16"] = "panels" if choices[4] else "full"
+    measured = described(choice_names, choices)
 
     return {
         "probe": (probe.value, depth.value),
         "ms": {k: (v * 1e3 if v > 0 else None) for k, v in zip(names, seconds)},
         "measured": measured,
-        "in_use": described(in_use),
+        "in_use": described(in_use_names, in_use),
         "bf16_speedup": speedup.value,
     }
 

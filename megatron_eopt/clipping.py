@@ -14,9 +14,10 @@ matrix below Newton–Schulz's normalization eps, where the orthogonalized step 
   their own gradients; the orthogonalized matrices' gradients are left as they are;
 - ``"separate"``: each part clipped by its own norm.
 
-The "Muon part" is read from what is passed: the parameters of an orthogonalized optimizer
-(``megatron_eopt.optim``'s classes, ``torch.optim.Muon``, the snippet's and nanochat's
-``Muon`` / ``DistMuon``), of ``use_muon=True`` groups (``HybridMuon`` and its compat classes)
+The "Muon part" is read from what is passed: the parameters of an orthogonalized optimizer (a class
+that declares ``orthogonalizing = True``: ``megatron_eopt.optim``'s classes, the snippet's and
+nanochat's ``Muon`` / ``DistMuon``; and ``torch.optim.Muon`` and Emerging-Optimizers' classes,
+which cannot declare it), of ``use_muon=True`` groups (``HybridMuon`` and its compat classes)
 and of ``kind="muon"`` groups (nanochat's ``MuonAdamW``); any other optimizer's parameters are
 the AdamW part. Plain parameters need ``muon_params``: a collection of tensors, or a
 :class:`megatron_eopt.RoutingTable` with the parameters passed by name (a module, a
@@ -26,13 +27,16 @@ the AdamW part. Plain parameters need ``muon_params``: a collection of tensors, 
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["CLIP_POLICIES", "GradNorms", "clip_grad_norm_", "muon_and_other_params", "orthogonalizing_classes"]
+__all__ = ["CLIP_POLICIES", "DEFAULT_CLIP_POLICY", "GradNorms", "clip_grad_norm_", "is_orthogonalizing"]
 
 CLIP_POLICIES = ("global", "adamw", "separate")
+# The policy of clip_grad_norm_, of Megatron-LM's clip under install() and of MuonClipTrainer.
+DEFAULT_CLIP_POLICY = "adamw"
 
 
 class GradNorms(NamedTuple):
@@ -46,19 +50,14 @@ class GradNorms(NamedTuple):
     adamw: torch.Tensor
 
 
-# Emerging-Optimizers' base class of its orthogonalized optimizers (Megatron-LM's stock Muon), looked
-# up only where that package is already imported: an optimizer of it exists only then.
+# Orthogonalizing classes that cannot declare it: Emerging-Optimizers' base class (Megatron-LM's
+# stock Muon), looked up only where that package is already imported (an optimizer of it exists
+# only then), and torch's own Muon.
 _EO_ORTHOGONALIZED = ("emerging_optimizers.orthogonalized_optimizers.orthogonalized_optimizer", "OrthogonalizedOptimizer")
 
 
-def orthogonalizing_classes() -> tuple[type, ...]:
-    """The optimizer classes whose parameters are "the Muon part": ours, torch's Muon, the snippet's
-    and nanochat's, and Emerging-Optimizers' where it is imported."""
-    from .compat.nanochat import _NanochatMuonBase
-    from .compat.snippet import Muon as SnippetMuon
-    from .optim import OrthogonalizedOptimizer
-
-    classes: list[type] = [OrthogonalizedOptimizer, _NanochatMuonBase, SnippetMuon]
+def _foreign_orthogonalizing() -> tuple[type, ...]:
+    classes = []
     torch_muon = getattr(torch.optim, "Muon", None)
     if isinstance(torch_muon, type):
         classes.append(torch_muon)
@@ -66,6 +65,27 @@ def orthogonalizing_classes() -> tuple[type, ...]:
     if isinstance(eo, type):
         classes.append(eo)
     return tuple(classes)
+
+
+def is_orthogonalizing(optimizer: Any) -> bool:
+    """True when ``optimizer`` orthogonalizes all its parameters (its params are "the Muon part"
+    unless its groups say otherwise): its class declares ``orthogonalizing = True``, or it is a
+    ``torch.optim.Muon`` or an Emerging-Optimizers orthogonalized optimizer."""
+    return bool(getattr(type(optimizer), "orthogonalizing", False)) or isinstance(optimizer, _foreign_orthogonalizing())
+
+
+def orthogonalizing_classes() -> tuple[type, ...]:
+    """Deprecated: use :func:`is_orthogonalizing` (classes declare ``orthogonalizing = True``).
+    The loaded classes that declare it, and torch's and Emerging-Optimizers' orthogonalized ones."""
+    warnings.warn("megatron_eopt.clipping.orthogonalizing_classes is deprecated: use is_orthogonalizing(optimizer)",
+                  DeprecationWarning, stacklevel=2)
+    found, todo = [], [torch.optim.Optimizer]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.append(sub)
+                todo.append(sub)
+    return tuple(c for c in found if c.__dict__.get("orthogonalizing", False)) + _foreign_orthogonalizing()
 
 
 def _is_muon_group(optimizer: torch.optim.Optimizer, group: dict, whole: bool) -> bool:
@@ -77,11 +97,10 @@ def _is_muon_group(optimizer: torch.optim.Optimizer, group: dict, whole: bool) -
 
 
 def _optimizer_params(optimizers: list[torch.optim.Optimizer]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    classes = orthogonalizing_classes()
     muon: list[torch.Tensor] = []
     other: list[torch.Tensor] = []
     for opt in optimizers:
-        whole = isinstance(opt, classes)
+        whole = is_orthogonalizing(opt)
         for group in opt.param_groups:
             (muon if _is_muon_group(opt, group, whole) else other).extend(group["params"])
     return muon, other
@@ -110,8 +129,10 @@ def _as_optimizers(obj: Any) -> list[torch.optim.Optimizer] | None:
 
 def muon_and_other_params(parameters_or_optimizers: Any, muon_params: Any = None
                           ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.optim.Optimizer]]:
-    """``(muon_params, other_params, optimizers)`` as :func:`clip_grad_norm_` splits its input;
-    each parameter once (tied parameters are counted once), in the order given."""
+    """Deprecated (unused by the package; to be removed). ``(muon_params, other_params, optimizers)``
+    as :func:`clip_grad_norm_` splits its input; each parameter once, in the order given."""
+    warnings.warn("megatron_eopt.clipping.muon_and_other_params is deprecated and will be removed",
+                  DeprecationWarning, stacklevel=2)
     ordered, muon_ids, optimizers = _split(parameters_or_optimizers, muon_params)
     return ([p for p in ordered if id(p) in muon_ids], [p for p in ordered if id(p) not in muon_ids], optimizers)
 
@@ -230,7 +251,7 @@ def clip_grad_norm_(
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
     *,
-    policy: str = "adamw",
+    policy: str = DEFAULT_CLIP_POLICY,
     muon_params: Any = None,
     grad_scaler: Any = None,
     return_parts: bool = False,

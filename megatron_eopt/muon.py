@@ -25,7 +25,7 @@ from typing import Any
 
 from .compat._deprecation import _warn_once, _warned  # noqa: F401  (tests reset the once-only warnings)
 from .compat.aux_adam import MuonWithAuxAdam, SingleDeviceMuonWithAuxAdam
-from .compat.megatron_legacy import get_megatron_muon_optimizer
+from .integrations.megatron_legacy import get_megatron_muon_optimizer
 from .compat.motif import default_is_muon, get_default_muon_param_groups, parse_qk_layer
 from .compat.snippet import DistMuon, Muon, zeropower_via_newtonschulz5
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from .model_views import MatrixView, check_view_overrides, model_matrix_views
 from .newton_schulz import get_muon_scale_factor
+from .optim.matrix_view import check_nd_mode
 
 __all__ = [
     "DEFAULT_EMBEDDING_PATTERNS",
@@ -202,8 +203,7 @@ def route_parameters(
     column. A pattern of ``adamw_patterns`` or a name of ``views`` that matches no parameter is a
     ValueError.
     """
-    if nd_mode not in ("error", "flatten", "batch"):
-        raise ValueError(f"nd_mode must be one of ['error', 'batch', 'flatten'], got {nd_mode!r}")
+    check_nd_mode(nd_mode)
     if adamw_weight_decay is None:
         adamw_weight_decay = weight_decay
     flags = re.IGNORECASE

@@ -6,7 +6,6 @@
 #include <type_traits>
 
 #include "cpu/cpu_clones.h"
-#include "cpu/cpu_product_plan.h"
 #include "cpu/mirror_cpu.h"
 #include "cpu/scratch_cpu.h"
 #include "cpu/syrk_cpu.h"
@@ -156,17 +155,6 @@ void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blo
     }
     mirror_above_blocks(dt, blocks);
   }
-}
-
-void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
-  const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
-  gram_product_out(d, x, cpu_symmetric_on_kernel(type, x.size(1)) ? Tensor() : aten::mT(x), blocks);
-}
-
-void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks) {
-  const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
-  if (cpu_symmetric_on_kernel(type, x.size(1))) symmetric_kernel_out(d, x);
-  else symmetric_gemm_out(d, x, xt, cpu_symmetric_gemm_blocks(type, x.size(1), blocks));
 }
 
 void symmetric_kernel_out(Tensor& d, const Tensor& x) {

@@ -21,15 +21,6 @@ void gemm_out(Tensor& d, const Tensor& a, const Tensor& b);
 // (1: one full product).
 void symmetric_gemm_out(Tensor& d, const Tensor& a, const Tensor& b, int64_t blocks);
 
-// d = x . x^T for x (batch, s, k) with any strides (a transposed view included), d and x both
-// fp32 or both bf16: the Gram products W W^T, W^T W, G G (G symmetric) and R R. On the symmetric
-// kernel of syrk_cpu.h (symmetric_kernel_out) where the product plan runs it (cpu_product_plan.h:
-// measured on this CPU, or set), otherwise symmetric_gemm_out with `blocks` column panels.
-void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
-// The same with x^T given (a view the caller keeps across calls: each view made is a dispatcher
-// call, which shows on small matrices).
-void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks);
-
 // d = x . x^T on the symmetric kernel (needs syrk_available for d's type): only the upper
 // triangle's 8 x 32 tiles are multiplied; a packed copy of x is the scratch.
 void symmetric_kernel_out(Tensor& d, const Tensor& x);

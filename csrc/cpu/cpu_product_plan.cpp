@@ -6,6 +6,7 @@
 #include <cstring>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include "cpu/batched_gemm.h"
@@ -158,6 +159,22 @@ double cpu_bf16_speedup(int64_t side) {
   return choice.bf16_gemms ? choice.bf16_speedup : 1.0;
 }
 
+CpuIteration cpu_iteration(NsPrecision requested, int64_t side) {
+  const NsPrecision precision = cpu_iteration_precision(requested, side);
+  return {precision, precision == NsPrecision::kMedium ? cpu_bf16_speedup(side) : 1.0};
+}
+
+void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
+  const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
+  gram_product_out(d, x, cpu_symmetric_on_kernel(type, x.size(1)) ? Tensor() : aten::mT(x), blocks);
+}
+
+void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks) {
+  const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
+  if (cpu_symmetric_on_kernel(type, x.size(1))) symmetric_kernel_out(d, x);
+  else symmetric_gemm_out(d, x, xt, cpu_symmetric_gemm_blocks(type, x.size(1), blocks));
+}
+
 }  // namespace megatron_eopt
 
 // ctypes entry points of megatron_eopt.set_cpu_symmetric_products / cpu_product_plan.
@@ -172,23 +189,43 @@ MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_symmetric_products_setting() {
   return static_cast<int>(megatron_eopt::cpu_symmetric_products_setting());
 }
 
+// The entries of megatron_eopt_cpu_product_plan's arrays, comma-separated and in order (which: 0
+// seconds, 1 choices, 2 in_use): the caller sizes and names its arrays from these, so the layout
+// is written once, here.
+namespace {
+constexpr const char* kPlanFields[3] = {
+    "fp32_general,fp32_full,fp32_panels,fp32_kernel,bf16_general,bf16_full,bf16_panels,bf16_kernel",
+    "symmetric_fp32,symmetric_bf16,medium,gemm_fp32,gemm_bf16",
+    "symmetric_fp32,symmetric_bf16,medium",
+};
+constexpr int kPlanSizes[3] = {8, 5, 3};
+}  // namespace
+
+MEGATRON_EOPT_C_EXPORT const char* megatron_eopt_cpu_product_plan_fields(int which) {
+  return which >= 0 && which < 3 ? kPlanFields[which] : "";
+}
+
 // The measured plan of the class of `side` (measuring it on first use): the probe X's shape,
-// seconds[8] as in CpuProductSeconds, choices[5] = measured kernel_fp32, kernel_bf16, bf16_gemms,
-// panels_fp32, panels_bf16; in_use[3] = the first three with the settings applied; the bf16
-// speedup in use. Returns 0, or -1 when the measurement failed (message in `error`, up to
-// error_size bytes).
+// seconds as in CpuProductSeconds, choices = measured kernel_fp32, kernel_bf16, bf16_gemms,
+// panels_fp32, panels_bf16; in_use = the first three with the settings applied; the bf16 speedup
+// in use (the fields above, and their counts in `sizes`, which must match). Returns 0, or -1 when
+// the measurement failed or the sizes do not match (message in `error`, up to error_size bytes).
 MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_product_plan(int64_t side, int64_t* probe_side, int64_t* probe_depth,
-                                                          double* seconds, int* choices, int* in_use, double* speedup,
-                                                          char* error, int64_t error_size) {
+                                                          double* seconds, int* choices, int* in_use,
+                                                          const int64_t* sizes, double* speedup, char* error,
+                                                          int64_t error_size) {
   using namespace megatron_eopt;
   try {
+    for (int i = 0; i < 3; ++i) {
+      if (sizes[i] != kPlanSizes[i]) throw std::invalid_argument("cpu_product_plan: array sizes do not match its fields");
+    }
     const CpuProductPlan& plan = cpu_product_plan(side);
     *probe_side = plan.probe_side;
     *probe_depth = plan.probe_depth;
     const CpuProductSeconds& t = plan.seconds;
-    const double values[8] = {t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel,
+    const double values[kPlanSizes[0]] = {t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel,
                               t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel};
-    std::copy(values, values + 8, seconds);
+    std::copy(values, values + kPlanSizes[0], seconds);
     const CpuProductChoice& c = plan.choice;
     choices[0] = c.kernel_fp32, choices[1] = c.kernel_bf16, choices[2] = c.bf16_gemms;
     choices[3] = c.panels_fp32, choices[4] = c.panels_bf16;

@@ -23,6 +23,8 @@
 #include <cstdint>
 
 #include "cpu/syrk_cpu.h"
+#include "megatron_eopt/ns_precision.h"
+#include "ops/aten_ops.h"
 #include "megatron_eopt/cpu_product_choice.h"
 
 namespace megatron_eopt {
@@ -57,5 +59,24 @@ bool cpu_symmetric_on_kernel(SyrkType type, int64_t side);
 int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks);
 bool cpu_uses_bf16_gemms(int64_t side);
 double cpu_bf16_speedup(int64_t side);
+
+// The CPU Newton–Schulz's precision for a Gram side `side` (cpu_iteration_precision: "medium" of a
+// tiny side runs in fp32) and the speed-up of its "medium" products that weighs the algorithm
+// choice (1 outside "medium"): what run_newton_schulz_cpu runs, and what the ns_plan ABI reports.
+struct CpuIteration {
+  NsPrecision precision;
+  double bf16_speedup;
+};
+CpuIteration cpu_iteration(NsPrecision requested, int64_t side);
+
+// d = x . x^T for x (batch, s, k) with any strides (a transposed view included), d and x both
+// fp32 or both bf16: the Gram products W W^T, W^T W, G G (G symmetric) and R R. On the symmetric
+// kernel of syrk_cpu.h (symmetric_kernel_out) where this plan runs it (measured on this CPU, or
+// set), otherwise symmetric_gemm_out of batched_gemm.h with `blocks` column panels. The plan
+// dispatches here: batched_gemm.h holds the products it measures and knows nothing of it.
+void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
+// The same with x^T given (a view the caller keeps across calls: each view made is a dispatcher
+// call, which shows on small matrices).
+void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks);
 
 }  // namespace megatron_eopt

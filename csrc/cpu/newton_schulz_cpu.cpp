@@ -20,11 +20,11 @@ constexpr int64_t kPerMatrixMacsBf16 = int64_t{1} << 27;
 // before anything is written where x lies.
 void run_newton_schulz_cpu(const Tensor& x, Tensor& out, NsOptions opts) {
   const int64_t side = opts.transpose ? opts.cols : opts.rows;
-  opts.precision = cpu_iteration_precision(opts.precision, side);
+  const CpuIteration iteration = cpu_iteration(opts.precision, side);
+  opts.precision = iteration.precision;
   // The products mode is read once per call: every matrix of a batch runs alike.
-  const bool medium = opts.precision == NsPrecision::kMedium;
-  const bool bf16_gemms = medium && cpu_uses_bf16_gemms(side);
-  const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCpu, medium ? cpu_bf16_speedup(side) : 1.0);
+  const bool bf16_gemms = opts.precision == NsPrecision::kMedium && cpu_uses_bf16_gemms(side);
+  const NsAlgorithmChoice choice = resolve_ns_algorithm(opts, NsDevice::kCpu, iteration.bf16_speedup);
   const auto run = [&](const Tensor& part, Tensor& part_out) {
     if (choice.algorithm == NsAlgorithm::kGram) gram_newton_schulz_cpu(part, part_out, opts, choice.program);
     else standard_newton_schulz_cpu(part, part_out, opts, bf16_gemms);

@@ -12,6 +12,7 @@
 #include "cpu/newton_schulz_gram_cpu.h"
 
 #include "cpu/batched_gemm.h"
+#include "cpu/cpu_product_plan.h"
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/ns_gram_placement.h"

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu/batched_gemm.h"
+#include "cpu/cpu_product_plan.h"
 #include "cpu/newton_schulz_gram_cpu.h"
 #include "cpu/scratch_cpu.h"
 #include "megatron_eopt/ns_algorithm.h"

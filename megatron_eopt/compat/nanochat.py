@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam as adam_functional
 
 from ..optim._config import check_group_hyperparameters
-from ..optim._state_check import check_loaded_state
+from ..optim.step.state_check import check_loaded_state
 
 # nanochat's Polar Express rows (computed for 5 iterations, safety factor 2e-2, cushion 2; arXiv
 # 2505.16932); a step runs the first ns_steps of them.
@@ -367,6 +367,8 @@ class _RecipeState:
 
 class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
     """Muon / DistMuon of 22a71aa: groups by sorted shape, stacked state on each group's first param."""
+
+    orthogonalizing = True  # its parameters are "the Muon part" of a clip (megatron_eopt.clipping)
 
     _distributed = False
 

@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from ..optim._state_check import check_loaded_state
+from ..optim._closure import closure_loss
+from ..optim.step.state_check import check_loaded_state
 from . import motif
 from ._deprecation import _warn_once
 
@@ -180,6 +181,8 @@ class Muon(torch.optim.Optimizer):
     has none) gets this optimizer's default.
     """
 
+    orthogonalizing = True  # its parameters are "the Muon part" of a clip (megatron_eopt.clipping)
+
     _legacy_name = "Muon"
     __signature__ = _DispatchSignature()
 
@@ -324,10 +327,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._sync_hyperparameters()
         for p, handle, _ in self._handles:
             handle.grad = None if p.grad is None else p.grad.view(handle.shape)
@@ -341,7 +341,7 @@ class Muon(torch.optim.Optimizer):
 
 
 def _is_dtensor(t) -> bool:
-    from ..optim._sharded import is_dtensor
+    from ..optim.multirank.sharded import is_dtensor
 
     return is_dtensor(t)
 
@@ -426,7 +426,7 @@ class DistMuon(Muon):
         moves one buffer. Deterministic from the parameter list, so every rank agrees.
         """
         if self._exchanges is None:
-            from ..optim._sharded import ITEMS_PER_RANK, OwnerRoute, assign_owners, ns_flops
+            from ..optim.multirank.sharded import ITEMS_PER_RANK, OwnerRoute, assign_owners, ns_flops
 
             group = self._pg if self._pg is not None else dist.group.WORLD
             size = dist.get_world_size(group)
@@ -499,10 +499,7 @@ class DistMuon(Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         params = [p for group in self.param_groups for p in group["params"]]
         sharded = [_is_dtensor(p) for p in params]
         if any(sharded):
@@ -533,7 +530,7 @@ class DistMuon(Muon):
 
     def _exchange(self, route, items, chunks, owners) -> None:
         """Grads to the owners, the owners' fused step, new values back (one dtype and device)."""
-        from ..optim._sharded import OwnerExchange
+        from ..optim.multirank.sharded import OwnerExchange
 
         handles = [self._handles[i][1] for i in items]
         grads = [self._handles[i][0].grad for i in items]

@@ -39,11 +39,11 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import ParamsT
 
+from ..optim._closure import closure_loss
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
-from ..optim._plan import DEFAULT_WORKSPACE_MIB
 from ..optim._config import OrthogonalizationConfig, check_matmul_precision, make_config
-from ..optim._plan import Plan
-from ..optim._sharded import ND_MODES
+from ..optim.matrix_view import check_nd_mode, not_a_matrix
+from ..optim.step.plan import DEFAULT_WORKSPACE_MIB, Plan
 from ..optim.orthogonalized import OrthogonalizedOptimizer, _plan_matches
 from ..newton_schulz import NS_ALGORITHMS
 
@@ -75,7 +75,6 @@ _HAS_FOREACH = _torch_muon_takes_foreach()
 # the constructor becomes a default of every group (and so is saved with each group); a group that
 # lacks it (e.g. loaded from torch's checkpoint) falls back to the constructor's value, else to these.
 EXTENSION_DEFAULTS: dict[str, Any] = {"nd_mode": "error", "algorithm": "auto", "split_heads": None}
-_ND_MATRIX_MODES = ("batch", "flatten")  # nd_mode values under which a param of ndim > 2 is stepped
 
 
 def _check_extension_argument(key: str, value: Any) -> None:
@@ -90,8 +89,10 @@ def _check_extension_argument(key: str, value: Any) -> None:
 def _extension_value_problem(key: str, value: Any) -> str | None:
     """What is wrong with one value of an extension key (None: nothing), to follow the key's name."""
     if key == "nd_mode":
-        if not isinstance(value, str) or value not in ND_MODES:
-            return f"must be one of {list(ND_MODES)}, got {value!r}"
+        try:
+            check_nd_mode(value, "")
+        except ValueError as exc:
+            return str(exc).strip()
     elif key == "algorithm":
         if not isinstance(value, str) or value not in NS_ALGORITHMS:
             return f"must be one of {list(NS_ALGORITHMS)}, got {value!r}"
@@ -208,9 +209,9 @@ class Muon(OrthogonalizedOptimizer):
         self._init_fused(params, defaults, base, nd_mode=defaults.get("nd_mode", "error"), state_dtype=state_dtype,
                          state_block_size=state_block_size, workspace_mib=workspace_mib)
         for group in self.param_groups:
-            nd_matrices = self._option(group, "nd_mode") in _ND_MATRIX_MODES
+            nd_mode = self._option(group, "nd_mode")
             for p in group["params"]:
-                if p.ndim != 2 and not (nd_matrices and p.ndim > 2):
+                if not_a_matrix(p, nd_mode):
                     raise ValueError(
                         f"Muon only supports 2D parameters whereas we found a parameter with size: {p.size()}"
                     )
@@ -286,7 +287,7 @@ class Muon(OrthogonalizedOptimizer):
         # torch accepts any tensor at add_param_group: 2-D is checked for the constructor's params
         # (above), complex params and other shapes are refused at step. An N-D param a group's
         # nd_mode makes a matrix must have the matrix view (refused here, naming nd_mode).
-        if p.ndim > 2 and nd_mode in _ND_MATRIX_MODES and p.is_floating_point():
+        if p.ndim > 2 and not not_a_matrix(p, nd_mode) and p.is_floating_point():
             super()._check_param(p, nd_mode, where)
 
     @torch._disable_dynamo
@@ -316,7 +317,7 @@ class Muon(OrthogonalizedOptimizer):
             return None
         nd_mode = self._option(group, "nd_mode")
         for pi, p in enumerate(group["params"]):
-            if p.ndim < 2 or (p.ndim > 2 and nd_mode == "error"):
+            if not_a_matrix(p, nd_mode):
                 continue  # not a matrix: torch's own error, at step
             where = f"param_groups[{gi}]['params'][{pi}]"
             if p.ndim > 2 and nd_mode == "batch":
@@ -349,9 +350,9 @@ class Muon(OrthogonalizedOptimizer):
             if extension is not None:
                 return ValueError(extension)
             problem = self._settings(group)[1]
-            nd_matrices = self._option(group, "nd_mode") in _ND_MATRIX_MODES
+            nd_mode = self._option(group, "nd_mode")
             for p in with_grad:
-                if p.grad.ndim != 2 and not (nd_matrices and p.grad.ndim > 2):
+                if not_a_matrix(p.grad, nd_mode):
                     return ValueError("Param gradient must be a 2D matrix")
                 if problem is not None:
                     return ValueError(problem.format(gi=gi))
@@ -362,10 +363,7 @@ class Muon(OrthogonalizedOptimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step; ``closure`` (re-evaluates the model and returns the loss) runs first, with
         gradients enabled, and its loss is returned, as in torch."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._run_step()
         return loss
 

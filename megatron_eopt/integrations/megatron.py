@@ -21,6 +21,11 @@ whether or not the ``emerging-optimizers`` package is installed: Megatron-LM ref
 emerging-optimizer path without that package; our entries do not need it, so :func:`install`
 lifts that check (and :func:`uninstall` puts it back).
 
+Beside this module: ``megatron_clipping`` (the chained optimizers' clip), ``megatron_fsdp2``
+(Torch-FSDP2: the training script's argument check, the checkpoint guard), ``megatron_legacy``
+(Megatron-LM's older ``muon.py`` factory) and ``_megatron_patches`` (what install() changed in
+Megatron-LM's modules, for uninstall()).
+
 Usage::
 
     from megatron_eopt.integrations import megatron as eopt_megatron
@@ -41,6 +46,8 @@ import torch
 
 from .. import registry
 from . import megatron_clipping
+from ._megatron_patches import installed, is_ours, restore_globals, set_global
+from .megatron_fsdp2 import FSDP2_CKPT_FORMAT, allow_torch_fsdp2, guard_torch_dist_under_fsdp2  # noqa: F401 (re-exported)
 
 __all__ = [
     "MIN_MEGATRON_CORE",
@@ -58,7 +65,6 @@ _LOCK = threading.Lock()
 # name -> the Megatron entry ours replaced (None where the name was new); filled by install().
 _REPLACED: dict[str, Any] = {}
 # Megatron module globals changed by install(), with their previous values, for uninstall().
-_PATCHED_GLOBALS: list[tuple[Any, str, Any, bool]] = []
 
 
 class _LionNeedsEmergingOptimizers:
@@ -230,9 +236,9 @@ def _align_layer_wise_ownership(factory: Any) -> None:
     if not rule(probe):
         return  # this megatron-core already honours use_muon
     aligned = _layer_wise_rule_honouring_use_muon(rule)
-    _set_global(layer_wise, _LAYER_WISE_RULE, aligned)
+    set_global(layer_wise, _LAYER_WISE_RULE, aligned)
     if getattr(factory, _LAYER_WISE_RULE, None) is rule:
-        _set_global(factory, _LAYER_WISE_RULE, aligned)
+        set_global(factory, _LAYER_WISE_RULE, aligned)
 
 
 # The step's memory options install() sets for the optimizers its entries build: a key absent means
@@ -270,7 +276,7 @@ def _with_step_options(optimizer_cls: type, config_to_kwargs: Any) -> Any:
 def _to_megatron_entry(
     entry: registry.EmergingOptimizerEntry, emerging: Any, optimizer_config: Any, stock: Any = None
 ) -> Any:
-    megatrons_routing = stock is not None and not _is_ours(stock) and registry.uses_default_routing(entry)
+    megatrons_routing = stock is not None and not is_ours(stock) and registry.uses_default_routing(entry)
     if megatrons_routing:
         overrides = _megatron_routing(stock, optimizer_config)
     else:
@@ -285,16 +291,6 @@ def _to_megatron_entry(
     return megatron_entry
 
 
-def _is_ours(megatron_entry: Any) -> bool:
-    return getattr(megatron_entry, "_megatron_eopt", False)
-
-
-def _set_global(module: Any, name: str, value: Any) -> None:
-    had = hasattr(module, name)
-    _PATCHED_GLOBALS.append((module, name, getattr(module, name, None), had))
-    setattr(module, name, value)
-
-
 # Megatron-LM's module-level class names install(replace_classes=True) binds, and our classes.
 _CLASS_NAMES = ("TensorParallelMuon", "TensorParallelAdaptiveMuon")
 
@@ -306,7 +302,7 @@ def _bind_classes(emerging: Any) -> None:
     for name in _CLASS_NAMES:
         ours = getattr(optim, name)
         if getattr(emerging, name, None) is not ours:
-            _set_global(emerging, name, ours)
+            set_global(emerging, name, ours)
 
 
 def classes_replaced() -> bool:
@@ -395,7 +391,7 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
         table = emerging._EMERGING_OPTIMIZERS
         for name, entry in entries.items():
             current = table.get(name)
-            if current is not None and _is_ours(current) and current.optimizer_cls is entry.optimizer_cls:
+            if current is not None and is_ours(current) and current.optimizer_cls is entry.optimizer_cls:
                 continue
             stock = _REPLACED.get(name, current)
             megatron_entry = _to_megatron_entry(entry, emerging, optimizer_config, stock)
@@ -405,28 +401,28 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
             replaced[name] = current
             table[name] = megatron_entry
         _STEP_OPTIONS.update(options)
-        _guard_torch_dist_under_fsdp2()
+        guard_torch_dist_under_fsdp2()
         megatron_clipping.patch(importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer,
                                 clip_policy)
         if replace_classes:
             _bind_classes(emerging)
         # The layer-wise buffer rule follows the routing of use_muon = False only where our
         # entries route by Megatron's rule; an entry with its own overrides decides for itself.
-        if any(_is_ours(e) and getattr(e, "_megatrons_routing", False) for e in table.values()):
+        if any(is_ours(e) and getattr(e, "_megatrons_routing", False) for e in table.values()):
             _align_layer_wise_ownership(factory)
         # Megatron refuses its emerging-optimizer path without Emerging-Optimizers installed;
         # ours do not need it. Keep Lion (which does) failing with a clear ImportError.
         if not getattr(factory, "HAVE_EMERGING_OPTIMIZERS", True):
-            _set_global(factory, "HAVE_EMERGING_OPTIMIZERS", True)
+            set_global(factory, "HAVE_EMERGING_OPTIMIZERS", True)
             if not hasattr(factory, "Lion"):
-                _set_global(factory, "Lion", _LionNeedsEmergingOptimizers)
+                set_global(factory, "Lion", _LionNeedsEmergingOptimizers)
     return replaced
 
 
 def _check_step_options(options: dict[str, Any]) -> None:
     """Refuses a bad memory option at install() rather than at the first optimizer build."""
     from .. import low_memory_state as lms
-    from ..optim._plan import check_workspace_mib
+    from ..optim.step.plan import check_workspace_mib
 
     if "state_dtype" in options:
         lms.validate_state_dtype(options["state_dtype"])
@@ -434,100 +430,6 @@ def _check_step_options(options: dict[str, Any]) -> None:
         lms.validate_block_size(options["state_block_size"])
     if "workspace_mib" in options:
         check_workspace_mib(options["workspace_mib"])
-
-
-# The checkpoint format Megatron-LM's training script can use for an emerging optimizer under
-# Torch-FSDP2: torch.distributed.checkpoint of the module's and optimizer's state dicts.
-FSDP2_CKPT_FORMAT = "torch_dcp"
-
-
-def _torch_dist_under_fsdp2_error(original: Any) -> Any:
-    """``get_param_id_to_sharded_param_map`` that fails clearly where megatron-core cannot map FSDP2 parameters.
-
-    megatron-core keys the optimizer's parameters by ``id(param.to_local())`` and the model's sharded
-    tensors by the id of their local shard; where ``to_local()`` makes a new view on each call
-    (torch 2.14) nothing matches, for every optimizer, and the save stops at "Param id 0 does not
-    match any model sharded param". Where some DTensor parameter is left unmapped this raises first,
-    saying what to use instead; elsewhere it is megatron-core's function.
-    """
-
-    def get_param_id_to_sharded_param_map(model_sharded_state_dict: Any, optim_params_iter: Any) -> Any:
-        params = list(optim_params_iter)
-        mapped = original(model_sharded_state_dict, params)
-        unmapped = [i for i, p in enumerate(params) if hasattr(p, "device_mesh") and i not in mapped]
-        if unmapped:
-            raise ValueError(
-                f"Megatron's torch_dist optimizer checkpoint cannot find {len(unmapped)} Torch-FSDP2 (DTensor) "
-                f"parameters among the model's sharded tensors (torch {torch.__version__} makes a new local view "
-                "on each to_local(); this happens with every optimizer). Save with torch.distributed.checkpoint "
-                f"instead: --ckpt-format {FSDP2_CKPT_FORMAT} in Megatron-LM's training script, or dcp.save of the "
-                "module's and the optimizer's state_dict() (docs/megatron.md, \"Torch-FSDP2\")"
-            )
-        return mapped
-
-    get_param_id_to_sharded_param_map._megatron_eopt = True
-    return get_param_id_to_sharded_param_map
-
-
-def _guard_torch_dist_under_fsdp2() -> None:
-    module = importlib.import_module("megatron.core.optimizer.optimizer")
-    original = getattr(module, "get_param_id_to_sharded_param_map", None)
-    if original is not None and not getattr(original, "_megatron_eopt", False):
-        _set_global(module, "get_param_id_to_sharded_param_map", _torch_dist_under_fsdp2_error(original))
-
-
-def allow_torch_fsdp2() -> None:
-    """Lets Megatron-LM's training script take ``--use-torch-fsdp2`` with megatron-eopt's optimizer.
-
-    megatron-core's ``get_megatron_optimizer`` builds an emerging optimizer over FSDP2 (DTensor)
-    parameters, and ours keep every layout option there (or refuse it with an error); Megatron-LM's
-    argument check (``megatron.training.arguments.validate_args``) still refuses the combination
-    ("Emerging optimizer does not support Torch-FSDP2 for now"). After this call that one refusal
-    is lifted for an optimizer name whose entry is megatron-eopt's (see :func:`installed`); every
-    other check runs as before. Under FSDP2 the run must use ``--ckpt-format torch_dcp`` (its
-    ``torch_dist`` optimizer checkpoint cannot find FSDP2's parameters, for any optimizer), and
-    ``--use-distributed-optimizer`` / ``dist_muon`` stay refused (FSDP2 shards the state already):
-    both are a ValueError from the check. :func:`uninstall` puts the check back.
-    """
-    arguments = importlib.import_module("megatron.training.arguments")
-    original = arguments.validate_args
-    if getattr(original, "_megatron_eopt", False):
-        return
-
-    def validate_args(args: Any, defaults: dict | None = None) -> Any:
-        name = getattr(args, "optimizer", None)
-        if not (getattr(args, "use_torch_fsdp2", False) and name in installed()):
-            return original(args, {} if defaults is None else defaults)
-        if getattr(args, "use_distributed_optimizer", False):
-            raise ValueError(
-                f"--optimizer {name} with --use-torch-fsdp2 takes no --use-distributed-optimizer: FSDP2 "
-                "already shards the optimizer state"
-            )
-        if getattr(args, "ckpt_format", None) != FSDP2_CKPT_FORMAT:
-            raise ValueError(
-                f"--optimizer {name} with --use-torch-fsdp2 needs --ckpt-format {FSDP2_CKPT_FORMAT} (got "
-                f"{getattr(args, 'ckpt_format', None)!r}): megatron-core's torch_dist optimizer checkpoint "
-                "cannot match FSDP2's DTensor parameters"
-            )
-        # Megatron-LM's check refuses every optimizer but sgd / adam with FSDP2; it reads the name in
-        # three places only (that refusal, dist_muon's conversion, Megatron-FSDP's refusal), so
-        # validating under "adam" lifts the refusal and nothing else.
-        args.optimizer = "adam"
-        try:
-            return original(args, {} if defaults is None else defaults)
-        finally:
-            args.optimizer = name
-
-    validate_args._megatron_eopt = True
-    _set_global(arguments, "validate_args", validate_args)
-
-
-def installed() -> list[str]:
-    """Names whose Megatron-LM registry entry is currently megatron-eopt's."""
-    if "megatron.core.optimizer.emerging_optimizers" not in sys.modules:
-        return []
-    table = sys.modules["megatron.core.optimizer.emerging_optimizers"]._EMERGING_OPTIMIZERS
-    return sorted(name for name, entry in table.items() if _is_ours(entry))
 
 
 def uninstall() -> None:
@@ -545,9 +447,4 @@ def uninstall() -> None:
         _REPLACED.clear()
         _STEP_OPTIONS.clear()
         megatron_clipping.unpatch()
-        while _PATCHED_GLOBALS:
-            module, name, value, had = _PATCHED_GLOBALS.pop()
-            if had:
-                setattr(module, name, value)
-            else:
-                delattr(module, name)
+        restore_globals()

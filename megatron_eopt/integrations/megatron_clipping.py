@@ -33,13 +33,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..clipping import CLIP_POLICIES, orthogonalizing_classes
+from ..clipping import CLIP_POLICIES, DEFAULT_CLIP_POLICY, is_orthogonalizing
 
 __all__ = ["CONFIG_FIELD", "DEFAULT_POLICY", "check_policy", "patch", "policy", "unpatch"]
 
 # An OptimizerConfig attribute of this name chooses the policy of the optimizers built from it.
 CONFIG_FIELD = "muon_clip_policy"
-DEFAULT_POLICY = "adamw"
+DEFAULT_POLICY = DEFAULT_CLIP_POLICY
 
 _STATE: dict[str, Any] = {"policy": DEFAULT_POLICY, "original": None, "chained": None}
 _WORLD = object()  # stands for the default (world) process group as a reduction key
@@ -75,7 +75,6 @@ def _layer_wise_class() -> type | None:
 def _leaves(chained: Any) -> list[_Leaf]:
     """The sub-optimizers of ``chained``, nested chains (a layer-wise optimizer in a chain) flattened."""
     layer_wise = _layer_wise_class()
-    classes = orthogonalizing_classes()
     leaves: list[_Leaf] = []
 
     def visit(opt: Any, config: Any, group: Any) -> None:
@@ -90,7 +89,7 @@ def _leaves(chained: Any) -> list[_Leaf]:
             return
         if group is None:
             group = opt.get_grad_stats_parallel_group()
-        leaves.append(_Leaf(opt, config, group, isinstance(getattr(opt, "optimizer", None), classes)))
+        leaves.append(_Leaf(opt, config, group, is_orthogonalizing(getattr(opt, "optimizer", None))))
 
     # Megatron reads clip_grad and the skip threshold from each of the step's own children.
     top_group = _WORLD if layer_wise is not None and isinstance(chained, layer_wise) else None

@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..clipping import DEFAULT_CLIP_POLICY
 from ..optim.hybrid import HybridMuon
 from ..param_routing import DEFAULT_EMBEDDING_PATTERNS, DEFAULT_HEAD_PATTERNS, route_parameters
 
@@ -122,7 +123,7 @@ class MuonClipMixin:
     model parallelism keep Trainer's own clip (their gradients are the engine's).
     """
 
-    muon_clip_policy: str = "adamw"
+    muon_clip_policy: str = DEFAULT_CLIP_POLICY
     grad_norm_parts: Any = None
 
     def _clip_grad_norm(self, model):  # Trainer's hook (transformers 5.x)

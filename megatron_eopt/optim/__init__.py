@@ -1,6 +1,10 @@
-"""Optimizers of the Muon family built on the fused ops of ``megatron_eopt``."""
+"""Optimizers of the Muon family built on the fused ops of ``megatron_eopt``.
 
-from ._low_memory import dequantize_state_dict, state_bytes
+The classes live here; the fused step they share in :mod:`.step`, the work across ranks (DTensor
+shards, tensor parallelism, rank agreement) in :mod:`.multirank`, and which matrices a parameter
+holds (``nd_mode``, ``matrix_layout``, ``split_shapes``) in :mod:`.matrix_view`.
+"""
+
 from .adaptive_muon import AdaptiveMuon
 from .hybrid import HybridMuon
 from .mop import MOP
@@ -11,6 +15,7 @@ from .orthogonalized import OrthogonalizedOptimizer
 from .polargrad import PolarGrad
 from .scion import Scion
 from .spel import Spel
+from .step.low_memory import dequantize_state_dict, state_bytes
 from .tensor_parallel import TensorParallelAdaptiveMuon, TensorParallelMuon
 from .weight_update_hooks import HyperballHook, NoOpWeightUpdateHook, RadialBrakeHook, RelativeUpdateHook
 

@@ -16,12 +16,13 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch.optim.adam import adam as adam_functional
 
-from ._offload import StateOffload
-from ._state_check import check_loaded_state, like_param
-from . import _low_memory
+from ._closure import closure_loss
+from .step.offload import StateOffload
+from .step.state_check import check_loaded_state, like_param
+from .step import low_memory as _low_memory
 from .adaptive_muon import AdaptiveMuon
 from .muon import Muon
-from ._sharded import is_dtensor
+from .multirank.sharded import is_dtensor
 from .qk_clip import ClipConfig, ClipTarget, parse_target, plan_clip, scale_row_blocks_
 
 # Keys that belong to the AdamW side of a group; the Muon side ignores them.
@@ -42,7 +43,7 @@ class HybridMuon(torch.optim.Optimizer):
     AdamW groups' defaults. ``clip_config`` (Motif's dict: ``threshold``, ``head_dim``,
     optionally ``q_indices`` / ``k_indices``) turns on QK-clip: ``step(qk_logits={layer: (heads,)
     max logits})``. ``cpu_offload=True`` keeps the state in (pinned) host memory between steps
-    (see ``_offload``: ``opt.state`` waits for the step's copies to the host before it is read).
+    (see ``step.offload``: ``opt.state`` waits for the step's copies to the host before it is read).
     Every check of a step's input (gradients of both sides, ``qk_logits``) runs before any
     parameter or state changes.
     """
@@ -228,7 +229,7 @@ class HybridMuon(torch.optim.Optimizer):
         self._offload.refuse("load_state_dict()")
         held = {}
         muon = self._muon
-        if muon is not None and muon._config is not None:  # the Muon side's state_dtype (see _low_memory)
+        if muon is not None and muon._config is not None:  # the Muon side's state_dtype (see step.low_memory)
             mine = {id(q) for g in muon.param_groups for q in g["params"]}
             state_dict, held = _low_memory.split_state_dict(
                 self, state_dict, lambda p: muon._low_memory_target(p) if id(p) in mine else None)
@@ -333,10 +334,7 @@ class HybridMuon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None, qk_logits: Mapping[int, torch.Tensor] | None = None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self._check_step_input(qk_logits)
         self._offload.bring_in()
         # Compiled, the AdamW side's state is created before the Muon side's: Dynamo runs torch's

@@ -9,7 +9,7 @@ from torch.optim.optimizer import ParamsT
 from ..newton_schulz import NS_EPS
 from ._config import fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
-from ._plan import DEFAULT_WORKSPACE_MIB
+from .step.plan import DEFAULT_WORKSPACE_MIB
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 

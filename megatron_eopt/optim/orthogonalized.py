@@ -1,6 +1,6 @@
 """The fused step shared by Muon, AdaptiveMuon and their tensor-parallel variants.
 
-Per step, with the parameters grouped once (see ``_plan``), for each *chunk* (the matrices whose
+Per step, with the parameters grouped once (see ``step.plan``), for each *chunk* (the matrices whose
 Newton–Schulz buffers fit the workspace budget ``workspace_mib`` together; small models are one
 chunk, a large matrix is a chunk of its own, so the step's transient memory is bounded by the
 budget or by the largest matrix, not by the size of the model):
@@ -9,7 +9,7 @@ budget or by the largest matrix, not by the size of the model):
    Nesterov — writing the Newton–Schulz inputs straight into a stacked fp32 (k, m, n) buffer per
    stack (views of one flat buffer per device, reused by every chunk of the step);
 2. per stack: one batched ``newton_schulz`` (QKV projections: ``newton_schulz_split``; tensor
-   parallel: see ``_distributed``);
+   parallel: see ``multirank.tensor_parallel``);
 3. AdaptiveMuon: per bucket one second-moment normalization launch on the raw NS output;
 4. per bucket: one ``foreach_update_`` applying decoupled / independent / PaLM decay and
    ``p -= lr * scale * update`` with per-tensor scales.
@@ -30,7 +30,7 @@ only the parameters the override handles itself cost extra. EO's other extension
 weight-update hooks of ``weight_update_hooks`` run batched inside the fused step.
 
 The class holds the configuration, the plan and ``step()``; the rest lives in one module per
-concern, mixed in: ``_state`` (state creation, shapes, loading, saving), ``_fused_step`` (the
+concern, mixed in: ``step.state`` (state creation, shapes, loading, saving), ``step.fused`` (the
 phases above), ``_eo_hooks`` (EO's extension points, its per-parameter step and the timing of its
 errors).
 
@@ -57,31 +57,23 @@ from ._config import (
     config_setting_names,
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
-from ._fused_step import FusedStep
-from ._matrix_view import check_matrix_view_keys
-from ._step_layout import cached_step_layouts, step_layouts
-from ._state import FusedState
-from .weight_update_hooks import NoOpWeightUpdateHook
-from ._rank_agreement import agree, meshes_of, plan_digest
-from ._plan import (
+from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
+from .multirank.agreement import agree, meshes_of, plan_digest
+from .multirank.sharded import SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor
+from .multirank.tensor_parallel import TPLayout
+from .step import low_memory as _low_memory
+from .step.fused import FusedStep
+from .step.layout import cached_step_layouts, step_layouts
+from .step.plan import (
     DEFAULT_WORKSPACE_MIB,
     Plan,
-    TPLayout,
     build_plan,
     check_workspace_mib,
     chunk_entries,
-    not_a_matrix,
     workspace_budget_bytes,
 )
-from ._sharded import (
-    ND_MODES,
-    SHARDED_MODES,
-    ShardedOrthogonalizer,
-    describe,
-    is_dtensor,
-    matrix_view,
-)
-from . import _low_memory
+from .step.state import FusedState
+from .weight_update_hooks import NoOpWeightUpdateHook
 from .. import low_memory_state as lms
 
 
@@ -109,6 +101,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
     the per-group values are still checked at construction.
     """
 
+    orthogonalizing = True  # its parameters are "the Muon part" of a clip (megatron_eopt.clipping)
     # Emerging-Optimizers 0.4's timing of the errors above; the tensor-parallel classes keep
     # refusing at construction, as before (Megatron-LM never hands them such parameters).
     _eo_step_time_errors = True
@@ -191,8 +184,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         self._state_seeds: dict[torch.device, torch.Tensor] = {}
         self._deferred_error = deferred_error
         self._weight_update_hook = _effective_hook(weight_update_hook)
-        if nd_mode not in ND_MODES:
-            raise ValueError(f"nd_mode must be one of {list(ND_MODES)}, got {nd_mode!r}")
+        check_nd_mode(nd_mode)
         if sharded_mode not in SHARDED_MODES:
             raise ValueError(f"sharded_mode must be one of {list(SHARDED_MODES)}, got {sharded_mode!r}")
         self.nd_mode = nd_mode
@@ -232,8 +224,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         error = None
         try:
             nd_mode = group.get("nd_mode", self.nd_mode)
-            if nd_mode not in ND_MODES:
-                raise ValueError(f"param_groups[{gi}]['nd_mode'] must be one of {list(ND_MODES)}, got {nd_mode!r}")
+            check_nd_mode(nd_mode, f"param_groups[{gi}]['nd_mode']")
             check_matrix_view_keys(group, f"param_groups[{gi}]")
             mesh = None
             for pi, p in enumerate(group["params"]):

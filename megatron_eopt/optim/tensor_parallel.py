@@ -27,8 +27,8 @@ from ..newton_schulz import NS_EPS_EO_030
 from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
-from ._plan import DEFAULT_WORKSPACE_MIB
-from ._plan import TPLayout
+from .step.plan import DEFAULT_WORKSPACE_MIB
+from .multirank.tensor_parallel import TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 

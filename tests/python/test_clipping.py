@@ -99,25 +99,25 @@ def test_default_policy_is_adamw_and_parts_are_returned():
     assert all(isinstance(t, torch.Tensor) and t.ndim == 0 for t in norms)
 
 
-@pytest.mark.parametrize("policy", ["adamw", "separate"])
-def test_hybrid_muon(policy):
-    model = _model()
-    named = dict(model.named_parameters())
-    opt = HybridMuon([dict(params=[named[n] for n in MUON_NAMES], use_muon=True),
-                      dict(params=[p for n, p in named.items() if n not in MUON_NAMES], use_muon=False)])
-    before = _grads(model)
-    _check_policy(model, before, policy, me.clip_grad_norm_(opt, 1.0, policy=policy), 1.0)
+def _hybrid_muon(named):
+    return HybridMuon([dict(params=[named[n] for n in MUON_NAMES], use_muon=True),
+                       dict(params=[p for n, p in named.items() if n not in MUON_NAMES], use_muon=False)])
 
 
-@pytest.mark.parametrize("policy", ["adamw", "separate"])
-def test_nanochat_muon_adamw(policy):
-    model = _model()
-    named = dict(model.named_parameters())
+def _nanochat_muon_adamw(named):
     groups = [dict(kind="adamw", params=[p for n, p in named.items() if n not in MUON_NAMES], lr=0.01,
                    betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)]
     groups += [dict(kind="muon", params=[named[n]], lr=0.02, momentum=0.95, ns_steps=5, beta2=0.9, weight_decay=0.0)
                for n in MUON_NAMES]
-    opt = nanochat.MuonAdamW(groups)
+    return nanochat.MuonAdamW(groups)
+
+
+@pytest.mark.parametrize("policy", ["adamw", "separate"])
+@pytest.mark.parametrize("build", [_hybrid_muon, _nanochat_muon_adamw], ids=["hybrid_muon", "nanochat_muon_adamw"])
+def test_optimizers_with_muon_and_adamw_groups(policy, build):
+    """HybridMuon's use_muon groups and nanochat MuonAdamW's kind groups tell the two parts."""
+    model = _model()
+    opt = build(dict(model.named_parameters()))
     before = _grads(model)
     _check_policy(model, before, policy, me.clip_grad_norm_(opt, 1.0, policy=policy), 1.0)
 
@@ -274,3 +274,33 @@ def test_ns_inputs_below_eps_count(optimizer_cls, monkeypatch):
     count = opt.ns_inputs_below_eps
     monkeypatch.undo()
     assert count.item() == 0
+
+
+def test_optimizers_declare_themselves_orthogonalizing():
+    from megatron_eopt.clipping import is_orthogonalizing
+    from megatron_eopt.muon import Muon as SnippetMuon
+    from megatron_eopt.nanochat import Muon as NanochatMuon
+    from megatron_eopt.optim import AdaptiveMuon, HybridMuon, Muon
+
+    w = [torch.nn.Parameter(torch.randn(4, 4))]
+    for opt in (Muon(w, lr=0.1), AdaptiveMuon(w, 0.1, 0.9, 0.0), SnippetMuon(w, lr=0.1), NanochatMuon(w, lr=0.1),
+                torch.optim.Muon(w, lr=0.1)):
+        assert is_orthogonalizing(opt), type(opt)
+    for opt in (torch.optim.AdamW(w), HybridMuon([{"params": w, "use_muon": True}], lr=0.1)):
+        assert not is_orthogonalizing(opt), type(opt)  # HybridMuon: its groups say which part
+
+
+def test_deprecated_names_warn_and_still_work():
+    import megatron_eopt.clipping as clipping
+    from megatron_eopt.optim import Muon
+
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    b = torch.nn.Parameter(torch.randn(4))
+    opts = [Muon([w], lr=0.1), torch.optim.AdamW([b])]
+    with pytest.warns(DeprecationWarning, match="muon_and_other_params is deprecated"):
+        muon, other, optimizers = clipping.muon_and_other_params(opts)
+    assert muon == [w] and other == [b] and optimizers == opts
+    with pytest.warns(DeprecationWarning, match="orthogonalizing_classes is deprecated"):
+        classes = clipping.orthogonalizing_classes()
+    assert Muon in classes or any(issubclass(Muon, c) for c in classes)
+    assert "muon_and_other_params" not in clipping.__all__

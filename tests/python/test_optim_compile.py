@@ -307,7 +307,7 @@ def test_host_values_reach_a_device_buffer_by_a_fill_not_a_host_copy():
     # memory would synchronize with the device on every step. (A meta buffer stands in for a GPU.)
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_eopt.optim._fused_step import _host_value, _write_scalar
+    from megatron_eopt.optim.step.fused import _host_value, _write_scalar
 
     class Ops(TorchDispatchMode):
         def __init__(self):

@@ -24,7 +24,7 @@ from megatron_eopt.optim import (
     TensorParallelAdaptiveMuon,
     TensorParallelMuon,
 )
-from megatron_eopt.optim._plan import (
+from megatron_eopt.optim.step.plan import (
     AUTO_WORKSPACE_MIB_CPU,
     AUTO_WORKSPACE_MIB_GPU,
     DEFAULT_WORKSPACE_MIB,
@@ -33,7 +33,7 @@ from megatron_eopt.optim._plan import (
     entry_step_bytes,
     workspace_budget_bytes,
 )
-from megatron_eopt.optim._step_layout import step_layouts
+from megatron_eopt.optim.step.layout import step_layouts
 from megatron_eopt.torch_optim import Muon as TorchOptimMuon
 from optim_helpers import (
     clone_params,
@@ -120,7 +120,7 @@ def _fewest_runs_then_smallest_largest(sizes, budget):
 
 @pytest.mark.parametrize("seed", range(60))
 def test_a_stack_is_cut_into_the_fewest_pieces_with_the_smallest_largest_piece(seed):
-    from megatron_eopt.optim._plan import _even_pieces
+    from megatron_eopt.optim.step.plan import _even_pieces
 
     rng = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 11, (1,), generator=rng))
@@ -528,7 +528,7 @@ def test_a_chunk_s_results_are_freed_before_the_next_chunk_starts(name, monkeypa
     out-of-place op, NAMO, QKV splits, tensor parallelism)."""
     import weakref
 
-    from megatron_eopt.optim import _fused_step
+    from megatron_eopt.optim.step import fused as _fused_step
 
     if name == "muon_out_of_place":  # the CPU step's results take their inputs' memory otherwise
         monkeypatch.setattr(_fused_step, "_IN_PLACE_DEVICE_TYPES", set())

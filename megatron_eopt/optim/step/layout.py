@@ -9,14 +9,11 @@ is host-bound (benchmarks/op_overhead.py), and this bookkeeping was a fifth of i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from ._sharded import is_dtensor
-
-if TYPE_CHECKING:  # the plan holds this module's cache
-    from ._plan import Plan
+from ..multirank.sharded import is_dtensor
+from .plan import Plan  # the plan holds this module's cache
 
 # Each stack's NS input starts this many floats (256 bytes) into the flat buffer after the previous
 # one, as a tensor of its own would be aligned: vectorized kernels and cuBLASLt see the same

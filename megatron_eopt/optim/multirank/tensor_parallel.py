@@ -14,14 +14,30 @@ What runs where:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
-from ._config import OrthogonalizationConfig
-from ._plan import QKVSplit, TPLayout
+from ...ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
+from .._config import OrthogonalizationConfig
+from ..matrix_view import QKVSplit
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How one parameter is sharded over a tensor-parallel group (Megatron's partition_dim)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    partition_dim: int  # 0: rows are sharded, 1: columns are sharded
+    mode: str  # "duplicated" | "distributed"
+
+    @property
+    def key(self) -> tuple:
+        return (id(self.group), self.partition_dim, self.mode)
 
 
 def gather_shards(x: torch.Tensor, tp: TPLayout) -> torch.Tensor:

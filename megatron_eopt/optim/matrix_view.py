@@ -18,13 +18,71 @@ Both combine with ``nd_mode="batch"`` (a split per expert of a fused (E, 2I, H) 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
 
+# What a param of more than two dims is: refused ("error"), a batch of matrices over its leading
+# dims ("batch": MoE experts (E, m, n)) or one matrix (size(0), -1) ("flatten": convolutions).
+ND_MODES = ("error", "batch", "flatten")
 MATRIX_LAYOUTS = ("out_in", "in_out")
 VIEW_KEYS = ("matrix_layout", "split_shapes")
+
+
+def matrix_view(shape: tuple[int, ...], nd_mode: str) -> tuple[int, ...]:
+    """The matrix view of a param shape: 2-D as is; more dims: (size(0), -1) for "flatten",
+    (prod(leading), m, n) for "batch"."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) <= 2:
+        return shape
+    if nd_mode == "flatten":
+        return (shape[0], math.prod(shape[1:]))
+    return (math.prod(shape[:-2]), shape[-2], shape[-1])
+
+
+def not_a_matrix(p: torch.Tensor, nd_mode: str) -> bool:
+    """True when ``p`` has no matrix view under ``nd_mode`` (0-D / 1-D, or N-D with "error")."""
+    return p.ndim < 2 or (p.ndim > 2 and nd_mode == "error")
+
+
+def check_nd_mode(value: Any, where: str = "nd_mode") -> None:
+    """ValueError naming ``where`` unless ``value`` is one of :data:`ND_MODES`."""
+    if not isinstance(value, str) or value not in ND_MODES:
+        raise ValueError(f"{where} must be one of {list(ND_MODES)}, got {value!r}")
+
+
+@dataclass
+class QKVSplit:
+    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8).
+
+    ``columns``: the projection is stored (in, out) (``matrix_layout="in_out"``: a Conv1D, a transposed
+    expert), so its output rows are the stored matrix's columns and the split runs along them."""
+
+    sizes: tuple[int, ...]
+    local_groups: int  # query groups in the local rows
+    global_groups: int  # query groups in the global (unsharded) rows
+    columns: bool = False
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+def qkv_split(sizes, local_shape, global_shape, where: str, columns: bool = False) -> QKVSplit:
+    sizes = tuple(int(s) for s in sizes)
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"{where}: qkv_split_shapes must be positive sizes, got {list(sizes)}")
+    total = sum(sizes)
+    axis = -1 if columns else -2  # the projection's output rows (the last two dims are one matrix)
+    if local_shape[axis] % total != 0:
+        what = "columns (matrix_layout='in_out')" if columns else "rows"
+        raise ValueError(
+            f"{where}: QKV split shape mismatch: {what} {local_shape[axis]} of shape {tuple(local_shape)} are not a "
+            f"multiple of sum(qkv_split_shapes) = {total} (split shapes {list(sizes)})"
+        )
+    return QKVSplit(sizes, local_shape[axis] // total, global_shape[axis] // total, columns)
 
 
 @dataclass(frozen=True)

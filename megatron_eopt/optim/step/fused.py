@@ -13,22 +13,22 @@ from typing import Any
 
 import torch
 
-from .. import low_memory_state as lms
-from .. import ops
-from .._errors import call_op
-from ..second_moment import moment2_view
-from ._config import check_step_value
-from ._distributed import (
+from ... import low_memory_state as lms
+from ... import ops
+from ..._errors import call_op
+from ...second_moment import moment2_view
+from .._config import check_step_value
+from ..multirank.tensor_parallel import (
     distributed_orthogonalize,
     gather_shards,
     local_chunk,
     tp_namo_normalize_,
     tp_normuon_normalize_,
 )
-from ._matrix_view import split_newton_schulz
-from ._plan import Plan, QKVSplit, Stack
-from ._sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
-from ._step_layout import ChunkLayout, buffer_floats
+from ..matrix_view import QKVSplit, split_newton_schulz
+from .plan import Plan, Stack
+from ..multirank.sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
+from .layout import ChunkLayout, buffer_floats
 
 _OPS = torch.ops.megatron_eopt
 
@@ -214,7 +214,7 @@ class FusedStep:
 
     def _orthogonalize_phase(self, plan: Plan, members: list[int], ns_inputs: dict,
                              stacked: dict) -> tuple[dict, dict]:
-        """2. Newton–Schulz per stack (sharded matrices: owner or gather mode, see _sharded), then a
+        """2. Newton–Schulz per stack (sharded matrices: owner or gather mode, see multirank.sharded), then a
         subclass's orthogonalize() override. Returns the raw updates and their scales."""
         entries = plan.entries
         updates: dict[int, torch.Tensor] = {}

@@ -41,8 +41,8 @@ from typing import Any, Mapping
 
 import torch
 
-from .. import low_memory_state as lms
-from ._sharded import is_dtensor, local
+from ... import low_memory_state as lms
+from ..multirank.sharded import is_dtensor, local
 
 MOMENTUM = "momentum_buffer"
 MOMENT2 = "moment2_buffer"
@@ -117,7 +117,7 @@ def check_sharding(p: torch.Tensor, state_dtype: str, block_size: int, where: st
     blocks and the blocks are those of the unsharded parameter."""
     if state_dtype not in ("int8", "fp8") or not is_dtensor(p):
         return
-    from ._sharded import _box, _is_shard
+    from ..multirank.sharded import _box, _is_shard
 
     last = p.ndim - 1
     cut = [pl for pl in p.placements if _is_shard(pl) and pl.dim % p.ndim == last]

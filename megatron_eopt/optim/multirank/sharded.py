@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._matrix_view import split_newton_schulz
+from ..matrix_view import matrix_view, split_newton_schulz
 
 try:  # torch.distributed.tensor is public from torch 2.4; guarded for builds without distributed
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -51,7 +51,6 @@ try:  # torch.distributed.tensor is public from torch 2.4; guarded for builds wi
 except ImportError:  # pragma: no cover
     DTensor = Replicate = Shard = Partial = distribute_tensor = None
 
-ND_MODES = ("error", "batch", "flatten")
 SHARDED_MODES = ("owner", "gather")
 # Matrices per rank and chunk in owner mode: two keeps every rank busy while the next chunk's
 # shards travel, and same-shape matrices of a chunk still batch into one Newton–Schulz call.
@@ -93,17 +92,6 @@ class ShardLayout:
         """Mesh dims that shard the matrix dims (the last two of the view)."""
         nd = len(self.view_shape)
         return tuple(sorted({i for d in (nd - 2, nd - 1) for i in self.shard_dims.get(d, ())}))
-
-
-def matrix_view(shape: tuple[int, ...], nd_mode: str) -> tuple[int, ...]:
-    """The matrix view of a param shape: 2-D as is; more dims: (size(0), -1) for "flatten",
-    (prod(leading), m, n) for "batch"."""
-    shape = tuple(int(s) for s in shape)
-    if len(shape) <= 2:
-        return shape
-    if nd_mode == "flatten":
-        return (shape[0], math.prod(shape[1:]))
-    return (math.prod(shape[:-2]), shape[-2], shape[-1])
 
 
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -280,7 +268,7 @@ def describe(
         mine = layout.local_box[1]
         if tuple(mine) != matrix_view(tuple(p.to_local().shape), nd_mode):
             # Every rank must take the same path: a shard that is not where DTensor's chunking rule
-            # puts it is refused (on every rank alike: the callers agree on refusals, _rank_agreement).
+            # puts it is refused (on every rank alike: the callers agree on refusals, multirank.agreement).
             raise ValueError(
                 f"{where}: its local shard has shape {tuple(p.to_local().shape)}, but placements {list(placements)} "
                 f"of shape {shape} put a shard of {tuple(mine)} on this rank (DTensor's chunking rule, as "

@@ -13,51 +13,15 @@ load_state_dict), never inside a compiled step; a step only filters it by which 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ..ops._low_memory_state import draw_layout
-from ._config import OrthogonalizationConfig
-from ._matrix_view import group_matrix_view
-from ._sharded import ShardLayout, describe, is_dtensor, local, matrix_view
-
-if TYPE_CHECKING:
-    from ._step_layout import LayoutCache
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """How one parameter is sharded over a tensor-parallel group (Megatron's partition_dim)."""
-
-    group: dist.ProcessGroup
-    size: int
-    rank: int
-    partition_dim: int  # 0: rows are sharded, 1: columns are sharded
-    mode: str  # "duplicated" | "distributed"
-
-    @property
-    def key(self) -> tuple:
-        return (id(self.group), self.partition_dim, self.mode)
-
-
-@dataclass
-class QKVSplit:
-    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8).
-
-    ``columns``: the projection is stored (in, out) (``matrix_layout="in_out"``: a Conv1D, a transposed
-    expert), so its output rows are the stored matrix's columns and the split runs along them."""
-
-    sizes: tuple[int, ...]
-    local_groups: int  # query groups in the local rows
-    global_groups: int  # query groups in the global (unsharded) rows
-    columns: bool = False
-
-    @property
-    def total(self) -> int:
-        return sum(self.sizes)
-
+from ...ops._low_memory_state import draw_layout
+from .._config import OrthogonalizationConfig
+from ..multirank.sharded import ShardLayout, describe, is_dtensor, local
+from ..multirank.tensor_parallel import TPLayout
+from ..matrix_view import QKVSplit, group_matrix_view, matrix_view, not_a_matrix, qkv_split
 
 @dataclass
 class ParamEntry:
@@ -73,7 +37,7 @@ class ParamEntry:
     update_scale: float
     part_scales: tuple[tuple[int, int, float], ...] = ()  # (row offset, rows, scale) per part
     normuon_dim: int = -1  # dim NorMuon averages over, from the global shape
-    stack_index: int = -1  # -1: a sharded matrix (orthogonalized by _sharded), not in a stack
+    stack_index: int = -1  # -1: a sharded matrix (orthogonalized by multirank.sharded), not in a stack
     bucket_index: int = -1
     sharding: ShardLayout | None = None  # DTensor params
     # The parameter's position in the param groups (all params counted): a stable id, the same on
@@ -132,10 +96,11 @@ class Plan:
     # entry indices stepped together, in step order (stacks' members, then sharded matrices);
     # set by the optimizer from its workspace budget (chunk_entries)
     chunks: tuple[tuple[int, ...], ...] = ()
-    # where each chunk's Newton–Schulz inputs lie, per set of entries with a grad (_step_layout)
+    # where each chunk's Newton–Schulz inputs lie, per set of entries with a grad: step.layout's
+    # LayoutCache (which imports this module, not the other way round)
     # (made by the first eager step: a step compiled by torch.compile may rebuild the plan, and
     # dynamo constructs it without the cache)
-    layouts: LayoutCache | None = field(default=None, repr=False, compare=False)
+    layouts: Any = field(default=None, repr=False, compare=False)
 
 
 # The workspace budget of a step when none is given (``workspace_mib="auto"``), by where the
@@ -264,26 +229,6 @@ def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
     return draw_layout(entry.key, entry.local_shape, s.view_shape, s.local_box[0])
 
 
-def not_a_matrix(p: torch.Tensor, nd_mode: str) -> bool:
-    """True when ``p`` has no matrix view under ``nd_mode`` (0-D / 1-D, or N-D with "error")."""
-    return p.ndim < 2 or (p.ndim > 2 and nd_mode == "error")
-
-
-def _qkv_split(sizes, local_shape, global_shape, where: str, columns: bool = False) -> QKVSplit:
-    sizes = tuple(int(s) for s in sizes)
-    if not sizes or any(s <= 0 for s in sizes):
-        raise ValueError(f"{where}: qkv_split_shapes must be positive sizes, got {list(sizes)}")
-    total = sum(sizes)
-    axis = -1 if columns else -2  # the projection's output rows (the last two dims are one matrix)
-    if local_shape[axis] % total != 0:
-        what = "columns (matrix_layout='in_out')" if columns else "rows"
-        raise ValueError(
-            f"{where}: QKV split shape mismatch: {what} {local_shape[axis]} of shape {tuple(local_shape)} are not a "
-            f"multiple of sum(qkv_split_shapes) = {total} (split shapes {list(sizes)})"
-        )
-    return QKVSplit(sizes, local_shape[axis] // total, global_shape[axis] // total, columns)
-
-
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
                sharded_mode: str = "owner", group_configs=None) -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
@@ -349,7 +294,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                     )
                 sizes = view.split_shapes
             # A shard's rows need not hold whole query groups: the split is checked on the matrix.
-            qkv = None if sizes is None else _qkv_split(sizes, global_shape if spans else local_shape, global_shape,
+            qkv = None if sizes is None else qkv_split(sizes, global_shape if spans else local_shape, global_shape,
                                                          where, view.transposed)
             if qkv is not None and spans and adaptive and sharding.local_box is None:
                 raise ValueError(

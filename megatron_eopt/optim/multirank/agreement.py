@@ -26,7 +26,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-from ._sharded import is_dtensor
+from .sharded import is_dtensor
 
 # Exception types a refusal is re-raised as on the ranks that did not see it (others: ValueError).
 _TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError)}

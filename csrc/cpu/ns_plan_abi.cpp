@@ -1,6 +1,8 @@
 // The Newton–Schulz algorithm choice (ns_algorithm.h) as a plain C function, for the Python code
 // that runs the iteration itself around collectives (tensor-parallel "distributed" mode): it
-// follows the same choice and restarts as the fused op. Read with ctypes; no op, no tensors.
+// follows the same choice and restarts as the fused op. Read with ctypes; no op, no tensors. It
+// lives with the CPU backend: on the CPU the choice takes the iteration's precision and "medium"
+// speed-up from the measured product plan (cpu_iteration, as run_newton_schulz_cpu does).
 #include <cstdint>
 #include <exception>
 #include <vector>
@@ -21,15 +23,19 @@ MEGATRON_EOPT_C_EXPORT int megatron_eopt_ns_plan(const double* coefficients, int
     if (precision < 0 || precision > 2 || algorithm < 0 || algorithm > 2 || device < 0 || device > 1) return -1;
     const auto schedule = expand_schedule(std::vector<double>(coefficients, coefficients + values), steps,
                                           repeat_last ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
-    const NsPrecision p = precision == 0   ? NsPrecision::kMedium
-                          : precision == 1 ? NsPrecision::kHigh
-                                           : NsPrecision::kHighest;
+    NsPrecision p = precision == 0   ? NsPrecision::kMedium
+                    : precision == 1 ? NsPrecision::kHigh
+                                     : NsPrecision::kHighest;
     const NsAlgorithm a = algorithm == 0   ? NsAlgorithm::kAuto
                           : algorithm == 1 ? NsAlgorithm::kStandard
                                            : NsAlgorithm::kGram;
     const NsDevice d = device == 1 ? NsDevice::kCuda : NsDevice::kCpu;
-    const int64_t side = transpose != 0 ? n : m;
-    const double speedup = d == NsDevice::kCpu && p == NsPrecision::kMedium ? cpu_bf16_speedup(side) : 1.0;
+    double speedup = 1.0;
+    if (d == NsDevice::kCpu) {
+      const CpuIteration iteration = cpu_iteration(p, transpose != 0 ? n : m);
+      p = iteration.precision;
+      speedup = iteration.bf16_speedup;
+    }
     const NsAlgorithmChoice choice = choose_ns_algorithm(a, m, n, transpose != 0, schedule, p, d, speedup);
     const std::vector<bool> r = gram_restarts(schedule, gram_arithmetic(p, d));
     for (std::size_t k = 0; k < r.size(); ++k) restart[k] = r[k] ? 1 : 0;

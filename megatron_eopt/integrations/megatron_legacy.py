@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ._deprecation import _warn_once
+from ..compat._deprecation import _warn_once
 
 
 def get_megatron_muon_optimizer(
@@ -24,7 +24,7 @@ def get_megatron_muon_optimizer(
     ``use_layer_wise_distributed_optimizer``; a ``dist_muon`` optimizer name keeps working.
     """
     _warn_once("get_megatron_muon_optimizer")
-    from ..integrations import megatron as megatron_integration
+    from . import megatron as megatron_integration
 
     megatron_integration.install()
     from megatron.core.optimizer import get_megatron_optimizer
