@@ -217,14 +217,15 @@ MEGATRON_EOPT_C_EXPORT int megatron_eopt_cpu_product_plan(int64_t side, int64_t*
   using namespace megatron_eopt;
   try {
     for (int i = 0; i < 3; ++i) {
-      if (sizes[i] != kPlanSizes[i]) throw std::invalid_argument("cpu_product_plan: array sizes do not match its fields");
+      if (sizes[i] != kPlanSizes[i])
+        throw std::invalid_argument("cpu_product_plan: array sizes do not match its fields");
     }
     const CpuProductPlan& plan = cpu_product_plan(side);
     *probe_side = plan.probe_side;
     *probe_depth = plan.probe_depth;
     const CpuProductSeconds& t = plan.seconds;
     const double values[kPlanSizes[0]] = {t.fp32_general, t.fp32_full, t.fp32_panels, t.fp32_kernel,
-                              t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel};
+                                          t.bf16_general, t.bf16_full, t.bf16_panels, t.bf16_kernel};
     std::copy(values, values + kPlanSizes[0], seconds);
     const CpuProductChoice& c = plan.choice;
     choices[0] = c.kernel_fp32, choices[1] = c.kernel_bf16, choices[2] = c.bf16_gemms;

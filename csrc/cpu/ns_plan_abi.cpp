@@ -23,9 +23,7 @@ MEGATRON_EOPT_C_EXPORT int megatron_eopt_ns_plan(const double* coefficients, int
     if (precision < 0 || precision > 2 || algorithm < 0 || algorithm > 2 || device < 0 || device > 1) return -1;
     const auto schedule = expand_schedule(std::vector<double>(coefficients, coefficients + values), steps,
                                           repeat_last ? SchedulePolicy::kRepeatLast : SchedulePolicy::kCycle);
-    NsPrecision p = precision == 0   ? NsPrecision::kMedium
-                    : precision == 1 ? NsPrecision::kHigh
-                                     : NsPrecision::kHighest;
+    NsPrecision p = precision == 0 ? NsPrecision::kMedium : precision == 1 ? NsPrecision::kHigh : NsPrecision::kHighest;
     const NsAlgorithm a = algorithm == 0   ? NsAlgorithm::kAuto
                           : algorithm == 1 ? NsAlgorithm::kStandard
                                            : NsAlgorithm::kGram;
