@@ -450,6 +450,12 @@ def plot(doc: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _titled(ax, legend: dict, **labels) -> None:
+    """Sets an axes' title and labels (``ax.set``) and draws its legend."""
+    ax.set(**labels)
+    ax.legend(**legend)
+
+
 def plot_a(ax, doc: dict, colors: dict) -> None:
     a = doc["a_huge_grad_norm"]
     for policy, s in a["policies"].items():
@@ -462,12 +468,11 @@ def plot_a(ax, doc: dict, colors: dict) -> None:
         ax.plot(s["val"]["step"], s["val"]["loss"], "o", color=colors[policy])
     ref = doc["b_spike"]["policies"]["none"]["ref_train_loss"]
     ax.plot(range(1, len(ref) + 1), smooth(ref, 10), ":", color="black", label="unscaled loss, no clip")
-    ax.set(
+    _titled(ax, dict(fontsize=8),
         title=f"(a) loss × {a['loss_scale']:.0e}: unscaled loss (dots: validation)",
         xlabel="step",
         ylabel="cross-entropy",
     )
-    ax.legend(fontsize=8)
 
 
 def plot_a2(ax_loss, ax_rms, a2: dict, colors: dict) -> None:
@@ -479,19 +484,17 @@ def plot_a2(ax_loss, ax_rms, a2: dict, colors: dict) -> None:
             ax_loss.plot(steps, smooth(s["train_loss"], 5), style, color=colors[policy], label=label)
             ax_rms.plot(steps, s["muon_update_rms"], style, color=colors[policy], label=f"{label}: Muon")
             ax_rms.plot(steps, s["adamw_update_rms"], ":", color=colors[policy], lw=0.8)
-    ax_loss.set(
+    _titled(ax_loss, dict(fontsize=7),
         title=f"(a2) {a2['matrix']}'s gradient × {a2['factor']:.0e}: train loss (mean of 5)",
         xlabel="step",
         ylabel="cross-entropy",
     )
-    ax_loss.legend(fontsize=7)
-    ax_rms.set(
+    _titled(ax_rms, dict(fontsize=7),
         yscale="log",
         title="(a2) update RMS per step (solid/dashed: Muon, dotted: AdamW)",
         xlabel="step",
         ylabel="RMS of the parameter change",
     )
-    ax_rms.legend(fontsize=7)
 
 
 def plot_b(ax_loss, ax_cos, b: dict, colors: dict) -> None:
@@ -502,38 +505,27 @@ def plot_b(ax_loss, ax_cos, b: dict, colors: dict) -> None:
         ax_cos.plot(steps, s["muon_cos"], color=colors[policy], label=f"{policy}: Muon")
         ax_cos.plot(steps, s["adamw_cos"], ":", color=colors[policy], label=f"{policy}: AdamW")
     ax_loss.axhline(0, color="black", lw=0.5)
-    ax_loss.set(
+    _titled(ax_loss, dict(fontsize=8),
         title=f"(b) gradients × {b['spike']:.0e} at step {k + 1}: loss excess over the unspiked run",
         xlabel="step",
         ylabel="train loss, spiked − unspiked (mean of 5)",
     )
-    ax_loss.legend(fontsize=8)
-    ax_cos.set(
+    _titled(ax_cos, dict(fontsize=7, ncol=2),
         title="(b) cosine of each step's update, spiked vs unspiked run",
         xlabel="step",
         ylabel="cosine",
         ylim=(-0.1, 1.05),
     )
-    ax_cos.legend(fontsize=7, ncol=2)
 
 
 def plot_c(ax, rows: list[dict]) -> None:
     widths = [r["width"] for r in rows]
-    ax.plot(widths, [r["dw_no_clip"] for r in rows], "o-", color="tab:gray", label="no clip")
-    ax.plot(
-        widths,
-        [r["dw_clip_gradient"] for r in rows],
-        "x--",
-        color="tab:blue",
-        label="clip 1.0 on the gradient (torch / Megatron / ours)",
-    )
-    ax.plot(
-        widths,
-        [r["dw_clip_update"] for r in rows],
-        "s-",
-        color="tab:red",
-        label="clip 1.0 on the orthogonalized update (DeepSpeed)",
-    )
+    for key, style, color, label in (
+        ("dw_no_clip", "o-", "tab:gray", "no clip"),
+        ("dw_clip_gradient", "x--", "tab:blue", "clip 1.0 on the gradient (torch / Megatron / ours)"),
+        ("dw_clip_update", "s-", "tab:red", "clip 1.0 on the orthogonalized update (DeepSpeed)"),
+    ):
+        ax.plot(widths, [r[key] for r in rows], style, color=color, label=label)
     ax.set(
         xscale="log",
         yscale="log",
