@@ -186,7 +186,11 @@ def _fields_from_config(config: Any, table: tuple[tuple[str, str], ...]) -> dict
 
 
 def muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
-    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelMuon` keyword arguments."""
+    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelMuon` keyword arguments. A field the
+    classes do not support yet (main's ``muon_use_syrk=True``) is a ValueError naming it."""
+    from .optim.tensor_parallel import check_use_syrk
+
+    check_use_syrk(getattr(config, "muon_use_syrk", False), "OptimizerConfig.muon_use_syrk")
     kwargs = _fields_from_config(config, _MUON_CONFIG_FIELDS)
     kwargs["is_qkv_fn"] = _is_tagged_qkv
     model_config = getattr(model_chunks[0], "config", None) if model_chunks else None

@@ -126,3 +126,25 @@ def test_constructor_signatures_match_megatron():
     assert list(ours)[: len(ref)] == list(ref)
     for name, param in ref.items():
         assert ours[name].default == param.default, name
+
+
+def test_use_syrk_is_taken_as_false_and_refused_as_true():
+    """Megatron-LM main's use_syrk: accepted (code that passes it by name builds), True refused by the
+    classes and by the config mapping, naming the option, rather than ignored."""
+    import types
+
+    import torch
+
+    from megatron_eopt.registry import muon_config_to_kwargs
+
+    p = torch.nn.Parameter(torch.randn(8, 4))
+    TensorParallelMuon([p], use_syrk=False)
+    TensorParallelAdaptiveMuon([p], use_syrk=False)
+    for cls in (TensorParallelMuon, TensorParallelAdaptiveMuon):
+        with pytest.raises(ValueError, match=r"use_syrk=True is not supported"):
+            cls([p], use_syrk=True)
+    config = types.SimpleNamespace(lr=0.01, muon_use_syrk=True)
+    with pytest.raises(ValueError, match=r"OptimizerConfig\.muon_use_syrk=True is not supported"):
+        muon_config_to_kwargs(config, [], None)
+    config.muon_use_syrk = False
+    assert "use_syrk" not in muon_config_to_kwargs(config, [], None)
