@@ -197,14 +197,19 @@ def _is_router(module: nn.Module, parent: nn.Module | None, attr: str) -> bool:
     return False
 
 
-def model_matrix_views(model: nn.Module, *, fused_gate_up: str = "split",
-                       routers: str = "adamw") -> dict[int, tuple[str, MatrixView]]:
-    """{id(param): (name, view)} for every parameter of a recognized module (see the module
-    docstring); parameters of other modules are not listed (plain rules apply to them)."""
+def check_view_options(fused_gate_up: str, routers: str) -> None:
+    """ValueError naming the option unless ``fused_gate_up`` and ``routers`` are known values."""
     if fused_gate_up not in FUSED_GATE_UP_MODES:
         raise ValueError(f"fused_gate_up must be one of {list(FUSED_GATE_UP_MODES)}, got {fused_gate_up!r}")
     if routers not in ROUTER_MODES:
         raise ValueError(f"routers must be one of {list(ROUTER_MODES)}, got {routers!r}")
+
+
+def model_matrix_views(model: nn.Module, *, fused_gate_up: str = "split",
+                       routers: str = "adamw") -> dict[int, tuple[str, MatrixView]]:
+    """{id(param): (name, view)} for every parameter of a recognized module (see the module
+    docstring); parameters of other modules are not listed (plain rules apply to them)."""
+    check_view_options(fused_gate_up, routers)
     modules = dict(model.named_modules(remove_duplicate=False))
     out: dict[int, tuple[str, MatrixView]] = {}
 

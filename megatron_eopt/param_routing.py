@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence, TextIO
 import torch
 from torch import nn
 
-from .model_views import MatrixView, check_view_overrides, model_matrix_views
+from .model_views import MatrixView, check_view_options, check_view_overrides, model_matrix_views
 from .newton_schulz import get_muon_scale_factor
 from .optim.matrix_view import check_nd_mode
 
@@ -216,13 +216,11 @@ def route_parameters(
     for pattern in force_re:
         if not any(pattern.search(n) for n in all_names):
             raise ValueError(f"adamw_patterns: {pattern.pattern!r} matches no parameter name of the model")
+    check_view_options(fused_gate_up, routers)
+    model_views = {}
     if isinstance(model_or_named_params, nn.Module):
         model_views = {i: v for i, (_, v) in model_matrix_views(model_or_named_params, fused_gate_up=fused_gate_up,
                                                                    routers=routers).items()}
-    else:
-        model_views = {}
-        if fused_gate_up not in ("split", "whole") or routers not in ("adamw", "muon"):
-            model_matrix_views(nn.Module(), fused_gate_up=fused_gate_up, routers=routers)  # the options' errors
     overrides = check_view_overrides(views, all_names)
     for p, names in params:
         for name in names:
