@@ -153,6 +153,9 @@ _MUON_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("scale_mode", "muon_scale_mode"),
     ("extra_scale_factor", "muon_extra_scale_factor"),
     ("tp_mode", "muon_tp_mode"),
+    # Megatron-LM's layer-sharded Muon (--muon-ns-batch-size, --muon-expert-tp-mode)
+    ("ns_batch_size", "muon_ns_batch_size"),
+    ("expert_tp_mode", "muon_expert_tp_mode"),
 )
 _ADAPTIVE_MUON_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("moment2_method", "adaptive_muon_moment2_method"),

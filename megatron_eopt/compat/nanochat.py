@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.optim.adam import adam as adam_functional
 
+from .. import _collectives as collectives
+from ..step_stats import StepStatsReporter, records_step_stats
 from ..optim._config import check_group_hyperparameters
 from ..optim.step.state_check import check_loaded_state
 
@@ -323,7 +325,7 @@ class _StackedMuon:
 
 def _reduce_scatter_mean(chunks_out: torch.Tensor, stacked: torch.Tensor, world: int):
     """Async reduce-scatter of a (world * chunk, ...) stack; the sum is divided by ``world`` on wait."""
-    return dist.reduce_scatter(chunks_out, list(stacked.chunk(world)), op=dist.ReduceOp.SUM, async_op=True)
+    return collectives.reduce_scatter(chunks_out, list(stacked.chunk(world)), op=dist.ReduceOp.SUM, async_op=True)
 
 
 class _RecipeState:
@@ -365,7 +367,7 @@ class _RecipeState:
         super().load_state_dict(state_dict)  # type: ignore[misc]
 
 
-class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
+class _NanochatMuonBase(_RecipeState, StepStatsReporter, torch.optim.Optimizer):
     """Muon / DistMuon of 22a71aa: groups by sorted shape, stacked state on each group's first param."""
 
     orthogonalizing = True  # its parameters are "the Muon part" of a clip (megatron_eopt.clipping)
@@ -415,6 +417,7 @@ class _NanochatMuonBase(_RecipeState, torch.optim.Optimizer):
         self._muon.prepare(self.param_groups, self.state, *self._world())
 
     @torch.no_grad()
+    @records_step_stats
     def step(self):
         rank, world = self._world()
         for gi, group in enumerate(self.param_groups):
@@ -452,7 +455,7 @@ def _muon_distributed_step(muon: _StackedMuon, groups, state, rank: int, world: 
         if count:
             torch.stack([params[start + j].detach() for j in range(count)], out=mine[:count])
         stacked = pending[gi][2]  # the grads' buffer takes the gathered params (as nanochat)
-        gathers.append((group, stacked, dist.all_gather(list(stacked.chunk(world)), mine, async_op=True)))
+        gathers.append((group, stacked, collectives.all_gather(list(stacked.chunk(world)), mine, async_op=True)))
     for group, stacked, work in gathers:
         work.wait()
         params = group["params"]
@@ -474,7 +477,7 @@ class DistMuon(_NanochatMuonBase):
     _distributed = True
 
 
-class MuonAdamW(_RecipeState, torch.optim.Optimizer):
+class MuonAdamW(_RecipeState, StepStatsReporter, torch.optim.Optimizer):
     """nanochat's ``MuonAdamW`` (``nanochat/optim.py`` as of a9d0a86): ``MuonAdamW(param_groups)``
     with groups of ``kind='adamw'`` (``lr``, ``betas``, ``eps``, ``weight_decay``) and
     ``kind='muon'`` (``lr``, ``momentum``, ``ns_steps``, ``beta2``, ``weight_decay``; one shape per
@@ -575,6 +578,7 @@ class MuonAdamW(_RecipeState, torch.optim.Optimizer):
         return p.detach()[rank * rows : (rank + 1) * rows]
 
     @torch.no_grad()
+    @records_step_stats
     def step(self):
         rank, world = _world()
         for gi, group in enumerate(self.param_groups):
@@ -613,11 +617,11 @@ class MuonAdamW(_RecipeState, torch.optim.Optimizer):
                     out[p] = p.grad
                 elif p.numel() < SMALL_ADAMW_NUMEL:
                     g = p.grad.clone()
-                    works.append((g, dist.all_reduce(g, op=dist.ReduceOp.SUM, async_op=True)))
+                    works.append((g, collectives.all_reduce(g, op=dist.ReduceOp.SUM, async_op=True)))
                     out[p] = g
                 else:
                     g = torch.empty_like(p.grad[: p.shape[0] // world])
-                    works.append((g, dist.reduce_scatter(g, list(p.grad.chunk(world)), op=dist.ReduceOp.SUM,
+                    works.append((g, collectives.reduce_scatter(g, list(p.grad.chunk(world)), op=dist.ReduceOp.SUM,
                                                          async_op=True)))
                     out[p] = g
         for g, work in works:
@@ -647,7 +651,7 @@ class MuonAdamW(_RecipeState, torch.optim.Optimizer):
                 self.state[p]["step"] += 1  # as torch's AdamW advanced its step tensor
                 if world > 1 and p.numel() >= SMALL_ADAMW_NUMEL:
                     piece = self._adamw_slice(p, rank, world).clone()
-                    gathers.append(dist.all_gather(list(p.detach().chunk(world)), piece, async_op=True))
+                    gathers.append(collectives.all_gather(list(p.detach().chunk(world)), piece, async_op=True))
         for work in gathers:
             work.wait()
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from ..optim._closure import closure_loss
 from ..optim.step.state_check import check_loaded_state
+from ..step_stats import StepStatsReporter, records_step_stats
 from . import motif
 from ._deprecation import _warn_once
 
@@ -143,7 +144,7 @@ class _DispatchSignature:
         return self.signature if obj is None and objtype is self.owner else None
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(StepStatsReporter, torch.optim.Optimizer):
     """``megatron_eopt.muon.Muon``: one name for two optimizers, chosen by the arguments.
 
     - A flat list of parameters (or param groups without ``use_muon``): Keller Jordan's /
@@ -326,6 +327,7 @@ class Muon(torch.optim.Optimizer):
                 group.setdefault(key, value)
 
     @torch.no_grad()
+    @records_step_stats
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure_loss(closure)
         self._sync_hyperparameters()
@@ -498,6 +500,7 @@ class DistMuon(Muon):
         raise ValueError("owner_of: p is not a parameter of this optimizer")
 
     @torch.no_grad()
+    @records_step_stats
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = closure_loss(closure)
         params = [p for group in self.param_groups for p in group["params"]]

@@ -281,14 +281,27 @@ def _to_megatron_entry(
         overrides = _megatron_routing(stock, optimizer_config)
     else:
         overrides = _to_megatron_overrides(entry.default_param_overrides, optimizer_config)
+    extra = {}
+    if "config_to_cls" in getattr(emerging.EmergingOptimizerEntry, "__dataclass_fields__", {}):
+        # Megatron-LM's layer-sharded Muon picks a class per tp mode (config_to_cls); ours runs every
+        # mode (tp_mode, expert_tp_mode, ns_batch_size) itself, so the entry's class is the answer.
+        extra["config_to_cls"] = _always(entry.optimizer_cls)
     megatron_entry = emerging.EmergingOptimizerEntry(
         optimizer_cls=entry.optimizer_cls,
         init_state_fn=entry.init_state_fn,
         config_to_kwargs=_with_step_options(entry.optimizer_cls, entry.config_to_kwargs),
         default_param_overrides=overrides,
+        **extra,
     )
     megatron_entry._megatrons_routing = megatrons_routing
     return megatron_entry
+
+
+def _always(optimizer_cls: type):
+    def config_to_cls(*args: Any, **kwargs: Any) -> type:
+        return optimizer_cls
+
+    return config_to_cls
 
 
 # Megatron-LM's module-level class names install(replace_classes=True) binds, and our classes.

@@ -21,8 +21,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .. import _collectives as collectives
 from .._library import ns_plan
 from .._precision import products_precision
+from ..step_stats import count_newton_schulz
 from ..newton_schulz import coefficient_table, get_coefficients
 
 
@@ -44,7 +46,7 @@ def _distributed_gram(X: torch.Tensor, group, coefficients: Sequence[Sequence[fl
     def gram(W):
         Wf = W.float()
         R = torch.bmm(Wf, Wf.mT)
-        dist.all_reduce(R, group=group)
+        collectives.all_reduce(R, group=group)
         return R
 
     R = gram(X)
@@ -84,12 +86,13 @@ def distributed_newton_schulz(
     transpose = partition_dim == 0  # iterate so that the sharded side is the contracted one
     w = x.mT if transpose else x
     sq = w.square().sum(dim=(-2, -1))
-    dist.all_reduce(sq, group=group)
+    collectives.all_reduce(sq, group=group)
     norm = sq.sqrt().clamp_min(eps)
     compute = torch.bfloat16 if precision == "medium" else torch.float32
     X = (w / norm[:, None, None]).to(compute)
     s, l_global = w.shape[-2], w.shape[-1] * size
     m, n = (l_global, s) if transpose else (s, l_global)
+    count_newton_schulz((w.shape[0], m, n), steps, shared_over=size)
     restarts = gram_restarts(table, steps, repeat_last, m, n, transpose, precision, algorithm, x.device.type)
     if restarts is not None:
         with products_precision(precision):  # the plain-PyTorch iteration: "high" is TF32
@@ -99,7 +102,7 @@ def distributed_newton_schulz(
         for a, b, c in coefficients:
             Xf = X.float()
             gram = torch.bmm(Xf, Xf.mT)
-            dist.all_reduce(gram, group=group)
+            collectives.all_reduce(gram, group=group)
             gram = gram.to(compute)
             poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
             X = torch.baddbmm(X, poly, X, beta=a, alpha=1.0)

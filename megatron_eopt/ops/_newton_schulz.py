@@ -8,7 +8,9 @@ from typing import Sequence
 
 import torch
 
+from .. import _collectives as collectives
 from .._errors import call_op
+from ..step_stats import count_newton_schulz, count_split_newton_schulz
 from ..newton_schulz import (
     MuonScaleT,
     NSAlgorithmT,
@@ -151,6 +153,7 @@ def newton_schulz(
         return _tensor_parallel_newton_schulz(
             x, steps, coefficient_type, custom_coefficient_sets, eps, transpose, tp_group, precision, algorithm
         )
+    count_newton_schulz(x.shape, steps)
     return call_op(_ops.newton_schulz, x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
                    *recipe)
 
@@ -163,9 +166,7 @@ def _frobenius_normalize(x: torch.Tensor, eps: float, tp_group, in_double: bool)
     xs = x.double() if in_double else x
     sq = (xs * xs).sum(dim=(-2, -1), keepdim=True)
     if tp_group is not None:
-        import torch.distributed as dist
-
-        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=tp_group)
+        collectives.all_reduce(sq, group=tp_group)
     norm = sq.sqrt().to(x.dtype)
     return x / (norm if in_double else norm.clamp_min(eps))
 
@@ -193,7 +194,7 @@ def newton_schulz_tp(
         import torch.distributed as dist
 
         shards = [torch.empty_like(x) for _ in range(dist.get_world_size(tp_group))]
-        dist.all_gather(shards, x.contiguous(), group=tp_group)
+        collectives.all_gather(shards, x.contiguous(), group=tp_group)
         full = newton_schulz(torch.cat(shards, dim=partition_dim), steps, coefficient_type, use_syrk=use_syrk)
         return full.chunk(len(shards), dim=partition_dim)[dist.get_rank(tp_group)]
     if tp_mode == "distributed":
@@ -231,6 +232,8 @@ def newton_schulz_list(
     )
     if len(xs) == 0:
         return []
+    for x in xs:
+        count_newton_schulz(x.shape, steps)
     return list(
         call_op(_ops.newton_schulz_list, list(xs), coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
                 *recipe)
@@ -309,6 +312,7 @@ def newton_schulz_split(
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
+    count_split_newton_schulz(x.shape, sizes, num_groups, steps)
     return call_op(_ops.newton_schulz_split,
         x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision, scale_mode,
         extra_scale_factor, algorithm, *recipe,

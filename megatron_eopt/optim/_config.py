@@ -27,6 +27,7 @@ from ..newton_schulz import (
 )
 from ..ops._constants import WEIGHT_DECAY_METHODS
 from ..second_moment import MOMENT2_METHODS
+from ..step_stats import count_newton_schulz, count_split_newton_schulz
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class OrthogonalizationConfig:
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled);
         the recipe (MuonEq, normalization convention and divisor, Muon+) runs inside the op."""
+        count_newton_schulz(x.shape, self.num_ns_steps)
         r = self.recipe
         return call_op(
             torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, r.eps, None,
@@ -65,6 +67,7 @@ class OrthogonalizationConfig:
     def newton_schulz_(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`newton_schulz` in place: ``x`` (contiguous) becomes its result, which takes the
         input's memory instead of a tensor of its own. Returns ``x``."""
+        count_newton_schulz(x.shape, self.num_ns_steps)
         r = self.recipe
         call_op(
             torch.ops.megatron_eopt.newton_schulz_, x, self.table, self.num_ns_steps, self.repeat_last, r.eps, None,
@@ -75,6 +78,7 @@ class OrthogonalizationConfig:
     def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
         """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``.
         Each part is its own matrix for the recipe (MuonEq's row norms, Muon+'s target)."""
+        count_split_newton_schulz(x.shape, sizes, num_groups, self.num_ns_steps)
         return call_op(
             torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps,
             self.repeat_last, self.ns_eps, None, self.precision, self.scale_mode if scaled else None,

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch.optim.adam import adam as adam_functional
 
+from ..step_stats import StepStatsReporter, records_step_stats
 from ._closure import closure_loss
 from .step.offload import StateOffload
 from .step.state_check import check_loaded_state, like_param
@@ -29,7 +30,7 @@ from .qk_clip import ClipConfig, ClipTarget, parse_target, plan_clip, scale_row_
 ADAMW_KEYS = ("betas", "eps", "amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
 
 
-class HybridMuon(torch.optim.Optimizer):
+class HybridMuon(StepStatsReporter, torch.optim.Optimizer):
     """Muon for ``use_muon=True`` groups, AdamW for ``use_muon=False`` groups, in one optimizer.
 
     Arguments: ``params`` as param-group dicts, each with a ``use_muon`` flag and optionally
@@ -333,6 +334,7 @@ class HybridMuon(torch.optim.Optimizer):
             scale_row_blocks_(*plan)
 
     @torch.no_grad()
+    @records_step_stats
     def step(self, closure: Callable[[], float] | None = None, qk_logits: Mapping[int, torch.Tensor] | None = None):
         loss = closure_loss(closure)
         self._check_step_input(qk_logits)

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 from torch.optim.optimizer import ParamsT
 
+from ..step_stats import records_step_stats
 from .muon import Muon
 
 
@@ -83,6 +84,7 @@ class Muown(Muon):
             self._init_group(group, skip_non_grad_params=False)
 
     @torch.no_grad()
+    @records_step_stats
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if closure is not None:
             raise ValueError("closure is not supported")

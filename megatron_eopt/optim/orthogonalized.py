@@ -75,9 +75,10 @@ from .step.plan import (
 from .step.state import FusedState
 from .weight_update_hooks import NoOpWeightUpdateHook
 from .. import low_memory_state as lms
+from ..step_stats import StepStatsReporter, records_step_stats
 
 
-class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.optim.Optimizer):
+class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStatsReporter, torch.optim.Optimizer):
     """Emerging-Optimizers' base class of orthogonalized optimizers.
 
     EO's constructor: ``scaled_orthogonalize_fn(grad) -> update`` orthogonalizes (and scales) one
@@ -365,6 +366,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
             raise ValueError("closure is not supported")
         return self._run_step()
 
+    @records_step_stats
     def _run_step(self) -> None:
         """The step itself, without torch's step hooks (``step`` is wrapped with them per class, so a
         front end with its own ``step`` calls this rather than ``super().step``)."""
@@ -392,6 +394,9 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, torch.op
         layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else cached_step_layouts(plan, active)
         inputs = self._ns_input_buffers(layouts)
         self._reset_ns_inputs_below_eps(plan)
+        loads = self.__dict__.get("_home_loads")  # tp_mode "layer_sharded": the homes' loads start at zero
+        if loads:
+            loads.clear()
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             self._step_chunk(plan, layout, inputs, scalers)
         return None

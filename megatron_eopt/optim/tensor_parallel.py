@@ -10,6 +10,14 @@ sharded dimension is ``p.partition_dim`` (-1 or missing: not sharded). tp_mode:
 - distributed: Newton–Schulz on the shards with all-reduced norm and Gram matrices; scale from the
   global shape. Meant for parameters sharded along their long side; one sharded along its short
   side is orthogonalized as in duplicated mode instead (same result, far less communication).
+- layer_sharded (Megatron-LM's layer-sharded Muon): each matrix is gathered whole onto one rank of
+  the group, its home (the least loaded by Newton–Schulz FLOPs), orthogonalized there in batches of
+  ``ns_batch_size`` same-shape matrices, and its shards are sent back: one all-to-all each way per
+  chunk of matrices, every matrix orthogonalized once in the group. Results equal duplicated mode.
+
+``expert_tp_mode`` (None: ``tp_mode``) is the mode of ``expert_tp`` parameters, e.g. layer-sharded
+experts beside duplicated dense weights. Parameters not sharded over their group are orthogonalized
+on every rank in every mode.
 
 Fused QKV projections (``split_qkv`` and ``is_qkv_fn(p)``) are orthogonalized per part, with
 ``p.qkv_split_shapes`` or ``qkv_split_shapes``.
@@ -32,7 +40,7 @@ from .multirank.tensor_parallel import TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
-TP_MODES = ("blockwise", "duplicated", "distributed")
+TP_MODES = ("blockwise", "duplicated", "distributed", "layer_sharded")
 
 
 class _TensorParallelRouting:
@@ -44,13 +52,21 @@ class _TensorParallelRouting:
     is_qkv_fn: Callable[[torch.Tensor], bool] | None
     qkv_split_shapes: list[int] | None
 
-    def _set_routing(self, split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode) -> None:
+    def _set_routing(self, split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode, expert_tp_mode=None,
+                     ns_batch_size=1) -> None:
         if tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be one of {list(TP_MODES)}, got {tp_mode!r}")
+        if expert_tp_mode is not None and expert_tp_mode not in TP_MODES:
+            raise ValueError(f"expert_tp_mode must be None or one of {list(TP_MODES)}, got {expert_tp_mode!r}")
+        if isinstance(ns_batch_size, bool) or not isinstance(ns_batch_size, int) or ns_batch_size < 1:
+            raise ValueError(f"ns_batch_size must be an int >= 1 (matrices per Newton–Schulz call on a layer-sharded "
+                             f"home), got {ns_batch_size!r}")
         if split_qkv and is_qkv_fn is None:
             raise ValueError("split_qkv=True needs is_qkv_fn (a callable telling which params are fused QKV)")
         self.pg_collection = pg_collection
         self.tp_mode = tp_mode
+        self.expert_tp_mode = expert_tp_mode
+        self.ns_batch_size = ns_batch_size
         self.split_qkv = bool(split_qkv)
         self.is_qkv_fn = is_qkv_fn
         self.qkv_split_shapes = None if qkv_split_shapes is None else list(qkv_split_shapes)
@@ -61,9 +77,15 @@ class _TensorParallelRouting:
             return None
         return getattr(pg, "expt_tp", None) if getattr(p, "expert_tp", False) else getattr(pg, "tp", None)
 
+    def _tp_mode_of(self, p: torch.Tensor) -> str:
+        if getattr(p, "expert_tp", False) and self.expert_tp_mode is not None:
+            return self.expert_tp_mode
+        return self.tp_mode
+
     def _tp_layout(self, p: torch.Tensor) -> TPLayout | None:
         self._reject_gtp_remat(p)
-        if self.tp_mode == "blockwise":
+        mode = self._tp_mode_of(p)
+        if mode == "blockwise":
             return None
         partition_dim = getattr(p, "partition_dim", None)
         if partition_dim is None or partition_dim == -1:
@@ -76,7 +98,6 @@ class _TensorParallelRouting:
             return None
         if partition_dim not in (0, 1):
             raise ValueError(f"partition_dim of a 2-D parameter must be 0, 1 or -1, got {partition_dim}")
-        mode = self.tp_mode
         if mode == "distributed":
             sharded, other = p.shape[partition_dim] * size, p.shape[1 - partition_dim]
             if sharded < other:
@@ -84,7 +105,8 @@ class _TensorParallelRouting:
                 # matrices of the long side every step (Megatron warns it wastes compute): one
                 # all-gather of the shards is cheaper and gives the same result.
                 mode = "duplicated"
-        return TPLayout(group, size, dist.get_rank(group), int(partition_dim), mode)
+        return TPLayout(group, size, dist.get_rank(group), int(partition_dim), mode,
+                        self.ns_batch_size if mode == "layer_sharded" else 0)
 
     def _reject_gtp_remat(self, p: torch.Tensor) -> None:
         # Megatron's GTP weight rematerialization shards along dim 0 on a second group; not supported.
@@ -118,7 +140,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``ns_eps_mode``, ``ns_norm_divisor`` (extensions, inside the Newton–Schulz ops; QKV parts each
     their own matrix; not with ``tp_mode="distributed"``) as in :class:`~megatron_eopt.optim.Muon`.
     ``use_syrk`` (Megatron-LM main's argument) is taken as False; True is a ValueError
-    (:func:`check_use_syrk`).
+    (:func:`check_use_syrk`). ``ns_batch_size`` and ``expert_tp_mode`` (Megatron-LM's layer-sharded
+    Muon, ``--muon-ns-batch-size`` / ``--muon-expert-tp-mode``): see the module docstring.
     """
 
     # Megatron-LM's classes: arguments and params are checked at construction, as before.
@@ -144,6 +167,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         tp_mode: str = "duplicated",
         use_syrk: bool = False,
         *,
+        ns_batch_size: int = 1,
+        expert_tp_mode: str | None = None,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
@@ -165,10 +190,11 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         # values at construction
         config, _ = fused_config(a, defer=False, weight_decay_method=weight_decay_method,
                                  moment2_method=None if moment2 is None else moment2[0], ns_eps=NS_EPS_EO_030)
-        if a["tp_mode"] == "distributed" and config.recipe.op_arguments != NSRecipe().op_arguments:
+        if "distributed" in (a["tp_mode"], a["expert_tp_mode"]) and config.recipe.op_arguments != NSRecipe().op_arguments:
             raise ValueError("row_equilibration, frobenius_renorm, ns_eps_mode and ns_norm_divisor do not apply with "
                              "tp_mode='distributed'")
-        self._set_routing(a["split_qkv"], a["is_qkv_fn"], a["qkv_split_shapes"], a["pg_collection"], a["tp_mode"])
+        self._set_routing(a["split_qkv"], a["is_qkv_fn"], a["qkv_split_shapes"], a["pg_collection"], a["tp_mode"],
+                          a["expert_tp_mode"], a["ns_batch_size"])
         defaults = dict(lr=a["lr"], momentum=a["momentum"], weight_decay=a["weight_decay"])
         if moment2 is not None:
             defaults.update(beta2=moment2[1], eps=moment2[2])
@@ -225,6 +251,8 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
         eps: float = 1e-8,
         *,
         use_syrk: bool = False,
+        ns_batch_size: int = 1,
+        expert_tp_mode: str | None = None,
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,

@@ -128,8 +128,9 @@ def _shard_state(v, partition_dim, rank, size):
     return v.chunk(size, dim=partition_dim)[rank]
 
 
-def check_megatron(group, tp_mode, seed):
-    """Megatron's own TensorParallelMuon on the same shards gives the same result."""
+def check_megatron(group, tp_mode, seed, ours_mode=None):
+    """Megatron's own TensorParallelMuon on the same shards gives the same result (ours in
+    ``ours_mode`` when given: layer_sharded against stock duplicated)."""
     megatron = __import__("megatron.core.optimizer.emerging_optimizers", fromlist=["TensorParallelMuon"])
     gen = torch.Generator().manual_seed(seed)
     full, grads = _make(LAYOUT, gen)
@@ -149,7 +150,7 @@ def check_megatron(group, tp_mode, seed):
     ]
     theirs = [_tag(torch.nn.Parameter(p.detach().clone()), pd, q, e) for p, (_, pd, q, e) in zip(ours, LAYOUT)]
     start = [p.detach().clone() for p in ours]
-    _run(TensorParallelMuon, ours, grads, kwargs, rank, size)
+    _run(TensorParallelMuon, ours, grads, dict(kwargs, tp_mode=ours_mode or tp_mode), rank, size)
     _run(megatron.TensorParallelMuon, theirs, grads, kwargs, rank, size)
     for i, (a, b, s) in enumerate(zip(ours, theirs, start)):
         err = rel_err(a.detach() - s, b.detach() - s)
@@ -180,13 +181,112 @@ def check_collectives(group, seed):
         assert calls == expected, f"{tp_mode}: {calls} collectives, expected {expected}"
 
 
+def check_layer_sharded(group, seed):
+    """tp_mode "layer_sharded": the same updates as duplicated mode, bit for bit at every
+    ``ns_batch_size`` and with experts in their own mode (NorMuon to float rounding where the experts'
+    own mode splits its all-reduced statistics in two: gloo's ring sums a buffer of another size in
+    another order); each sharded matrix orthogonalized on one rank of the group (step_stats, summed
+    over it), balanced."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(seed)
+    full, grads = _make(LAYOUT, gen)
+    pg = SimpleNamespace(tp=group, expt_tp=group)
+    base = dict(lr=0.02, momentum=0.9, weight_decay=0.1, split_qkv=True, is_qkv_fn=lambda p: p.is_qkv,
+                qkv_split_shapes=QKV_SPLIT, fp32_matmul_prec="highest", pg_collection=pg)
+
+    def run(cls, **kwargs):
+        params = [_tag(torch.nn.Parameter(_shard(t, pd, rank, size).clone()), pd, q, e)
+                  for t, (_, pd, q, e) in zip(full, LAYOUT)]
+        opt = _run(cls, params, grads, dict(base, **kwargs), rank, size)
+        return params, opt
+
+    for cls, extra in ((TensorParallelMuon, {}), (TensorParallelAdaptiveMuon, dict(moment2_method="normuon"))):
+        want, _ = run(cls, tp_mode="duplicated", **extra)
+        for kwargs in (dict(tp_mode="layer_sharded"), dict(tp_mode="layer_sharded", ns_batch_size=3),
+                       dict(tp_mode="duplicated", expert_tp_mode="layer_sharded")):
+            got, opt = run(cls, **kwargs, **extra)
+            exact = not extra or "expert_tp_mode" not in kwargs
+            for i, (a, b) in enumerate(zip(got, want)):
+                s = _shard(full[i], LAYOUT[i][1], rank, size)
+                same = torch.equal(a, b) if exact else rel_err(a.detach() - s, b.detach() - s) <= 1e-6
+                assert same, f"layer_sharded {cls.__name__} {kwargs} param {i}: differs from duplicated"
+    sharded = sum(1 for _, pd, _, _ in LAYOUT if pd != -1)
+    replicated = len(LAYOUT) - sharded
+    _, opt = run(TensorParallelMuon, tp_mode="layer_sharded")
+    stats = opt.step_stats()
+    counts = torch.tensor([stats["ns_matrices"]], dtype=torch.int64)
+    everyone = [torch.zeros_like(counts) for _ in range(size)]
+    dist.all_gather(everyone, counts, group=group)
+    mine = [int(c) - replicated for c in everyone]  # replicated matrices run on every rank
+    assert sum(mine) == sharded, f"layer_sharded: {mine} sharded matrices per rank, {sharded} in all"
+    assert max(mine) - min(mine) <= 2, f"layer_sharded: homes unbalanced {mine}"
+    _, dup = run(TensorParallelMuon, tp_mode="duplicated")
+    assert dup.step_stats()["ns_matrices"] == len(LAYOUT)
+    with pytest_raises(ValueError, "ns_batch_size"):
+        TensorParallelMuon([torch.nn.Parameter(torch.zeros(4, 4))], tp_mode="layer_sharded", ns_batch_size=0)
+    with pytest_raises(ValueError, "expert_tp_mode"):
+        TensorParallelMuon([torch.nn.Parameter(torch.zeros(4, 4))], expert_tp_mode="sharded")
+
+
+class pytest_raises:
+    """``pytest.raises(kind, match=text)`` for a spawned rank (no pytest there)."""
+
+    def __init__(self, kind, text):
+        self.kind, self.text = kind, text
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        assert kind is not None, f"no {self.kind.__name__} raised"
+        assert issubclass(kind, self.kind) and self.text in str(value), f"{kind.__name__}: {value}"
+        return True
+
+
+def check_step_stats(group, seed):
+    """step_stats() counts what the step called: the collectives the harness counts, and the
+    bytes by the documented conventions."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(seed)
+    layout = [((32, 16), 0), ((32, 16), 0), ((16, 32), 1)]
+    pg = SimpleNamespace(tp=group, expt_tp=group)
+    for tp_mode in ("duplicated", "distributed", "layer_sharded"):
+        params = []
+        for shape, pd in layout:
+            params.append(_tag(torch.nn.Parameter(_shard(torch.randn(shape, generator=gen), pd, rank, size).clone()),
+                               pd, False, False))
+        opt = TensorParallelMuon(params, lr=0.02, num_ns_steps=5, pg_collection=pg, tp_mode=tp_mode)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        with counted_collectives(("all_reduce", "all_gather", "all_to_all_single")) as calls:
+            opt.step()
+        stats = opt.step_stats()
+        assert stats["collectives"] == sum(calls.values()), f"{tp_mode}: {stats} vs {calls}"
+        local_bytes = 32 * 16 * 4 // size  # every shard holds 1 / size of a 32 x 16 fp32 matrix
+        if tp_mode == "duplicated":  # one all-gather per stack, of the stack's shards
+            assert stats["bytes_sent"] == (size - 1) * 3 * local_bytes, (tp_mode, stats)
+            assert stats["ns_matrices"] == 3 and stats["ns_shared_matrices"] == 0
+        elif tp_mode == "distributed":  # norms (k floats) and k Gram matrices (16 x 16) per iteration
+            grams = sum(2 * (size - 1) * (k * 4) // size + 5 * (2 * (size - 1) * k * 16 * 16 * 4 // size)
+                        for k in (2, 1))
+            assert stats["bytes_sent"] == grams, (tp_mode, stats, grams)
+            assert stats["ns_matrices"] == 0 and stats["ns_shared_matrices"] == 3
+        else:  # a shard goes to its home unless this rank is it; a home sends the others their shards
+            homed = stats["ns_matrices"]
+            everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+            dist.all_gather(everyone, torch.tensor([homed]), group=group)
+            assert sum(int(h) for h in everyone) == 3
+            assert stats["bytes_sent"] == (3 - homed + homed * (size - 1)) * local_bytes, (tp_mode, stats)
+            assert calls["all_to_all_single"] == 4  # one chunk per stack, one all-to-all each way
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     """4 ranks: TP 4 over all of them, then TP 2 in two groups of 2 (one spawn for both sizes)."""
     with gloo_world(rank, world_size, init_file):
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         for group in (dist.group.WORLD, pairs[rank // 2]):
-            for tp_mode in ("duplicated", "distributed", "blockwise"):
+            for tp_mode in ("duplicated", "distributed", "blockwise", "layer_sharded"):
                 check_mode(group, tp_mode, TensorParallelMuon, {}, seed)
                 for method in ("adamuon", "normuon", "namo"):
                     check_mode(group, tp_mode, TensorParallelAdaptiveMuon, dict(moment2_method=method, beta2=0.9), seed)
@@ -200,6 +300,8 @@ def worker(rank, world_size, init_file, seed):
                 precision="medium",
             )
             check_collectives(group, seed)
+            check_layer_sharded(group, seed)
+            check_step_stats(group, seed)
         if rank >= 2:
             return  # Megatron's import is slow: its comparison runs in the first TP-2 group only
         try:
@@ -208,3 +310,4 @@ def worker(rank, world_size, init_file, seed):
             return
         for tp_mode in ("duplicated", "distributed"):
             check_megatron(pairs[0], tp_mode, seed)
+        check_megatron(pairs[0], "duplicated", seed, ours_mode="layer_sharded")

@@ -7,11 +7,14 @@ ChainedOptimizer wrappers) and ``ChainedOptimizer.step()`` runs. See megatron_cp
 three CUDA-only scalars redirected to the CPU.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import types
+from typing import Any
 
 import pytest
 import torch
@@ -84,6 +87,27 @@ def test_install_replaces_registry_entries_idempotently(stock_registry):
     integration.uninstall()
     assert table["muon"] is stock["muon"] and integration.installed() == []
     assert set(table) == set(stock)
+
+
+@needs_megatron
+def test_install_fills_config_to_cls_where_megatron_has_it(stock_registry, monkeypatch):
+    """Megatron-LM's layer-sharded Muon chooses a class per tp mode through the entry's
+    ``config_to_cls``: where the entry has that field, install() fills it with our class (which runs
+    every mode itself), so no mode falls back to a stock class."""
+    emerging = mcore_optimizer.emerging_optimizers
+
+    @dataclasses.dataclass
+    class EntryWithClassChoice(emerging.EmergingOptimizerEntry):
+        config_to_cls: Any = None
+
+    monkeypatch.setattr(emerging, "EmergingOptimizerEntry", EntryWithClassChoice)
+    integration.install()
+    try:
+        for name, cls in (("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)):
+            config = types.SimpleNamespace(muon_tp_mode="layer_sharded", muon_expert_tp_mode="duplicated")
+            assert stock_registry[name].config_to_cls(config) is cls
+    finally:
+        integration.uninstall()
 
 
 @needs_megatron

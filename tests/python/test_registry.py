@@ -179,3 +179,20 @@ def test_init_state_fn_uses_emerging_optimizers_style_init_group():
     assert opt.state[p]["momentum_buffer"].shape == (3, 3)
     with pytest.raises(TypeError, match="cannot create its state"):
         registry.init_optimizer_state(torch.optim.SGD([p], lr=0.1))
+
+
+def test_layer_sharded_fields_reach_the_class():
+    """Megatron-LM's layer-sharded Muon flags (--muon-tp-mode layer_sharded, --muon-ns-batch-size,
+    --muon-expert-tp-mode) map to the class, which refuses bad values naming them."""
+    config = _megatron_like_config(muon_tp_mode="layer_sharded", muon_ns_batch_size=32,
+                                   muon_expert_tp_mode="layer_sharded")
+    kwargs = registry.get("muon").config_to_kwargs(config, [_model_chunk()], None)
+    assert (kwargs["tp_mode"], kwargs["ns_batch_size"], kwargs["expert_tp_mode"]) == ("layer_sharded", 32,
+                                                                                       "layer_sharded")
+    opt = TensorParallelMuon([torch.nn.Parameter(torch.randn(4, 3))], **kwargs)
+    assert (opt.tp_mode, opt.ns_batch_size, opt.expert_tp_mode) == ("layer_sharded", 32, "layer_sharded")
+    for field, value in (("muon_ns_batch_size", 0), ("muon_expert_tp_mode", "sharded")):
+        bad = registry.get("adaptive_muon").config_to_kwargs(_megatron_like_config(**{field: value}),
+                                                              [_model_chunk()], None)
+        with pytest.raises(ValueError, match=field.removeprefix("muon_")):
+            registry.get("adaptive_muon").optimizer_cls([torch.nn.Parameter(torch.randn(4, 3))], **bad)

@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from ... import _collectives as collectives
 from .sharded import is_dtensor
 
 # Exception types a refusal is re-raised as on the ranks that did not see it (others: ValueError).
@@ -58,7 +59,7 @@ def _max_over(meshes, values: list[int]) -> list[int]:
         t = torch.tensor(out, dtype=torch.int64, device=_device(mesh))
         for d in range(mesh.ndim):
             if mesh.size(d) > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
+                collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
         out = t.tolist()
     return out
 
@@ -71,7 +72,7 @@ def _union_over(meshes, items: list) -> list:
             if mesh.size(d) > 1:
                 group = mesh.get_group(d)
                 gathered: list = [None] * dist.get_world_size(group)
-                dist.all_gather_object(gathered, sorted(known), group=group)
+                collectives.all_gather_object(gathered, sorted(known), group=group)
                 for part in gathered:
                     known.update(part)
     return sorted(known)

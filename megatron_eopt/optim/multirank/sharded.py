@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ... import _collectives as collectives
 from ..matrix_view import matrix_view, split_newton_schulz
 
 try:  # torch.distributed.tensor is public from torch 2.4; guarded for builds without distributed
@@ -341,17 +342,19 @@ def ns_flops(shape) -> float:
     return math.prod(lead) * s * s * (4 * l + 2 * s)
 
 
-def assign_owners(costs: list[float], size: int, per_chunk: int) -> tuple[list[list[int]], list[int]]:
+def assign_owners(costs: list[float], size: int, per_chunk: int,
+                  load: list[float] | None = None) -> tuple[list[list[int]], list[int]]:
     """Chunks of item indices (consecutive, in the given order) and the owner of each item.
 
     Within each chunk the costliest item goes first to the least-loaded member (ties to the
     lowest), loads carried over from earlier chunks: every chunk keeps all members busy, and the
     totals end at most one item's cost apart. Deterministic, so every rank computes the same.
+    ``load``: each member's load so far (updated in place), to balance over several calls.
     """
     if size < 1 or per_chunk < 1:
         raise ValueError(f"assign_owners: size and per_chunk must be >= 1, got {size} and {per_chunk}")
     chunks = [list(range(i, min(i + per_chunk, len(costs)))) for i in range(0, len(costs), per_chunk)]
-    load = [0.0] * size
+    load = [0.0] * size if load is None else load
     owners = [0] * len(costs)
     for chunk in chunks:
         for k in sorted(chunk, key=lambda k: (-costs[k], k)):
@@ -412,7 +415,7 @@ class _Transfer:
         parts = [self.held[m[:3]].reshape(-1) for m in here]
         buf = torch.cat(parts) if parts else self.like.new_empty(0)
         recv = buf.new_empty(sum(out_splits))
-        work = dist.all_to_all_single(recv, buf, out_splits, in_splits, group=group, async_op=True)
+        work = collectives.all_to_all_single(recv, buf, out_splits, in_splits, group=group, async_op=True)
         mine = self._group_rank(me)
         self.sent += (buf.numel() - in_splits[mine]) * buf.element_size()
         return work, recv, there
@@ -557,6 +560,8 @@ class ShardedOrthogonalizer:
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
         full = DTensor.from_local(x, lay.mesh, lay.placements, run_check=False, shape=torch.Size(shape),
                                   stride=stride).full_tensor()
+        sharding = sorted({i for dims in lay.shard_dims.values() for i in dims}, reverse=True)
+        collectives.count_dtensor_gather(x, [lay.mesh.size(i) for i in sharding])
         out = self._ns([full], config, [split])[0]
         return distribute_tensor(out, lay.mesh, lay.placements, src_data_rank=None).to_local()
 
@@ -607,7 +612,7 @@ def _reduce_dims(tensors, layouts, view_dims) -> None:
             by_group.setdefault(id(g), (g, []))[1].append(k)
     for g, ks in by_group.values():
         flat = torch.cat([tensors[k].reshape(-1) for k in ks])
-        dist.all_reduce(flat, group=g)
+        collectives.all_reduce(flat, group=g)
         for k, chunk in zip(ks, flat.split([tensors[k].numel() for k in ks])):
             tensors[k].copy_(chunk.view_as(tensors[k]))
 

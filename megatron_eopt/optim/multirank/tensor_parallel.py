@@ -1,4 +1,4 @@
-"""Tensor-parallel pieces of the step (Megatron's tp_mode "duplicated" and "distributed").
+"""Tensor-parallel pieces of the step (Megatron's tp_mode "duplicated", "distributed", "layer_sharded").
 
 What runs where:
 - duplicated: the local (k, m, n) batch of NS inputs is all-gathered along partition_dim (one
@@ -7,6 +7,8 @@ What runs where:
 - distributed: Newton–Schulz cannot call a collective from inside the fused op, so it runs in
   plain PyTorch on the local shards, batched per stack, with all-reduces of the norms and Gram
   matrices (:mod:`megatron_eopt.ops._distributed`, shared with ``newton_schulz(tp_group=...)``).
+- layer_sharded: each matrix's shards go to one home rank of the group, which orthogonalizes it
+  whole and sends the shards of the result back (the owner exchange of :mod:`.sharded`).
 - AdaptiveMuon's NorMuon / NAMO statistics (row means, Frobenius norms) reduce over the whole
   matrix, so for sharded parameters they are computed here with all-reduces of the partial sums
   (one or two per bucket); AdaMuon is elementwise and uses the fused op.
@@ -20,9 +22,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ... import _collectives as collectives
 from ...ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
 from .._config import OrthogonalizationConfig
-from ..matrix_view import QKVSplit
+from ..matrix_view import QKVSplit, split_newton_schulz
+from .sharded import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
 
 @dataclass(frozen=True)
@@ -33,17 +37,18 @@ class TPLayout:
     size: int
     rank: int
     partition_dim: int  # 0: rows are sharded, 1: columns are sharded
-    mode: str  # "duplicated" | "distributed"
+    mode: str  # "duplicated" | "distributed" | "layer_sharded"
+    ns_batch_size: int = 0  # layer_sharded: matrices per Newton–Schulz call on a home
 
     @property
     def key(self) -> tuple:
-        return (id(self.group), self.partition_dim, self.mode)
+        return (id(self.group), self.partition_dim, self.mode, self.ns_batch_size)
 
 
 def gather_shards(x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
     """(k, m_local, n_local) on each rank -> (k, m, n), shards concatenated along partition_dim."""
     shards = [torch.empty_like(x) for _ in range(tp.size)]
-    dist.all_gather(shards, x.contiguous(), group=tp.group)
+    collectives.all_gather(shards, x.contiguous(), group=tp.group)
     return torch.cat(shards, dim=1 + tp.partition_dim)
 
 
@@ -94,12 +99,62 @@ def distributed_orthogonalize(
     return out.view(k, rows, cols)
 
 
+def layer_sharded_orthogonalize(
+    x: torch.Tensor,
+    tp: TPLayout,
+    qkv: QKVSplit | None,
+    config: OrthogonalizationConfig,
+    scaled: bool,
+    load: list[float],
+) -> list[torch.Tensor]:
+    """tp_mode "layer_sharded" for one stack of k shards (k, m_local, n_local): each matrix gets a
+    home rank in the group (the least loaded by Newton–Schulz FLOPs, ``load`` carried over the
+    step's stacks), which receives every shard, orthogonalizes the whole matrix in batches of
+    ``tp.ns_batch_size`` and sends each rank its shard of the result (the owner exchange of
+    :mod:`.sharded`: one all-to-all each way per chunk, chunks pipelined). QKV parts as in
+    duplicated mode. Returns this rank's k result shards."""
+    k, rows, cols = x.shape
+    d = tp.partition_dim
+    global_shape = (rows * tp.size, cols) if d == 0 else (rows, cols * tp.size)
+    per_home = max(ITEMS_PER_RANK, tp.ns_batch_size)
+    chunks, homes = assign_owners([ns_flops(global_shape)] * k, tp.size, per_home * tp.size, load)
+    route = OwnerRoute(tp.group, tuple(range(tp.size)), tp.rank, ("tp", id(tp.group)))
+    numel = rows * cols
+    outs: list[torch.Tensor | None] = [None] * k
+
+    def orthogonalize(owned, pieces):
+        if not owned:
+            return []
+        full = torch.stack([torch.cat([piece.view(rows, cols) for piece in parts], dim=d) for parts in pieces])
+        results = []
+        for start in range(0, len(owned), tp.ns_batch_size):
+            batch = full[start : start + tp.ns_batch_size]
+            out = config.newton_schulz(batch) if qkv is None else split_newton_schulz(config, batch, qkv, scaled)
+            results.extend(out.unbind(0))
+        return results
+
+    def deliver(i, piece):
+        outs[i] = piece.view(rows, cols)
+
+    OwnerExchange(
+        route, chunks, homes,
+        to_owner=lambda i, s: numel,
+        send=lambda i: x[i],
+        compute=orthogonalize,
+        from_owner=lambda i, s: numel,
+        back=lambda i, result, s: result.chunk(tp.size, dim=d)[s],
+        deliver=deliver,
+        like=x,
+    ).run()
+    return outs
+
+
 def _all_reduce_many(tensors: Sequence[torch.Tensor], group) -> list[torch.Tensor]:
     """Sums a list of fp32 tensors over the group with one collective."""
     if not tensors:
         return []
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    collectives.all_reduce(flat, group=group)
     return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
@@ -169,6 +224,7 @@ __all__ = [
     "distributed_newton_schulz",
     "distributed_orthogonalize",
     "gather_shards",
+    "layer_sharded_orthogonalize",
     "local_chunk",
     "tp_namo_normalize_",
     "tp_normuon_normalize_",

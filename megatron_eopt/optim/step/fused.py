@@ -21,6 +21,7 @@ from .._config import check_step_value
 from ..multirank.tensor_parallel import (
     distributed_orthogonalize,
     gather_shards,
+    layer_sharded_orthogonalize,
     local_chunk,
     tp_namo_normalize_,
     tp_normuon_normalize_,
@@ -368,6 +369,10 @@ class FusedStep:
         if tp is not None and tp.mode == "distributed":
             out = distributed_orthogonalize(x, tp, stack.qkv, stack.global_shape, cfg, scaled=scale_parts)
             return list(out.unbind(0))
+        if tp is not None and tp.mode == "layer_sharded":
+            # homes balanced over the step's stacks of this group (the loads start at zero each step)
+            load = self.__dict__.setdefault("_home_loads", {}).setdefault(tp.key, [0.0] * tp.size)
+            return layer_sharded_orthogonalize(x, tp, stack.qkv, cfg, scale_parts, load)
         if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
             x = gather_shards(x, tp)
         if stack.qkv is None:

@@ -1,0 +1,79 @@
+"""One rank of test_step_stats.py's multi-rank counts (gloo, CPU)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_harness import counted_collectives, gloo_world  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
+from megatron_eopt.compat import snippet  # noqa: E402
+from megatron_eopt.optim import Muon  # noqa: E402
+
+SHAPES = [(16, 8), (16, 8), (8, 24), (6, 10), (12, 12)]
+NAMES = ("all_reduce", "all_gather", "all_to_all_single", "all_gather_object")
+
+
+def _sum(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t)
+
+
+def _grads(params, gen):
+    for p in params:
+        full = torch.randn(p.shape, generator=gen)
+        p.grad = distribute_tensor(full, p.device_mesh, p.placements) if hasattr(p, "device_mesh") else full
+
+
+def _step(opt, params, gen, before_counted=lambda: None):
+    """Two steps; the counters of the second (the first builds the plan and agrees on it across ranks)."""
+    _grads(params, gen)
+    opt.step()
+    _grads(params, gen)
+    before_counted()
+    with counted_collectives(NAMES) as calls:
+        opt.step()
+    return opt.step_stats(), calls
+
+
+def check_sharded(mesh, mode):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)])) for s in SHAPES]
+    opt = Muon(params, lr=0.02, sharded_mode=mode)
+    before = []
+    stats, calls = _step(opt, params, torch.Generator().manual_seed(1), lambda: before.append(opt._sharded.bytes_sent))
+    if mode == "owner":
+        assert stats["collectives"] == sum(calls.values()), (mode, stats, calls)
+        assert _sum(stats["ns_matrices"]) == len(SHAPES), stats
+        # the owner exchange's own counter: the same bytes
+        assert stats["bytes_sent"] == opt._sharded.bytes_sent - before[0], stats
+    else:  # every rank gathers every matrix (DTensor's own all-gather, one each) and orthogonalizes all
+        assert stats["ns_matrices"] == len(SHAPES) == stats["collectives"], stats
+        local = sum(p.to_local().numel() * 4 for p in params)
+        assert stats["bytes_sent"] == local, (stats, local)  # (2 - 1) x the local rows
+
+
+def check_legacy_dist_muon():
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    opt = snippet.DistMuon(params, lr=0.02)
+    stats, calls = _step(opt, params, torch.Generator().manual_seed(3))
+    assert _sum(stats["ns_matrices"]) == len(SHAPES), stats
+    assert stats["collectives"] == sum(calls.values()) > 0 and stats["bytes_sent"] > 0, (stats, calls)
+
+
+@exits_without_teardown
+def worker(rank, world_size, init_file):
+    with gloo_world(rank, world_size, init_file):
+        mesh = init_device_mesh("cpu", (world_size,))
+        for mode in ("owner", "gather"):
+            check_sharded(mesh, mode)
+        check_legacy_dist_muon()
