@@ -60,7 +60,7 @@ from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonal
 from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
 from .multirank.agreement import agree, meshes_of, plan_digest
 from .multirank.sharded import SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor
-from .multirank.tensor_parallel import TPLayout
+from .multirank.tensor_parallel import GTPLayout, TPLayout
 from .step import low_memory as _low_memory
 from .step.fused import FusedStep
 from .step.layout import cached_step_layouts, step_layouts
@@ -212,6 +212,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         """Split sizes when p is a fused QKV projection to orthogonalize per part."""
         return None
 
+    def _gtp_layout(self, p: torch.Tensor) -> GTPLayout | None:
+        """Megatron-LM's GTP row sharding of p (None: its rows are whole on this rank)."""
+        return None
+
     # ------------------------------------------------------------------ param groups and plan
     @torch._disable_dynamo
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -305,7 +309,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         plan, error = None, None
         try:
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
-                              self.sharded_mode, self._group_configs())
+                              self.sharded_mode, self._group_configs(), self._gtp_layout)
             plan.chunks = chunk_entries(plan, workspace_budget_bytes(self._workspace_mib, plan))
         except (ValueError, TypeError) as exc:
             if not meshes:

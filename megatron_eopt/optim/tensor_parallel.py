@@ -36,7 +36,7 @@ from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.plan import DEFAULT_WORKSPACE_MIB
-from .multirank.tensor_parallel import TPLayout
+from .multirank.tensor_parallel import GTPLayout, TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -83,7 +83,6 @@ class _TensorParallelRouting:
         return self.tp_mode
 
     def _tp_layout(self, p: torch.Tensor) -> TPLayout | None:
-        self._reject_gtp_remat(p)
         mode = self._tp_mode_of(p)
         if mode == "blockwise":
             return None
@@ -108,16 +107,21 @@ class _TensorParallelRouting:
         return TPLayout(group, size, dist.get_rank(group), int(partition_dim), mode,
                         self.ns_batch_size if mode == "layer_sharded" else 0)
 
-    def _reject_gtp_remat(self, p: torch.Tensor) -> None:
-        # Megatron's GTP weight rematerialization shards along dim 0 on a second group; not supported.
+    def _gtp_layout(self, p: torch.Tensor) -> GTPLayout | None:
+        """Megatron-LM's GTP weight rematerialization: ``is_gtp_weight_remat`` parameters are sharded
+        along their rows over ``pg_collection.gtp_remat`` (``expt_gtp_remat`` for ``expert_tp``),
+        ``pad_length`` trailing rows of the gathered matrix being padding."""
         pg = self.pg_collection
         if not pg or not getattr(p, "is_gtp_weight_remat", False):
-            return
+            return None
         group = getattr(pg, "expt_gtp_remat" if getattr(p, "expert_tp", False) else "gtp_remat", None)
-        if group is not None and dist.get_world_size(group) > 1:
-            raise ValueError(
-                "parameters sharded by GTP weight rematerialization (is_gtp_weight_remat) are not supported"
-            )
+        if group is None or dist.get_world_size(group) <= 1:
+            return None
+        pad = getattr(p, "pad_length", 0)
+        if isinstance(pad, bool) or not isinstance(pad, int):
+            raise ValueError(f"pad_length of a GTP-sharded parameter must be an int, got {pad!r}")
+        return GTPLayout(group, dist.get_world_size(group), dist.get_rank(group), pad,
+                         self._tp_mode_of(p) == "blockwise")
 
     def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
         if not self.split_qkv or not self.is_qkv_fn(p):

@@ -280,6 +280,129 @@ def check_step_stats(group, seed):
             assert calls["all_to_all_single"] == 4  # one chunk per stack, one all-to-all each way
 
 
+# GTP weight rematerialization on 4 ranks: TP groups {0, 1}, {2, 3}; GTP groups {0, 2}, {1, 3}.
+# (TP-global shape, partition_dim, pad_length): padded and unpadded, row- and column-sharded and
+# replicated over TP, a shard that is partly padding and one that is all padding.
+GTP_LAYOUT = [
+    ((16, 12), 0, 2),
+    ((12, 16), 1, 0),
+    ((10, 8), -1, 2),
+    ((16, 12), 0, 6),
+    ((4, 6), 0, 6),
+]
+
+
+def _gtp_local(t, pd, pad, tp, gtp):
+    """This rank's GTP shard of its tensor-parallel shard of t, padded by ``pad`` zero rows."""
+    t = _shard(t, pd, tp[0], tp[1])
+    return torch.cat([t, t.new_zeros(pad, t.shape[1])]).chunk(gtp[1])[gtp[0]].clone()
+
+
+def _gtp_run(cls, params, grads, kwargs, layout_of):
+    opt = cls(params, **kwargs)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = layout_of(g, p)
+        opt.step()
+    return opt
+
+
+# GTP over all 4 ranks without tensor parallelism (TP groups of one rank).
+GTP4_LAYOUT = [
+    ((16, 12), 0, 0),
+    ((10, 8), -1, 2),
+    ((6, 4), 0, 2),
+]
+
+
+def check_gtp(tp_group, gtp_group, tp_mode, cls, extra, seed, stock=None, layout=GTP_LAYOUT):
+    """GTP-sharded parameters (Megatron-LM main's is_gtp_weight_remat, pad_length) equal the single-device
+    optimizer on the whole matrix (blockwise: on this rank's unpadded shard); padding stays zero. With
+    ``stock`` (main's own class), equal to it on the same shards too."""
+    tp = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    gtp = (dist.get_rank(gtp_group), dist.get_world_size(gtp_group))
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, _, _ in layout]
+    grads = [[torch.randn(shape, generator=gen) for shape, _, _ in layout] for _ in range(STEPS)]
+    pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group)
+    kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1, fp32_matmul_prec="highest", **extra)
+
+    def tagged(t, pd, pad):
+        p = _tag(torch.nn.Parameter(t), pd, False, False)
+        p.is_gtp_weight_remat, p.pad_length = True, pad
+        return p
+
+    def layout_of(g, p):
+        return _gtp_local(g, p.partition_dim, p.pad_length, tp, gtp)
+
+    local = [tagged(_gtp_local(t, pd, pad, tp, gtp), pd, pad) for t, (_, pd, pad) in zip(full, layout)]
+    start = [p.detach().clone() for p in local]
+    _gtp_run(cls, local, grads, dict(kwargs, pg_collection=pg, tp_mode=tp_mode), layout_of)
+    if stock is not None:
+        theirs = [tagged(s.clone(), pd, pad) for s, (_, pd, pad) in zip(start, layout)]
+        _gtp_run(stock, theirs, grads, dict(kwargs, pg_collection=pg, tp_mode=tp_mode), layout_of)
+    for i, (t, (shape, pd, pad)) in enumerate(zip(full, layout)):
+        rows = start[i].shape[0]
+        if tp_mode == "blockwise":  # the single-device optimizer on this rank's real rows
+            shard_pad = min(rows, max(0, pad - (gtp[1] - 1 - gtp[0]) * rows))
+            real = rows - shard_pad
+            ref = [torch.nn.Parameter(start[i][:real].clone())]
+            if real:
+                _run_plain(cls, ref, [[layout_of(g[i], local[i])[:real]] for g in grads], kwargs)
+            expected = torch.cat([ref[0].detach(), start[i].new_zeros(shard_pad, start[i].shape[1])])
+        else:
+            ref = [torch.nn.Parameter(t.clone())]
+            _run_plain(cls, ref, [[g[i]] for g in grads], kwargs)
+            expected = _gtp_local(ref[0].detach(), pd, pad, tp, gtp)
+        got = local[i].detach()
+        what = f"GTP {tp_mode} {cls.__name__} {extra} param {i} {layout[i]} TP {tp} GTP {gtp}"
+        if got.abs().sum() == 0 and expected.abs().sum() == 0:
+            continue  # all padding
+        assert rel_err(got - start[i], expected - start[i]) <= TOLERANCE["highest"], what
+        if stock is not None and _stock_agrees(stock, tp_mode, pad):
+            other = theirs[i].detach()
+            assert rel_err(got - start[i], other - start[i]) <= TOLERANCE["highest"], what + " vs stock"
+
+
+def _run_plain(cls, params, grads, kwargs):
+    opt = cls(params, **kwargs)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+
+
+def _stock_agrees(stock, tp_mode: str, pad: int) -> bool:
+    """Where Megatron-LM's own class computes what we do. Main (which strips the padding) differs only
+    in distributed mode on a padded matrix, which it scales by its padded shape (its stated
+    limitation); megatron-core 0.19.2 gathers the GTP shards in every mode (blockwise too) and
+    orthogonalizes the padding rows with the matrix."""
+    if hasattr(stock, "_strip_pad"):
+        return pad == 0 or tp_mode != "distributed"
+    return pad == 0 and tp_mode in ("duplicated", "distributed")
+
+
+def _stock_gtp_class():
+    """Megatron-LM's own TensorParallelMuon where it handles GTP-sharded parameters, else None."""
+    try:
+        megatron = __import__("megatron.core.optimizer.emerging_optimizers", fromlist=["TensorParallelMuon"])
+    except ImportError:
+        return None
+    cls = getattr(megatron, "TensorParallelMuon", None)
+    return cls if hasattr(cls, "scaled_orthogonalize_fn_with_gtp_remat") else None
+
+
+def check_gtp_refusals(tp_group, gtp_group):
+    pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group)
+    p = torch.nn.Parameter(torch.zeros(4, 6))
+    p.is_gtp_weight_remat, p.pad_length, p.partition_dim = True, 8, 0
+    with pytest_raises(ValueError, "pad_length"):
+        TensorParallelMuon([p], pg_collection=pg)
+    p.pad_length = 0
+    with pytest_raises(ValueError, "normuon"):
+        TensorParallelAdaptiveMuon([p], pg_collection=pg, moment2_method="normuon")
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     """4 ranks: TP 4 over all of them, then TP 2 in two groups of 2 (one spawn for both sizes)."""
@@ -302,6 +425,18 @@ def worker(rank, world_size, init_file, seed):
             check_collectives(group, seed)
             check_layer_sharded(group, seed)
             check_step_stats(group, seed)
+        tp_pairs, gtp_pairs = pairs, [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        stock = _stock_gtp_class()
+        for tp_mode in ("duplicated", "distributed", "layer_sharded", "blockwise"):
+            check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], tp_mode, TensorParallelMuon, {}, seed,
+                      stock=None if tp_mode == "layer_sharded" else stock)
+            check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], tp_mode, TensorParallelAdaptiveMuon,
+                      dict(moment2_method="adamuon"), seed)
+        check_gtp_refusals(tp_pairs[rank // 2], gtp_pairs[rank % 2])
+        singles = [dist.new_group([r]) for r in range(world_size)]
+        for tp_mode in ("duplicated", "blockwise"):
+            check_gtp(singles[rank], dist.group.WORLD, tp_mode, TensorParallelMuon, {}, seed, stock=stock,
+                      layout=GTP4_LAYOUT)
         if rank >= 2:
             return  # Megatron's import is slow: its comparison runs in the first TP-2 group only
         try:

@@ -45,6 +45,59 @@ class TPLayout:
         return (id(self.group), self.partition_dim, self.mode, self.ns_batch_size)
 
 
+@dataclass(frozen=True)
+class GTPLayout:
+    """How one parameter is sharded along its rows by Megatron-LM's GTP weight rematerialization
+    (``is_gtp_weight_remat``): the rows of the tensor-parallel local matrix, padded by ``pad_rows``
+    trailing zero rows to a multiple of the group's size, are split evenly over ``group``.
+    ``blockwise``: tp_mode "blockwise" (each shard orthogonalized as it is, its own padding left out)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    pad_rows: int
+    blockwise: bool
+
+    @property
+    def key(self) -> tuple:
+        return (id(self.group), self.size, self.pad_rows, self.blockwise)
+
+    def real_rows(self, local_rows: int) -> int:
+        """Rows of the matrix without its padding: this shard's (blockwise) or the gathered matrix's."""
+        if self.blockwise:
+            from_end = self.size - 1 - self.rank
+            return local_rows - min(local_rows, max(0, self.pad_rows - from_end * local_rows))
+        return local_rows * self.size - self.pad_rows
+
+
+def gtp_orthogonalize(x: torch.Tensor, gtp: GTPLayout, orthogonalize) -> list[torch.Tensor]:
+    """Newton–Schulz of a stack of GTP row shards (k, m_local, n): the shards are all-gathered over
+    the GTP group (blockwise: not), the padding rows left out, ``orthogonalize`` (the tensor-parallel
+    mode's work on (k, rows, n), returning k results) run on the real rows, and this rank's rows of
+    the results returned, zero where they are padding (Megatron-LM's
+    ``scaled_orthogonalize_fn_with_gtp_remat``; its distributed mode's scale of the padded shape is
+    not followed: the scale is the real matrix's)."""
+    k, rows, cols = x.shape
+    full = x if gtp.blockwise else gather_rows(x, gtp)
+    real = gtp.real_rows(rows)
+    if real == 0:  # all padding: NS(0) = 0
+        return list(torch.zeros_like(x).unbind(0))
+    outs = orthogonalize(full[:, :real].contiguous() if real < full.shape[1] else full)
+    results = []
+    for out in outs:
+        if real < full.shape[1]:
+            out = torch.cat([out, out.new_zeros(full.shape[1] - real, cols)])
+        results.append(out if gtp.blockwise else out[gtp.rank * rows : (gtp.rank + 1) * rows])
+    return results
+
+
+def gather_rows(x: torch.Tensor, gtp: GTPLayout) -> torch.Tensor:
+    """(k, m_local, n) row shards on each rank of the GTP group -> (k, m_local · size, n)."""
+    shards = [torch.empty_like(x) for _ in range(gtp.size)]
+    collectives.all_gather(shards, x.contiguous(), group=gtp.group)
+    return torch.cat(shards, dim=1)
+
+
 def gather_shards(x: torch.Tensor, tp: TPLayout) -> torch.Tensor:
     """(k, m_local, n_local) on each rank -> (k, m, n), shards concatenated along partition_dim."""
     shards = [torch.empty_like(x) for _ in range(tp.size)]
@@ -223,7 +276,10 @@ def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2, ep
 __all__ = [
     "distributed_newton_schulz",
     "distributed_orthogonalize",
+    "GTPLayout",
+    "gather_rows",
     "gather_shards",
+    "gtp_orthogonalize",
     "layer_sharded_orthogonalize",
     "local_chunk",
     "tp_namo_normalize_",

@@ -21,6 +21,7 @@ from .._config import check_step_value
 from ..multirank.tensor_parallel import (
     distributed_orthogonalize,
     gather_shards,
+    gtp_orthogonalize,
     layer_sharded_orthogonalize,
     local_chunk,
     tp_namo_normalize_,
@@ -256,7 +257,7 @@ class FusedStep:
         overwrite ``x``. A tensor-parallel stack holds shards, whose norms are not the matrices'; it
         is not counted (a DTensor sharded across ranks is counted whole by the sharded path, on the
         rank that orthogonalizes it: ``_count_below_eps``)."""
-        if stack.tp is None:
+        if stack.tp is None and stack.gtp is None:
             self._count_below_eps(x, stack.config.ns_eps)
 
     def _count_below_eps(self, x: torch.Tensor, eps: float) -> None:
@@ -363,6 +364,12 @@ class FusedStep:
         for Muon (the split op fuses it) and raw for AdaptiveMuon (scaled after normalization).
         ``in_place``: ``x`` is the step's own buffer, which plain matrices' results may overwrite.
         """
+        if stack.gtp is not None:  # the tensor-parallel mode's work on the gathered, unpadded rows
+            return gtp_orthogonalize(x, stack.gtp, lambda rows: self._orthogonalize_sharded(stack, rows))
+        return self._orthogonalize_sharded(stack, x, in_place)
+
+    def _orthogonalize_sharded(self, stack: Stack, x: torch.Tensor, in_place: bool = False):
+        """:meth:`_orthogonalize` of the tensor-parallel local matrices (k, m, n) of a stack."""
         cfg = stack.config
         scale_parts = cfg.moment2_method is None
         tp = stack.tp

@@ -21,7 +21,7 @@ from ...ops._low_memory_state import draw_layout
 from .._config import OrthogonalizationConfig
 from ..matrix_view import QKVSplit, group_matrix_view, matrix_view, not_a_matrix, qkv_split
 from ..multirank.sharded import ShardLayout, describe, is_dtensor, local
-from ..multirank.tensor_parallel import TPLayout
+from ..multirank.tensor_parallel import GTPLayout, TPLayout
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ParamEntry:
     key: int = 0
     # The low-memory ops' ``draws`` entry of the local matrix view (_draws_of), made with the plan.
     draws: tuple[int, ...] = ()
+    gtp: GTPLayout | None = None  # Megatron-LM's GTP row sharding (on top of tp)
 
     @property
     def batch(self) -> int:
@@ -69,6 +70,7 @@ class Stack:
     qkv: QKVSplit | None
     config: OrthogonalizationConfig  # how its matrices are orthogonalized (their param groups')
     members: list[int] = field(default_factory=list)  # entry indices
+    gtp: GTPLayout | None = None  # GTP row shards: gathered (and unpadded) around the tp mode's work
 
 
 @dataclass
@@ -102,6 +104,19 @@ class Plan:
     # (made by the first eager step: a step compiled by torch.compile may rebuild the plan, and
     # dynamo constructs it without the cache)
     layouts: Any = field(default=None, repr=False, compare=False)
+
+
+def _check_gtp(gtp: GTPLayout, local_shape, sharding, config: OrthogonalizationConfig, where: str) -> None:
+    """What a GTP row-sharded parameter (Megatron-LM's ``is_gtp_weight_remat``) can take."""
+    if sharding is not None or len(local_shape) != 2:
+        raise ValueError(f"{where}: GTP weight rematerialization (is_gtp_weight_remat) shards a plain 2-D weight; "
+                         f"got a {'DTensor' if sharding is not None else f'{len(local_shape)}-D matrix view'}")
+    if not 0 <= gtp.pad_rows < local_shape[0] * gtp.size:
+        raise ValueError(f"{where}: pad_length must be in [0, {local_shape[0] * gtp.size}) for {gtp.size} GTP shards of "
+                         f"{local_shape[0]} rows, got {gtp.pad_rows}")
+    if config.moment2_method in ("normuon", "namo"):
+        raise ValueError(f"{where}: moment2_method={config.moment2_method!r} keeps statistics of the whole matrix, "
+                         "which are not reduced over the GTP group (is_gtp_weight_remat): use 'adamuon' or Muon")
 
 
 # The workspace budget of a step when none is given (``workspace_mib="auto"``), by where the
@@ -231,14 +246,15 @@ def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
 
 
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
-               sharded_mode: str = "owner", group_configs=None) -> Plan:
+               sharded_mode: str = "owner", group_configs=None, gtp_fn=None) -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
 
     ``group_configs[gi]`` is how param group gi is orthogonalized (None: ``config`` for every
     group); matrices of groups with different settings never share a stack.
 
-    layout_fn(p) -> TPLayout | None gives the tensor-parallel layout; qkv_fn(p) -> split sizes or
-    None says whether p is a fused QKV projection. nd_mode is the default of groups without one.
+    layout_fn(p) -> TPLayout | None gives the tensor-parallel layout, gtp_fn(p) -> GTPLayout | None
+    Megatron-LM's GTP row sharding; qkv_fn(p) -> split sizes or None says whether p is a fused QKV
+    projection. nd_mode is the default of groups without one.
     DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack; params
     that are not real floating-point matrices (:func:`not_a_matrix`) in ``rejected``, without an entry.
     """
@@ -267,7 +283,11 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
             sharding = describe(p, mode, sharded_mode, where, coordinates) if is_dtensor(p) else None
             local_shape = matrix_view(tuple(local(p).shape), mode)
             tp = layout_fn(p)
+            gtp = None if gtp_fn is None else gtp_fn(p)
             global_shape = list(local_shape[-2:] if sharding is None else sharding.view_shape[-2:])
+            if gtp is not None:
+                _check_gtp(gtp, local_shape, sharding, config, where)
+                global_shape[0] = gtp.real_rows(local_shape[0])  # the tensor-parallel local matrix's
             if tp is not None:
                 global_shape[tp.partition_dim] *= tp.size
             global_shape = tuple(global_shape)
@@ -297,6 +317,10 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
             # A shard's rows need not hold whole query groups: the split is checked on the matrix.
             qkv = None if sizes is None else qkv_split(sizes, global_shape if spans else local_shape, global_shape,
                                                          where, view.transposed)
+            if qkv is not None and gtp is not None and gtp.pad_rows:
+                raise ValueError(f"{where}: a fused QKV projection sharded by GTP weight rematerialization cannot "
+                                 f"be split with padding rows (pad_length={gtp.pad_rows}): its query groups would "
+                                 "not start on a shard")
             if qkv is not None and spans and adaptive and sharding.local_box is None:
                 raise ValueError(
                     f"{where}: QKV split of an adaptive optimizer on a DTensor with placements "
@@ -330,6 +354,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 normuon_dim=normuon_dim,
                 sharding=sharding,
                 key=key,
+                gtp=gtp,
             )
             entry.draws = _draws_of(entry)
             ei = len(entries)
@@ -345,10 +370,11 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 continue
 
             skey = (local_shape[-2:], p.device, None if tp is None else tp.key,
-                    None if qkv is None else (qkv.sizes, qkv.columns), id(group_config))
+                    None if qkv is None else (qkv.sizes, qkv.columns), id(group_config),
+                    None if gtp is None else gtp.key)
             if skey not in stack_of:
                 stack_of[skey] = len(stacks)
-                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, qkv, group_config))
+                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, qkv, group_config, gtp=gtp))
             entry.stack_index = stack_of[skey]
             stacks[entry.stack_index].members.append(ei)
     return Plan(
