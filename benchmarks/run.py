@@ -18,7 +18,8 @@ and listed; exit status 1 when a measurement raised.
 
 The ``dist_*`` workloads (workloads_dist.py) run only when named: they spawn --ranks CPU processes
 (gloo) holding FSDP2-sharded DTensor parameters and compare the owner and gather modes of the
-sharded step with per-rank redundant computation; their table is its own RESULTS.md section.
+sharded step with per-rank redundant computation; their table is its own RESULTS.md section. So do
+the ``tp_*`` workloads (workloads_tp.py): Megatron tensor-parallel shards, every ``tp_mode``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import hyper  # noqa: E402
 import report  # noqa: E402
 import workloads as catalogue_module  # noqa: E402
 import workloads_dist  # noqa: E402
+import workloads_tp  # noqa: E402
 from timing import measure, plan_for  # noqa: E402
 
 import megatron_eopt as me  # noqa: E402
@@ -84,7 +86,7 @@ def select(args, device: torch.device):
     catalogue = catalogue_module.catalogue()
     names = {w.name: w for w in catalogue}
     if args.workload:
-        unknown = [n for n in args.workload if n not in names and n not in workloads_dist.WORKLOADS]
+        unknown = [n for n in args.workload if n not in names and n not in _SPAWNED]
         if unknown:
             raise SystemExit(f"unknown workload(s) {unknown}; known: {sorted(names)}")
         return [names[n] for n in args.workload if n in names], {}
@@ -147,23 +149,32 @@ def publish(doc: dict, args) -> None:
         report.update_results_md(args.results_md, doc, doc["hyper_parameters"])
 
 
+# The workloads that spawn ranks, by name: their module (run, markdown).
+_SPAWNED = {**{n: workloads_dist for n in workloads_dist.WORKLOADS}, **{n: workloads_tp for n in workloads_tp.WORKLOADS}}
+
+
 def run_dist(args, names, others) -> int:
-    """The dist_* workloads: one spawn per (workload, rank count), one table."""
+    """The dist_* / tp_* workloads: one spawn per (workload, rank count), one table per module."""
     if others:
-        raise SystemExit("run the dist_* workloads on their own (they spawn processes and have their own table)")
+        raise SystemExit("run the dist_* / tp_* workloads on their own (they spawn processes and have their own table)")
+    modules = {_SPAWNED[n] for n in names}
+    if len(modules) > 1:
+        raise SystemExit("run the dist_* and tp_* workloads apart (each has its own table)")
+    module = modules.pop()
     environment = env_info.collect(torch.device("cpu"))
     entries = []
     for name in names:
         for ranks in args.ranks:
             print(f"{name} on {ranks} ranks ...", file=sys.stderr, flush=True)
-            entry = workloads_dist.run(name, ranks, args.quick)
+            entry = module.run(name, ranks, args.quick)
             print("    " + ", ".join(f"{m} {r['median_ms']:.3g} ms" for m, r in entry["results"].items()),
                   file=sys.stderr, flush=True)
             entries.append(entry)
-    body = workloads_dist.markdown(entries, environment)
+    body = module.markdown(entries, environment)
     if args.remarks:
         body += "\n" + args.remarks + "\n"
-    report.publish(body, args.results_md, f"dist: {environment['device_name'].split(',')[0]}")
+    kind = "dist" if module is workloads_dist else "tp"
+    report.publish(body, args.results_md, f"{kind}: {environment['device_name'].split(',')[0]}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"schema": SCHEMA, "environment": environment, "dist_workloads": entries}, f, indent=1)
@@ -176,8 +187,8 @@ def main(argv=None) -> int:
         for w in catalogue_module.catalogue():
             flags = ("quick " if w.in_quick else "") + ("" if not w.cpu_skip else "(not in full CPU runs)")
             print(f"{w.name:32s} {w.kind:7s} {flags}")
-        for name, (description, _) in workloads_dist.WORKLOADS.items():
-            print(f"{name:32s} dist    (only when named) {description}")
+        for name, module in _SPAWNED.items():
+            print(f"{name:32s} dist    (only when named) {module.WORKLOADS[name][0]}")
         return 0
     if args.render:
         with open(args.render) as f:
@@ -202,7 +213,7 @@ def main(argv=None) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     chosen, not_run = select(args, device)
-    dist_names = [n for n in (args.workload or []) if n in workloads_dist.WORKLOADS]
+    dist_names = [n for n in (args.workload or []) if n in _SPAWNED]
     if dist_names:
         return run_dist(args, dist_names, chosen)
     plan = plan_for(device, args.quick)

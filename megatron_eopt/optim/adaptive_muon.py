@@ -25,7 +25,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     and ``p -= lr·U``. State: ``momentum_buffer``, ``moment2_buffer`` (dtype of p); ``beta2`` and
     ``eps`` live in the param groups.
 
-    ``nd_mode`` and ``sharded_mode`` as in :class:`Muon`; with ``nd_mode="batch"`` NorMuon and NAMO
+    ``nd_mode``, ``sharded_mode`` and ``replica_work`` as in :class:`Muon`; with ``nd_mode="batch"`` NorMuon and NAMO
     keep one statistic per matrix (``(E, m, 1)`` / ``(E, 1, n)``, ``(E, 1)``).
 
     nanochat's variance reduction (NorMuon, arXiv 2510.05491, as nanochat runs it since January
@@ -66,6 +66,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
+        replica_work: str = "repeat",
         row_equilibration: bool = False,
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",
@@ -79,7 +80,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         config, deferred_error = fused_config(locals())
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode,
-                         state_dtype=state_dtype, state_block_size=state_block_size,
+                         replica_work=replica_work, state_dtype=state_dtype, state_block_size=state_block_size,
                          workspace_mib=workspace_mib, deferred_error=deferred_error)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension points

@@ -39,6 +39,9 @@ class Muon(OrthogonalizedOptimizer):
     ``"flatten"`` views them as ``(size(0), -1)`` (convolutions). DTensor params (FSDP2, tensor
     parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
     is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks).
+    ``replica_work`` (owner mode, meshes with a replicate dim such as HSDP's): ``"repeat"`` (default)
+    orthogonalizes every matrix once per replica; ``"split"`` once in the whole mesh, balanced over
+    the ranks of every replica, each result sent to the ranks of all of them (the same results).
 
     The 2026 recipe (nanochat's ``MuonAdamW``), each off by default:
 
@@ -103,6 +106,7 @@ class Muon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
+        replica_work: str = "repeat",
         row_equilibration: bool = False,
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",
@@ -116,6 +120,7 @@ class Muon(OrthogonalizedOptimizer):
         config, deferred_error = fused_config(locals())
         self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
-            sharded_mode=sharded_mode, weight_update_hook=weight_update_hook, state_dtype=state_dtype,
-            state_block_size=state_block_size, workspace_mib=workspace_mib, deferred_error=deferred_error,
+            sharded_mode=sharded_mode, replica_work=replica_work, weight_update_hook=weight_update_hook,
+            state_dtype=state_dtype, state_block_size=state_block_size, workspace_mib=workspace_mib,
+            deferred_error=deferred_error,
         )

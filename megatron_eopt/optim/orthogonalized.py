@@ -59,7 +59,7 @@ from ._config import (
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
 from .multirank.agreement import agree, meshes_of, plan_digest
-from .multirank.sharded import SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor
+from .multirank.sharded import REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor
 from .multirank.tensor_parallel import GTPLayout, TPLayout
 from .step import low_memory as _low_memory
 from .step.fused import FusedStep
@@ -172,7 +172,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             self._rebuild_plan()
 
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
-                    sharded_mode: str = "owner", weight_update_hook: Any | None = None, state_dtype: str = "fp32",
+                    sharded_mode: str = "owner", replica_work: str = "repeat", weight_update_hook: Any | None = None,
+                    state_dtype: str = "fp32",
                     state_block_size: int = lms.DEFAULT_BLOCK_SIZE, workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
                     deferred_error: tuple[str, type, str] | None = None) -> None:
         """Sets up the fused step: ``config`` says how every parameter is orthogonalized; ``state_dtype``
@@ -188,8 +189,14 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         check_nd_mode(nd_mode)
         if sharded_mode not in SHARDED_MODES:
             raise ValueError(f"sharded_mode must be one of {list(SHARDED_MODES)}, got {sharded_mode!r}")
+        if replica_work not in REPLICA_WORK:
+            raise ValueError(f"replica_work must be one of {list(REPLICA_WORK)}, got {replica_work!r}")
+        if replica_work == "split" and sharded_mode != "owner":
+            raise ValueError("replica_work='split' shares each matrix's owner between replicas: it needs "
+                             f"sharded_mode='owner', got sharded_mode={sharded_mode!r}")
         self.nd_mode = nd_mode
         self.sharded_mode = sharded_mode
+        self.replica_work = replica_work
         self._constructed = False
         self._use_config(config)
         for name in config_setting_names(type(self)):  # the configuration holds them from now on
@@ -244,7 +251,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                             f"{mesh}: one param group takes params of one mesh (put the others in their own group)"
                         )
                     mesh = p.device_mesh
-                    describe(p, nd_mode, self.sharded_mode, where)  # rejects Partial and impossible views
+                    describe(p, nd_mode, self.sharded_mode, where, None, self.replica_work)  # rejects Partial and impossible views
                     _low_memory.check_sharding(p, self.state_dtype, self.state_block_size, where)
             check_group_hyperparameters(group, f"param_groups[{gi}]", self._momentum_below_one)
         except Exception as exc:  # refused on this rank: every rank of the group's meshes refuses it
@@ -309,7 +316,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         plan, error = None, None
         try:
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
-                              self.sharded_mode, self._group_configs(), self._gtp_layout)
+                              self.sharded_mode, self._group_configs(), self._gtp_layout, self.replica_work)
             plan.chunks = chunk_entries(plan, workspace_budget_bytes(self._workspace_mib, plan))
         except (ValueError, TypeError) as exc:
             if not meshes:

@@ -3,7 +3,8 @@
 Every case is drawn from ``random.Random(seed, case)``, the same on every rank: a mesh (the 4-rank
 world, a 2 x 2 mesh, or one row of it: 2 ranks), parameters of awkward shapes (1 x n, n x 1, primes,
 fewer rows than ranks: empty shards, MoE experts (E, m, n), 4-D batches and convolutions) with
-placements drawn per mesh dim (uneven shards included), an nd_mode, a sharded mode, a workspace
+placements drawn per mesh dim (uneven shards included), an nd_mode, a sharded mode (owner mode with
+its replicas repeating or splitting the work), a workspace
 budget (one chunk, "auto", or budgets that cut every few matrices), a state dtype (fp32, or the
 low-memory bf16 / int8 / fp8 with blocks of 1 or 256) and an optimizer with its options. The sharded
 optimizer steps twice and must equal the unsharded optimizer on the full tensors (params within
@@ -80,8 +81,10 @@ def draw_case(seed: int, case: int) -> dict:
     extra["state_dtype"] = state_dtype
     if state_dtype != "fp32":
         extra["state_block_size"] = block
-    return dict(mesh=mesh, params=params, cls=cls_index, extra=extra, nd_mode=nd_mode,
-                sharded_mode=rng.choice(("owner", "owner", "gather")))
+    sharded_mode = rng.choice(("owner", "owner", "gather"))
+    if sharded_mode == "owner":  # the replicas of a matrix (a Replicate mesh dim) share its owner or repeat it
+        extra["replica_work"] = rng.choice(("repeat", "split"))
+    return dict(mesh=mesh, params=params, cls=cls_index, extra=extra, nd_mode=nd_mode, sharded_mode=sharded_mode)
 
 
 @exits_without_teardown

@@ -417,7 +417,8 @@ def _replica_splits_only(replica: set[int]):
 def hsdp_tp_worker(rank, world_size, init_file, seed):
     """8 ranks, a 2 x 2 x 2 mesh (replicate, shard, tp): every matrix is split over the 4 ranks of
     its replica (2 mesh dims, no process group of their own). Owner mode runs over the world, each
-    replica exchanging only among its own ranks, and equals the unsharded optimizer."""
+    replica exchanging only among its own ranks, and equals the unsharded optimizer; with
+    replica_work="split" the replicas share the owners. Then FSDP x TP x EP and a pipeline stage's mesh."""
     with gloo_world(rank, world_size, init_file):
         cube = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
         replica = set(cube["shard", "tp"].mesh.flatten().tolist())
@@ -434,9 +435,28 @@ def hsdp_tp_worker(rank, world_size, init_file, seed):
                   seed, expect={"all_to_all_single": 2 * 2 * STEPS}, label="2x2x2 owner collectives", ran="owner")
         finally:
             dist.all_to_all_single = original
+        # replica_work="split": one owner in the whole mesh per matrix (the exchanges cross replicas)
+        for cls, extra in OPTIMIZERS:
+            check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in shapes], cls, dict(extra, replica_work="split"),
+                  seed, label="2x2x2 split", ran="owner")
         check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in shapes], Muon, {}, seed, sharded_mode="gather",
               label="2x2x2 gather", ran="gather")
+        check_fsdp_tp_ep(seed)
         check_stage_mesh(seed)
+
+
+def check_fsdp_tp_ep(seed):
+    """FSDP x TP x EP on a 2 x 2 x 2 mesh (dp, ep, tp): MoE experts (E, m, n) sharded on their expert
+    dim over ep and on their matrix dims over dp and tp; dense weights sharded over dp and tp and
+    replicated over ep, so with replica_work="split" the ep ranks share their Newton–Schulz."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    experts = [((4, 16, 12), [Shard(1), Shard(0), Shard(2)]), ((4, 12, 16), [Shard(2), Shard(0), Shard(1)])]
+    dense = [((24, 16), [Shard(0), Replicate(), Shard(1)]), ((16, 24), [Shard(1), Replicate(), Shard(0)]),
+             ((8, 8), [Replicate(), Replicate(), Replicate()])]
+    for cls, extra in OPTIMIZERS:
+        for work in ("repeat", "split"):
+            check(mesh, experts + dense, cls, dict(extra, replica_work=work), seed, nd_mode="batch",
+                  label=f"dp x ep x tp {work}", ran="owner")
 
 
 def _no_world_collectives():

@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -70,9 +70,29 @@ def check_legacy_dist_muon():
     assert stats["collectives"] == sum(calls.values()) > 0 and stats["bytes_sent"] > 0, (stats, calls)
 
 
+def check_replica_work(grid):
+    """HSDP (mesh replicate x shard, placements (Replicate, Shard)): replica_work="split" orthogonalizes
+    each matrix once in the mesh, "repeat" once per replica; both give the same parameters."""
+    finals = {}
+    for work in ("repeat", "split"):
+        gen = torch.Generator().manual_seed(4)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), grid, [Replicate(), Shard(i % 2)]))
+                  for i, s in enumerate(SHAPES)]
+        opt = Muon(params, lr=0.02, replica_work=work)
+        stats, _ = _step(opt, params, torch.Generator().manual_seed(5))
+        replicas = grid.size(0)
+        assert _sum(stats["ns_matrices"]) == len(SHAPES) * (1 if work == "split" else replicas), (work, stats)
+        finals[work] = [p.to_local().clone() for p in params]
+    for a, b in zip(finals["repeat"], finals["split"]):
+        assert torch.equal(a, b), "replica_work split and repeat differ"
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file):
     with gloo_world(rank, world_size, init_file):
+        if world_size == 4:
+            check_replica_work(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+            return
         mesh = init_device_mesh("cpu", (world_size,))
         for mode in ("owner", "gather"):
             check_sharded(mesh, mode)

@@ -109,3 +109,9 @@ def test_multi_rank_counts(tmp_path):
     """Owner and gather modes of DTensor parameters, tensor-parallel modes, and the legacy DistMuon on
     2 gloo ranks: each matrix orthogonalized where the mode says, bytes by the conventions."""
     mp.spawn(step_stats_worker.worker, args=(2, os.path.join(tmp_path, "rendezvous")), nprocs=2, join=True)
+
+
+def test_replicas_split_the_work(tmp_path):
+    """HSDP on 4 gloo ranks (2 replicas x 2 shards): replica_work="split" orthogonalizes each matrix
+    once in the mesh, "repeat" once per replica, with the same parameters."""
+    mp.spawn(step_stats_worker.worker, args=(4, os.path.join(tmp_path, "rendezvous")), nprocs=4, join=True)

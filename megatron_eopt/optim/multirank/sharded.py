@@ -53,6 +53,10 @@ except ImportError:  # pragma: no cover
     DTensor = Replicate = Shard = Partial = distribute_tensor = None
 
 SHARDED_MODES = ("owner", "gather")
+# What the replicas of a matrix (mesh dims that replicate it: HSDP's replicate dim) do in owner mode:
+# "repeat" orthogonalizes every matrix once per replica; "split" once in the whole mesh, its owner
+# chosen among the ranks of every replica and its result sent to the ranks of all of them.
+REPLICA_WORK = ("repeat", "split")
 # Matrices per rank and chunk in owner mode: two keeps every rank busy while the next chunk's
 # shards travel, and same-shape matrices of a chunk still batch into one Newton–Schulz call.
 ITEMS_PER_RANK = 2
@@ -87,6 +91,14 @@ class ShardLayout:
     # chunking rule): derived from the global shape and the mesh only, so a plan sized by it (the
     # workspace chunks) is the same on every rank, whatever this rank's own shard is.
     largest_view: tuple[int, ...] = ()
+    # replica_work="split": each route member's replica (its coordinates on the replicating mesh
+    # dims); an owner assembles a matrix from the members of its own replica only. Empty: the route
+    # holds one replica.
+    replicas: tuple[tuple[int, ...], ...] = ()
+
+    def sends_to_owner(self, member: int, owner: int) -> bool:
+        """Whether route member ``member`` sends its shard to ``owner`` (both of one replica)."""
+        return not self.replicas or self.replicas[member] == self.replicas[owner]
 
     @property
     def mesh_dims_for_matrix(self) -> tuple[int, ...]:
@@ -228,9 +240,11 @@ def _relay_route(mesh, mesh_dims: tuple[int, ...]) -> OwnerRoute:
 
 
 def describe(
-    p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None
+    p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None,
+    replica_work: str = "repeat",
 ) -> ShardLayout:
-    """The layout of DTensor parameter p; ValueError naming `where` when it cannot be optimized."""
+    """The layout of DTensor parameter p; ValueError naming `where` when it cannot be optimized
+    (``replica_work="split"`` included, for a matrix whose replicas cannot share its owner)."""
     mesh, placements = p.device_mesh, tuple(p.placements)
     shape = tuple(p.shape)
     nd = len(shape)
@@ -279,7 +293,18 @@ def describe(
     matrix_dims = layout.mesh_dims_for_matrix
     if not matrix_dims:
         return layout  # replicated, or experts sharded on the batch dim: each rank holds whole matrices
-    route = _route_of(mesh, matrix_dims, cache) if (sharded_mode == "owner" and exact) else None
+    replica_dims: tuple[int, ...] = ()
+    if replica_work == "split":
+        replica_dims = tuple(i for i, pl in enumerate(placements)
+                             if isinstance(pl, Replicate) and mesh.size(i) > 1)
+        if replica_dims and not exact:
+            raise ValueError(
+                f"{where}: replica_work='split' needs plain Shard / Replicate placements (one box per rank), got "
+                f"{list(placements)}; use replica_work='repeat' for it"
+            )
+    route = None
+    if sharded_mode == "owner" and exact:
+        route = _route_of(mesh, tuple(sorted(matrix_dims + replica_dims)), cache)
     if route is None:
         layout.kind = "gather"
         return layout
@@ -287,6 +312,8 @@ def describe(
     mesh_shape = tuple(mesh.mesh.shape)
     for coordinate in route.coordinates:
         layout.boxes.append(_view_box(shape, view, placements, coordinate, mesh_shape))
+    if replica_dims:
+        layout.replicas = tuple(tuple(c[d] for d in replica_dims) for c in route.coordinates)
     return layout
 
 
@@ -467,7 +494,9 @@ class OwnerExchange:
 
         def forward(chunk):
             meta = [(s, self.owners[k], k, self.to_owner(k, s)) for k in chunk for s in members]
-            mine = {(me, self.owners[k], k): self.send(k) for k in chunk}
+            # a member that sends an owner nothing (another replica's, replica_work="split") sends it an empty piece
+            mine = {(me, self.owners[k], k): self.send(k) if self.to_owner(k, me) else self.like.new_empty(0)
+                    for k in chunk}
             return _Transfer(self.route, meta, mine, self.like)
 
         transfers, pending_back = [], []
@@ -577,13 +606,17 @@ class ShardedOrthogonalizer:
         def box_numel(i, s):
             return math.prod(lays[i].boxes[s][1])
 
+        def to_owner(i, s):  # replica_work="split": only the owner's replica sends it the matrix
+            return box_numel(i, s) if lays[i].sends_to_owner(s, owners[i]) else 0
+
         def assemble(owned, pieces):
             full = []
             for i, parts in zip(owned, pieces):
                 matrix = inputs[ks[i]].new_empty(lays[i].view_shape)
                 for s, piece in enumerate(parts):
-                    box = lays[i].boxes[s]
-                    matrix[_slices(box)] = piece.view(box[1])
+                    if lays[i].sends_to_owner(s, owners[i]):
+                        box = lays[i].boxes[s]
+                        matrix[_slices(box)] = piece.view(box[1])
                 full.append(matrix)
             return self._ns(full, config, None if splits is None else [splits[ks[i]] for i in owned])
 
@@ -592,7 +625,7 @@ class ShardedOrthogonalizer:
 
         self.bytes_sent += OwnerExchange(
             route, chunks, owners,
-            to_owner=box_numel,
+            to_owner=to_owner,
             send=lambda i: inputs[ks[i]],
             compute=assemble,
             from_owner=box_numel,

@@ -246,7 +246,7 @@ def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
 
 
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
-               sharded_mode: str = "owner", group_configs=None, gtp_fn=None) -> Plan:
+               sharded_mode: str = "owner", group_configs=None, gtp_fn=None, replica_work: str = "repeat") -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
 
     ``group_configs[gi]`` is how param group gi is orthogonalized (None: ``config`` for every
@@ -280,7 +280,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
             if not_a_matrix(p, mode) or not p.is_floating_point():
                 rejected.append((gi, pi))
                 continue
-            sharding = describe(p, mode, sharded_mode, where, coordinates) if is_dtensor(p) else None
+            sharding = describe(p, mode, sharded_mode, where, coordinates, replica_work) if is_dtensor(p) else None
             local_shape = matrix_view(tuple(local(p).shape), mode)
             tp = layout_fn(p)
             gtp = None if gtp_fn is None else gtp_fn(p)
