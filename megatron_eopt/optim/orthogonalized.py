@@ -408,6 +408,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         loads = self.__dict__.get("_home_loads")  # tp_mode "layer_sharded": the homes' loads start at zero
         if loads:
             loads.clear()
+        if self._sharded.loads:  # and the owners' (multirank.sharded)
+            self._sharded.loads.clear()
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             self._step_chunk(plan, layout, inputs, scalers)
         return None

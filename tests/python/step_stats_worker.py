@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dist_harness import counted_collectives, gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 from megatron_eopt.compat import snippet  # noqa: E402
+from megatron_eopt import plan  # noqa: E402
 from megatron_eopt.optim import Muon  # noqa: E402
 
 SHAPES = [(16, 8), (16, 8), (8, 24), (6, 10), (12, 12)]
@@ -59,6 +60,16 @@ def check_sharded(mesh, mode):
         assert stats["ns_matrices"] == len(SHAPES) == stats["collectives"], stats
         local = sum(p.to_local().numel() * 4 for p in params)
         assert stats["bytes_sent"] == local, (stats, local)  # (2 - 1) x the local rows
+    _planned(stats, [plan.Matrix(s) for s in SHAPES], plan.Mesh(dp_shard=mesh.size()), mode)
+
+
+def _planned(stats, matrices, mesh, layout, workspace_mib=64):
+    """The planner's counts of this rank equal what the step counted (megatron_eopt.plan); 64 MiB is
+    "auto" on the CPU."""
+    want = plan.rank_counts(matrices, mesh, layout, workspace_mib=workspace_mib)
+    mine = want[dist.get_rank()] if len(want) > 1 else want[0]
+    got = (stats["ns_matrices"], stats["ns_flops"], stats["bytes_sent"], stats["collectives"])
+    assert got == (mine.ns_matrices, mine.ns_flops, mine.bytes_sent, mine.collectives), (layout, got, mine)
 
 
 def check_legacy_dist_muon():
@@ -70,21 +81,29 @@ def check_legacy_dist_muon():
     assert stats["collectives"] == sum(calls.values()) > 0 and stats["bytes_sent"] > 0, (stats, calls)
 
 
+MANY = SHAPES + [(37, 24)] * 9 + [(5, 3), (3, 40)]  # several owner chunks; uneven and empty shards
+
+
 def check_replica_work(grid):
     """HSDP (mesh replicate x shard, placements (Replicate, Shard)): replica_work="split" orthogonalizes
-    each matrix once in the mesh, "repeat" once per replica; both give the same parameters."""
-    finals = {}
-    for work in ("repeat", "split"):
-        gen = torch.Generator().manual_seed(4)
-        params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), grid, [Replicate(), Shard(i % 2)]))
-                  for i, s in enumerate(SHAPES)]
-        opt = Muon(params, lr=0.02, replica_work=work)
-        stats, _ = _step(opt, params, torch.Generator().manual_seed(5))
-        replicas = grid.size(0)
-        assert _sum(stats["ns_matrices"]) == len(SHAPES) * (1 if work == "split" else replicas), (work, stats)
-        finals[work] = [p.to_local().clone() for p in params]
-    for a, b in zip(finals["repeat"], finals["split"]):
-        assert torch.equal(a, b), "replica_work split and repeat differ"
+    each matrix once in the mesh, "repeat" once per replica; both give the same parameters. The
+    planner's counts equal the step's, in one step chunk and in many (a small workspace budget)."""
+    for shapes, workspace in ((SHAPES, "auto"), (MANY, "auto"), (MANY, 0.004)):
+        finals = {}
+        for work in ("repeat", "split"):
+            gen = torch.Generator().manual_seed(4)
+            params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), grid,
+                                                           [Replicate(), Shard(i % 2)])) for i, s in enumerate(shapes)]
+            opt = Muon(params, lr=0.02, replica_work=work, workspace_mib=workspace)
+            stats, _ = _step(opt, params, torch.Generator().manual_seed(5))
+            replicas = grid.size(0)
+            assert _sum(stats["ns_matrices"]) == len(shapes) * (1 if work == "split" else replicas), (work, stats)
+            _planned(stats, [plan.Matrix(s, fsdp_dim=i % 2) for i, s in enumerate(shapes)],
+                     plan.Mesh(dp_replicate=grid.size(0), dp_shard=grid.size(1)), "split" if work == "split" else "owner",
+                     64 if workspace == "auto" else workspace)
+            finals[work] = [p.to_local().clone() for p in params]
+        for a, b in zip(finals["repeat"], finals["split"]):
+            assert torch.equal(a, b), "replica_work split and repeat differ"
 
 
 @exits_without_teardown

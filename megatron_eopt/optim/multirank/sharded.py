@@ -536,6 +536,10 @@ class ShardedOrthogonalizer:
         # count_below_eps(x, eps): told every whole matrix (a (k, m, n) view) before its Newton–Schulz,
         # on the rank that runs it (the owner; every rank in gather mode). Set by the optimizer.
         self.count_below_eps = None
+        # Each route's members' Newton–Schulz FLOPs so far in this step: a step in several chunks
+        # (the workspace budget; a large matrix is a chunk of its own) balances its owners over all
+        # of them, not chunk by chunk from zero. Cleared by the optimizer at the start of a step.
+        self.loads: dict[tuple, list[float]] = {}
 
     def _ns(self, full: list[torch.Tensor], config=None, splits=None) -> list[torch.Tensor]:
         """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors, with
@@ -601,7 +605,7 @@ class ShardedOrthogonalizer:
         lays = [layouts[k] for k in ks]
         route = lays[0].route
         chunks, owners = assign_owners([ns_flops(lay.view_shape) for lay in lays], route.size,
-                                       ITEMS_PER_RANK * route.size)
+                                       ITEMS_PER_RANK * route.size, self.loads.setdefault(route.key, [0.0] * route.size))
 
         def box_numel(i, s):
             return math.prod(lays[i].boxes[s][1])

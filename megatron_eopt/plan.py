@@ -1,0 +1,491 @@
+"""What a Muon step costs on each rank of a mesh, before it runs: the planner.
+
+    python -m megatron_eopt.plan --preset llama3-8b --mesh dp_replicate=4,dp_shard=8,tp=1 --hardware H100
+    python -m megatron_eopt.plan --preset moe-64e --gpus 8 64 256 1024 --hardware B200
+
+Given the matrices Muon orthogonalizes (:class:`Matrix`: a preset, a model's Muon parameters, or a
+list), a mesh (:class:`Mesh`: ``dp_replicate`` x ``dp_shard`` x ``ep`` x ``tp``, in that order,
+``tp`` innermost) and a hardware profile (:data:`HARDWARE`), :func:`estimate` predicts per rank, for
+each layout: the Newton–Schulz FLOPs (max and mean over the ranks), the bytes sent and the
+collectives called, and a modelled time; :func:`choose` picks the fastest.
+
+Our layouts (DTensor parameters as FSDP2 / HSDP lays them out: dense weights ``Shard(fsdp_dim)``
+over ``dp_shard``, ``Shard(tp_dim)`` over ``tp``, replicated over ``dp_replicate`` and ``ep``; MoE
+experts ``(E, m, n)`` sharded on the expert dim over ``ep``):
+
+- ``owner``: ``Muon(..., sharded_mode="owner", replica_work="repeat")``, each matrix once per replica;
+- ``split``: ``replica_work="split"``, each matrix once in the mesh;
+- ``gather``: ``sharded_mode="gather"``, every rank every matrix it holds a shard of.
+
+Their FLOPs, matrices, bytes and collectives are not estimates: the planner runs the step's own
+rules (DTensor's chunking of the shards, the owner assignment, the pipelining chunks) and counts
+by the conventions of :mod:`megatron_eopt.step_stats`, so its counts equal ``step_stats()`` of the
+same layout (plain Muon, one workspace chunk; the suite checks it on gloo ranks). The peers are
+modelled by the same rules as their algorithms are described (``megatron_layer_wise``: Megatron-LM's
+layer-wise distributed optimizer, whole matrices owned by data-parallel ranks, tensor-parallel
+shards gathered on every TP rank, updated parameters all-gathered over data parallelism in bf16;
+``torchtitan_dist_muon``: owners within each shard group of replica 0 only, results broadcast to the
+other replicas, no tensor parallelism).
+
+Time model (stated, not measured here): Newton–Schulz at the profile's TFLOP/s, reduced for small
+matrices by a half-efficiency size fitted to our H100 measurements (benchmarks/RESULTS.md); each
+collective costs its latency plus its bytes over NVLink when its ranks share a node, else over the
+network; compute and communication are added (no overlap assumed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from .optim.multirank.sharded import ITEMS_PER_RANK, assign_owners, ns_flops
+from .optim.step.plan import chunk_entries
+from .step_stats import newton_schulz_flops
+
+NS_STEPS = 5
+LAYOUTS = ("owner", "split", "gather", "megatron_layer_wise", "torchtitan_dist_muon")
+OURS = ("owner", "split", "gather")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU profile. ``tflops``: sustained dense TFLOP/s of Newton–Schulz per precision on large
+    matrices; ``half_gflop``: the per-matrix GFLOP at which half of it is reached; bandwidths in GB/s
+    per GPU and direction; ``latency_us`` per collective."""
+
+    name: str
+    tflops: dict
+    half_gflop: float
+    nvlink_gbps: float
+    network_gbps: float
+    latency_us: float
+    gpus_per_node: int = 8
+
+
+# H100: 685 TFLOP/s measured for Newton–Schulz in "medium" on 4096² and 8192² matrices and 177 at
+# 1024² (benchmarks/RESULTS.md), which fits 700 TFLOP/s with half efficiency at 95 GFLOP; "high"
+# and "highest" scaled by the data sheet's TF32 / FP32 over BF16. H200: the same compute. B200:
+# the data sheet's ratio to H100 (not measured). Links: NVLink 4 (450 GB/s a direction), NVLink 5
+# (900), one 400 / 800 Gb/s NIC per GPU.
+HARDWARE = {
+    "H100": Hardware("H100 SXM", {"medium": 700.0, "high": 350.0, "highest": 47.0}, 95.0, 450.0, 50.0, 20.0),
+    "H200": Hardware("H200 SXM", {"medium": 700.0, "high": 350.0, "highest": 47.0}, 95.0, 450.0, 50.0, 20.0),
+    "B200": Hardware("B200", {"medium": 1590.0, "high": 780.0, "highest": 57.0}, 95.0, 900.0, 100.0, 20.0),
+}
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """``count`` same-shape matrices Muon orthogonalizes. ``fsdp_dim``: the dim FSDP2 shards (0);
+    ``tp_dim``: the dim tensor parallelism shards (0: column-parallel, 1: row-parallel, None: not
+    sharded); ``experts`` > 0: each is an MoE expert batch ``(experts, m, n)`` sharded over ``ep``."""
+
+    shape: tuple[int, int]
+    count: int = 1
+    fsdp_dim: int = 0
+    tp_dim: int | None = None
+    experts: int = 0
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    tp: int = 1
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.ep, self.tp)
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.dims)
+
+
+REPLICATE, SHARD, EP, TP = range(4)  # mesh dims, outermost first
+
+
+def llama(layers: int, d: int, ffn: int, heads: int, kv_heads: int) -> list[Matrix]:
+    kv = d // heads * kv_heads
+    return [Matrix((d, d), layers, tp_dim=0), Matrix((kv, d), 2 * layers, tp_dim=0), Matrix((d, d), layers, tp_dim=1),
+            Matrix((ffn, d), 2 * layers, tp_dim=0), Matrix((d, ffn), layers, tp_dim=1)]
+
+
+def moe(layers: int, d: int, heads: int, experts: int, expert_ffn: int) -> list[Matrix]:
+    return [Matrix((d, d), 3 * layers, tp_dim=0), Matrix((d, d), layers, tp_dim=1),
+            Matrix((expert_ffn, d), 2 * layers, tp_dim=0, experts=experts),
+            Matrix((d, expert_ffn), layers, tp_dim=1, experts=experts)]
+
+
+PRESETS = {
+    "llama3-8b": ("Llama-3 8B (32 layers, d 4096, ffn 14336, GQA 32/8)", lambda: llama(32, 4096, 14336, 32, 8)),
+    "llama3-70b": ("Llama-3 70B (80 layers, d 8192, ffn 28672, GQA 64/8)", lambda: llama(80, 8192, 28672, 64, 8)),
+    "moe-64e": ("64-expert MoE (28 layers, d 2048, 64 routed experts of ffn 1408, as DeepSeek-MoE 16B)",
+                lambda: moe(28, 2048, 16, 64, 1408)),
+}
+
+
+# ------------------------------------------------------------------ the counts of our layouts
+@dataclass
+class RankCounts:
+    ns_matrices: int = 0
+    ns_flops: float = 0.0
+    bytes_sent: int = 0
+    collectives: int = 0
+    # modelled seconds of communication (collectives' latency and bytes over their links)
+    comm_s: float = 0.0
+    compute_s: float = 0.0
+
+
+def _chunk(size: int, parts: int, index: int) -> int:
+    full = -(-size // parts) if size else 0
+    start = min(index * full, size)
+    return max(0, min(full, size - start))
+
+
+def _sharding(m: Matrix, mesh: Mesh) -> dict[int, int]:
+    """Mesh dim -> view dim it shards (dims of size 1 left out); the expert dim over ep is not a matrix dim."""
+    out = {}
+    nd = 3 if m.experts else 2
+    if mesh.dp_shard > 1:
+        out[SHARD] = nd - 2 + m.fsdp_dim
+    if mesh.tp > 1 and m.tp_dim is not None:
+        out[TP] = nd - 2 + m.tp_dim
+    return out
+
+
+def _local_view(m: Matrix, mesh: Mesh) -> tuple[int, ...]:
+    """The view of one expert slice: the experts on one ep rank (the first, the largest)."""
+    return (_chunk(m.experts, mesh.ep, 0), *m.shape) if m.experts else tuple(m.shape)
+
+
+def _link(mesh: Mesh, dims: tuple[int, ...], hw: Hardware) -> float:
+    """GB/s of a collective over the mesh dims ``dims``: NVLink when its ranks share a node."""
+    stride = 1
+    span = 1
+    for d in range(3, -1, -1):
+        if d in dims:
+            span = stride * mesh.dims[d]
+        stride *= mesh.dims[d]
+    return hw.nvlink_gbps if span <= hw.gpus_per_node else hw.network_gbps
+
+
+def _cost(rank: RankCounts, nbytes: int, gbps: float, hw: Hardware) -> None:
+    rank.collectives += 1
+    rank.bytes_sent += nbytes
+    rank.comm_s += hw.latency_us * 1e-6 + nbytes / (gbps * 1e9)
+
+
+def _compute(rank: RankCounts, view: tuple[int, ...], hw: Hardware, precision: str) -> None:
+    batch = math.prod(view[:-2])
+    flops = batch * newton_schulz_flops(view[-2], view[-1], NS_STEPS)
+    rank.ns_matrices += batch
+    rank.ns_flops += flops
+    if flops:
+        per = flops / batch
+        rate = hw.tflops[precision] * 1e12 * per / (per + hw.half_gflop * 1e9)
+        rank.compute_s += flops / rate
+
+
+def _step_chunks(entries: list[tuple[Matrix, tuple[int, ...], bool]], mesh: Mesh, workspace_mib) -> list[list[int]]:
+    """The step's chunks of entries (param order) under the workspace budget, by the plan's own rule
+    (``chunk_entries``): the local matrices' stacks (by shape) first, then the sharded matrices."""
+    fake = []
+    stacks: dict[tuple, list[int]] = {}
+    sharded = []
+    for i, (m, view, spans) in enumerate(entries):
+        largest = list(view)
+        for d, vd in _sharding(m, mesh).items():
+            largest[vd] = -(-largest[vd] // mesh.dims[d])
+        fake.append(SimpleNamespace(local_shape=tuple(largest),
+                                    sharding=SimpleNamespace(largest_view=tuple(largest)) if spans else None,
+                                    global_shape=tuple(view[-2:])))
+        if spans:
+            sharded.append(i)
+        else:
+            stacks.setdefault(tuple(largest[-2:]), []).append(i)
+    plan = SimpleNamespace(entries=fake, stacks=[SimpleNamespace(members=ms) for ms in stacks.values()],
+                           sharded=sharded)
+    budget = None if workspace_mib is None else workspace_mib * 2**20
+    return [list(c) for c in chunk_entries(plan, budget)]
+
+
+def _owner_counts(matrices: list[Matrix], mesh: Mesh, split: bool, hw: Hardware, precision: str,
+                  workspace_mib=256) -> list[RankCounts]:
+    """Owner mode (repeat or split), every rank of the mesh: per step chunk, one owner exchange per
+    route structure, as the step runs it (each route instance is alike, by symmetry)."""
+    entries = [(m, _local_view(m, mesh), bool(_sharding(m, mesh))) for m in matrices for _ in range(m.count)]
+    coords_all = list(itertools.product(*(range(d) for d in mesh.dims)))
+    ranks = {c: RankCounts() for c in coords_all}
+    members: dict[tuple, dict[tuple, RankCounts]] = {}  # route dims -> member coordinates -> counts
+    loads: dict[tuple, list[float]] = {}  # route dims -> members' FLOPs so far in the step (as the step keeps them)
+    for step_chunk in _step_chunks(entries, mesh, workspace_mib):
+        routes: dict[tuple, list[int]] = {}
+        for i in step_chunk:
+            m, view, spans = entries[i]
+            if not spans:
+                continue
+            dims = set(_sharding(m, mesh))
+            if split:
+                dims |= {d for d in (REPLICATE, EP) if mesh.dims[d] > 1 and not (d == EP and m.experts)}
+            routes.setdefault(tuple(sorted(dims)), []).append(i)
+        for dims, ks in routes.items():
+            coords = list(itertools.product(*(range(mesh.dims[d]) for d in dims)))
+            counts = members.setdefault(dims, {c: RankCounts() for c in coords})
+            _owner_exchange([entries[i] for i in ks], dims, coords, [counts[c] for c in coords], mesh, hw, precision,
+                            loads.setdefault(dims, [0.0] * len(coords)))
+    for c, r in ranks.items():
+        for dims, counts in members.items():
+            _add(r, counts[tuple(c[d] for d in dims)])
+        for m, view, spans in entries:  # replicated matrices, experts with whole matrix dims: where they live
+            if not spans:
+                _compute(r, view, hw, precision)
+    return list(ranks.values())
+
+
+def _owner_exchange(entries, dims, coords, ranks: list[RankCounts], mesh: Mesh, hw: Hardware, precision: str,
+                    load: list[float]) -> None:
+    """One ``ShardedOrthogonalizer._owner`` call over a route: its items sorted by shape, chunks of
+    ITEMS_PER_RANK per member with owners by FLOPs, two all-to-alls per chunk."""
+    size = len(coords)
+    items = []
+    for m, view, _ in entries:
+        sharded = _sharding(m, mesh)
+        boxes = []
+        for c in coords:
+            shape = list(view)
+            for d, vd in sorted(sharded.items()):  # placements in mesh-dim order
+                shape[vd] = _chunk(shape[vd], mesh.dims[d], c[dims.index(d)])
+            boxes.append(math.prod(shape))
+        replicas = [tuple(c[i] for i, d in enumerate(dims) if d not in sharded) for c in coords]
+        items.append((view, boxes, replicas))
+    order = sorted(range(len(items)), key=lambda k: (items[k][0][-2:], k))
+    items = [items[k] for k in order]
+    chunks, owners = assign_owners([ns_flops(v) for v, _, _ in items], size, ITEMS_PER_RANK * size, load)
+    gbps = _link(mesh, dims, hw)
+    for chunk in chunks:
+        out = [0] * size
+        back = [0] * size
+        for k in chunk:
+            view, boxes, replicas = items[k]
+            o = owners[k]
+            for s in range(size):
+                if s != o and replicas[s] == replicas[o]:
+                    out[s] += boxes[s] * 4
+                if s != o:
+                    back[o] += boxes[s] * 4
+            _compute(ranks[o], view, hw, precision)
+        for s in range(size):
+            _cost(ranks[s], out[s], gbps, hw)
+            _cost(ranks[s], back[s], gbps, hw)
+
+
+def _add(into: RankCounts, other: RankCounts) -> None:
+    for f in ("ns_matrices", "ns_flops", "bytes_sent", "collectives", "comm_s", "compute_s"):
+        setattr(into, f, getattr(into, f) + getattr(other, f))
+
+
+def _gather_counts(matrices: list[Matrix], mesh: Mesh, hw: Hardware, precision: str) -> list[RankCounts]:
+    """Gather mode: every rank all-gathers each matrix it holds a shard of (one all-gather per
+    sharding mesh dim, innermost first) and orthogonalizes it; the first shard's rank is the busiest."""
+    rank = RankCounts()
+    for m in matrices:
+        view = _local_view(m, mesh)
+        sharded = _sharding(m, mesh)
+        local = list(view)
+        for d, vd in sharded.items():
+            local[vd] = _chunk(local[vd], mesh.dims[d], 0)
+        for _ in range(m.count):
+            held = math.prod(local) * 4
+            for d in sorted(sharded, reverse=True):
+                _cost(rank, (mesh.dims[d] - 1) * held, _link(mesh, (d,), hw), hw)
+                held *= mesh.dims[d]
+            _compute(rank, view, hw, precision)
+    return [rank]
+
+
+# ------------------------------------------------------------------ the peers, modelled
+def _megatron_layer_wise(matrices: list[Matrix], mesh: Mesh, hw: Hardware, precision: str) -> list[RankCounts]:
+    """Megatron-LM's layer-wise distributed optimizer: whole matrices owned by data-parallel ranks
+    (LPT by FLOPs; dense over dp_replicate x dp_shard x ep, experts over dp_replicate x dp_shard), the
+    owner's TP group all-gathers the shards and each TP rank orthogonalizes the whole matrix
+    (duplicated), then the updated bf16 parameters (this TP rank's shards) are all-gathered over data
+    parallelism: a ring all-gather of the flat buffer, (p - 1) / p of it sent by every rank."""
+    groups = {False: mesh.dp_replicate * mesh.dp_shard * mesh.ep, True: mesh.dp_replicate * mesh.dp_shard}
+    ranks = {e: [RankCounts() for _ in range(g)] for e, g in groups.items()}
+    total_bytes = {e: 0 for e in groups}
+    for expert in (False, True):
+        items = [(_local_view(m, mesh), m) for m in matrices if bool(m.experts) == expert for _ in range(m.count)]
+        if not items:
+            continue
+        size = groups[expert]
+        _, owners = assign_owners([ns_flops(v) for v, _ in items], size, max(1, len(items)))
+        for (view, m), o in zip(items, owners):
+            r = ranks[expert][o]
+            tp = mesh.tp if m.tp_dim is not None else 1
+            shard = math.prod(view) // tp
+            if tp > 1:
+                _cost(r, (tp - 1) * shard * 4, _link(mesh, (TP,), hw), hw)
+            _compute(r, view, hw, precision)
+            total_bytes[expert] += shard * 2
+        dims = (REPLICATE, SHARD) + (() if expert else (EP,))
+        for r in ranks[expert]:
+            if size > 1:
+                _cost(r, (size - 1) * total_bytes[expert] // size, _link(mesh, dims, hw), hw)
+    return _merged(ranks[False], ranks[True])
+
+
+def _torchtitan_dist_muon(matrices: list[Matrix], mesh: Mesh, hw: Hardware, precision: str,
+                          workspace_mib=256) -> list[RankCounts]:
+    """torchtitan's DistMuon: owners within the shard group as in our owner mode, on replica 0 only;
+    each updated shard is then broadcast to the other replicas. No tensor parallelism."""
+    if mesh.tp > 1:
+        raise ValueError("torchtitan's DistMuon does not run with tensor parallelism (tp > 1)")
+    one_replica = Mesh(1, mesh.dp_shard, mesh.ep, 1)
+    ranks = _owner_counts(matrices, one_replica, False, hw, precision, workspace_mib)
+    if mesh.dp_replicate > 1:
+        shard_bytes = sum(math.prod(_local_view(m, mesh)) * 4 // mesh.dp_shard * m.count for m in matrices)
+        for r in ranks:
+            _cost(r, shard_bytes, _link(mesh, (REPLICATE,), hw), hw)
+    return ranks
+
+
+def _merged(a: list[RankCounts], b: list[RankCounts]) -> list[RankCounts]:
+    """Per rank, the counts of two groupings of the same ranks (dense and expert owners), paired in order."""
+    out = []
+    for i in range(max(len(a), len(b))):
+        r = RankCounts()
+        for src in (a[i % len(a)] if a else None, b[i % len(b)] if b else None):
+            if src is not None:
+                _add(r, src)
+        out.append(r)
+    return out
+
+
+_COUNTERS = {
+    "owner": lambda ms, mesh, hw, p, ws: _owner_counts(ms, mesh, False, hw, p, ws),
+    "split": lambda ms, mesh, hw, p, ws: _owner_counts(ms, mesh, True, hw, p, ws),
+    "gather": lambda ms, mesh, hw, p, ws: _gather_counts(ms, mesh, hw, p),
+    "megatron_layer_wise": lambda ms, mesh, hw, p, ws: _megatron_layer_wise(ms, mesh, hw, p),
+    "torchtitan_dist_muon": lambda ms, mesh, hw, p, ws: _torchtitan_dist_muon(ms, mesh, hw, p, ws),
+}
+
+
+@dataclass
+class Estimate:
+    """One layout's step on the mesh: per-rank figures (max and mean over the ranks)."""
+
+    layout: str
+    ns_gflops_max: float
+    ns_gflops_mean: float
+    ns_matrices_max: int
+    bytes_max: int
+    collectives_max: int
+    seconds: float
+    ranks: list[RankCounts] = field(default_factory=list, repr=False)
+
+
+def rank_counts(matrices: list[Matrix], mesh: Mesh, layout: str, hardware: str | Hardware = "H100",
+                precision: str = "medium", workspace_mib: float | None = 256) -> list[RankCounts]:
+    """The counts of ``layout`` per rank, in the world's rank order for our layouts (the mesh's dims
+    row-major, ``tp`` innermost); ``workspace_mib`` as the optimizers take it (256: the GPU's "auto")."""
+    if layout not in _COUNTERS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
+    for m in matrices:
+        if m.experts and m.experts % mesh.ep:
+            raise ValueError(f"{m}: {m.experts} experts do not divide over ep={mesh.ep}")
+    return _COUNTERS[layout](list(matrices), mesh, hw, precision, workspace_mib)
+
+
+def estimate(matrices: list[Matrix], mesh: Mesh, hardware: str | Hardware = "H100", precision: str = "medium",
+             layouts=LAYOUTS) -> list[Estimate]:
+    """Every layout that runs on the mesh (torchtitan's needs tp = 1), fastest first."""
+    out = []
+    for layout in layouts:
+        try:
+            ranks = rank_counts(matrices, mesh, layout, hardware, precision)
+        except ValueError:
+            if layout == "torchtitan_dist_muon":
+                continue
+            raise
+        flops = [r.ns_flops for r in ranks]
+        out.append(Estimate(layout, max(flops) / 1e9, sum(flops) / len(flops) / 1e9, max(r.ns_matrices for r in ranks),
+                            max(r.bytes_sent for r in ranks), max(r.collectives for r in ranks),
+                            max(r.compute_s + r.comm_s for r in ranks), ranks))
+    return sorted(out, key=lambda e: e.seconds)
+
+
+def choose(matrices: list[Matrix], mesh: Mesh, hardware: str | Hardware = "H100", precision: str = "medium") -> str:
+    """The fastest of our layouts by the model: "owner", "split" or "gather"."""
+    return estimate(matrices, mesh, hardware, precision, OURS)[0].layout
+
+
+def default_mesh(preset: str, gpus: int) -> Mesh:
+    """The mesh the documentation's table uses: TP 8 for 70B, EP 8 for the MoE, FSDP over 8 GPUs, the rest replicas."""
+    tp = 8 if preset == "llama3-70b" else 1
+    ep = 8 if preset == "moe-64e" and gpus >= 64 else 1
+    shard = min(8, gpus // (tp * ep)) if gpus >= tp * ep else 1
+    replicate = max(1, gpus // (tp * ep * shard))
+    return Mesh(replicate, shard, ep, tp)
+
+
+def table(presets, gpus, hardware: str = "H100", precision: str = "medium") -> str:
+    """A markdown table of every layout per preset and GPU count."""
+    lines = [f"| model | GPUs | mesh (R x S x EP x TP) | layout | NS GFLOP / rank (max / mean) | NS matrices / rank | "
+             f"MiB sent / rank | collectives / rank | modelled ms ({hardware}, {precision}) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for preset in presets:
+        matrices = PRESETS[preset][1]()
+        for n in gpus:
+            mesh = default_mesh(preset, n)
+            for e in estimate(matrices, mesh, hardware, precision):
+                lines.append(
+                    f"| {preset} | {mesh.world} | {' x '.join(str(d) for d in mesh.dims)} | {e.layout} | "
+                    f"{e.ns_gflops_max:.0f} / {e.ns_gflops_mean:.0f} | {e.ns_matrices_max} | "
+                    f"{e.bytes_max / 2**20:.0f} | {e.collectives_max} | {e.seconds * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
+def _parse_mesh(text: str) -> Mesh:
+    values = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        if key.strip() not in ("dp_replicate", "dp_shard", "ep", "tp") or not value.strip().isdigit():
+            raise SystemExit(f"--mesh: expected dp_replicate=N,dp_shard=N,ep=N,tp=N; got {part!r}")
+        values[key.strip()] = int(value)
+    return Mesh(**values)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_eopt.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS), help="model (repeatable; default all)")
+    parser.add_argument("--mesh", help="dp_replicate=N,dp_shard=N,ep=N,tp=N (default: the table's mesh per GPU count)")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 256, 1024])
+    parser.add_argument("--hardware", choices=sorted(HARDWARE), default="H100")
+    parser.add_argument("--precision", choices=("medium", "high", "highest"), default="medium")
+    args = parser.parse_args(argv)
+    presets = args.preset or list(PRESETS)
+    if args.mesh:
+        mesh = _parse_mesh(args.mesh)
+        for preset in presets:
+            print(f"{preset}: {PRESETS[preset][0]}; mesh {mesh}")
+            for e in estimate(PRESETS[preset][1](), mesh, args.hardware, args.precision):
+                print(f"  {e.layout:22s} NS {e.ns_gflops_max:9.0f} GFLOP/rank max ({e.ns_gflops_mean:.0f} mean)  "
+                      f"{e.bytes_max / 2**20:9.1f} MiB  {e.collectives_max:5d} collectives  {e.seconds * 1e3:8.1f} ms")
+            print(f"  chosen: {choose(PRESETS[preset][1](), mesh, args.hardware, args.precision)}")
+        return 0
+    print(table(presets, args.gpus, args.hardware, args.precision))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+__all__ = ["HARDWARE", "LAYOUTS", "PRESETS", "Estimate", "Hardware", "Matrix", "Mesh", "RankCounts", "choose",
+           "default_mesh", "estimate", "rank_counts", "table"]

@@ -1,0 +1,78 @@
+"""The planner (megatron_eopt.plan): its model's invariants, the presets, the CLI and its errors.
+Its counts against the step's own (step_stats) run on gloo ranks: test_step_stats.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from megatron_eopt import plan
+from megatron_eopt.step_stats import newton_schulz_flops
+
+
+def _total_flops(matrices, mesh):
+    out = 0.0
+    for m in matrices:
+        batch = m.experts if m.experts else 1
+        out += m.count * batch * newton_schulz_flops(*m.shape, plan.NS_STEPS)
+    return out
+
+
+@pytest.mark.parametrize("preset", sorted(plan.PRESETS))
+@pytest.mark.parametrize("mesh", [plan.Mesh(1, 8, 1, 1), plan.Mesh(4, 8, 1, 1), plan.Mesh(2, 4, 2, 2)])
+def test_every_matrix_is_orthogonalized_once_per_replica_or_once(preset, mesh):
+    """owner: the FLOPs of a replica's ranks add up to the model's (every replica repeats them);
+    split: the whole mesh's do; gather: every rank holds every matrix."""
+    matrices = plan.PRESETS[preset][1]()
+    if any(m.experts % mesh.ep for m in matrices if m.experts):
+        pytest.skip("experts do not divide")
+    total = _total_flops(matrices, mesh)
+    replicas = mesh.dp_replicate * (mesh.ep if not any(m.experts for m in matrices) else 1)
+    owner = plan.rank_counts(matrices, mesh, "owner")
+    split = plan.rank_counts(matrices, mesh, "split")
+    assert len(owner) == len(split) == mesh.world
+    if not any(m.experts for m in matrices):
+        assert math.isclose(sum(r.ns_flops for r in owner), total * replicas, rel_tol=1e-9)
+        assert math.isclose(sum(r.ns_flops for r in split), total, rel_tol=1e-9)
+    assert max(r.ns_flops for r in split) <= max(r.ns_flops for r in owner)
+    gather = plan.rank_counts(matrices, mesh, "gather")[0]
+    assert gather.ns_flops >= max(r.ns_flops for r in owner)
+
+
+def test_estimate_orders_by_time_and_choose_picks_ours():
+    matrices = plan.PRESETS["llama3-8b"][1]()
+    mesh = plan.Mesh(8, 8, 1, 1)
+    estimates = plan.estimate(matrices, mesh, "H100")
+    assert [e.seconds for e in estimates] == sorted(e.seconds for e in estimates)
+    assert {e.layout for e in estimates} == set(plan.LAYOUTS)
+    assert plan.choose(matrices, mesh, "H100") in plan.OURS
+    # torchtitan's DistMuon has no tensor parallelism: left out where tp > 1
+    assert "torchtitan_dist_muon" not in {e.layout for e in plan.estimate(matrices, plan.Mesh(1, 2, 1, 2))}
+
+
+def test_a_replica_free_mesh_splits_nothing():
+    matrices = [plan.Matrix((64, 32), 6), plan.Matrix((32, 96), 3)]
+    mesh = plan.Mesh(1, 4, 1, 1)
+    owner = plan.rank_counts(matrices, mesh, "owner", workspace_mib=None)
+    split = plan.rank_counts(matrices, mesh, "split", workspace_mib=None)
+    assert [(r.ns_flops, r.bytes_sent, r.collectives) for r in owner] == \
+        [(r.ns_flops, r.bytes_sent, r.collectives) for r in split]
+    assert sum(r.ns_matrices for r in owner) == 9
+
+
+def test_bad_input_names_it():
+    with pytest.raises(ValueError, match="layout"):
+        plan.rank_counts([plan.Matrix((4, 4))], plan.Mesh(), "sharded")
+    with pytest.raises(ValueError, match="experts"):
+        plan.rank_counts([plan.Matrix((4, 4), experts=6)], plan.Mesh(ep=4), "owner")
+    with pytest.raises(SystemExit, match="--mesh"):
+        plan.main(["--mesh", "dp=2"])
+
+
+def test_cli_prints_a_table_and_a_choice(capsys):
+    assert plan.main(["--preset", "moe-64e", "--gpus", "8", "64"]) == 0
+    table = capsys.readouterr().out
+    assert table.count("| moe-64e |") == 2 * len(plan.LAYOUTS)  # tp 1: every layout runs
+    assert plan.main(["--preset", "llama3-8b", "--mesh", "dp_replicate=2,dp_shard=8"]) == 0
+    assert "chosen:" in capsys.readouterr().out
