@@ -90,14 +90,7 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
             sent = sum(_gather_bytes(p) for p in params) if mode == "gather" else None
         opt.step()  # warm-up: state, plan, first-call costs
         opt._sharded.bytes_sent = 0
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-            times.append(float(elapsed) * 1e3)
+        times = slowest_rank_ms(opt, repeats)
         if sent is None:
             sent = opt._sharded.bytes_sent // repeats
         sent_max = torch.tensor([float(sent)])
@@ -120,16 +113,46 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
     dist.destroy_process_group()
 
 
-def run(name: str, ranks: int, quick: bool) -> dict:
-    """Spawns `ranks` processes for workload `name`; returns the result of rank 0."""
+def slowest_rank_ms(opt, repeats: int) -> list[float]:
+    """``repeats`` steps of ``opt``, each timed on every rank: the slowest rank's ms of each (a step
+    is as slow as its slowest rank)."""
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        opt.step()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        times.append(float(elapsed) * 1e3)
+    return times
+
+
+def spawn(rank_fn, name: str, ranks: int, quick: bool) -> dict:
+    """Spawns `ranks` processes running ``rank_fn(rank, world, init, name, repeats, out)``; returns
+    what rank 0 wrote to ``out`` (JSON)."""
     import torch.multiprocessing as mp
 
     repeats = 2 if quick else 5
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(_rank, args=(ranks, os.path.join(tmp, "rendezvous"), name, repeats, out), nprocs=ranks, join=True)
+        mp.spawn(rank_fn, args=(ranks, os.path.join(tmp, "rendezvous"), name, repeats, out), nprocs=ranks, join=True)
         with open(out) as f:
             return json.load(f)
+
+
+def run(name: str, ranks: int, quick: bool) -> dict:
+    """Spawns `ranks` processes for workload `name`; returns the result of rank 0."""
+    return spawn(_rank, name, ranks, quick)
+
+
+def measured(environment: dict, prefix: str) -> str:
+    """The section's first sentences: how and where it was measured."""
+    return (f"Measured by `python benchmarks/run.py --workload {prefix}_...`: commit `{environment['git_commit']}`; "
+            f"torch {environment['torch']}; date {environment['date_utc']}. One process per rank, 1 thread each "
+            f"(more ranks than the {os.cpu_count()} cores share them: a rank's time then includes waiting for a "
+            "core), fp32 \"highest\", quintic x5.")
 
 
 def markdown(entries: list[dict], environment: dict) -> str:
@@ -138,10 +161,7 @@ def markdown(entries: list[dict], environment: dict) -> str:
     lines = [
         f"## Sharded Muon steps (DTensor Shard(0), gloo), {cpu}, {os.cpu_count()} cores (cpu)",
         "",
-        f"Measured by `python benchmarks/run.py --workload dist_...`: commit `{environment['git_commit']}`; "
-        f"torch {environment['torch']}; date {environment['date_utc']}. One process per rank, 1 thread each "
-        f"(more ranks than the {os.cpu_count()} cores share them: a rank's time then includes waiting for a core), "
-        "fp32 \"highest\", quintic x5. **ms**: median over repeats of the slowest rank's step. **MiB sent**: "
+        measured(environment, "dist") + " **ms**: median over repeats of the slowest rank's step. **MiB sent**: "
         "bytes each rank sends per step. owner: one owner per matrix, all-to-all; gather: all-gather, every "
         "rank orthogonalizes every matrix; replicated: full tensors on every rank, no communication "
         "(per-rank redundant computation).",

@@ -18,11 +18,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
-import time
 from types import SimpleNamespace
 
 import torch
+import workloads_dist
 
 MODES = ("duplicated", "distributed", "layer_sharded")
 
@@ -62,14 +61,7 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
         opt = TensorParallelMuon(params, lr=0.02, momentum=0.95, weight_decay=0.01, fp32_matmul_prec="highest",
                                  pg_collection=pg, tp_mode=mode)
         opt.step()  # warm-up: state, plan, first-call costs
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            start = time.perf_counter()
-            opt.step()
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step is as slow as its slowest rank
-            times.append(float(elapsed) * 1e3)
+        times = workloads_dist.slowest_rank_ms(opt, repeats)
         stats = opt.step_stats()
         busiest = torch.tensor([float(stats["bytes_sent"]), float(stats["collectives"]), float(stats["ns_matrices"]),
                                 float(stats["ns_flops"])])
@@ -93,14 +85,7 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
 
 def run(name: str, ranks: int, quick: bool) -> dict:
     """Spawns `ranks` processes for workload `name`; returns the result of rank 0."""
-    import torch.multiprocessing as mp
-
-    repeats = 2 if quick else 5
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_rank, args=(ranks, os.path.join(tmp, "rendezvous"), name, repeats, out), nprocs=ranks, join=True)
-        with open(out) as f:
-            return json.load(f)
+    return workloads_dist.spawn(_rank, name, ranks, quick)
 
 
 def markdown(entries: list[dict], environment: dict) -> str:
@@ -109,10 +94,7 @@ def markdown(entries: list[dict], environment: dict) -> str:
     lines = [
         f"## Tensor-parallel Muon steps (Megatron TP shards, gloo), {cpu}, {os.cpu_count()} cores (cpu)",
         "",
-        f"Measured by `python benchmarks/run.py --workload tp_...`: commit `{environment['git_commit']}`; "
-        f"torch {environment['torch']}; date {environment['date_utc']}. One process per rank, 1 thread each "
-        f"(more ranks than the {os.cpu_count()} cores share them), fp32 \"highest\", quintic x5, "
-        "`TensorParallelMuon` in each `tp_mode`. **ms**: median over repeats of the slowest rank's step. "
+        workloads_dist.measured(environment, "tp") + " `TensorParallelMuon` in each `tp_mode`. **ms**: median over repeats of the slowest rank's step. "
         "**MiB sent**, **calls**, **NS matrices**, **NS GFLOP**: the busiest rank's, from `step_stats()` "
         "(bytes by the textbook algorithm of each collective). **rel. diff**: final parameters against "
         "duplicated mode.",

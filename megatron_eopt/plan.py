@@ -43,7 +43,7 @@ from types import SimpleNamespace
 
 from .optim.multirank.sharded import ITEMS_PER_RANK, assign_owners, ns_flops
 from .optim.step.plan import chunk_entries
-from .step_stats import newton_schulz_flops
+from .step_stats import StepStats, newton_schulz_flops
 
 NS_STEPS = 5
 LAYOUTS = ("owner", "split", "gather", "megatron_layer_wise", "torchtitan_dist_muon")
@@ -130,13 +130,11 @@ PRESETS = {
 
 
 # ------------------------------------------------------------------ the counts of our layouts
-@dataclass
-class RankCounts:
-    ns_matrices: int = 0
-    ns_flops: float = 0.0
-    bytes_sent: int = 0
-    collectives: int = 0
-    # modelled seconds of communication (collectives' latency and bytes over their links)
+@dataclass(eq=False)
+class RankCounts(StepStats):
+    """A rank's step as ``step_stats()`` counts it, and the modelled seconds of its communication
+    (collectives' latency and bytes over their links) and Newton–Schulz."""
+
     comm_s: float = 0.0
     compute_s: float = 0.0
 
