@@ -21,6 +21,12 @@ NSAlgorithmT = Literal["auto", "standard", "gram"]
 # X·Xᵀ of the short side (§4.4), fewer FLOPs for rectangular matrices. "auto": gram where it does
 # less work on the device (and its precision keeps it within the standard tolerances), else standard.
 NS_ALGORITHMS: tuple[str, ...] = get_args(NSAlgorithmT)
+# How one call computes its products with a symmetric result (X·Xᵀ, G·G, the Gram iteration's s×s
+# products): "auto" as the device's measurement or the process-wide setting decides
+# (set_cpu_symmetric_products, set_cuda_symmetric_products); "symmetric" the symmetric kernel, or
+# lower block panels and a mirror, wherever the side allows them; "full" one GEMM each.
+NSProductsT = Literal["auto", "symmetric", "full"]
+NS_PRODUCTS: tuple[str, ...] = get_args(NSProductsT)
 # How the Frobenius normalization uses eps: "clamp" divides by max(‖x‖, eps) (Emerging-Optimizers),
 # "add" by ‖x‖ + eps (Keller Jordan's snippet, nanochat).
 EpsModeT = Literal["clamp", "add"]

@@ -153,6 +153,7 @@ _MUON_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
     ("scale_mode", "muon_scale_mode"),
     ("extra_scale_factor", "muon_extra_scale_factor"),
     ("tp_mode", "muon_tp_mode"),
+    ("use_syrk", "muon_use_syrk"),  # Megatron-LM main: symmetric products
     # Megatron-LM's layer-sharded Muon (--muon-ns-batch-size, --muon-expert-tp-mode)
     ("ns_batch_size", "muon_ns_batch_size"),
     ("expert_tp_mode", "muon_expert_tp_mode"),
@@ -189,11 +190,7 @@ def _fields_from_config(config: Any, table: tuple[tuple[str, str], ...]) -> dict
 
 
 def muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
-    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelMuon` keyword arguments. A field the
-    classes do not support yet (main's ``muon_use_syrk=True``) is a ValueError naming it."""
-    from .optim.tensor_parallel import check_use_syrk
-
-    check_use_syrk(getattr(config, "muon_use_syrk", False), "OptimizerConfig.muon_use_syrk")
+    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelMuon` keyword arguments."""
     kwargs = _fields_from_config(config, _MUON_CONFIG_FIELDS)
     kwargs["is_qkv_fn"] = _is_tagged_qkv
     model_config = getattr(model_chunks[0], "config", None) if model_chunks else None

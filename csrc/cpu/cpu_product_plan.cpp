@@ -119,8 +119,9 @@ const CpuProductPlan& cpu_product_plan(int64_t side) {
   return plans[c];
 }
 
-bool cpu_symmetric_on_kernel(SyrkType type, int64_t side) {
-  if (!syrk_available(type)) return false;
+bool cpu_symmetric_on_kernel(SyrkType type, int64_t side, NsProducts products) {
+  if (!syrk_available(type) || products == NsProducts::kFull) return false;
+  if (products == NsProducts::kSymmetric) return true;
   switch (cpu_symmetric_products_setting()) {
     case CpuSymmetricProducts::kKernel: return true;
     case CpuSymmetricProducts::kGemm:
@@ -132,8 +133,9 @@ bool cpu_symmetric_on_kernel(SyrkType type, int64_t side) {
   return type == SyrkType::kBf16 ? choice.kernel_bf16 : choice.kernel_fp32;
 }
 
-int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks) {
-  if (blocks <= 1) return 1;
+int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks, NsProducts products) {
+  if (blocks <= 1 || products == NsProducts::kFull) return 1;
+  if (products == NsProducts::kSymmetric) return blocks;
   const CpuSymmetricProducts setting = cpu_symmetric_products_setting();
   if (setting == CpuSymmetricProducts::kPanels) return blocks;
   if (setting == CpuSymmetricProducts::kFull) return 1;
@@ -164,15 +166,15 @@ CpuIteration cpu_iteration(NsPrecision requested, int64_t side) {
   return {precision, precision == NsPrecision::kMedium ? cpu_bf16_speedup(side) : 1.0};
 }
 
-void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks) {
+void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks, NsProducts products) {
   const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
-  gram_product_out(d, x, cpu_symmetric_on_kernel(type, x.size(1)) ? Tensor() : aten::mT(x), blocks);
+  gram_product_out(d, x, cpu_symmetric_on_kernel(type, x.size(1), products) ? Tensor() : aten::mT(x), blocks, products);
 }
 
-void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks) {
+void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks, NsProducts products) {
   const SyrkType type = d.scalar_type() == kBFloat16 ? SyrkType::kBf16 : SyrkType::kFp32;
-  if (cpu_symmetric_on_kernel(type, x.size(1))) symmetric_kernel_out(d, x);
-  else symmetric_gemm_out(d, x, xt, cpu_symmetric_gemm_blocks(type, x.size(1), blocks));
+  if (cpu_symmetric_on_kernel(type, x.size(1), products)) symmetric_kernel_out(d, x);
+  else symmetric_gemm_out(d, x, xt, cpu_symmetric_gemm_blocks(type, x.size(1), blocks, products));
 }
 
 }  // namespace megatron_eopt

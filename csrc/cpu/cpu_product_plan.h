@@ -24,6 +24,7 @@
 
 #include "cpu/syrk_cpu.h"
 #include "megatron_eopt/ns_precision.h"
+#include "megatron_eopt/ns_products.h"
 #include "ops/aten_ops.h"
 #include "megatron_eopt/cpu_product_choice.h"
 
@@ -54,9 +55,10 @@ const CpuProductPlan& cpu_product_plan(int64_t side);
 // What runs, the settings applied: whether X X^T of side `side` in `type` runs on the symmetric
 // kernel, and otherwise in how many column panels (`blocks` from ns_symmetric_blocks, or 1 where one
 // full GEMM measured faster); whether "medium" runs ATen's bf16 GEMMs; the Gram weight that goes
-// with it.
-bool cpu_symmetric_on_kernel(SyrkType type, int64_t side);
-int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks);
+// with it. A call's `products` overrides the measurement and the process-wide setting: symmetric
+// takes the kernel where this CPU has it, else the panels; full one GEMM.
+bool cpu_symmetric_on_kernel(SyrkType type, int64_t side, NsProducts products = NsProducts::kAuto);
+int64_t cpu_symmetric_gemm_blocks(SyrkType type, int64_t side, int64_t blocks, NsProducts products = NsProducts::kAuto);
 bool cpu_uses_bf16_gemms(int64_t side);
 double cpu_bf16_speedup(int64_t side);
 
@@ -74,9 +76,10 @@ CpuIteration cpu_iteration(NsPrecision requested, int64_t side);
 // kernel of syrk_cpu.h (symmetric_kernel_out) where this plan runs it (measured on this CPU, or
 // set), otherwise symmetric_gemm_out of batched_gemm.h with `blocks` column panels. The plan
 // dispatches here: batched_gemm.h holds the products it measures and knows nothing of it.
-void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks);
+void gram_product_out(Tensor& d, const Tensor& x, int64_t blocks, NsProducts products = NsProducts::kAuto);
 // The same with x^T given (a view the caller keeps across calls: each view made is a dispatcher
 // call, which shows on small matrices).
-void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks);
+void gram_product_out(Tensor& d, const Tensor& x, const Tensor& xt, int64_t blocks,
+                      NsProducts products = NsProducts::kAuto);
 
 }  // namespace megatron_eopt

@@ -45,10 +45,10 @@ Tensor as_batch(const Tensor& x) { return x.dim() == 2 ? aten::unsqueeze(x, 0) :
 Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
                          double eps, std::optional<bool> transpose, const std::string& precision,
                          const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                         bool row_equilibration, bool frobenius_renorm) {
+                         bool row_equilibration, bool frobenius_renorm, const std::string& products) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
   const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   if (x.numel() == 0) return aten::empty_like(x);
   Tensor out = aten::empty({opts.batch, opts.rows, opts.cols}, kFloat, x.device());
   run_newton_schulz_cpu(as_batch(x), out, opts);
@@ -58,10 +58,10 @@ Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficient
 void newton_schulz_cpu_(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
                         double eps, std::optional<bool> transpose, const std::string& precision,
                         const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                        bool row_equilibration, bool frobenius_renorm) {
+                        bool row_equilibration, bool frobenius_renorm, const std::string& products) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz_: x must be a CPU tensor here, got ", x.device());
   const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   MEGATRON_EOPT_CHECK_VALUE(x.is_contiguous(), "newton_schulz_: x must be contiguous (strides ", x.strides(), ")");
   if (x.numel() == 0) return;
   // Written through a detached alias: ATen's out= products refuse an output that requires grad

@@ -106,8 +106,8 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
       case GramOpKind::kGemm: {
         Tensor& d = at_(op.d, kD);
         if (op.gemm == GramGemm::kGram) {
-          if (transpose) gram_product_out(d, at_t(op.a, kA), at_(op.a, kA), blocks);  // X^T X
-          else gram_product_out(d, at_(op.a, kA), at_t(op.a, kA), blocks);  // X X^T
+          if (transpose) gram_product_out(d, at_t(op.a, kA), at_(op.a, kA), blocks, opts.products);  // X^T X
+          else gram_product_out(d, at_(op.a, kA), at_t(op.a, kA), blocks, opts.products);  // X X^T
         } else if (op.gemm == GramGemm::kApply) {
           // Operands as the column-major plan orders them: (X, Q) wide, (Q, X) tall.
           const Tensor& x = transpose ? at_(op.b, kB) : at_(op.a, kA);
@@ -119,13 +119,13 @@ void gram_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& opts,
         } else {
           // s x s: every such product of the program is a polynomial in one R, so symmetric.
           if (op.alpha == 1.f && op.beta == 0.f) {
-            symmetric_gemm_out(d, at_(op.a, kA), at_(op.b, kB), blocks);
+            symmetric_gemm_out(d, at_(op.a, kA), at_(op.b, kB), opts.products == NsProducts::kFull ? 1 : blocks);
           } else {
             // The one product with scalars, c R R + b R: the plain GEMM R R, then one s x s pass.
             MEGATRON_EOPT_CHECK_VALUE(op.a == op.b && op.a == op.c,
                                       "gram program: a product with scalars must be c R R + b R");
             const Tensor& r = at_(op.a, kA);
-            if (op.alpha != 0.f) gram_product_out(d, r, at_t(op.a, kA), blocks);  // R R = R R^T
+            if (op.alpha != 0.f) gram_product_out(d, r, at_t(op.a, kA), blocks, opts.products);  // R R = R R^T
             polynomial_out(d, op.alpha, op.alpha != 0.f ? d : r, op.beta, r, 0.f);
           }
         }

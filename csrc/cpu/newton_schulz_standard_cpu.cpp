@@ -94,10 +94,10 @@ void standard_newton_schulz_cpu(const Tensor& w, Tensor& out, const NsOptions& o
   }
   for (std::size_t k = 0; k < steps; ++k) {
     const NsCoefficients& co = opts.schedule[k];
-    if (t) gram_product_out(gram, it_t, it, blocks);  // W = X^T
-    else gram_product_out(gram, it, it_t, blocks);
+    if (t) gram_product_out(gram, it_t, it, blocks, opts.products);  // W = X^T
+    else gram_product_out(gram, it, it_t, blocks, opts.products);
     if (round) round_bf16_(gram);
-    if (co.c != 0.0f) gram_product_out(poly, gram, gram_t, blocks);  // G G = G G^T
+    if (co.c != 0.0f) gram_product_out(poly, gram, gram_t, blocks, opts.products);  // G G = G G^T
     if (round && co.c != 0.0f) round_bf16_(poly);
     polynomial_out(poly, co.c, co.c != 0.0f ? poly : gram, co.b, gram, co.a);
     if (round) round_bf16_(poly);

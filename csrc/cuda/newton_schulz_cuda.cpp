@@ -35,8 +35,10 @@ struct TorchWorkspace {
   }
 };
 
-LtContext blas_context(const Tensor& x, TorchWorkspace& workspace) {
-  return cuda::blas_context(cuda::device_of(x), LtWorkspace{&workspace, &TorchWorkspace::get});
+LtContext blas_context(const Tensor& x, TorchWorkspace& workspace, NsProducts products) {
+  LtContext ctx = cuda::blas_context(cuda::device_of(x), LtWorkspace{&workspace, &TorchWorkspace::get});
+  ctx.products = products;
+  return ctx;
 }
 
 // The Gram iteration (docs/design.md §4.4): one scratch allocation laid out for its program.
@@ -47,7 +49,7 @@ void run_gram(const Tensor& input, Tensor& out, const NsOptions& opts, const Gra
   TorchWorkspace workspace{input, Tensor()};
   newton_schulz_gram_cuda(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), opts.batch, opts.rows,
                           opts.cols, program, opts.eps, opts.recipe, opts.precision, buffer.data_ptr(), layout,
-                          row_scales, blas_context(input, workspace));
+                          row_scales, blas_context(input, workspace, opts.products));
 }
 
 // Runs the iteration of `input` (contiguous fp32) into `out` (the same shape; `input` itself where
@@ -84,16 +86,16 @@ void run_newton_schulz_cuda(const Tensor& input, Tensor& out, const NsOptions& o
   TorchWorkspace workspace{input, Tensor()};
   newton_schulz_cuda(input.const_data_ptr<float>(), out.mutable_data_ptr<float>(), opts.batch, opts.rows, opts.cols,
                      opts.transpose, opts.schedule, opts.eps, opts.recipe, opts.precision, scratch,
-                     blas_context(input, workspace));
+                     blas_context(input, workspace, opts.products));
 }
 
 Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
                              double eps, std::optional<bool> transpose, const std::string& precision,
                              const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                             bool row_equilibration, bool frobenius_renorm) {
+                             bool row_equilibration, bool frobenius_renorm, const std::string& products) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz: x must be a CUDA tensor here, got ", x.device());
   const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   const cuda::DeviceGuard guard(cuda::device_of(x));
   const Tensor input = aten::contiguous(x);
   Tensor out = aten::empty_like(input);
@@ -105,10 +107,10 @@ Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coeffic
 void newton_schulz_cuda_op_(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
                             double eps, std::optional<bool> transpose, const std::string& precision,
                             const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                            bool row_equilibration, bool frobenius_renorm) {
+                            bool row_equilibration, bool frobenius_renorm, const std::string& products) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz_: x must be a CUDA tensor here, got ", x.device());
   const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   MEGATRON_EOPT_CHECK_VALUE(x.is_contiguous(), "newton_schulz_: x must be contiguous (strides ", x.strides(), ")");
   const cuda::DeviceGuard guard(cuda::device_of(x));
   if (x.numel() == 0) return;

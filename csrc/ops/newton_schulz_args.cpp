@@ -12,7 +12,7 @@ namespace megatron_eopt {
 NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
                            double eps, std::optional<bool> transpose, const std::string& precision,
                            const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                           bool row_equilibration, bool frobenius_renorm) {
+                           bool row_equilibration, bool frobenius_renorm, const std::string& products) {
   MEGATRON_EOPT_CHECK_TYPE(x.scalar_type() == kFloat, "newton_schulz: x must be float32, got ", x.scalar_type());
   MEGATRON_EOPT_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
                             "newton_schulz: x must be 2-D (m, n) or 3-D (batch, m, n), got ", x.dim(), "-D");
@@ -27,6 +27,7 @@ NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficie
     opts.precision = parse_ns_precision(std::string(precision.data(), precision.size()));
     opts.algorithm = parse_ns_algorithm(std::string(algorithm.data(), algorithm.size()));
     opts.recipe = make_ns_recipe(eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+    opts.products = parse_ns_products(std::string(products.data(), products.size()));
   } catch (const std::invalid_argument& e) {
     MEGATRON_EOPT_CHECK_VALUE(false, "newton_schulz: ", e.what());
   }

@@ -10,6 +10,7 @@
 
 #include "megatron_eopt/ns_algorithm.h"
 #include "megatron_eopt/ns_precision.h"
+#include "megatron_eopt/ns_products.h"
 #include "megatron_eopt/ns_recipe.h"
 #include "megatron_eopt/ns_schedule.h"
 
@@ -23,13 +24,15 @@ struct NsOptions {
   NsAlgorithm algorithm;  // as requested: auto, standard or gram
   int64_t batch, rows, cols;  // of the input, 2-D inputs having batch 1
   NsRecipe recipe;  // MuonEq, normalization convention and divisor, Muon+ (ns_recipe.h)
+  NsProducts products;  // how the symmetric products run (ns_products.h)
 };
 
 // Validates x (fp32, 2-D or 3-D) and the hyper-parameters; every failure names its argument.
 NsOptions parse_ns_options(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
                            double eps, std::optional<bool> transpose, const std::string& precision,
                            const std::string& algorithm, const std::string& eps_mode = "clamp",
-                           double norm_divisor = 1.0, bool row_equilibration = false, bool frobenius_renorm = false);
+                           double norm_divisor = 1.0, bool row_equilibration = false, bool frobenius_renorm = false,
+                           const std::string& products = "auto");
 
 // The algorithm that runs on `device` (auto resolved) and, for Gram, its program.
 // `cpu_bf16_speedup`: how many times faster the CPU's "medium" standard iteration runs its products

@@ -16,7 +16,7 @@ std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<d
                                        bool repeat_last, double eps, std::optional<bool> transpose,
                                        const std::string& precision, const std::string& algorithm,
                                        const std::string& eps_mode, double norm_divisor, bool row_equilibration,
-                                       bool frobenius_renorm) {
+                                       bool frobenius_renorm, const std::string& products) {
   try {
     parse_ns_algorithm(algorithm);
   } catch (const std::invalid_argument& e) {
@@ -36,7 +36,7 @@ std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<d
   // 2.12 pass an error raised inside a nested dispatcher call on without its message.
   if (!xs.empty()) {
     parse_ns_options(xs[0], coefficients, steps, repeat_last, eps, transpose, precision, algorithm, eps_mode,
-                     norm_divisor, row_equilibration, frobenius_renorm);
+                     norm_divisor, row_equilibration, frobenius_renorm, products);
   }
   std::vector<Tensor> out(xs.size());
   for (const auto& group : group_by_shape(shapes)) {
@@ -45,7 +45,7 @@ std::vector<Tensor> newton_schulz_list(const TensorList& xs, const std::vector<d
     for (std::size_t i : group) members.push_back(xs[i]);
     const Tensor result = call_newton_schulz(aten::stack(members, 0), coefficients, steps, repeat_last, eps, transpose,
                                              precision, algorithm, eps_mode, norm_divisor, row_equilibration,
-                                             frobenius_renorm);
+                                             frobenius_renorm, products);
     // Outputs of a custom op may not alias each other, so a batch is split into copies; the
     // optimizers avoid this pass by keeping their inputs stacked and calling newton_schulz directly.
     if (group.size() == 1) {

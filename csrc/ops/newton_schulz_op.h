@@ -14,9 +14,10 @@ inline Tensor call_newton_schulz(const Tensor& x, const std::vector<double>& coe
                                  bool repeat_last, double eps, std::optional<bool> transpose,
                                  const std::string& precision, const std::string& algorithm,
                                  const std::string& eps_mode, double norm_divisor, bool row_equilibration,
-                                 bool frobenius_renorm) {
+                                 bool frobenius_renorm, const std::string& products) {
   return aten::detail::call("megatron_eopt::newton_schulz", "", x, coefficients, steps, repeat_last, eps, transpose,
-                            precision, algorithm, eps_mode, norm_divisor, row_equilibration, frobenius_renorm);
+                            precision, algorithm, eps_mode, norm_divisor, row_equilibration, frobenius_renorm,
+                            products);
 }
 
 }  // namespace megatron_eopt

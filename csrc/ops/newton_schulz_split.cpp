@@ -23,7 +23,7 @@ Tensor newton_schulz_split(const Tensor& x, const std::vector<int64_t>& split_si
                            std::optional<bool> transpose, const std::string& precision,
                            const std::optional<std::string>& scale_mode, double extra_scale_factor,
                            const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                           bool row_equilibration, bool frobenius_renorm) {
+                           bool row_equilibration, bool frobenius_renorm, const std::string& products) {
   MEGATRON_EOPT_CHECK_TYPE(x.scalar_type() == kFloat, "newton_schulz_split: x must be float32, got ", x.scalar_type());
   MEGATRON_EOPT_CHECK_VALUE(x.dim() == 2 || x.dim() == 3,
                             "newton_schulz_split: x must be 2-D (rows, n) or 3-D (batch, rows, n), got ", x.dim(),
@@ -45,7 +45,7 @@ Tensor newton_schulz_split(const Tensor& x, const std::vector<int64_t>& split_si
   // The Newton–Schulz arguments are checked here, before the nested newton_schulz calls: torch
   // 2.11 and 2.12 pass an error raised inside a nested dispatcher call on without its message.
   parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm, eps_mode, norm_divisor,
-                   row_equilibration, frobenius_renorm);
+                   row_equilibration, frobenius_renorm, products);
 
   const int64_t n = x.size(-1);
   const int64_t batch = x.dim() == 3 ? x.size(0) : 1;
@@ -62,7 +62,7 @@ Tensor newton_schulz_split(const Tensor& x, const std::vector<int64_t>& split_si
     const int64_t parts = static_cast<int64_t>(layout.same_size[0].parts.size());
     Tensor out = aten::view(
         call_newton_schulz(aten::reshape(x, {batch * parts, size, n}), coefficients, steps, repeat_last, eps, transpose,
-                           precision, algorithm, eps_mode, norm_divisor, row_equilibration, frobenius_renorm),
+                           precision, algorithm, eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products),
         aten::sizes_of(x));
     if (mode) aten::mul_(out, factor(size));
     return out;
@@ -81,7 +81,7 @@ Tensor newton_schulz_split(const Tensor& x, const std::vector<int64_t>& split_si
     const Tensor result = aten::view(
         call_newton_schulz(aten::view(aten::stack(members, 1), {batch * count, groups * same.size, n}), coefficients,
                            steps, repeat_last, eps, transpose, precision, algorithm, eps_mode, norm_divisor,
-                           row_equilibration, frobenius_renorm),
+                           row_equilibration, frobenius_renorm, products),
         {batch, count, groups, same.size, n});
     for (int64_t j = 0; j < count; ++j) {
       Tensor dest = aten::narrow(out_grouped, 2, layout.offsets[same.parts[j]], same.size);

@@ -12,23 +12,24 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
   // first and last passes (ns_recipe.h; the defaults leave the results unchanged): eps_mode "clamp"
   // divides by max(||x||, eps), "add" by ||x|| + eps; norm_divisor s >= 1 multiplies the norm;
   // row_equilibration rescales each row to the RMS row norm first (MuonEq); frobenius_renorm sets
-  // the result's Frobenius norm to sqrt(min(m, n)) (Muon+).
+  // the result's Frobenius norm to sqrt(min(m, n)) (Muon+). products: how the symmetric products
+  // run (ns_products.h): auto (measured, or the process-wide setting) | symmetric | full.
   m.def(
       "newton_schulz(Tensor x, float[] coefficients, int steps, bool repeat_last, float eps, "
       "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
-      "bool row_equilibration=False, bool frobenius_renorm=False) -> Tensor");
+      "bool row_equilibration=False, bool frobenius_renorm=False, str products=\"auto\") -> Tensor");
   // The same in place: x (contiguous fp32) is replaced by its result. What the optimizers call when
   // nothing reads the Newton–Schulz input afterwards: the result takes the input's memory instead
   // of a tensor of its own (a step's working set per matrix is a quarter smaller).
   m.def(
       "newton_schulz_(Tensor(a!) x, float[] coefficients, int steps, bool repeat_last, float eps, "
       "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
-      "bool row_equilibration=False, bool frobenius_renorm=False) -> ()");
+      "bool row_equilibration=False, bool frobenius_renorm=False, str products=\"auto\") -> ()");
   // Same for a list of 2-D matrices of any shapes: equal shapes run as one batch.
   m.def(
       "newton_schulz_list(Tensor[] xs, float[] coefficients, int steps, bool repeat_last, float eps, "
       "bool? transpose, str precision, str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, "
-      "bool row_equilibration=False, bool frobenius_renorm=False) -> Tensor[]");
+      "bool row_equilibration=False, bool frobenius_renorm=False, str products=\"auto\") -> Tensor[]");
 
   // ---- Foreach momentum + weight decay and update (docs/design.md §4.6), multi-tensor style ----
   // Per index i: unscaling by grad_scale, l2 decay of the gradient (params read only then), the EMA
@@ -96,7 +97,7 @@ STABLE_TORCH_LIBRARY(megatron_eopt, m) {
       "newton_schulz_split(Tensor x, int[] split_sizes, int num_groups, float[] coefficients, int steps, "
       "bool repeat_last, float eps, bool? transpose, str precision, str? scale_mode, float extra_scale_factor, "
       "str algorithm, str eps_mode=\"clamp\", float norm_divisor=1.0, bool row_equilibration=False, "
-      "bool frobenius_renorm=False) -> Tensor");
+      "bool frobenius_renorm=False, str products=\"auto\") -> Tensor");
   // QK-clip (MuonClip): weights[i] (rows, cols) cut into blocks of block_rows[i] rows (attention
   // heads); block b multiplied in place by factors[i][b] (fp32 math, stored in the weight's dtype).
   m.def("qk_clip_(Tensor(a!)[] weights, Tensor[] factors, int[] block_rows) -> ()");

@@ -19,6 +19,8 @@ from ..newton_schulz import (
     EPS_MODES,
     NS_ALGORITHMS,
     NS_EPS,
+    NS_PRODUCTS,
+    NSProductsT,
     SCALE_MODES,
     check_steps,
     coefficient_table,
@@ -87,6 +89,7 @@ def newton_schulz(
     norm_divisor: float = 1.0,
     row_equilibration: bool = False,
     frobenius_renorm: bool = False,
+    products: NSProductsT = "auto",
 ) -> torch.Tensor:
     """Orthogonalizes ``x`` (fp32, ``(m, n)`` or ``(batch, m, n)``) by Newton–Schulz iteration.
 
@@ -108,8 +111,10 @@ def newton_schulz(
     With ``tp_group``, ``x`` is this rank's shard of a matrix split over the group along the side
     the iteration contracts (the columns, or the rows when transposed), as in Emerging-Optimizers:
     the norm and every Gram product are all-reduced over the group, so each rank gets its shard of
-    the result of the whole matrix. ``use_syrk`` is accepted for compatibility; the op chooses its
-    products itself.
+    the result of the whole matrix. ``products`` (keyword-only): how the symmetric products run,
+    "auto" (measured, or the process-wide setting), "symmetric" (the symmetric kernel or lower block
+    panels where the side allows) or "full" (one GEMM each); ``use_syrk=True`` (Emerging-Optimizers'
+    switch for its SYRK kernel) is ``products="symmetric"``. The results agree to float rounding.
 
     The 2026 recipe (keyword-only, inside the op: no extra pass over ``x``; see ``NSRecipe`` in
     :mod:`megatron_eopt.optim._recipe`): ``eps_mode="add"`` divides by ``‖x‖ + eps`` instead of
@@ -126,8 +131,7 @@ def newton_schulz(
             "newton_schulz: the 7th positional argument is tp_group (Emerging-Optimizers' order); pass "
             f"precision={tp_group!r} as a keyword"
         )
-    if not isinstance(use_syrk, bool):
-        raise TypeError(f"use_syrk must be a bool, got {type(use_syrk).__name__}")
+    products = resolve_products(products, use_syrk)
     if not isinstance(normalize_in_double, bool):
         raise TypeError(f"normalize_in_double must be a bool, got {type(normalize_in_double).__name__}")
     recipe = recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
@@ -155,7 +159,21 @@ def newton_schulz(
         )
     count_newton_schulz(x.shape, steps)
     return call_op(_ops.newton_schulz, x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                   *recipe)
+                   *recipe, products)
+
+
+def resolve_products(products: str, use_syrk: bool = False) -> str:
+    """The ops' ``products`` argument from ``products`` and Emerging-Optimizers' ``use_syrk``
+    (True: "symmetric"); ValueError / TypeError naming the argument."""
+    if not isinstance(use_syrk, bool):
+        raise TypeError(f"use_syrk must be a bool, got {type(use_syrk).__name__}")
+    if products not in NS_PRODUCTS:
+        raise ValueError(f"products must be one of {', '.join(NS_PRODUCTS)}; got {products!r}")
+    if use_syrk:
+        if products == "full":
+            raise ValueError("use_syrk=True asks for symmetric products and products='full' for full GEMMs: pass one")
+        return "symmetric"
+    return products
 
 
 def _frobenius_normalize(x: torch.Tensor, eps: float, tp_group, in_double: bool) -> torch.Tensor:
@@ -220,9 +238,10 @@ def newton_schulz_list(
     norm_divisor: float = 1.0,
     row_equilibration: bool = False,
     frobenius_renorm: bool = False,
+    products: NSProductsT = "auto",
 ) -> list[torch.Tensor]:
     """:func:`newton_schulz` of each 2-D matrix of ``xs``; equal shapes run as one batch (the
-    recipe arguments as there)."""
+    recipe arguments and ``products`` as there)."""
     for i, x in enumerate(xs):
         _check_matrix(f"xs[{i}]", x, (2,))
     recipe = recipe_arguments(eps_mode, norm_divisor, row_equilibration, frobenius_renorm)
@@ -236,7 +255,7 @@ def newton_schulz_list(
         count_newton_schulz(x.shape, steps)
     return list(
         call_op(_ops.newton_schulz_list, list(xs), coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                *recipe)
+                *recipe, resolve_products(products))
     )
 
 
@@ -259,6 +278,7 @@ def newton_schulz_split(
     norm_divisor: float = 1.0,
     row_equilibration: bool = False,
     frobenius_renorm: bool = False,
+    products: NSProductsT = "auto",
 ) -> torch.Tensor:
     """Orthogonalizes the parts of a fused projection ``x`` (fp32, ``(rows, n)``, or a stack
     ``(batch, rows, n)`` of projections of one shape, all parts of one size in one batch) separately.
@@ -274,7 +294,8 @@ def newton_schulz_split(
     returns the raw parts (AdaptiveMuon normalizes those first). ``algorithm`` as in
     :func:`newton_schulz`, chosen per part shape. The recipe arguments as in :func:`newton_schulz`,
     each part being its own matrix (MuonEq's RMS row norm and Muon+'s ``√min`` are the part's; Muon+
-    comes before the part's scale). Returns a new fp32 tensor like ``x``.
+    comes before the part's scale). ``products`` as in :func:`newton_schulz`. Returns a new fp32
+    tensor like ``x``.
     """
     _check_matrix("x", x, (2, 3))
     if isinstance(split_sizes, (int, torch.Tensor)) or not isinstance(split_sizes, Sequence):
@@ -315,7 +336,7 @@ def newton_schulz_split(
     count_split_newton_schulz(x.shape, sizes, num_groups, steps)
     return call_op(_ops.newton_schulz_split,
         x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision, scale_mode,
-        extra_scale_factor, algorithm, *recipe,
+        extra_scale_factor, algorithm, *recipe, resolve_products(products),
     )
 
 
@@ -323,6 +344,11 @@ def newton_schulz_split(
 def _fake_check_algorithm(algorithm) -> None:
     torch._check_value(algorithm in NS_ALGORITHMS,
                        lambda: f"algorithm must be one of 'auto', 'standard', 'gram', got {algorithm!r}")
+
+
+def _fake_check_products(products) -> None:
+    torch._check_value(products in NS_PRODUCTS,
+                       lambda: f"products must be one of auto, symmetric, full; got {products!r}")
 
 
 def _fake_check_recipe(eps_mode, norm_divisor) -> None:
@@ -333,29 +359,35 @@ def _fake_check_recipe(eps_mode, norm_divisor) -> None:
 
 @torch.library.register_fake("megatron_eopt::newton_schulz")
 def _newton_schulz_fake(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                        eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
+                        eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False,
+                        products="auto"):
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
     torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
     _fake_check_algorithm(algorithm)
     _fake_check_recipe(eps_mode, norm_divisor)
+    _fake_check_products(products)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_")
 def _newton_schulz_inplace_fake(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
+                                eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False,
+                                products="auto"):
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
     torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
     torch._check(x.is_contiguous(), lambda: "newton_schulz_: x must be contiguous")
     _fake_check_algorithm(algorithm)
     _fake_check_recipe(eps_mode, norm_divisor)
+    _fake_check_products(products)
 
 
 @torch.library.register_fake("megatron_eopt::newton_schulz_list")
 def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                             eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
+                             eps_mode="clamp", norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False,
+                             products="auto"):
     _fake_check_algorithm(algorithm)
     _fake_check_recipe(eps_mode, norm_divisor)
+    _fake_check_products(products)
     return [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs]
 
 
@@ -363,9 +395,10 @@ def _newton_schulz_list_fake(xs, coefficients, steps, repeat_last, eps, transpos
 @torch.library.register_fake("megatron_eopt::newton_schulz_split")
 def _newton_schulz_split_fake(x, split_sizes, num_groups, coefficients, steps, repeat_last, eps, transpose,
                               precision, scale_mode, extra_scale_factor, algorithm, eps_mode="clamp",
-                              norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False):
+                              norm_divisor=1.0, row_equilibration=False, frobenius_renorm=False, products="auto"):
     _fake_check_algorithm(algorithm)
     _fake_check_recipe(eps_mode, norm_divisor)
+    _fake_check_products(products)
     torch._check(x.dtype == torch.float32, lambda: f"x must be float32, got {x.dtype}")
     torch._check(x.dim() in (2, 3), lambda: f"x must be 2-D or 3-D, got {x.dim()}-D")
     torch._check(x.shape[-2] == num_groups * sum(split_sizes),

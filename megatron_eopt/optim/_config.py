@@ -28,6 +28,7 @@ from ..newton_schulz import (
 from ..ops._constants import WEIGHT_DECAY_METHODS
 from ..second_moment import MOMENT2_METHODS
 from ..step_stats import count_newton_schulz, count_split_newton_schulz
+from ..ops._newton_schulz import resolve_products
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class OrthogonalizationConfig:
     table: tuple[float, ...] = ()  # the op's flattened coefficient table
     repeat_last: bool = False  # the op's schedule policy past the table
     recipe: NSRecipe = NSRecipe()  # MuonEq, normalization convention, Muon+ (see _recipe)
+    products: str = "auto"  # how the ops run their symmetric products (auto | symmetric | full)
 
     def newton_schulz(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of a (k, m, n) or (m, n) fp32 batch with this configuration (raw, unscaled);
@@ -61,7 +63,7 @@ class OrthogonalizationConfig:
         r = self.recipe
         return call_op(
             torch.ops.megatron_eopt.newton_schulz, x, self.table, self.num_ns_steps, self.repeat_last, r.eps, None,
-            self.precision, self.algorithm, *r.op_arguments,
+            self.precision, self.algorithm, *r.op_arguments, self.products,
         )
 
     def newton_schulz_(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,7 @@ class OrthogonalizationConfig:
         r = self.recipe
         call_op(
             torch.ops.megatron_eopt.newton_schulz_, x, self.table, self.num_ns_steps, self.repeat_last, r.eps, None,
-            self.precision, self.algorithm, *r.op_arguments,
+            self.precision, self.algorithm, *r.op_arguments, self.products,
         )
         return x
 
@@ -82,7 +84,7 @@ class OrthogonalizationConfig:
         return call_op(
             torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps,
             self.repeat_last, self.ns_eps, None, self.precision, self.scale_mode if scaled else None,
-            self.extra_scale_factor if scaled else 1.0, self.algorithm, *self.recipe.op_arguments,
+            self.extra_scale_factor if scaled else 1.0, self.algorithm, *self.recipe.op_arguments, self.products,
         )
 
     def scale(self, rows: int, cols: int) -> float:
@@ -118,8 +120,11 @@ def make_config(
     frobenius_renorm: bool = False,
     polar_express_safety: float | None = None,
     ns_eps: float = NS_EPS,
+    use_syrk: bool = False,
 ) -> OrthogonalizationConfig:
-    """Validates the optimizer-wide arguments (ValueError naming the argument) and freezes them."""
+    """Validates the optimizer-wide arguments (ValueError naming the argument) and freezes them.
+    ``use_syrk`` (Emerging-Optimizers' and Megatron-LM's switch for a SYRK kernel): True runs the
+    Newton–Schulz ops with symmetric products, False lets them choose (``products``)."""
     if weight_decay_method not in WEIGHT_DECAY_METHODS:
         raise ValueError(
             f"weight_decay_method must be one of {list(WEIGHT_DECAY_METHODS)}, got {weight_decay_method!r}"
@@ -166,6 +171,7 @@ def make_config(
         moment2_method=moment2_method,
         algorithm=ns_algorithm,
         ns_eps=float(ns_eps),
+        products=resolve_products("auto", use_syrk),
     )
 
 

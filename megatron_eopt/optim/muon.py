@@ -23,8 +23,8 @@ class Muon(OrthogonalizedOptimizer):
     (``coefficient_type``, ``num_ns_steps``, matmuls in ``fp32_matmul_prec``); scale by
     ``scale_mode`` × ``extra_scale_factor``; ``p -= lr·update``. State: ``momentum_buffer``.
 
-    ``use_syrk`` is accepted for signature compatibility and ignored (the fused op chooses its
-    own kernels). ``custom_coefficient_sets`` (an extension) gives the rows of
+    ``use_syrk=True`` runs the Newton–Schulz ops with symmetric products (the symmetric kernel or
+    lower block panels; False: chosen by measurement), the same results to float rounding. ``custom_coefficient_sets`` (an extension) gives the rows of
     ``coefficient_type="custom"``. The legacy Keller Jordan / nanochat Muon is
     ``Muon(params, lr=0.02, weight_decay=0, nesterov=True, coefficient_type="simple",
     scale_mode="shape_scaling")``; ``torch.optim.Muon`` with ``adjust_lr_fn="original"`` is the

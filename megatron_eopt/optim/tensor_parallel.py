@@ -143,8 +143,9 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``state_block_size``, ``workspace_mib`` and the 2026 recipe's ``row_equilibration``, ``frobenius_renorm``,
     ``ns_eps_mode``, ``ns_norm_divisor`` (extensions, inside the Newton–Schulz ops; QKV parts each
     their own matrix; not with ``tp_mode="distributed"``) as in :class:`~megatron_eopt.optim.Muon`.
-    ``use_syrk`` (Megatron-LM main's argument) is taken as False; True is a ValueError
-    (:func:`check_use_syrk`). ``ns_batch_size`` and ``expert_tp_mode`` (Megatron-LM's layer-sharded
+    ``use_syrk`` (Megatron-LM main's switch for its SYRK kernel): True runs the Newton–Schulz ops
+    with symmetric products (the symmetric kernel or lower block panels), False lets them choose by
+    measurement; the results agree to float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (Megatron-LM's layer-sharded
     Muon, ``--muon-ns-batch-size`` / ``--muon-expert-tp-mode``): see the module docstring.
     """
 
@@ -188,7 +189,6 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         """The constructors' common body: ``arguments`` are a constructor's ``locals()``; ``moment2`` is
         (moment2_method, beta2, eps) for the adaptive class, None for Muon."""
         a = arguments
-        check_use_syrk(a["use_syrk"])
         weight_decay_method = "decoupled" if a["use_decoupled_weight_decay"] else "l2"
         # Megatron-LM's classes run Emerging-Optimizers 0.3.0's newton_schulz (eps 1e-7) and refuse bad
         # values at construction
@@ -204,21 +204,6 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
             defaults.update(beta2=moment2[1], eps=moment2[2])
         self._init_fused(a["params"], defaults, config, state_dtype=a["state_dtype"],
                          state_block_size=a["state_block_size"], workspace_mib=a["workspace_mib"])
-
-
-def check_use_syrk(use_syrk: bool, name: str = "use_syrk") -> None:
-    """Megatron-LM main's ``use_syrk`` (a Triton SYRK kernel for X·Xᵀ): accepted as False; True is a
-    ValueError rather than ignored, until it selects our symmetric products (the fused op chooses
-    between its symmetric kernel and GEMMs by measurement; ``set_cpu_symmetric_products`` /
-    ``set_cuda_symmetric_products`` set that choice for the process)."""
-    if not isinstance(use_syrk, bool):
-        raise TypeError(f"{name} must be a bool, got {type(use_syrk).__name__}")
-    if use_syrk:
-        raise ValueError(
-            f"{name}=True is not supported by megatron-eopt's tensor-parallel classes yet: their Newton–Schulz "
-            "chooses symmetric products by measurement (megatron_eopt.set_cpu_symmetric_products / "
-            f"set_cuda_symmetric_products pin it); pass {name}=False"
-        )
 
 
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):

@@ -214,6 +214,40 @@ def test_positional_call_in_emerging_optimizers_order(gen):
         me.newton_schulz(x, use_syrk="yes")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+@pytest.mark.parametrize("shape", [(96, 64), (64, 600), (2, 520, 520), (800, 777)])
+def test_products_agree(device, precision, shape, gen):
+    """products="symmetric" (the symmetric kernel or lower block panels) and "full" (one GEMM) each
+    orthogonalize within the precision's tolerance of the float64 reference (the bounds of the
+    parity tests above), in the standard and the Gram iteration. use_syrk=True is products="symmetric"."""
+    x = _input(shape, gen, device)
+    exact = newton_schulz_ref(x.cpu(), coefficient_type="quintic")
+    if precision == "medium":
+        recipe = newton_schulz_ref(x.cpu(), coefficient_type="quintic", dtype=torch.bfloat16)
+        bound = max(TOLERANCE["medium"], bf16_input_tolerance(x, "quintic"), 1.25 * rel_err(recipe, exact))
+    else:
+        bound = ns_tolerance(x, precision, device)
+    for algorithm in ("standard", "gram"):
+        for products in ("auto", "symmetric", "full"):
+            got = me.newton_schulz(x, precision=precision, algorithm=algorithm, products=products).cpu()
+            assert rel_err(got, exact) <= bound, (products, algorithm)
+    if x.ndim == 2:
+        torch.testing.assert_close(me.newton_schulz(x, precision=precision, use_syrk=True),
+                                   me.newton_schulz(x, precision=precision, products="symmetric"), rtol=0, atol=0)
+
+
+def test_products_bad_values():
+    x = torch.randn(8, 6)
+    with pytest.raises(ValueError, match="products must be one of auto, symmetric, full"):
+        me.newton_schulz(x, products="syrk")
+    with pytest.raises(ValueError, match="use_syrk=True"):
+        me.newton_schulz(x, use_syrk=True, products="full")
+    with op_raises(ValueError, "products must be one of auto, symmetric, full"):
+        torch.ops.megatron_eopt.newton_schulz(x, [1.0, 2.0, 3.0], 1, False, 1e-7, None, "highest", "auto", "clamp",
+                                              1.0, False, False, "panels")
+
+
 def test_op_checks_arguments_in_cpp():
     op = torch.ops.megatron_eopt.newton_schulz
     with op_raises(ValueError, "steps must be at least 1"):

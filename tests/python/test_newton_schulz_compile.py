@@ -19,6 +19,24 @@ def test_opcheck_newton_schulz(device, shape, precision, gen):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("products", ["symmetric", "full"])
+def test_opcheck_products(device, products, gen):
+    """The ops' products argument, through every op that takes it (the fake kernels included)."""
+    coeffs = [v for row in COEFFICIENT_SETS["quintic"] for v in row]
+    x = torch.randn(3, 8, 6, generator=gen).to(device)
+    recipe = ("clamp", 1.0, False, False)
+    ops = torch.ops.megatron_eopt
+    torch.library.opcheck(ops.newton_schulz.default, (x, coeffs, 5, False, 1e-7, None, "medium", "auto", *recipe,
+                                                      products))
+    torch.library.opcheck(ops.newton_schulz_.default, (x.clone(), coeffs, 5, False, 1e-7, None, "highest", "auto",
+                                                       *recipe, products))
+    torch.library.opcheck(ops.newton_schulz_list.default, ([x[0], x[1]], coeffs, 5, False, 1e-7, None, "highest",
+                                                           "auto", *recipe, products))
+    torch.library.opcheck(ops.newton_schulz_split.default, (x, [2, 2], 2, coeffs, 5, False, 1e-7, None, "highest",
+                                                            "spectral", 1.0, "auto", *recipe, products))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_newton_schulz_list(device, gen):
     xs = [torch.randn(s, generator=gen).to(device) for s in [(4, 6), (6, 4), (4, 6)]]
     coeffs = [v for row in COEFFICIENT_SETS["polar_express"] for v in row]

@@ -128,23 +128,38 @@ def test_constructor_signatures_match_megatron():
         assert ours[name].default == param.default, name
 
 
-def test_use_syrk_is_taken_as_false_and_refused_as_true():
-    """Megatron-LM main's use_syrk: accepted (code that passes it by name builds), True refused by the
-    classes and by the config mapping, naming the option, rather than ignored."""
+@pytest.mark.parametrize("precision", ["highest", "medium"])
+def test_use_syrk_selects_symmetric_products_with_the_same_results(precision):
+    """Megatron-LM main's use_syrk: True runs the ops with symmetric products (products="symmetric"),
+    False lets them choose; both equal full GEMMs within the precision's tolerance. The config field
+    muon_use_syrk reaches the classes; a non-bool is a TypeError naming it."""
     import types
 
     import torch
 
     from megatron_eopt.registry import muon_config_to_kwargs
+    from reference import TOLERANCE, rel_err
 
-    p = torch.nn.Parameter(torch.randn(8, 4))
-    TensorParallelMuon([p], use_syrk=False)
-    TensorParallelAdaptiveMuon([p], use_syrk=False)
-    for cls in (TensorParallelMuon, TensorParallelAdaptiveMuon):
-        with pytest.raises(ValueError, match=r"use_syrk=True is not supported"):
-            cls([p], use_syrk=True)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(96, 64), (64, 160), (130, 130)]
+    start = [torch.randn(s, generator=gen) * 0.1 for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+    finals = {}
+    # NorMuon for the adaptive class: AdaMuon's first step is about sign(update), which turns the
+    # products' last-place differences of near-zero entries into whole ones
+    for cls, extra in ((TensorParallelMuon, {}), (TensorParallelAdaptiveMuon, dict(moment2_method="normuon"))):
+        for syrk in (False, True):
+            params = [torch.nn.Parameter(t.clone()) for t in start]
+            opt = cls(params, lr=0.02, fp32_matmul_prec=precision, use_syrk=syrk, **extra)
+            assert opt._config.products == ("symmetric" if syrk else "auto")
+            for step in grads:
+                for p, g in zip(params, step):
+                    p.grad = g.clone()
+                opt.step()
+            finals[cls, syrk] = [p.detach() for p in params]
+        for a, b, s in zip(finals[cls, True], finals[cls, False], start):
+            assert rel_err(a - s, b - s) <= TOLERANCE[precision], cls.__name__
+    with pytest.raises(TypeError, match="use_syrk must be a bool"):
+        TensorParallelMuon([torch.nn.Parameter(torch.randn(8, 4))], use_syrk="yes")
     config = types.SimpleNamespace(lr=0.01, muon_use_syrk=True)
-    with pytest.raises(ValueError, match=r"OptimizerConfig\.muon_use_syrk=True is not supported"):
-        muon_config_to_kwargs(config, [], None)
-    config.muon_use_syrk = False
-    assert "use_syrk" not in muon_config_to_kwargs(config, [], None)
+    assert muon_config_to_kwargs(config, [], None)["use_syrk"] is True

@@ -72,7 +72,9 @@ void set_symmetric_panel_rule(const SymmetricPanelRule& rule) {
   g_min_panel.store(rule.min_panel < kSymmetricPanelQuantum ? kSymmetricPanelQuantum : rule.min_panel);
 }
 
-int64_t cuda_symmetric_panel_width(int64_t side, int64_t batch, bool bf16) {
+int64_t cuda_symmetric_panel_width(int64_t side, int64_t batch, bool bf16, NsProducts products) {
+  if (products == NsProducts::kFull) return side;
+  if (products == NsProducts::kSymmetric) return symmetric_panel_width(side, kSymmetricBlocks);
   const SymmetricPanelRule rule = symmetric_panel_rule();
   if (rule.max_blocks == 0) return symmetric_panel_width(side, measured_symmetric_blocks(side, batch, bf16));
   return symmetric_panel_width(side, rule);

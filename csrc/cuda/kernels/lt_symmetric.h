@@ -16,8 +16,12 @@ SymmetricPanelRule symmetric_panel_rule();
 void set_symmetric_panel_rule(const SymmetricPanelRule& rule);
 
 // The panel width of a product of this side and batch (bf16: "medium" operands) under the
-// process rule, or under the measured default when none is set.
-int64_t cuda_symmetric_panel_width(int64_t side, int64_t batch, bool bf16);
+// process rule, or under the measured default when none is set; a call's `products` overrides
+// both: full gives one GEMM (width = side), symmetric kSymmetricBlocks block columns.
+int64_t cuda_symmetric_panel_width(int64_t side, int64_t batch, bool bf16, NsProducts products);
+
+// Block columns of a product whose call asks for symmetric products (the H100 measurement's best).
+constexpr int64_t kSymmetricBlocks = 4;
 
 // D = alpha op(A) op(B) + beta C for a product whose result is symmetric (square, C symmetric when
 // read): panels of `width` columns, then the upper blocks copied from the lower ones. width >=

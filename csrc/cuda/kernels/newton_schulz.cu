@@ -49,7 +49,8 @@ void newton_schulz_cuda(const float* x, float* out, int64_t batch, int64_t m, in
   const LtTypes types = lt_types(precision);
 
   // G and B are symmetric: where it pays (lt_symmetric.h), their lower block triangles plus a mirror.
-  const int64_t panel_width = cuda_symmetric_panel_width(plan.gram, batch, precision == NsPrecision::kMedium);
+  const int64_t panel_width = cuda_symmetric_panel_width(plan.gram, batch, precision == NsPrecision::kMedium,
+                                                         blas.products);
 
   // Start where the last step lands in iterate[0].
   int cur = static_cast<int>(schedule.size() % 2);

@@ -87,7 +87,7 @@ void newton_schulz_gram_cuda(const float* x, float* out, int64_t batch, int64_t 
   // Every s x s product and W W^T are symmetric: where it pays (lt_symmetric.h), lower block
   // triangles plus a mirror. The s x s products are fp32 even under "medium": the measured default
   // keeps them full.
-  const int64_t panel_width = cuda_symmetric_panel_width(side, batch, false);
+  const int64_t panel_width = cuda_symmetric_panel_width(side, batch, false, blas.products);
 
   for (const GramOp& op : program.ops) {
     switch (op.kind) {

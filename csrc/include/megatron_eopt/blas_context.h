@@ -8,6 +8,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "megatron_eopt/ns_products.h"
+
 namespace megatron_eopt {
 
 // Device workspace for the GEMMs of one op call: get(context, bytes) returns at least `bytes` of
@@ -28,6 +30,8 @@ struct LtContext {
   cublasHandle_t (*blas)();
   LtWorkspace workspace;
   cudaStream_t stream;
+  // How the call's symmetric products run (the ops' `products` argument; lt_symmetric.h).
+  NsProducts products = NsProducts::kAuto;
 };
 
 }  // namespace megatron_eopt
