@@ -1,17 +1,18 @@
 """Sharded optimizer steps over N spawned CPU processes (gloo): the ``dist_*`` workloads of run.py.
 
 Each rank holds FSDP2's layout of a model's hidden matrices (DTensor, ``Shard(0)`` over a 1-D
-mesh of all ranks) and steps ``megatron_eopt.optim.Muon`` in three ways:
+mesh of all ranks; ``*_hsdp``: HSDP's, ``(Replicate, Shard(0))`` over 2 replicas x ranks / 2) and
+steps ``megatron_eopt.optim.Muon`` in each way:
 
-- ``owner``: the default sharded mode, one owner per matrix, shards moved by all-to-all;
+- ``owner``: the default sharded mode, one owner per matrix (per replica), shards moved by all-to-all;
+- ``split`` (HSDP): ``replica_work="split"``, one owner per matrix in the whole mesh;
 - ``gather``: every rank all-gathers every matrix and orthogonalizes all of them (the reference);
 - ``replicated``: every rank holds the full tensors and steps all of them with no communication
   (Emerging-Optimizers' behaviour under data parallelism: per-rank redundant computation).
 
-Reported per mode: the median over repeats of the slowest rank's step time, and the bytes each
-rank sends per step (owner: counted in the all-to-alls; gather: a ring all-gather sends (P-1)
-times the rank's shard of every matrix it gathers; replicated: none). The final parameters of
-owner and gather are compared (same start, same grads): they must agree.
+Reported per mode: the median over repeats of the slowest rank's step time, and from
+``step_stats()`` the busiest rank's bytes sent and matrices orthogonalized. The final parameters of
+every mode are compared with gather mode's (same start, same grads): they must agree.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 import torch
 
 MODES = ("owner", "gather", "replicated")
+HSDP_MODES = ("owner", "split", "gather", "replicated")
 
 
 def gpt2_124m_scaled() -> list[tuple[int, ...]]:
@@ -44,30 +46,30 @@ def qwen3_moe_scaled() -> list[tuple[int, ...]]:
 WORKLOADS = {
     "dist_gpt2_124m": ("GPT-2 124M hidden matrices at d_model 192 (48 matrices, 7.1 M params)", gpt2_124m_scaled),
     "dist_qwen3_moe": ("Qwen3-30B-A3B MoE layer at 1/8 width (16 experts as 3-D tensors)", qwen3_moe_scaled),
+    "dist_gpt2_124m_hsdp": ("GPT-2 124M hidden matrices at d_model 192, HSDP: 2 replicas x ranks / 2 shards",
+                            gpt2_124m_scaled),
 }
 
 
-def _gather_bytes(p) -> int:
-    """Bytes a rank sends in a ring all-gather of the fp32 NS input of p (matrix dims sharded only)."""
-    from torch.distributed.tensor import Shard
+def _placements(mesh) -> list:
+    """FSDP2's layout: Shard(0) over the shard dim, replicated over HSDP's replicate dim."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    nd = p.ndim
-    if not any(isinstance(pl, Shard) and pl.dim % nd >= nd - 2 for pl in p.placements) and nd == 3:
-        return 0  # experts sharded on dim 0: orthogonalized locally in every mode
-    world = p.device_mesh.size()
-    return (world - 1) * p.to_local().numel() * 4
+    return [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]
 
 
 def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 
     from megatron_eopt.optim import Muon
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (world,))
+    hsdp = name.endswith("_hsdp")
+    mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,))
+    modes = HSDP_MODES if hsdp else MODES
     shapes = WORKLOADS[name][1]()
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
@@ -75,41 +77,41 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
     kwargs = dict(lr=0.02, momentum=0.95, weight_decay=0.01, nesterov=True, fp32_matmul_prec="highest",
                   nd_mode="batch")
     results, finals = {}, {}
-    for mode in MODES:
+    for mode in modes:
         if mode == "replicated":
             params = [torch.nn.Parameter(t.clone()) for t in full]
             for p, g in zip(params, grads):
                 p.grad = g
             opt = Muon(params, **kwargs)
-            sent = 0
         else:
-            params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)) for t in full]
+            placements = _placements(mesh)
+            params = [torch.nn.Parameter(distribute_tensor(t, mesh, placements, src_data_rank=None)) for t in full]
             for p, g in zip(params, grads):
-                p.grad = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
-            opt = Muon(params, sharded_mode=mode, **kwargs)
-            sent = sum(_gather_bytes(p) for p in params) if mode == "gather" else None
+                p.grad = distribute_tensor(g, mesh, placements, src_data_rank=None)
+            opt = Muon(params, sharded_mode="gather" if mode == "gather" else "owner",
+                       replica_work="split" if mode == "split" else "repeat", **kwargs)
         opt.step()  # warm-up: state, plan, first-call costs
-        opt._sharded.bytes_sent = 0
         times = slowest_rank_ms(opt, repeats)
-        if sent is None:
-            sent = opt._sharded.bytes_sent // repeats
-        sent_max = torch.tensor([float(sent)])
-        dist.all_reduce(sent_max, op=dist.ReduceOp.MAX)
+        stats = opt.step_stats()
+        busiest = torch.tensor([float(stats["bytes_sent"]), float(stats["ns_matrices"])])
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
         results[mode] = {"median_ms": statistics.median(times), "samples_ms": times,
-                         "bytes_sent_per_rank": int(sent_max)}
+                         "bytes_sent_per_rank": int(busiest[0]), "ns_matrices_per_rank": int(busiest[1])}
+        finals[mode] = [p.detach().to_local().clone() if hasattr(p, "to_local") else None for p in params]
+    for mode in modes:
+        diff = 0.0
         if mode != "replicated":
-            finals[mode] = [p.detach().to_local().clone() for p in params]
-    diff = max(
-        float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(finals["owner"], finals["gather"])
-        if b.numel()
-    )
-    diff_t = torch.tensor([diff])
-    dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
+            diff = max(float((a - b).norm() / b.norm().clamp_min(1e-30))
+                       for a, b in zip(finals[mode], finals["gather"]) if b.numel())
+        diff_t = torch.tensor([diff])
+        dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
+        results[mode]["rel_diff_vs_gather"] = float(diff_t)
     if rank == 0:
         numel = sum(math.prod(s) for s in shapes)
+        matrices = sum(math.prod(s[:-2]) for s in shapes)
         with open(out, "w") as f:
             json.dump({"name": name, "ranks": world, "description": WORKLOADS[name][0], "params": numel,
-                       "results": results, "owner_vs_gather_rel_diff": float(diff_t)}, f)
+                       "matrices": matrices, "results": results}, f)
     dist.destroy_process_group()
 
 
@@ -159,23 +161,24 @@ def markdown(entries: list[dict], environment: dict) -> str:
     """The RESULTS.md section of a distributed run."""
     cpu = environment["device_name"].split(",")[0]
     lines = [
-        f"## Sharded Muon steps (DTensor Shard(0), gloo), {cpu}, {os.cpu_count()} cores (cpu)",
+        f"## Sharded Muon steps (DTensor, FSDP2 and HSDP layouts, gloo), {cpu}, {os.cpu_count()} cores (cpu)",
         "",
-        measured(environment, "dist") + " **ms**: median over repeats of the slowest rank's step. **MiB sent**: "
-        "bytes each rank sends per step. owner: one owner per matrix, all-to-all; gather: all-gather, every "
-        "rank orthogonalizes every matrix; replicated: full tensors on every rank, no communication "
-        "(per-rank redundant computation).",
+        measured(environment, "dist") + " **ms**: median over repeats of the slowest rank's step. **MiB sent**, "
+        "**NS matrices**: the busiest rank's, from `step_stats()`. owner: one owner per matrix and replica "
+        "(`replica_work=\"repeat\"`), all-to-all; split: one owner per matrix in the whole mesh "
+        "(`replica_work=\"split\"`); gather: every rank all-gathers and orthogonalizes every matrix; "
+        "replicated: full tensors on every rank, no communication (per-rank redundant computation). "
+        "**rel. diff**: final parameters against gather mode.",
         "",
-        "| workload | ranks | owner ms | gather ms | replicated ms | owner MiB sent | gather MiB sent | "
-        "gather / owner | replicated / owner | owner vs gather rel. diff |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| workload | ranks | mode | ms | vs owner | MiB sent | NS matrices / rank | rel. diff |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
-        r = e["results"]
-        o, g, rep = (r[m]["median_ms"] for m in MODES)
-        mib = lambda m: f"{r[m]['bytes_sent_per_rank'] / 2**20:.2f}"  # noqa: E731
-        lines.append(
-            f"| {e['name']} | {e['ranks']} | {o:.1f} | {g:.1f} | {rep:.1f} | {mib('owner')} | {mib('gather')} | "
-            f"{g / o:.2f}x | {rep / o:.2f}x | {e['owner_vs_gather_rel_diff']:.1e} |"
-        )
+        owner_ms = e["results"]["owner"]["median_ms"]
+        for mode, r in e["results"].items():
+            lines.append(
+                f"| {e['name']} | {e['ranks']} | {mode} | {r['median_ms']:.1f} | {r['median_ms'] / owner_ms:.2f}x | "
+                f"{r['bytes_sent_per_rank'] / 2**20:.2f} | {r['ns_matrices_per_rank']} / {e['matrices']} | "
+                f"{r['rel_diff_vs_gather']:.1e} |"
+            )
     return "\n".join(lines) + "\n"

@@ -59,7 +59,8 @@ from ._config import (
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
 from .multirank.agreement import agree, meshes_of, plan_digest
-from .multirank.sharded import REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor
+from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
+                                uneven_splits)
 from .multirank.tensor_parallel import GTPLayout, TPLayout
 from .step import low_memory as _low_memory
 from .step.fused import FusedStep
@@ -251,7 +252,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                             f"{mesh}: one param group takes params of one mesh (put the others in their own group)"
                         )
                     mesh = p.device_mesh
-                    describe(p, nd_mode, self.sharded_mode, where, None, self.replica_work)  # rejects Partial and impossible views
+                    # rejects Partial and impossible views (the shards are checked with the plan)
+                    describe(p, nd_mode, self.sharded_mode, where, None, self.replica_work, check_local=False)
                     _low_memory.check_sharding(p, self.state_dtype, self.state_block_size, where)
             check_group_hyperparameters(group, f"param_groups[{gi}]", self._momentum_below_one)
         except Exception as exc:  # refused on this rank: every rank of the group's meshes refuses it
@@ -315,8 +317,16 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             else []
         plan, error = None, None
         try:
+            if meshes:  # a copy's rebuild (no collectives) keeps the shards' sizes its original gathered
+                self._uneven_shards = uneven_splits([p for g in self.param_groups for p in g["params"]])
+            uneven = self.__dict__.get("_uneven_shards") or []
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
-                              self.sharded_mode, self._group_configs(), self._gtp_layout, self.replica_work)
+                              self.sharded_mode, self._group_configs(), self._gtp_layout, self.replica_work, uneven)
+            if self._low_memory_state and any(e.sharding is not None and e.sharding.uneven for e in plan.entries):
+                raise ValueError(
+                    f"state_dtype={self.state_dtype!r} lays its codes' blocks out by DTensor's chunking rule, which "
+                    "some parameters' shards do not follow (Megatron-FSDP's uneven shards): use state_dtype='fp32'"
+                )
             plan.chunks = chunk_entries(plan, workspace_budget_bytes(self._workspace_mib, plan))
         except (ValueError, TypeError) as exc:
             if not meshes:

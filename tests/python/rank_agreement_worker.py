@@ -3,9 +3,11 @@
 - Uneven shards whose local sizes would cut the workspace into different chunks on each rank
   (rank 0: 5 rows, rank 1: 4 rows of a 9-row matrix, at a budget between the two) step as the
   unsharded optimizer: the chunks are cut from the largest shard, the same on every rank.
-- A shard that breaks DTensor's chunking rule, seen by some ranks only, is refused on every rank
-  with the same ValueError (before, the other ranks entered the step's collectives and hung), in
-  owner and gather mode, at construction and at add_param_group; the optimizer is left usable.
+- A shard that breaks DTensor's chunking rule is refused on every rank with the same ValueError in
+  gather mode (before, the other ranks entered the step's collectives and hung), at construction and
+  at add_param_group; the optimizer is left usable. Owner mode takes such shards: Megatron-FSDP's
+  uneven row shards (an empty one included) step as the unsharded optimizer, and resume from a
+  state_dict.
 - Ranks that build different plans (here: different workspace budgets) raise the same error at
   construction, instead of pairing mismatched collectives in the first step.
 - clip_grad_norm_ over plain tensors mixed with DTensors, and over DTensors of two meshes, clips
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -61,8 +64,11 @@ def _off_rule(mesh, rank):
 
 
 def refusals_agree(mesh, rank):
+    """Shards off DTensor's chunking rule: owner mode takes them (their sizes are gathered from the
+    ranks, as Megatron-FSDP lays them out: uneven_worker), gather mode refuses them on every rank."""
     good = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)], src_data_rank=None))
-    for mode in ("owner", "gather"):
+    Muon([good, _off_rule(mesh, rank)], lr=0.02, sharded_mode="owner")
+    for mode in ("gather",):
         bad = _off_rule(mesh, rank)
         with pytest.raises(ValueError, match=f"chunking rule.*{EVERY_RANK}"):
             Muon([good, bad], lr=0.02, sharded_mode=mode)
@@ -72,6 +78,65 @@ def refusals_agree(mesh, rank):
         assert len(opt.param_groups) == 1
         good.grad = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)], src_data_rank=None)
         opt.step()  # still usable, on every rank: the collectives pair up
+
+
+# (shape, rows on each of 2 ranks): Megatron-FSDP cuts its flat buffers where it likes, in whole rows
+UNEVEN = [((6, 4), (2, 4)), ((9, 16), (9, 0)), ((5, 12), (1, 4)), ((8, 8), (4, 4))]
+
+
+def _uneven(t: torch.Tensor, rows, mesh, rank):
+    start = sum(rows[:rank])
+    local = t[start : start + rows[rank]].clone()
+    d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+    try:  # Megatron-FSDP's own chunk metadata, where megatron-core bundles it
+        from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import update_uneven_dtensor_chunk_metadata
+    except ImportError:
+        return d
+    update_uneven_dtensor_chunk_metadata(d)
+    return d
+
+
+def megatron_fsdp_layouts(mesh, rank, seed):
+    """Megatron-FSDP's uneven row shards (owner mode) equal the unsharded optimizer, Muon and AdaMuon,
+    two steps, and a state_dict saved after the first step resumes to the same second step."""
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, _ in UNEVEN]
+    grads = [[torch.randn(shape, generator=gen) for shape, _ in UNEVEN] for _ in range(2)]
+    for cls, extra in ((Muon, {}), (AdaptiveMuon, dict(moment2_method="adamuon"))):
+        kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1, fp32_matmul_prec="highest", **extra)
+        params = [torch.nn.Parameter(_uneven(t, rows, mesh, rank)) for t, (_, rows) in zip(full, UNEVEN)]
+        ref = [torch.nn.Parameter(t.clone()) for t in full]
+        opt, ref_opt = cls(params, **kwargs), cls(ref, **kwargs)
+        saved = None
+        for step, step_grads in enumerate(grads):
+            for p, r, g, (_, rows) in zip(params, ref, step_grads, UNEVEN):
+                p.grad = _uneven(g, rows, mesh, rank)
+                r.grad = g.clone()
+            if step == 1:
+                saved = ([p.detach().to_local().clone() for p in params], copy.deepcopy(opt.state_dict()))
+            opt.step()
+            ref_opt.step()
+        for i, (p, r, t, (_, rows)) in enumerate(zip(params, ref, full, UNEVEN)):
+            start = sum(rows[:rank])
+            want = r.detach()[start : start + rows[rank]]
+            got = p.detach().to_local()
+            assert rel_err(got - t[start : start + rows[rank]], want - t[start : start + rows[rank]]) <= 1e-5, \
+                f"{cls.__name__} uneven param {i} {rows}"
+        # resume: a new optimizer on the first step's parameters and state takes the same second step
+        again = [torch.nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape,
+                                                       stride=t.stride())) for local, t in zip(saved[0], full)]
+        resumed = cls(again, **kwargs)
+        resumed.load_state_dict(saved[1])
+        for p, g, (_, rows) in zip(again, grads[1], UNEVEN):
+            p.grad = _uneven(g, rows, mesh, rank)
+        resumed.step()
+        for a, b in zip(again, params):
+            assert torch.equal(a.detach().to_local(), b.detach().to_local()), f"{cls.__name__}: resume differs"
+    bad = [torch.nn.Parameter(_uneven(full[0], UNEVEN[0][1], mesh, rank))]
+    with pytest.raises(ValueError, match=f"normuon.*{EVERY_RANK}"):
+        AdaptiveMuon(bad, lr=0.02, momentum=0.9, weight_decay=0.0, moment2_method="normuon")
+    with pytest.raises(ValueError, match=f"state_dtype.*{EVERY_RANK}"):
+        Muon(bad, lr=0.02, state_dtype="bf16")
 
 
 def plans_agree(mesh, rank):
@@ -151,6 +216,7 @@ def worker(rank, world, init_file, seed):
         mesh = init_device_mesh("cpu", (world,))
         uneven_chunks(mesh, seed)
         refusals_agree(mesh, rank)
+        megatron_fsdp_layouts(mesh, rank, seed)
         plans_agree(mesh, rank)
         grid = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
         clip_mixed(mesh, grid, rank)

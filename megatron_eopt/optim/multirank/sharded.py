@@ -91,6 +91,8 @@ class ShardLayout:
     # chunking rule): derived from the global shape and the mesh only, so a plan sized by it (the
     # workspace chunks) is the same on every rank, whatever this rank's own shard is.
     largest_view: tuple[int, ...] = ()
+    # Megatron-FSDP's shards off DTensor's chunking rule: (mesh dim, sizes per coordinate), else None
+    uneven: tuple[int, tuple[int, ...]] | None = None
     # replica_work="split": each route member's replica (its coordinates on the replicating mesh
     # dims); an owner assembles a matrix from the members of its own replica only. Empty: the route
     # holds one replica.
@@ -120,23 +122,59 @@ def _is_shard(pl) -> bool:
     return isinstance(pl, Shard) or (type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"))
 
 
-def _box(shape, placements, coordinate, mesh_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _box(shape, placements, coordinate, mesh_shape, uneven=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (offset, size) of the shard at mesh ``coordinate``; ``uneven`` (mesh dim, sizes): the one
+    sharding mesh dim's shards as the ranks hold them, in coordinate order (Megatron-FSDP's)."""
     offset, length = [0] * len(shape), list(shape)
     for i, pl in enumerate(placements):
         if type(pl) is Shard:
             d = pl.dim
-            start, n = _chunk(length[d], mesh_shape[i], coordinate[i])
+            if uneven is not None and uneven[0] == i:
+                sizes = uneven[1]
+                start, n = sum(sizes[: coordinate[i]]), sizes[coordinate[i]]
+            else:
+                start, n = _chunk(length[d], mesh_shape[i], coordinate[i])
             offset[d] += start
             length[d] = n
     return tuple(offset), tuple(length)
 
 
-def _view_box(shape, view, placements, coordinate, mesh_shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def uneven_splits(params) -> list[tuple[int, tuple[int, ...]] | None]:
+    """Per param: for a DTensor sharded over one mesh dim (the others replicating it) whose shards
+    do not follow DTensor's chunking rule (Megatron-FSDP cuts its flat buffers where it likes),
+    ``(mesh dim, size of the sharded dim on each rank of that mesh dim)``; else None. The sizes are
+    gathered from the ranks, one ``all_gather_object`` per mesh dim of each mesh (every rank holds
+    the same params, so every rank makes the same calls); a plan build calls it on every rank."""
+    out: list[tuple[int, tuple[int, ...]] | None] = [None] * len(params)
+    if not dist.is_available() or not dist.is_initialized():
+        return out
+    asks: dict[tuple[int, int], tuple[Any, list]] = {}  # (id(mesh), mesh dim) -> (mesh, [(index, param, dim)])
+    for index, p in enumerate(params):
+        if not is_dtensor(p):
+            continue
+        sharding = [(i, pl) for i, pl in enumerate(p.placements) if _is_shard(pl) and p.device_mesh.size(i) > 1]
+        if len(sharding) != 1 or type(sharding[0][1]) is not Shard:
+            continue
+        i, pl = sharding[0]
+        asks.setdefault((id(p.device_mesh), i), (p.device_mesh, []))[1].append((index, p, pl.dim % p.ndim))
+    for (_, i), (mesh, members) in asks.items():
+        group = mesh.get_group(i)
+        gathered: list = [None] * dist.get_world_size(group)
+        collectives.all_gather_object(gathered, [int(p.to_local().shape[d]) for _, p, d in members], group=group)
+        for k, (index, p, d) in enumerate(members):
+            sizes = tuple(int(g[k]) for g in gathered)
+            rule = tuple(_chunk(p.shape[d], len(sizes), c)[1] for c in range(len(sizes)))
+            if sizes != rule and sum(sizes) == p.shape[d]:
+                out[index] = (i, sizes)
+    return out
+
+
+def _view_box(shape, view, placements, coordinate, mesh_shape, uneven=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The box of a shard in the coordinates of the matrix view ``view`` of a param of ``shape``:
     the param's own box (DTensor chunks the param's dims, not the view's), mapped to the view. Views
     that merge dims ("flatten", or "batch" over more than three dims) are sharded on dim 0 only
     (describe refuses the rest), so a merged dim's box is dim 0's times the merged inner sizes."""
-    offset, size = _box(shape, placements, coordinate, mesh_shape)
+    offset, size = _box(shape, placements, coordinate, mesh_shape, uneven)
     if len(view) == len(shape):
         return offset, size
     inner = math.prod(shape[1:]) // math.prod(view[1:]) if math.prod(view[1:]) else 1
@@ -241,10 +279,12 @@ def _relay_route(mesh, mesh_dims: tuple[int, ...]) -> OwnerRoute:
 
 def describe(
     p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None,
-    replica_work: str = "repeat",
+    replica_work: str = "repeat", uneven: tuple[int, tuple[int, ...]] | None = None, check_local: bool = True,
 ) -> ShardLayout:
     """The layout of DTensor parameter p; ValueError naming `where` when it cannot be optimized
-    (``replica_work="split"`` included, for a matrix whose replicas cannot share its owner)."""
+    (``replica_work="split"`` included, for a matrix whose replicas cannot share its owner).
+    ``uneven``: its shards off DTensor's chunking rule (:func:`uneven_splits`); ``check_local=False``
+    leaves the local shard unchecked (before the ranks' shards are known)."""
     mesh, placements = p.device_mesh, tuple(p.placements)
     shape = tuple(p.shape)
     nd = len(shape)
@@ -276,10 +316,17 @@ def describe(
                 f"got shape {shape} and placements {list(placements)}"
             )
     layout = ShardLayout(mesh, placements, view, "local", {d: tuple(v) for d, v in shard_dims.items()},
-                         largest_view=matrix_view(_largest_shard(shape, placements, mesh), nd_mode))
+                         largest_view=matrix_view(_largest_shard(shape, placements, mesh, uneven), nd_mode),
+                         uneven=uneven)
+    if uneven is not None and sharded_mode != "owner":
+        raise ValueError(
+            f"{where}: its shards are not where DTensor's chunking rule puts them ({list(uneven[1])} rows or columns "
+            f"per rank on mesh dim {uneven[0]}, as Megatron-FSDP cuts them): sharded_mode='gather' all-gathers by that "
+            "rule; use sharded_mode='owner'"
+        )
     coordinate = mesh.get_coordinate()
-    if exact and coordinate is not None:
-        layout.local_box = _view_box(shape, view, placements, coordinate, tuple(mesh.mesh.shape))
+    if exact and coordinate is not None and check_local:
+        layout.local_box = _view_box(shape, view, placements, coordinate, tuple(mesh.mesh.shape), uneven)
         mine = layout.local_box[1]
         if tuple(mine) != matrix_view(tuple(p.to_local().shape), nd_mode):
             # Every rank must take the same path: a shard that is not where DTensor's chunking rule
@@ -311,20 +358,24 @@ def describe(
     layout.kind, layout.route = "owner", route
     mesh_shape = tuple(mesh.mesh.shape)
     for coordinate in route.coordinates:
-        layout.boxes.append(_view_box(shape, view, placements, coordinate, mesh_shape))
+        layout.boxes.append(_view_box(shape, view, placements, coordinate, mesh_shape, uneven))
     if replica_dims:
         layout.replicas = tuple(tuple(c[d] for d in replica_dims) for c in route.coordinates)
     return layout
 
 
-def _largest_shard(shape, placements, mesh) -> tuple[int, ...]:
+def _largest_shard(shape, placements, mesh, uneven=None) -> tuple[int, ...]:
     """The largest local shape of a tensor of ``shape`` over ``mesh`` (the first shard along every
-    sharded dim: DTensor's chunking rule gives it ceil(size / parts), the others no more)."""
+    sharded dim: DTensor's chunking rule gives it ceil(size / parts), the others no more; with
+    ``uneven`` shards, the largest of them)."""
     out = list(shape)
     for i, pl in enumerate(placements):
         if _is_shard(pl):
             d = pl.dim % len(shape)
-            out[d] = -(-out[d] // mesh.size(i)) if out[d] else 0
+            if uneven is not None and uneven[0] == i:
+                out[d] = max(uneven[1])
+            else:
+                out[d] = -(-out[d] // mesh.size(i)) if out[d] else 0
     return tuple(out)
 
 

@@ -246,7 +246,8 @@ def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
 
 
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
-               sharded_mode: str = "owner", group_configs=None, gtp_fn=None, replica_work: str = "repeat") -> Plan:
+               sharded_mode: str = "owner", group_configs=None, gtp_fn=None, replica_work: str = "repeat",
+               uneven: list | None = None) -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
 
     ``group_configs[gi]`` is how param group gi is orthogonalized (None: ``config`` for every
@@ -257,6 +258,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
     projection. nd_mode is the default of groups without one.
     DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack; params
     that are not real floating-point matrices (:func:`not_a_matrix`) in ``rejected``, without an entry.
+    ``uneven[k]``: the k-th param's shards where they are off DTensor's chunking rule (``uneven_splits``).
     """
     entries: list[ParamEntry] = []
     stacks: list[Stack] = []
@@ -280,7 +282,16 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
             if not_a_matrix(p, mode) or not p.is_floating_point():
                 rejected.append((gi, pi))
                 continue
-            sharding = describe(p, mode, sharded_mode, where, coordinates, replica_work) if is_dtensor(p) else None
+            sharding = None
+            if is_dtensor(p):
+                sharding = describe(p, mode, sharded_mode, where, coordinates, replica_work,
+                                    uneven[key] if uneven and key < len(uneven) else None)
+                if sharding.uneven is not None and configs[gi].moment2_method in ("normuon", "namo"):
+                    raise ValueError(
+                        f"{where}: moment2_method={configs[gi].moment2_method!r} keeps its statistics as DTensors laid "
+                        "out by DTensor's chunking rule, which this parameter's shards do not follow (Megatron-FSDP's "
+                        "uneven shards): use Muon or moment2_method='adamuon'"
+                    )
             local_shape = matrix_view(tuple(local(p).shape), mode)
             tp = layout_fn(p)
             gtp = None if gtp_fn is None else gtp_fn(p)
