@@ -162,16 +162,16 @@ def newton_schulz(
                    *recipe, products)
 
 
-def resolve_products(products: str, use_syrk: bool = False) -> str:
-    """The ops' ``products`` argument from ``products`` and Emerging-Optimizers' ``use_syrk``
-    (True: "symmetric"); ValueError / TypeError naming the argument."""
+def resolve_products(products: str, use_syrk: bool = False, name: str = "products") -> str:
+    """The ops' ``products`` argument from ``products`` (the argument ``name``) and
+    Emerging-Optimizers' ``use_syrk`` (True: "symmetric"); ValueError / TypeError naming the argument."""
     if not isinstance(use_syrk, bool):
         raise TypeError(f"use_syrk must be a bool, got {type(use_syrk).__name__}")
     if products not in NS_PRODUCTS:
-        raise ValueError(f"products must be one of {', '.join(NS_PRODUCTS)}; got {products!r}")
+        raise ValueError(f"{name} must be one of {', '.join(NS_PRODUCTS)}; got {products!r}")
     if use_syrk:
         if products == "full":
-            raise ValueError("use_syrk=True asks for symmetric products and products='full' for full GEMMs: pass one")
+            raise ValueError(f"use_syrk=True asks for symmetric products and {name}='full' for full GEMMs: pass one")
         return "symmetric"
     return products
 

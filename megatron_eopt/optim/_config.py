@@ -121,10 +121,12 @@ def make_config(
     polar_express_safety: float | None = None,
     ns_eps: float = NS_EPS,
     use_syrk: bool = False,
+    ns_products: str = "auto",
 ) -> OrthogonalizationConfig:
     """Validates the optimizer-wide arguments (ValueError naming the argument) and freezes them.
     ``use_syrk`` (Emerging-Optimizers' and Megatron-LM's switch for a SYRK kernel): True runs the
-    Newton–Schulz ops with symmetric products, False lets them choose (``products``)."""
+    Newton–Schulz ops with symmetric products; ``ns_products`` chooses them ("auto": by measurement,
+    "symmetric", "full": one GEMM each)."""
     if weight_decay_method not in WEIGHT_DECAY_METHODS:
         raise ValueError(
             f"weight_decay_method must be one of {list(WEIGHT_DECAY_METHODS)}, got {weight_decay_method!r}"
@@ -171,7 +173,7 @@ def make_config(
         moment2_method=moment2_method,
         algorithm=ns_algorithm,
         ns_eps=float(ns_eps),
-        products=resolve_products("auto", use_syrk),
+        products=resolve_products(ns_products, use_syrk, "ns_products"),
     )
 
 

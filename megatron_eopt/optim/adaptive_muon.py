@@ -73,6 +73,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         ns_norm_divisor: float = 1.0,
         polar_express_safety: float | None = None,
         ns_eps: float = NS_EPS,
+        ns_products: str = "auto",
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
         workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,

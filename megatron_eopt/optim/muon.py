@@ -24,7 +24,8 @@ class Muon(OrthogonalizedOptimizer):
     ``scale_mode`` × ``extra_scale_factor``; ``p -= lr·update``. State: ``momentum_buffer``.
 
     ``use_syrk=True`` runs the Newton–Schulz ops with symmetric products (the symmetric kernel or
-    lower block panels; False: chosen by measurement), the same results to float rounding. ``custom_coefficient_sets`` (an extension) gives the rows of
+    lower block panels; False: chosen by measurement); ``ns_products`` (an extension: "auto",
+    "symmetric", "full") chooses them directly. The same results to float rounding. ``custom_coefficient_sets`` (an extension) gives the rows of
     ``coefficient_type="custom"``. The legacy Keller Jordan / nanochat Muon is
     ``Muon(params, lr=0.02, weight_decay=0, nesterov=True, coefficient_type="simple",
     scale_mode="shape_scaling")``; ``torch.optim.Muon`` with ``adjust_lr_fn="original"`` is the
@@ -113,6 +114,7 @@ class Muon(OrthogonalizedOptimizer):
         ns_norm_divisor: float = 1.0,
         polar_express_safety: float | None = None,
         ns_eps: float = NS_EPS,
+        ns_products: str = "auto",
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
         workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,

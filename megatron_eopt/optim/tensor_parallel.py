@@ -145,7 +145,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     their own matrix; not with ``tp_mode="distributed"``) as in :class:`~megatron_eopt.optim.Muon`.
     ``use_syrk`` (Megatron-LM main's switch for its SYRK kernel): True runs the Newton–Schulz ops
     with symmetric products (the symmetric kernel or lower block panels), False lets them choose by
-    measurement; the results agree to float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (Megatron-LM's layer-sharded
+    measurement (``ns_products="full"``, an extension, forces one GEMM each); the results agree to
+    float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (Megatron-LM's layer-sharded
     Muon, ``--muon-ns-batch-size`` / ``--muon-expert-tp-mode``): see the module docstring.
     """
 
@@ -174,6 +175,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         *,
         ns_batch_size: int = 1,
         expert_tp_mode: str | None = None,
+        ns_products: str = "auto",
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
@@ -242,6 +244,7 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
         use_syrk: bool = False,
         ns_batch_size: int = 1,
         expert_tp_mode: str | None = None,
+        ns_products: str = "auto",
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,

@@ -437,6 +437,8 @@ def worker(rank, world_size, init_file, seed):
         for tp_mode in ("duplicated", "blockwise"):
             check_gtp(singles[rank], dist.group.WORLD, tp_mode, TensorParallelMuon, {}, seed, stock=stock,
                       layout=GTP4_LAYOUT)
+            # GTP 2 alone (TP groups of one rank)
+            check_gtp(singles[rank], gtp_pairs[rank % 2], tp_mode, TensorParallelMuon, {}, seed, stock=stock)
         if rank >= 2:
             return  # Megatron's import is slow: its comparison runs in the first TP-2 group only
         try:

@@ -131,8 +131,8 @@ def test_constructor_signatures_match_megatron():
 @pytest.mark.parametrize("precision", ["highest", "medium"])
 def test_use_syrk_selects_symmetric_products_with_the_same_results(precision):
     """Megatron-LM main's use_syrk: True runs the ops with symmetric products (products="symmetric"),
-    False lets them choose; both equal full GEMMs within the precision's tolerance. The config field
-    muon_use_syrk reaches the classes; a non-bool is a TypeError naming it."""
+    False lets them choose; both equal full GEMMs (ns_products="full") within the precision's
+    tolerance. The config field muon_use_syrk reaches the classes; a non-bool is a TypeError naming it."""
     import types
 
     import torch
@@ -148,17 +148,19 @@ def test_use_syrk_selects_symmetric_products_with_the_same_results(precision):
     # NorMuon for the adaptive class: AdaMuon's first step is about sign(update), which turns the
     # products' last-place differences of near-zero entries into whole ones
     for cls, extra in ((TensorParallelMuon, {}), (TensorParallelAdaptiveMuon, dict(moment2_method="normuon"))):
-        for syrk in (False, True):
+        for products, options in (("auto", dict(use_syrk=False)), ("symmetric", dict(use_syrk=True)),
+                                  ("full", dict(ns_products="full"))):
             params = [torch.nn.Parameter(t.clone()) for t in start]
-            opt = cls(params, lr=0.02, fp32_matmul_prec=precision, use_syrk=syrk, **extra)
-            assert opt._config.products == ("symmetric" if syrk else "auto")
+            opt = cls(params, lr=0.02, fp32_matmul_prec=precision, **options, **extra)
+            assert opt._config.products == products
             for step in grads:
                 for p, g in zip(params, step):
                     p.grad = g.clone()
                 opt.step()
-            finals[cls, syrk] = [p.detach() for p in params]
-        for a, b, s in zip(finals[cls, True], finals[cls, False], start):
-            assert rel_err(a - s, b - s) <= TOLERANCE[precision], cls.__name__
+            finals[cls, products] = [p.detach() for p in params]
+        for products in ("auto", "symmetric"):
+            for a, b, s in zip(finals[cls, products], finals[cls, "full"], start):
+                assert rel_err(a - s, b - s) <= TOLERANCE[precision], (cls.__name__, products)
     with pytest.raises(TypeError, match="use_syrk must be a bool"):
         TensorParallelMuon([torch.nn.Parameter(torch.randn(8, 4))], use_syrk="yes")
     config = types.SimpleNamespace(lr=0.01, muon_use_syrk=True)
