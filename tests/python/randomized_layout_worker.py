@@ -84,6 +84,15 @@ def draw_case(seed: int, case: int) -> dict:
     sharded_mode = rng.choice(("owner", "owner", "gather"))
     if sharded_mode == "owner":  # the replicas of a matrix (a Replicate mesh dim) share its owner or repeat it
         extra["replica_work"] = rng.choice(("repeat", "split"))
+        # Megatron-FSDP's uneven row shards (1-D meshes, Muon and AdaMuon with fp32 state): the rows
+        # of a Shard(0) matrix cut anywhere, a rank's share possibly empty
+        if mesh != "grid" and state_dtype == "fp32" and extra.get("moment2_method") in (None, "adamuon"):
+            ranks = 4 if mesh == "world" else 2
+            for k, (shape, placements) in enumerate(params):
+                if len(shape) == 2 and placements == [Shard(0)] and rng.random() < 0.8:
+                    cuts = sorted(rng.randint(0, shape[0]) for _ in range(ranks - 1))
+                    rows = tuple(b - a for a, b in zip([0] + cuts, cuts + [shape[0]]))
+                    params[k] = (shape, placements, rows)
     return dict(mesh=mesh, params=params, cls=cls_index, extra=extra, nd_mode=nd_mode, sharded_mode=sharded_mode)
 
 

@@ -40,25 +40,37 @@ def _kwargs(extra, **more):
                 **more)
 
 
-def _dist(t, mesh, placements):
-    return distribute_tensor(t, mesh, placements, src_data_rank=None)  # every rank holds the same full tensor
+def _dist(t, mesh, placements, rows=None):
+    """t laid out by placements (every rank holds the same full tensor). ``rows``: a 1-D mesh's
+    Shard(0) cut into these rows per rank instead of DTensor's chunks (Megatron-FSDP's uneven shards)."""
+    if rows is None:
+        return distribute_tensor(t, mesh, placements, src_data_rank=None)
+    start = sum(rows[: mesh.get_coordinate()[0]])
+    local = t[start : start + rows[mesh.get_coordinate()[0]]].clone()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _rows_of(entry):
+    return entry[2] if len(entry) > 2 else None
 
 
 def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner", expect=None, label="", ran=None):
-    """layout: [(shape, placements)]. Steps sharded and unsharded; compares params and state.
+    """layout: [(shape, placements)] or [(shape, placements, rows)] (uneven row shards, see _dist).
+    Steps sharded and unsharded; compares params and state (an uneven param: its local rows, with
+    no state check: DTensor's full_tensor assumes its own chunks).
     ran: the only mode ("owner" | "gather") that may have orthogonalized the sharded matrices."""
     gen = torch.Generator().manual_seed(seed)
-    full = [torch.randn(shape, generator=gen) * 0.1 for shape, _ in layout]
-    grads = [[torch.randn(shape, generator=gen) for shape, _ in layout] for _ in range(STEPS)]
-    params = [torch.nn.Parameter(_dist(t, mesh, pl)) for t, (_, pl) in zip(full, layout)]
+    full = [torch.randn(entry[0], generator=gen) * 0.1 for entry in layout]
+    grads = [[torch.randn(entry[0], generator=gen) for entry in layout] for _ in range(STEPS)]
+    params = [torch.nn.Parameter(_dist(t, mesh, entry[1], _rows_of(entry))) for t, entry in zip(full, layout)]
     ref = [torch.nn.Parameter(t.clone()) for t in full]
     kwargs = _kwargs(extra, nd_mode=nd_mode)
     opt = cls(params, sharded_mode=sharded_mode, **kwargs)
     ref_opt = cls(ref, **kwargs)
     with counted_collectives(_COUNTED) as calls:
         for step_grads in grads:
-            for p, r, g, (_, pl) in zip(params, ref, step_grads, layout):
-                p.grad = _dist(g, mesh, pl)
+            for p, r, g, entry in zip(params, ref, step_grads, layout):
+                p.grad = _dist(g, mesh, entry[1], _rows_of(entry))
                 r.grad = g.clone()
             opt.step()
             ref_opt.step()
@@ -69,8 +81,15 @@ def check(mesh, layout, cls, extra, seed, nd_mode="error", sharded_mode="owner",
     if ran is not None:
         modes = {mode: n for mode, n in opt._sharded.matrices.items() if n}
         assert list(modes) == [ran], f"{where}: matrices orthogonalized per mode {modes}, expected {ran} only"
-    for i, (p, r, t, (shape, pl)) in enumerate(zip(params, ref, full, layout)):
+    for i, (p, r, t, entry) in enumerate(zip(params, ref, full, layout)):
+        shape, pl, rows = entry[0], entry[1], _rows_of(entry)
         assert isinstance(p, DTensor) and p.placements == tuple(pl), f"{where} param {i} lost its placements"
+        if rows is not None:
+            start = sum(rows[: mesh.get_coordinate()[0]])
+            mine = slice(start, start + rows[mesh.get_coordinate()[0]])
+            err = rel_err(p.to_local() - t[mine], r.detach()[mine] - t[mine])
+            assert err <= TOL, f"{where} param {i} {shape} rows {rows}: rel err {err:.2e}"
+            continue
         err = rel_err(p.full_tensor() - t, r.detach() - t)
         assert err <= TOL, f"{where} param {i} {shape} {pl}: rel err {err:.2e}"
         for key, value in ref_opt.state[r].items():
