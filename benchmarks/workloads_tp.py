@@ -94,8 +94,8 @@ def markdown(entries: list[dict], environment: dict) -> str:
     lines = [
         f"## Tensor-parallel Muon steps (Megatron TP shards, gloo), {cpu}, {os.cpu_count()} cores (cpu)",
         "",
-        workloads_dist.measured(environment, "tp") + " `TensorParallelMuon` in each `tp_mode`. **ms**: median over repeats of the slowest rank's step. "
-        "**MiB sent**, **calls**, **NS matrices**, **NS GFLOP**: the busiest rank's, from `step_stats()` "
+        workloads_dist.measured(environment, "tp") + " `TensorParallelMuon` in each `tp_mode`. **ms**: median over "
+        "repeats of the slowest rank's step. **MiB sent**, **calls**, **NS matrices**, **NS GFLOP**: the busiest rank's, from `step_stats()` "
         "(bytes by the textbook algorithm of each collective). **rel. diff**: final parameters against "
         "duplicated mode.",
         "",
