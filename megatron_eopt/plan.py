@@ -227,9 +227,11 @@ def _owner_counts(matrices: list[Matrix], mesh: Mesh, split: bool, hw: Hardware,
             m, view, spans = entries[i]
             if not spans:
                 continue
-            dims = set(_sharding(m, mesh))
-            if split:
-                dims |= {d for d in (REPLICATE, EP) if mesh.dims[d] > 1 and not (d == EP and m.experts)}
+            sharded = _sharding(m, mesh)
+            dims = set(sharded)
+            if split:  # every mesh dim that replicates the matrix (EP shards experts; TP may not shard it)
+                dims |= {d for d in (REPLICATE, EP, TP)
+                         if mesh.dims[d] > 1 and d not in sharded and not (d == EP and m.experts)}
             routes.setdefault(tuple(sorted(dims)), []).append(i)
         for dims, ks in routes.items():
             coords = list(itertools.product(*(range(mesh.dims[d]) for d in dims)))
@@ -288,12 +290,19 @@ def _add(into: RankCounts, other: RankCounts) -> None:
 
 
 def _gather_counts(matrices: list[Matrix], mesh: Mesh, hw: Hardware, precision: str) -> list[RankCounts]:
-    """Gather mode: every rank all-gathers each matrix it holds a shard of (one all-gather per
-    sharding mesh dim, innermost first) and orthogonalizes it; the first shard's rank is the busiest."""
+    """Gather mode: every rank all-gathers each matrix it holds a shard of (DTensor's gather: one
+    all-gather per sharding mesh dim, innermost first, an expert batch's EP dim included) and
+    orthogonalizes it; the first shard's rank is the busiest."""
     rank = RankCounts()
     for m in matrices:
-        view = _local_view(m, mesh)
         sharded = _sharding(m, mesh)
+        if not sharded:  # replicated matrices, experts whose matrix dims are whole: where they live
+            for _ in range(m.count):
+                _compute(rank, _local_view(m, mesh), hw, precision)
+            continue
+        view = (m.experts, *m.shape) if m.experts else tuple(m.shape)
+        if m.experts and mesh.ep > 1:
+            sharded[EP] = 0
         local = list(view)
         for d, vd in sharded.items():
             local[vd] = _chunk(local[vd], mesh.dims[d], 0)

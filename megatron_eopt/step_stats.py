@@ -12,7 +12,8 @@ Conventions (the planner, ``megatron_eopt.plan``, counts by the same rules):
 - ``ns_matrices``: matrices this rank orthogonalized whole (a fused QKV projection split into
   parts counts once; an expert batch of E counts E).
 - ``ns_shared_matrices``: matrices orthogonalized jointly with other ranks (tensor-parallel
-  ``tp_mode="distributed"``: every rank of the group iterates on its shard).
+  ``tp_mode="distributed"``: every rank of the group iterates on its shard; there a fused QKV
+  projection counts once per part, each part being iterated on its own).
 - ``ns_flops``: this rank's Newton–Schulz FLOPs by the model ``steps · s²(4l + 2s)`` for an
   (s, l) matrix, s the short side; a shared matrix counts its share, the total over the group.
 - ``collectives``: calls of a collective (a relay hop counts as one call, an all-gather of

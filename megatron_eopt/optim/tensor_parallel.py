@@ -98,7 +98,11 @@ class _TensorParallelRouting:
         if partition_dim not in (0, 1):
             raise ValueError(f"partition_dim of a 2-D parameter must be 0, 1 or -1, got {partition_dim}")
         if mode == "distributed":
-            sharded, other = p.shape[partition_dim] * size, p.shape[1 - partition_dim]
+            shape = list(p.shape)
+            gtp = self._gtp_layout(p)
+            if gtp is not None and not gtp.blockwise:  # the tensor-parallel local matrix: GTP's real rows
+                shape[0] = gtp.real_rows(shape[0])
+            sharded, other = shape[partition_dim] * size, shape[1 - partition_dim]
             if sharded < other:
                 # Sharded along the short side, the distributed iteration would all-reduce Gram
                 # matrices of the long side every step (Megatron warns it wastes compute): one

@@ -315,10 +315,16 @@ GTP4_LAYOUT = [
 ]
 
 
-def check_gtp(tp_group, gtp_group, tp_mode, cls, extra, seed, stock=None, layout=GTP_LAYOUT):
+# A fused QKV projection under TP 2 x GTP 2: 4 query groups of [q, k, v] = [4, 2, 2] rows, each GTP
+# shard holding whole groups (Megatron-LM splits the local shard by its groups)
+GTP_QKV_LAYOUT = [((64, 12), 0, 0), ((32, 16), 1, 0)]
+
+
+def check_gtp(tp_group, gtp_group, tp_mode, cls, extra, seed, stock=None, layout=GTP_LAYOUT, qkv_index=None):
     """GTP-sharded parameters (Megatron-LM main's is_gtp_weight_remat, pad_length) equal the single-device
     optimizer on the whole matrix (blockwise: on this rank's unpadded shard); padding stays zero. With
-    ``stock`` (main's own class), equal to it on the same shards too."""
+    ``stock`` (main's own class), equal to it on the same shards too. ``qkv_index``: that param is a
+    fused QKV projection, split as QKV_SPLIT."""
     tp = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
     gtp = (dist.get_rank(gtp_group), dist.get_world_size(gtp_group))
     gen = torch.Generator().manual_seed(seed)
@@ -326,20 +332,22 @@ def check_gtp(tp_group, gtp_group, tp_mode, cls, extra, seed, stock=None, layout
     grads = [[torch.randn(shape, generator=gen) for shape, _, _ in layout] for _ in range(STEPS)]
     pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group)
     kwargs = dict(lr=0.02, momentum=0.9, weight_decay=0.1, fp32_matmul_prec="highest", **extra)
+    if qkv_index is not None:
+        kwargs.update(split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False), qkv_split_shapes=QKV_SPLIT)
 
-    def tagged(t, pd, pad):
-        p = _tag(torch.nn.Parameter(t), pd, False, False)
+    def tagged(t, pd, pad, i):
+        p = _tag(torch.nn.Parameter(t), pd, i == qkv_index, False)
         p.is_gtp_weight_remat, p.pad_length = True, pad
         return p
 
     def layout_of(g, p):
         return _gtp_local(g, p.partition_dim, p.pad_length, tp, gtp)
 
-    local = [tagged(_gtp_local(t, pd, pad, tp, gtp), pd, pad) for t, (_, pd, pad) in zip(full, layout)]
+    local = [tagged(_gtp_local(t, pd, pad, tp, gtp), pd, pad, i) for i, (t, (_, pd, pad)) in enumerate(zip(full, layout))]
     start = [p.detach().clone() for p in local]
     _gtp_run(cls, local, grads, dict(kwargs, pg_collection=pg, tp_mode=tp_mode), layout_of)
     if stock is not None:
-        theirs = [tagged(s.clone(), pd, pad) for s, (_, pd, pad) in zip(start, layout)]
+        theirs = [tagged(s.clone(), pd, pad, i) for i, (s, (_, pd, pad)) in enumerate(zip(start, layout))]
         _gtp_run(stock, theirs, grads, dict(kwargs, pg_collection=pg, tp_mode=tp_mode), layout_of)
     for i, (t, (shape, pd, pad)) in enumerate(zip(full, layout)):
         rows = start[i].shape[0]
@@ -347,11 +355,13 @@ def check_gtp(tp_group, gtp_group, tp_mode, cls, extra, seed, stock=None, layout
             shard_pad = min(rows, max(0, pad - (gtp[1] - 1 - gtp[0]) * rows))
             real = rows - shard_pad
             ref = [torch.nn.Parameter(start[i][:real].clone())]
+            ref[0].is_qkv = i == qkv_index
             if real:
                 _run_plain(cls, ref, [[layout_of(g[i], local[i])[:real]] for g in grads], kwargs)
             expected = torch.cat([ref[0].detach(), start[i].new_zeros(shard_pad, start[i].shape[1])])
         else:
             ref = [torch.nn.Parameter(t.clone())]
+            ref[0].is_qkv = i == qkv_index
             _run_plain(cls, ref, [[g[i]] for g in grads], kwargs)
             expected = _gtp_local(ref[0].detach(), pd, pad, tp, gtp)
         got = local[i].detach()
@@ -432,6 +442,8 @@ def worker(rank, world_size, init_file, seed):
                       stock=None if tp_mode == "layer_sharded" else stock)
             check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], tp_mode, TensorParallelAdaptiveMuon,
                       dict(moment2_method="adamuon"), seed)
+            check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], tp_mode, TensorParallelMuon, {}, seed,
+                      stock=None if tp_mode == "layer_sharded" else stock, layout=GTP_QKV_LAYOUT, qkv_index=0)
         check_gtp_refusals(tp_pairs[rank // 2], gtp_pairs[rank % 2])
         singles = [dist.new_group([r]) for r in range(world_size)]
         for tp_mode in ("duplicated", "blockwise"):

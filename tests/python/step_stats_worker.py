@@ -106,11 +106,36 @@ def check_replica_work(grid):
             assert torch.equal(a, b), "replica_work split and repeat differ"
 
 
+def check_planner_on_2d_meshes():
+    """The planner's counts on FSDP x TP (a matrix TP does not shard is a replica over TP for
+    replica_work="split") and EP x TP (experts sharded over EP and TP: an owner orthogonalizes its EP
+    slice only; gather mode gathers the experts' EP dim too)."""
+    fsdp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "tp"))
+    layout = [((16, 8), [Shard(0), Replicate()], None)] * 3 + [((12, 20), [Shard(0), Shard(1)], 1)]
+    for work in ("repeat", "split"):
+        gen = torch.Generator().manual_seed(6)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), fsdp_tp, pl))
+                  for s, pl, _ in layout]
+        stats, _ = _step(Muon(params, lr=0.02, replica_work=work), params, torch.Generator().manual_seed(7))
+        _planned(stats, [plan.Matrix(s, tp_dim=td) for s, _, td in layout], plan.Mesh(dp_shard=2, tp=2),
+                 "split" if work == "split" else "owner")
+    ep_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    layout = [((4, 16, 12), [Shard(0), Shard(1)]), ((24, 16), [Replicate(), Shard(0)])]
+    for mode in ("owner", "gather"):
+        gen = torch.Generator().manual_seed(8)
+        params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), ep_tp, pl)) for s, pl in layout]
+        opt = Muon(params, lr=0.02, nd_mode="batch", sharded_mode=mode)
+        stats, _ = _step(opt, params, torch.Generator().manual_seed(9))
+        _planned(stats, [plan.Matrix((16, 12), tp_dim=0, experts=4), plan.Matrix((24, 16), tp_dim=0)],
+                 plan.Mesh(ep=2, tp=2), mode)
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file):
     with gloo_world(rank, world_size, init_file):
         if world_size == 4:
             check_replica_work(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+            check_planner_on_2d_meshes()
             return
         mesh = init_device_mesh("cpu", (world_size,))
         for mode in ("owner", "gather"):

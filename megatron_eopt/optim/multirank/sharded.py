@@ -93,6 +93,10 @@ class ShardLayout:
     largest_view: tuple[int, ...] = ()
     # Megatron-FSDP's shards off DTensor's chunking rule: (mesh dim, sizes per coordinate), else None
     uneven: tuple[int, tuple[int, ...]] | None = None
+    # Owner mode: the part of the view the route's members hold between them, (offset, shape): the
+    # whole view, or an expert batch's slice where a mesh dim outside the route shards the experts
+    # (EP), which is all an owner assembles and orthogonalizes.
+    region: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     # replica_work="split": each route member's replica (its coordinates on the replicating mesh
     # dims); an owner assembles a matrix from the members of its own replica only. Empty: the route
     # holds one replica.
@@ -359,6 +363,9 @@ def describe(
     mesh_shape = tuple(mesh.mesh.shape)
     for coordinate in route.coordinates:
         layout.boxes.append(_view_box(shape, view, placements, coordinate, mesh_shape, uneven))
+    origin = tuple(min(b[0][d] for b in layout.boxes) for d in range(len(view)))
+    end = tuple(max(b[0][d] + b[1][d] for b in layout.boxes) for d in range(len(view)))
+    layout.region = (origin, tuple(e - o for o, e in zip(origin, end)))
     if replica_dims:
         layout.replicas = tuple(tuple(c[d] for d in replica_dims) for c in route.coordinates)
     return layout
@@ -655,7 +662,7 @@ class ShardedOrthogonalizer:
         ks = sorted(ks, key=lambda k: (layouts[k].view_shape[-2:], k))
         lays = [layouts[k] for k in ks]
         route = lays[0].route
-        chunks, owners = assign_owners([ns_flops(lay.view_shape) for lay in lays], route.size,
+        chunks, owners = assign_owners([ns_flops(lay.region[1]) for lay in lays], route.size,
                                        ITEMS_PER_RANK * route.size, self.loads.setdefault(route.key, [0.0] * route.size))
 
         def box_numel(i, s):
@@ -664,13 +671,17 @@ class ShardedOrthogonalizer:
         def to_owner(i, s):  # replica_work="split": only the owner's replica sends it the matrix
             return box_numel(i, s) if lays[i].sends_to_owner(s, owners[i]) else 0
 
+        def in_region(i, s):  # member s's box within the region its route holds
+            (offset, size), origin = lays[i].boxes[s], lays[i].region[0]
+            return tuple(o - r for o, r in zip(offset, origin)), size
+
         def assemble(owned, pieces):
             full = []
             for i, parts in zip(owned, pieces):
-                matrix = inputs[ks[i]].new_empty(lays[i].view_shape)
+                matrix = inputs[ks[i]].new_empty(lays[i].region[1])
                 for s, piece in enumerate(parts):
                     if lays[i].sends_to_owner(s, owners[i]):
-                        box = lays[i].boxes[s]
+                        box = in_region(i, s)
                         matrix[_slices(box)] = piece.view(box[1])
                 full.append(matrix)
             return self._ns(full, config, None if splits is None else [splits[ks[i]] for i in owned])
@@ -684,7 +695,7 @@ class ShardedOrthogonalizer:
             send=lambda i: inputs[ks[i]],
             compute=assemble,
             from_owner=box_numel,
-            back=lambda i, result, s: result[_slices(lays[i].boxes[s])],
+            back=lambda i, result, s: result[_slices(in_region(i, s))],
             deliver=deliver,
             like=inputs[ks[0]],
         ).run()

@@ -139,15 +139,16 @@ def distributed_orthogonalize(
     if qkv is None:
         return distributed_newton_schulz(x, tp, config)
     k, rows, cols = x.shape
-    view = x.view(k, qkv.local_groups, qkv.total, cols)
+    groups = rows // qkv.total  # this rank's query groups (of the gathered GTP rows too)
+    view = x.view(k, groups, qkv.total, cols)
     out = torch.empty_like(view)
     offset = 0
     for size in qkv.sizes:
-        part = view[:, :, offset : offset + size, :].reshape(k, qkv.local_groups * size, cols)
+        part = view[:, :, offset : offset + size, :].reshape(k, groups * size, cols)
         o = distributed_newton_schulz(part, tp, config)
         if scaled:
             o = o * config.scale(qkv.global_groups * size, global_shape[1])
-        out[:, :, offset : offset + size, :] = o.view(k, qkv.local_groups, size, cols)
+        out[:, :, offset : offset + size, :] = o.view(k, groups, size, cols)
         offset += size
     return out.view(k, rows, cols)
 
