@@ -415,10 +415,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else cached_step_layouts(plan, active)
         inputs = self._ns_input_buffers(layouts)
         self._reset_ns_inputs_below_eps(plan)
-        loads = self.__dict__.get("_home_loads")  # tp_mode "layer_sharded": the homes' loads start at zero
-        if loads:
-            loads.clear()
-        if self._sharded.loads:  # and the owners' (multirank.sharded)
+        if self._sharded.loads:  # owners' and layer-sharded homes' loads start at zero each step
             self._sharded.loads.clear()
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             self._step_chunk(plan, layout, inputs, scalers)

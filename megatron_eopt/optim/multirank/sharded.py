@@ -594,9 +594,10 @@ class ShardedOrthogonalizer:
         # count_below_eps(x, eps): told every whole matrix (a (k, m, n) view) before its Newton–Schulz,
         # on the rank that runs it (the owner; every rank in gather mode). Set by the optimizer.
         self.count_below_eps = None
-        # Each route's members' Newton–Schulz FLOPs so far in this step: a step in several chunks
-        # (the workspace budget; a large matrix is a chunk of its own) balances its owners over all
-        # of them, not chunk by chunk from zero. Cleared by the optimizer at the start of a step.
+        # Each route's members' Newton–Schulz FLOPs so far in this step (keyed by route.key; the
+        # tensor-parallel layer-sharded homes by their TPLayout.key): a step in several chunks (the
+        # workspace budget; a large matrix is a chunk of its own) balances its owners over all of
+        # them, not chunk by chunk from zero. Cleared by the optimizer at the start of a step.
         self.loads: dict[tuple, list[float]] = {}
 
     def _ns(self, full: list[torch.Tensor], config=None, splits=None) -> list[torch.Tensor]:

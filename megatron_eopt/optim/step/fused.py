@@ -377,8 +377,8 @@ class FusedStep:
             out = distributed_orthogonalize(x, tp, stack.qkv, stack.global_shape, cfg, scaled=scale_parts)
             return list(out.unbind(0))
         if tp is not None and tp.mode == "layer_sharded":
-            # homes balanced over the step's stacks of this group (the loads start at zero each step)
-            load = self.__dict__.setdefault("_home_loads", {}).setdefault(tp.key, [0.0] * tp.size)
+            # homes balanced over the step's stacks of this group, with the owners' loads (multirank.sharded)
+            load = self._sharded.loads.setdefault(tp.key, [0.0] * tp.size)
             return layer_sharded_orthogonalize(x, tp, stack.qkv, cfg, scale_parts, load)
         if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
             x = gather_shards(x, tp)
