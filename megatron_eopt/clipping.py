@@ -244,6 +244,19 @@ def _unscale(grad_scaler: Any, optimizers: list[torch.optim.Optimizer]) -> None:
         grad_scaler.unscale_(opt)
 
 
+def _refuse_started_overlap(optimizers: list[torch.optim.Optimizer], policy: str) -> None:
+    """A policy that scales the orthogonalized gradients cannot follow an optimizer whose backward
+    already consumed them (``overlap_backward=True``): refused before anything is clipped."""
+    for opt in optimizers:
+        work = getattr(opt.__dict__.get("_overlap"), "work", None)
+        if work is not None and work.versions:
+            raise ValueError(
+                f"policy={policy!r} scales the gradients of {type(opt).__name__}'s matrices, whose Newton–Schulz "
+                "started during backward (overlap_backward=True): clip with policy='adamw' (those gradients "
+                "untouched), or construct the optimizer with overlap_backward=False"
+            )
+
+
 def clip_grad_norm_(
     parameters_or_optimizers: Any,
     max_norm: float,
@@ -283,6 +296,8 @@ def clip_grad_norm_(
     if policy != "global" and not optimizers and muon_params is None:
         raise ValueError(f"policy={policy!r} with plain parameters needs muon_params (the orthogonalized "
                          "parameters, or a RoutingTable); or pass the optimizers, or use policy='global'")
+    if policy != "adamw":
+        _refuse_started_overlap(optimizers, policy)
     if grad_scaler is not None and getattr(grad_scaler, "is_enabled", lambda: True)():
         if not optimizers:
             raise ValueError("grad_scaler needs the optimizers (the scaler unscales per optimizer)")

@@ -31,6 +31,7 @@ Under ``torch.compile`` nothing is recorded: a compiled step keeps the previous 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
@@ -128,6 +129,31 @@ def count_collective(bytes_sent: int) -> None:
         stats.bytes_sent += int(bytes_sent)
 
 
+@contextlib.contextmanager
+def recording_into(stats: StepStats):
+    """Counts what this thread does inside the block into ``stats`` (work started before a step, on
+    a thread of its own or in a backward hook: merged into the step by :func:`merge_into_recording`)."""
+    stack = _recorders()
+    stack.append(stats)
+    try:
+        yield stats
+    finally:
+        stack.remove(stats)
+
+
+def merge_into_recording(parts: list[StepStats], seconds_before_step: float) -> None:
+    """Adds the counts of work done before the step (``parts``) to the step being recorded on this
+    thread, and the host time that work took as its ``seconds_before_step``."""
+    stack = _stack()
+    if not stack:
+        return
+    for stats in stack:
+        for part in parts:
+            for name in ("ns_matrices", "ns_shared_matrices", "ns_flops", "collectives", "bytes_sent"):
+                setattr(stats, name, getattr(stats, name) + getattr(part, name))
+        stats.seconds_before_step = (stats.seconds_before_step or 0.0) + seconds_before_step
+
+
 def records_step_stats(step: Callable) -> Callable:
     """Decorates an optimizer's step: what it does is counted into a new :class:`StepStats`, kept
     as the optimizer's last step's figures when the step returns (a step that raises keeps the
@@ -174,6 +200,8 @@ __all__ = [
     "count_newton_schulz",
     "count_split_newton_schulz",
     "newton_schulz_flops",
+    "merge_into_recording",
     "records_step_stats",
     "recording",
+    "recording_into",
 ]

@@ -77,12 +77,14 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
         workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
+        overlap_backward: bool = False,
     ) -> None:
         config, deferred_error = fused_config(locals())
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, beta2=beta2, eps=eps)
         self._init_fused(params, defaults, config, nd_mode=nd_mode, sharded_mode=sharded_mode,
                          replica_work=replica_work, state_dtype=state_dtype, state_block_size=state_block_size,
-                         workspace_mib=workspace_mib, deferred_error=deferred_error)
+                         workspace_mib=workspace_mib, deferred_error=deferred_error,
+                         overlap_backward=overlap_backward)
 
     # ------------------------------------------------------------------ Emerging-Optimizers' extension points
     # The fused step runs these rules in its normalization ops; a subclass overriding one of them

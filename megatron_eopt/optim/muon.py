@@ -118,11 +118,12 @@ class Muon(OrthogonalizedOptimizer):
         state_dtype: str = "fp32",
         state_block_size: int = DEFAULT_BLOCK_SIZE,
         workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
+        overlap_backward: bool = False,
     ) -> None:
         config, deferred_error = fused_config(locals())
         self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,
             sharded_mode=sharded_mode, replica_work=replica_work, weight_update_hook=weight_update_hook,
             state_dtype=state_dtype, state_block_size=state_block_size, workspace_mib=workspace_mib,
-            deferred_error=deferred_error,
+            deferred_error=deferred_error, overlap_backward=overlap_backward,
         )

@@ -42,6 +42,7 @@ classes (Muon, AdaptiveMuon, Scion, the tensor-parallel ones) set up through ``_
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -65,6 +66,7 @@ from .multirank.tensor_parallel import GTPLayout, TPLayout
 from .step import low_memory as _low_memory
 from .step.fused import FusedStep
 from .step.layout import cached_step_layouts, step_layouts
+from .step.overlap import BackwardOverlap
 from .step.plan import (
     DEFAULT_WORKSPACE_MIB,
     Plan,
@@ -176,11 +178,17 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                     sharded_mode: str = "owner", replica_work: str = "repeat", weight_update_hook: Any | None = None,
                     state_dtype: str = "fp32",
                     state_block_size: int = lms.DEFAULT_BLOCK_SIZE, workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
-                    deferred_error: tuple[str, type, str] | None = None) -> None:
+                    deferred_error: tuple[str, type, str] | None = None, overlap_backward: bool = False) -> None:
         """Sets up the fused step: ``config`` says how every parameter is orthogonalized; ``state_dtype``
         and ``state_block_size`` how its state is stored (:mod:`megatron_eopt.low_memory_state`);
         ``workspace_mib`` bounds a step's transient memory (the ``workspace_mib`` property).
-        ``deferred_error`` (``_config.defer_step_time_errors``) is what ``step()`` raises."""
+        ``deferred_error`` (``_config.defer_step_time_errors``) is what ``step()`` raises;
+        ``overlap_backward``: see :mod:`.step.overlap`."""
+        if not isinstance(overlap_backward, bool):
+            raise TypeError(f"overlap_backward must be True or False, got {overlap_backward!r}")
+        self.overlap_backward = overlap_backward
+        if overlap_backward:
+            self._overlap = BackwardOverlap(self)
         self.state_dtype = lms.validate_state_dtype(state_dtype)
         self.state_block_size = lms.validate_block_size(state_block_size)
         self._workspace_mib = check_workspace_mib(workspace_mib)
@@ -350,6 +358,9 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                     k: torch.zeros(1, dtype=torch.float64, device=bucket.device) for k in self._step_keys()
                 }
         self._plan, self._hyper = plan, hyper
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None:
+            overlap.sync_hooks(plan)
 
     # ------------------------------------------------------------------ workspace budget
     @property
@@ -403,6 +414,9 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                 )
             return self._hook_step()
         plan = self._current_plan()
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None and overlap.work is not None:  # backward started the step
+            return self._finish_overlapped_step(overlap)
         active = [e.param.grad is not None for e in plan.entries]
         # Everything that can reject the input runs before anything is written.
         self._check_grads(plan, active)
@@ -420,6 +434,41 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             self._step_chunk(plan, layout, inputs, scalers)
         return None
+
+    @torch._disable_dynamo
+    def _finish_overlapped_step(self, overlap: BackwardOverlap) -> None:
+        overlap.finish(self)
+
+    # ------------------------------------------------------------------ overlap with backward
+    def accumulating(self):
+        """A context manager for plain gradient-accumulation loops with ``overlap_backward=True``:
+        the backward passes inside it are non-final micro-batches and start no optimizer work
+        (FSDP2 needs none: it calls no hook while ``set_requires_gradient_sync(False)``)."""
+        overlap = self.__dict__.get("_overlap")
+        if overlap is None:
+            return contextlib.nullcontext()
+        return overlap.accumulating()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None and overlap.work is not None:
+            overlap.discard("zero_grad() before step()")
+        super().zero_grad(set_to_none)
+
+    @torch._disable_dynamo
+    def state_dict(self) -> dict[str, Any]:
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None:
+            overlap.wait()  # the momentum of started chunks is being written
+        return super().state_dict()
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None:
+            overlap.wait()
+            overlap.work = None  # the checkpoint replaces the state the work wrote
+        super().load_state_dict(state_dict)
 
     def _step_chunk(self, plan, layout, inputs: dict, scalers: dict) -> None:
         """Every phase for one chunk. A function of its own so that the chunk's results (memory of

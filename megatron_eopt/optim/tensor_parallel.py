@@ -188,6 +188,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
+        overlap_backward: bool = False,
     ) -> None:
         self._init_tensor_parallel(locals(), moment2=None)
 
@@ -209,7 +210,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         if moment2 is not None:
             defaults.update(beta2=moment2[1], eps=moment2[2])
         self._init_fused(a["params"], defaults, config, state_dtype=a["state_dtype"],
-                         state_block_size=a["state_block_size"], workspace_mib=a["workspace_mib"])
+                         state_block_size=a["state_block_size"], workspace_mib=a["workspace_mib"],
+                         overlap_backward=a["overlap_backward"])
 
 
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
@@ -257,5 +259,6 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
+        overlap_backward: bool = False,
     ) -> None:
         self._init_tensor_parallel(locals(), moment2=(moment2_method, beta2, eps))

@@ -262,6 +262,14 @@ class FusedStep:
 
     def _count_below_eps(self, x: torch.Tensor, eps: float) -> None:
         """One norm per matrix of ``x`` (k, m, n) and a sum, on the device, no host sync."""
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None:  # backward's work counts from a worker thread and the hooks
+            with overlap.lock:
+                self._count_below_eps_unlocked(x, eps)
+        else:
+            self._count_below_eps_unlocked(x, eps)
+
+    def _count_below_eps_unlocked(self, x: torch.Tensor, eps: float) -> None:
         counts = self.__dict__.get("_ns_below_eps_counts")
         if counts is None:
             counts = self._ns_below_eps_counts = {}

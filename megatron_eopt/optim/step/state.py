@@ -20,6 +20,7 @@ from .._config import config_setting_names
 from .._eo_hooks import EOExtensionPoints
 from .plan import Plan
 from ..multirank.sharded import ShardedOrthogonalizer, zeros_state
+from .overlap import BackwardOverlap
 from .state_check import check_loaded_state
 
 
@@ -43,7 +44,7 @@ class FusedState:
         # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
         state = super().__getstate__()
-        transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds")
+        transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_overlap")
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 
@@ -59,6 +60,8 @@ class FusedState:
         if self._config is None:
             return
         self._sharded = ShardedOrthogonalizer(self._config)
+        if getattr(self, "overlap_backward", False):
+            self._overlap = BackwardOverlap(self)  # hooks on this copy's params, made with its plan
         if not hasattr(self, "_state_seeds"):
             self._state_seeds = {}
         # Param groups keep exactly the keys they were saved with (state_dict -> load_state_dict

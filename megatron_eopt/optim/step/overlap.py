@@ -1,0 +1,334 @@
+"""Newton–Schulz overlapped with backward (``overlap_backward=True``).
+
+Every parameter of the plan gets a post-accumulate-grad hook. During ``loss.backward()`` a hook
+marks its parameter's gradient final; once every member of a chunk (``step.plan``'s chunks, the
+same the step uses) has a final gradient, the chunk's first two phases run: momentum into its
+Newton–Schulz inputs, then the batched Newton–Schulz (with the exchanges of sharded matrices).
+``step()`` waits for that work, runs the chunks that did not start (a parameter without a
+gradient, a chunk whose gradients came last) and applies every update in chunk order.
+
+Where the work runs: on a CUDA device, on a side stream of its own, ordered after the stream the
+gradient was produced on (FSDP2 calls the hooks of its sharded parameters after the
+reduce-scatter, on its post-reduce stream), and ``step()`` makes the current stream wait for it.
+On the CPU, chunks without collectives run on one worker thread (the backward continues on the
+caller's thread); a chunk with collectives (sharded matrices, tensor-parallel stacks) runs in the
+hook itself, so that every rank issues its collectives in the same order, the order in which
+backward finalizes the gradients (the same on every rank of an SPMD model).
+
+The results are bitwise those of the same optimizer without overlap: the same chunks run the same
+ops on the same inputs, and the update phase runs in ``step()`` in chunk order. What cannot be
+reproduced is refused:
+
+- a gradient changed after its chunk started (a clip that scales it, GradScaler's unscale, a
+  second micro-batch accumulated into it) raises at ``step()`` (before any update is applied; the
+  momentum of the started chunks has advanced). A second backward into a consumed gradient raises
+  in the hook. Gradient accumulation: FSDP2 calls no hook while
+  ``set_requires_gradient_sync(False)``; plain loops wrap non-final micro-batches in
+  ``with optimizer.accumulating():``.
+- ``momentum`` / ``weight_decay`` are read when the first chunk starts; a change before ``step()``
+  raises (set them before ``backward()``); ``lr`` is read by ``step()`` as always.
+- ``torch.amp.GradScaler`` (its scale and inf check arrive with ``step()``) is refused.
+
+``zero_grad()`` between backward and ``step()`` drops the started work (with a warning: the
+momentum of those matrices has advanced without an update); ``state_dict()`` waits for it;
+``load_state_dict()`` drops it. A compiled ``step()`` finishes the work outside the graph (a graph
+break: not with ``fullgraph=True``). Memory: each started chunk keeps its fp32 Newton–Schulz
+results until ``step()``, up to one fp32 copy of every matrix, where the step alone keeps one chunk's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...step_stats import StepStats, merge_into_recording, recording_into
+from ..multirank.sharded import local
+from .layout import chunk_layout
+from .plan import Plan
+
+# What the momentum phase reads from a param group (lr and the rest are read by step()).
+MOMENTUM_PHASE_KEYS = ("momentum", "weight_decay")
+
+
+@dataclass
+class StartedChunk:
+    """A chunk whose momentum and Newton–Schulz ran during backward: what its update needs."""
+
+    layout: Any
+    launches: list
+    updates: dict
+    scales: dict
+    ns_inputs: dict
+
+
+@dataclass
+class BackwardWork:
+    """One backward's work: the gradients seen final, the chunks started, their results."""
+
+    plan: Plan
+    chunk_of: dict  # entry index -> chunk index
+    waiting: list  # per chunk: members whose gradient is not final yet
+    versions: dict = field(default_factory=dict)  # entry index -> (grad, its version when consumed)
+    hyper: dict = field(default_factory=dict)  # group index -> {key: value when the first chunk started}
+    started: dict = field(default_factory=dict)  # chunk index -> StartedChunk or Future of one
+    error: BaseException | None = None  # what stopped the work; step() raises it
+    seconds: float = 0.0  # host time of the work done before step()
+    stats: list = field(default_factory=list)  # StepStats of the work, one per thread that did some
+
+
+class BackwardOverlap:
+    """The hooks and the in-flight work of one optimizer (see the module docstring)."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        self._handles: dict[int, Any] = {}  # id(param) -> hook handle
+        self._params: dict[int, weakref.ref] = {}
+        self.accumulating_depth = 0
+        self.work: BackwardWork | None = None
+        self.lock = threading.Lock()  # the worker and the hooks share the below-eps counters
+        self._executor: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, Any] = {}
+
+    # ------------------------------------------------------------------ hooks
+    def sync_hooks(self, plan: Plan) -> None:
+        """One hook per parameter of ``plan``; parameters no longer in it lose theirs."""
+        wanted = {id(e.param): e.param for e in plan.entries}
+        for pid in [pid for pid in self._handles if pid not in wanted]:
+            self._handles.pop(pid).remove()
+            self._params.pop(pid, None)
+        ref = weakref.ref(self)
+        for pid, p in wanted.items():
+            if pid not in self._handles:
+                self._handles[pid] = p.register_post_accumulate_grad_hook(_hook(ref))
+                self._params[pid] = weakref.ref(p)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+        self._params.clear()
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        self.accumulating_depth += 1
+        try:
+            yield
+        finally:
+            self.accumulating_depth -= 1
+
+    def on_grad_final(self, p: torch.Tensor) -> None:
+        opt = self._optimizer()
+        if opt is None or self.accumulating_depth or torch.compiler.is_compiling():
+            return
+        work = self.work
+        if work is not None and work.error is not None:
+            return
+        plan = opt._current_plan() if work is None else work.plan
+        i = plan.index.get(id(p))
+        if i is None:
+            return
+        if work is None:
+            work = self._begin(opt, plan)
+            if work is None:
+                return
+        if i in work.versions:
+            raise RuntimeError(
+                f"{type(opt).__name__}(overlap_backward=True): a second backward accumulated into the gradient of the "
+                f"{tuple(p.shape)} parameter after its Newton–Schulz started; call step() between backward passes, "
+                "or run the non-final micro-batches inside `with optimizer.accumulating():`"
+            )
+        g = p.grad
+        work.versions[i] = (g, local(g)._version if g is not None else None)
+        c = work.chunk_of[i]
+        work.waiting[c] -= 1
+        if work.waiting[c] == 0:
+            self._start_chunk(opt, work, c)
+
+    # ------------------------------------------------------------------ the work
+    def _begin(self, opt, plan: Plan) -> BackwardWork | None:
+        """The step's per-step preparation, done when the first gradient of a backward is final.
+        Returns None when this step cannot overlap (step() then does everything and raises what
+        it must)."""
+        if not opt._use_fused_step() or opt._step_time_error() is not None or opt._spanning_matrix_error() is not None:
+            return None
+        n = len(plan.entries)
+        chunk_of = {}
+        waiting = []
+        for c, chunk in enumerate(plan.chunks):
+            for i in chunk:
+                chunk_of[i] = c
+            waiting.append(len(chunk))
+        work = BackwardWork(plan, chunk_of, waiting)
+        try:
+            opt._write_hyperparameters(plan, [True] * n)
+        except (ValueError, TypeError, RuntimeError):
+            return None  # step() raises it
+        for gi, group in enumerate(opt.param_groups):
+            work.hyper[gi] = {k: _snapshot(group[k]) for k in MOMENTUM_PHASE_KEYS if k in group}
+        for seed in opt._state_seeds.values():
+            seed.add_(1)
+        opt._reset_ns_inputs_below_eps(plan)
+        if opt._sharded.loads:
+            opt._sharded.loads.clear()
+        self.work = work
+        return work
+
+    def _start_chunk(self, opt, work: BackwardWork, c: int) -> None:
+        plan = work.plan
+        members = plan.chunks[c]
+        active = [False] * len(plan.entries)
+        for i in members:
+            active[i] = True
+        try:
+            opt._check_grads(plan, active)
+        except (ValueError, TypeError) as exc:
+            work.error = exc
+            return
+        layout = chunk_layout(plan, list(members))
+        device = local(plan.entries[members[0]].param).device
+        collectives = any(plan.entries[i].stack_index < 0 or plan.stacks[plan.entries[i].stack_index].tp is not None
+                          or plan.stacks[plan.entries[i].stack_index].gtp is not None for i in members)
+        if device.type == "cuda":
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            for i in members:  # the grads are read on the side stream
+                local(plan.entries[i].param.grad).record_stream(stream)
+            with torch.cuda.stream(stream):
+                work.started[c] = self._run(opt, work, plan, layout)
+        elif device.type == "cpu" and not collectives:
+            work.started[c] = self._worker(opt).submit(self._run, opt, work, plan, layout)
+        else:
+            try:
+                work.started[c] = self._run(opt, work, plan, layout)
+            except BaseException as exc:
+                work.error = exc  # step() raises it too; nothing more starts
+                raise
+
+    def _run(self, opt, work: BackwardWork, plan: Plan, layout) -> StartedChunk:
+        """Momentum and Newton–Schulz of one chunk, into buffers of its own (kept until step())."""
+        stats = StepStats()
+        start = time.perf_counter()
+        device_type = local(plan.entries[layout.members[0]].param).device.type
+        # as in step(): no autocast (a backward called inside an autocast region runs its hooks in it)
+        with torch.no_grad(), torch.autocast(device_type, enabled=False), recording_into(stats):
+            inputs = opt._ns_input_buffers((layout,))
+            ns_inputs, stacked = opt._ns_input_views(plan, layout, inputs)
+            scalers = {d: (None, None) for d in {b.device for b in plan.buckets}}
+            launches = opt._momentum_phase(plan, layout, ns_inputs, scalers)
+            updates, scales = opt._orthogonalize_phase(plan, layout.members, ns_inputs, stacked)
+        with self.lock:
+            work.seconds += time.perf_counter() - start
+            work.stats.append(stats)
+        return StartedChunk(layout, launches, updates, scales, ns_inputs)
+
+    def _worker(self, opt) -> ThreadPoolExecutor:
+        if self._executor is None:
+            # The worker's ops use as many threads as the caller's (a new thread would get OpenMP's default).
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="megatron-eopt-overlap",
+                                                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
+            weakref.finalize(opt, self._executor.shutdown, wait=False)
+        return self._executor
+
+    def wait(self) -> None:
+        """Waits for the in-flight work (its results stay pending for step())."""
+        work = self.work
+        if work is None:
+            return
+        for c, started in list(work.started.items()):
+            if isinstance(started, Future):
+                try:
+                    work.started[c] = started.result()
+                except BaseException as exc:  # noqa: BLE001 - re-raised by step()
+                    del work.started[c]
+                    work.error = work.error or exc
+        for device, stream in self._streams.items():
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+    def discard(self, why: str) -> None:
+        """Drops the pending work (after waiting for it), warning when some had started."""
+        self.wait()
+        work, self.work = self.work, None
+        if work is not None and work.started:
+            opt = self._optimizer()
+            warnings.warn(
+                f"{type(opt).__name__}(overlap_backward=True): {why} dropped the Newton–Schulz work that backward "
+                f"started for {len(work.started)} chunk(s); the momentum of their matrices has advanced without an "
+                "update. Call step() first to apply it.", stacklevel=3)
+
+    # ------------------------------------------------------------------ step()
+    def finish(self, opt) -> None:
+        """The rest of the step, after backward started some of it (the fused step's body)."""
+        self.wait()
+        work, self.work = self.work, None
+        plan = opt._current_plan()
+        if plan is not work.plan:
+            raise RuntimeError(f"{type(opt).__name__}(overlap_backward=True): the parameters changed between backward "
+                               "and step(); the work backward started was dropped")
+        if work.error is not None:
+            raise work.error
+        name = type(opt).__name__
+        grad_scale, found_inf = opt._grad_scaler_tensors()
+        if grad_scale is not None or found_inf is not None:
+            raise RuntimeError(f"{name}(overlap_backward=True) does not compose with torch.amp.GradScaler: its scale and "
+                               "inf check arrive with step(), after backward started the work; construct the optimizer "
+                               "with overlap_backward=False to use a GradScaler")
+        for i, (grad, version) in work.versions.items():
+            p = plan.entries[i].param
+            if p.grad is not grad or (grad is not None and local(grad)._version != version):
+                raise RuntimeError(
+                    f"{name}(overlap_backward=True): the gradient of the {tuple(p.shape)} parameter changed after "
+                    "backward started its Newton–Schulz (a clip that scales it, an unscale, another micro-batch "
+                    "accumulated into it); clip with policy='adamw' (megatron_eopt.clipping), run non-final "
+                    "micro-batches inside `with optimizer.accumulating():`, or use overlap_backward=False"
+                )
+        for gi, values in work.hyper.items():
+            for key, value in values.items():
+                if not _same(value, opt.param_groups[gi].get(key)):
+                    raise ValueError(
+                        f"param_groups[{gi}][{key!r}] changed after backward started the step's momentum "
+                        f"({value!r} -> {opt.param_groups[gi].get(key)!r}); with overlap_backward=True set it before "
+                        "loss.backward()"
+                    )
+        active = [e.param.grad is not None for e in plan.entries]
+        opt._check_grads(plan, active)
+        opt._write_hyperparameters(plan, active)
+        scalers = {d: (None, None) for d in {b.device for b in plan.buckets}}
+        merge_into_recording(work.stats, work.seconds)
+        for c, chunk in enumerate(plan.chunks):
+            started = work.started.get(c)
+            if started is not None:
+                opt._update_phase(plan, started.launches, started.updates, started.scales, started.ns_inputs)
+                continue
+            members = [i for i in chunk if active[i]]
+            if members:
+                layout = chunk_layout(plan, members)
+                opt._step_chunk(plan, layout, opt._ns_input_buffers((layout,)), scalers)
+
+
+def _hook(ref):
+    def hook(p: torch.Tensor) -> None:
+        overlap = ref()
+        if overlap is not None:
+            overlap.on_grad_final(p)
+    return hook
+
+
+def _snapshot(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+            and bool(torch.equal(a, b.to(a.device)))
+    return a == b

@@ -1,0 +1,119 @@
+"""One gloo rank of the ``overlap_backward`` tests (spawned by test_overlap_backward.py): an FSDP2
+model (the hooks fire after the reduce-scatter; owner mode's exchanges run inside backward) and
+tensor-parallel shards (layer-sharded and distributed modes' collectives inside backward), each
+compared bit for bit with the same optimizer without overlap."""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from megatron_eopt.optim import AdaptiveMuon, Muon, TensorParallelMuon  # noqa: E402
+from dist_harness import gloo_world  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
+
+STEPS = 3
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        # 37 rows: uneven (padded) FSDP2 shards
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(24, 37, bias=False), torch.nn.Linear(37, 37, bias=False),
+                                           torch.nn.Linear(37, 24, bias=False)])
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == len(self.layers) - 1 else torch.relu(layer(x))
+        return x
+
+
+def _fsdp(mesh, seed):
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Net(torch.Generator().manual_seed(seed))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def check_fsdp(mesh, seed, cls, kwargs, micro):
+    """FSDP2 with ``micro`` micro-batches per step (the non-final ones without gradient sync)."""
+    results = []
+    for overlap in (False, True):
+        model = _fsdp(mesh, seed)
+        opt = cls(model.parameters(), overlap_backward=overlap, workspace_mib=0.001, **kwargs)
+        gen = torch.Generator().manual_seed(seed + dist.get_rank())
+        for _ in range(STEPS):
+            for k in range(micro):
+                model.set_requires_gradient_sync(k == micro - 1)
+                model(torch.randn(5, 24, generator=gen)).square().mean().backward()
+                if k < micro - 1:
+                    assert getattr(opt, "_overlap", None) is None or opt._overlap.work is None, "work started on a non-final micro-batch"
+            if overlap:
+                work = opt._overlap.work
+                assert work is not None and len(work.started) == len(opt._plan.chunks), "nothing ran in backward"
+            opt.step()
+            opt.zero_grad()
+        results.append(([p.full_tensor() for p in model.parameters()], opt.step_stats()))
+    (want, plain), (got, overlapped) = results
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"FSDP2 {cls.__name__} {kwargs} micro={micro} param {i}: overlap differs"
+    for key in ("ns_matrices", "collectives", "bytes_sent"):
+        assert overlapped[key] == plain[key], (key, overlapped, plain)
+    assert overlapped["seconds_before_step"] is not None
+
+
+def check_tensor_parallel(group, seed, tp_mode):
+    """Tensor-parallel shards whose gradients come from one backward pass."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [((32, 16), 0), ((16, 32), 1), ((24, 16), 0), ((12, 12), -1)]
+    full = [torch.randn(s, generator=gen) * 0.1 for s, _ in shapes]
+    grads = [[torch.randn(s, generator=gen) for s, _ in shapes] for _ in range(STEPS)]
+
+    def shard(t, pd):
+        return t if pd == -1 else t.chunk(size, dim=pd)[rank].clone()
+
+    results = []
+    for overlap in (False, True):
+        params = []
+        for t, (_, pd) in zip(full, shapes):
+            p = torch.nn.Parameter(shard(t, pd))
+            p.partition_dim = pd
+            params.append(p)
+        opt = TensorParallelMuon(params, lr=0.02, pg_collection=SimpleNamespace(tp=group, expt_tp=group),
+                                 tp_mode=tp_mode, fp32_matmul_prec="highest", overlap_backward=overlap,
+                                 workspace_mib=0.001)
+        for step_grads in grads:
+            sum((p * shard(g, pd)).sum() for p, g, (_, pd) in zip(params, step_grads, shapes)).backward()
+            if overlap:  # every chunk ran in backward, its collectives included
+                assert len(opt._overlap.work.started) == len(opt._plan.chunks) > 1
+            opt.step()
+            opt.zero_grad()
+        results.append(params)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"tp_mode={tp_mode} param {i}: overlap differs"
+
+
+@exits_without_teardown
+def worker(rank, world_size, init_file, seed):
+    with gloo_world(rank, world_size, init_file):
+        world = init_device_mesh("cpu", (world_size,))
+        for micro in (1, 2):
+            check_fsdp(world, seed, Muon, {}, micro)
+        check_fsdp(world, seed, AdaptiveMuon, dict(lr=0.02, momentum=0.9, weight_decay=0.1, moment2_method="normuon"), 1)
+        check_fsdp(world, seed, Muon, dict(sharded_mode="gather"), 1)
+        for tp_mode in ("duplicated", "distributed", "layer_sharded"):
+            check_tensor_parallel(dist.group.WORLD, seed, tp_mode)
