@@ -19,7 +19,8 @@ and listed; exit status 1 when a measurement raised.
 The ``dist_*`` workloads (workloads_dist.py) run only when named: they spawn --ranks CPU processes
 (gloo) holding FSDP2-sharded DTensor parameters and compare the owner and gather modes of the
 sharded step with per-rank redundant computation; their table is its own RESULTS.md section. So do
-the ``tp_*`` workloads (workloads_tp.py): Megatron tensor-parallel shards, every ``tp_mode``.
+the ``tp_*`` workloads (workloads_tp.py): Megatron tensor-parallel shards, every ``tp_mode``, and
+the ``overlap_*`` workloads (workloads_overlap.py): training steps with and without ``overlap_backward``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import hyper  # noqa: E402
 import report  # noqa: E402
 import workloads as catalogue_module  # noqa: E402
 import workloads_dist  # noqa: E402
+import workloads_overlap  # noqa: E402
 import workloads_tp  # noqa: E402
 from timing import measure, plan_for  # noqa: E402
 
@@ -150,7 +152,8 @@ def publish(doc: dict, args) -> None:
 
 
 # The workloads that spawn ranks, by name: their module (run, markdown).
-_SPAWNED = {**{n: workloads_dist for n in workloads_dist.WORKLOADS}, **{n: workloads_tp for n in workloads_tp.WORKLOADS}}
+_SPAWNED = {**{n: workloads_dist for n in workloads_dist.WORKLOADS}, **{n: workloads_tp for n in workloads_tp.WORKLOADS},
+            **{n: workloads_overlap for n in workloads_overlap.WORKLOADS}}
 
 
 def run_dist(args, names, others) -> int:
@@ -159,7 +162,7 @@ def run_dist(args, names, others) -> int:
         raise SystemExit("run the dist_* / tp_* workloads on their own (they spawn processes and have their own table)")
     modules = {_SPAWNED[n] for n in names}
     if len(modules) > 1:
-        raise SystemExit("run the dist_* and tp_* workloads apart (each has its own table)")
+        raise SystemExit("run the dist_*, tp_* and overlap_* workloads apart (each has its own table)")
     module = modules.pop()
     environment = env_info.collect(torch.device("cpu"))
     entries = []
@@ -173,7 +176,7 @@ def run_dist(args, names, others) -> int:
     body = module.markdown(entries, environment)
     if args.remarks:
         body += "\n" + args.remarks + "\n"
-    kind = "dist" if module is workloads_dist else "tp"
+    kind = {workloads_dist: "dist", workloads_tp: "tp", workloads_overlap: "overlap"}[module]
     report.publish(body, args.results_md, f"{kind}: {environment['device_name'].split(',')[0]}")
     if args.out:
         with open(args.out, "w") as f:

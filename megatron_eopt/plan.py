@@ -17,6 +17,9 @@ experts ``(E, m, n)`` sharded on the expert dim over ``ep``):
 - ``split``: ``replica_work="split"``, each matrix once in the mesh;
 - ``gather``: ``sharded_mode="gather"``, every rank every matrix it holds a shard of.
 
+``replica_work="auto"`` (the optimizers' default) picks between ``owner`` and ``split`` by this
+time model on the optimizer's own matrices, mesh and device (``optim.multirank.replica_work``).
+
 Their FLOPs, matrices, bytes and collectives are not estimates: the planner runs the step's own
 rules (DTensor's chunking of the shards, the owner assignment, the pipelining chunks) and counts
 by the conventions of :mod:`megatron_eopt.step_stats`, so its counts equal ``step_stats()`` of the
@@ -27,7 +30,8 @@ shards gathered on every TP rank, updated parameters all-gathered over data para
 ``torchtitan_dist_muon``: owners within each shard group of replica 0 only, results broadcast to the
 other replicas, no tensor parallelism).
 
-Time model (stated, not measured here): Newton–Schulz at the profile's TFLOP/s, reduced for small
+Time model (stated, not measured here; the profiles are ``optim.multirank.hardware``'s, ``CPU``
+one core per rank over gloo as the suite runs it): Newton–Schulz at the profile's TFLOP/s, reduced for small
 matrices by a half-efficiency size fitted to our H100 measurements (benchmarks/RESULTS.md); each
 collective costs its latency plus its bytes over NVLink when its ranks share a node, else over the
 network; compute and communication are added (no overlap assumed).
@@ -41,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from .optim.multirank.hardware import HARDWARE, Hardware, ns_seconds
 from .optim.multirank.sharded import ITEMS_PER_RANK, assign_owners, ns_flops
 from .optim.step.plan import chunk_entries
 from .step_stats import StepStats, newton_schulz_flops
@@ -48,33 +53,6 @@ from .step_stats import StepStats, newton_schulz_flops
 NS_STEPS = 5
 LAYOUTS = ("owner", "split", "gather", "megatron_layer_wise", "torchtitan_dist_muon")
 OURS = ("owner", "split", "gather")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """A GPU profile. ``tflops``: sustained dense TFLOP/s of Newton–Schulz per precision on large
-    matrices; ``half_gflop``: the per-matrix GFLOP at which half of it is reached; bandwidths in GB/s
-    per GPU and direction; ``latency_us`` per collective."""
-
-    name: str
-    tflops: dict
-    half_gflop: float
-    nvlink_gbps: float
-    network_gbps: float
-    latency_us: float
-    gpus_per_node: int = 8
-
-
-# H100: 685 TFLOP/s measured for Newton–Schulz in "medium" on 4096² and 8192² matrices and 177 at
-# 1024² (benchmarks/RESULTS.md), which fits 700 TFLOP/s with half efficiency at 95 GFLOP; "high"
-# and "highest" scaled by the data sheet's TF32 / FP32 over BF16. H200: the same compute. B200:
-# the data sheet's ratio to H100 (not measured). Links: NVLink 4 (450 GB/s a direction), NVLink 5
-# (900), one 400 / 800 Gb/s NIC per GPU.
-HARDWARE = {
-    "H100": Hardware("H100 SXM", {"medium": 700.0, "high": 350.0, "highest": 47.0}, 95.0, 450.0, 50.0, 20.0),
-    "H200": Hardware("H200 SXM", {"medium": 700.0, "high": 350.0, "highest": 47.0}, 95.0, 450.0, 50.0, 20.0),
-    "B200": Hardware("B200", {"medium": 1590.0, "high": 780.0, "highest": 57.0}, 95.0, 900.0, 100.0, 20.0),
-}
 
 
 @dataclass(frozen=True)
@@ -184,9 +162,7 @@ def _compute(rank: RankCounts, view: tuple[int, ...], hw: Hardware, precision: s
     rank.ns_matrices += batch
     rank.ns_flops += flops
     if flops:
-        per = flops / batch
-        rate = hw.tflops[precision] * 1e12 * per / (per + hw.half_gflop * 1e9)
-        rank.compute_s += flops / rate
+        rank.compute_s += batch * ns_seconds(hw, flops / batch, precision)
 
 
 def _step_chunks(entries: list[tuple[Matrix, tuple[int, ...], bool]], mesh: Mesh, workspace_mib) -> list[list[int]]:

@@ -35,7 +35,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
     ``polar_express_safety``) are those of :class:`Muon`; Muon+ renormalizes O before the second
     moment, as nanochat does.
     ``ns_eps`` as in :class:`Muon` (1e-15, Emerging-Optimizers 0.4; 1e-7 for 0.3.0).
-    ``state_dtype`` / ``state_block_size`` / ``workspace_mib`` as in :class:`Muon`; AdaMuon's elementwise second moment
+    ``state_dtype`` / ``state_block_size`` / ``workspace_mib`` / ``overlap_backward`` as in :class:`Muon`; AdaMuon's elementwise second moment
     follows it (bf16, or ``sqrt(v)`` in fp8 e4m3 with block scales for "int8" and "fp8"); NorMuon's
     and NAMO's statistics (a vector or a scalar per matrix) stay fp32.
 
@@ -66,7 +66,7 @@ class AdaptiveMuon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
-        replica_work: str = "repeat",
+        replica_work: str = "auto",
         row_equilibration: bool = False,
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",

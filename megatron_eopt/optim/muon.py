@@ -40,9 +40,16 @@ class Muon(OrthogonalizedOptimizer):
     ``"flatten"`` views them as ``(size(0), -1)`` (convolutions). DTensor params (FSDP2, tensor
     parallel, HSDP) keep DTensor state; ``sharded_mode`` chooses how a matrix split across ranks
     is orthogonalized: ``"owner"`` (one rank per matrix, all-to-all) or ``"gather"`` (all ranks).
-    ``replica_work`` (owner mode, meshes with a replicate dim such as HSDP's): ``"repeat"`` (default)
+    ``replica_work`` (owner mode, meshes with a replicate dim such as HSDP's): ``"repeat"``
     orthogonalizes every matrix once per replica; ``"split"`` once in the whole mesh, balanced over
-    the ranks of every replica, each result sent to the ranks of all of them (the same results).
+    the ranks of every replica, each result sent to the ranks of all of them (the same results);
+    ``"auto"`` (default) picks one by the planner's time model for the device (split when the
+    Newton–Schulz it saves outweighs the results it sends; ``multirank.replica_work``).
+
+    ``overlap_backward`` (an extension, default False): momentum and Newton–Schulz of each chunk
+    start during ``loss.backward()`` as soon as its gradients are final; ``step()`` applies the
+    updates, bitwise as without overlap (``optim.step.overlap``; ``accumulating()`` for plain
+    gradient-accumulation loops).
 
     The 2026 recipe (nanochat's ``MuonAdamW``), each off by default:
 
@@ -107,7 +114,7 @@ class Muon(OrthogonalizedOptimizer):
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         nd_mode: str = "error",
         sharded_mode: str = "owner",
-        replica_work: str = "repeat",
+        replica_work: str = "auto",
         row_equilibration: bool = False,
         frobenius_renorm: bool = False,
         ns_eps_mode: str = "clamp",

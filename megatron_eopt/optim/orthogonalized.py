@@ -60,6 +60,7 @@ from ._config import (
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
 from .multirank.agreement import agree, meshes_of, plan_digest
+from .multirank.replica_work import resolve_replica_work
 from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
                                 uneven_splits)
 from .multirank.tensor_parallel import GTPLayout, TPLayout
@@ -261,7 +262,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                         )
                     mesh = p.device_mesh
                     # rejects Partial and impossible views (the shards are checked with the plan)
-                    describe(p, nd_mode, self.sharded_mode, where, None, self.replica_work, check_local=False)
+                    describe(p, nd_mode, self.sharded_mode, where, None,
+                             "repeat" if self.replica_work == "auto" else self.replica_work, check_local=False)
                     _low_memory.check_sharding(p, self.state_dtype, self.state_block_size, where)
             check_group_hyperparameters(group, f"param_groups[{gi}]", self._momentum_below_one)
         except Exception as exc:  # refused on this rank: every rank of the group's meshes refuses it
@@ -328,8 +330,12 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             if meshes:  # a copy's rebuild (no collectives) keeps the shards' sizes its original gathered
                 self._uneven_shards = uneven_splits([p for g in self.param_groups for p in g["params"]])
             uneven = self.__dict__.get("_uneven_shards") or []
+            self._replica_work_in_use = resolve_replica_work(
+                self.replica_work, self.sharded_mode, self.param_groups, self.nd_mode, self._config.precision,
+                self._config.num_ns_steps)
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
-                              self.sharded_mode, self._group_configs(), self._gtp_layout, self.replica_work, uneven)
+                              self.sharded_mode, self._group_configs(), self._gtp_layout, self._replica_work_in_use,
+                              uneven)
             if self._low_memory_state and any(e.sharding is not None and e.sharding.uneven for e in plan.entries):
                 raise ValueError(
                     f"state_dtype={self.state_dtype!r} lays its codes' blocks out by DTensor's chunking rule, which "

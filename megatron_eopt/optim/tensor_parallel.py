@@ -144,7 +144,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``use_decoupled_weight_decay=False`` selects L2 decay. ``custom_coefficient_sets`` (an
     extension) gives the rows of ``coefficient_type="custom"``. Without ``pg_collection`` every
     parameter is orthogonalized locally. State: ``momentum_buffer``. ``state_dtype`` /
-    ``state_block_size``, ``workspace_mib`` and the 2026 recipe's ``row_equilibration``, ``frobenius_renorm``,
+    ``state_block_size``, ``workspace_mib``, ``overlap_backward`` and the 2026 recipe's ``row_equilibration``, ``frobenius_renorm``,
     ``ns_eps_mode``, ``ns_norm_divisor`` (extensions, inside the Newton–Schulz ops; QKV parts each
     their own matrix; not with ``tp_mode="distributed"``) as in :class:`~megatron_eopt.optim.Muon`.
     ``use_syrk`` (Megatron-LM main's switch for its SYRK kernel): True runs the Newton–Schulz ops

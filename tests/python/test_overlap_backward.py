@@ -306,3 +306,24 @@ def test_an_override_of_orthogonalize_runs_in_the_overlapped_work():
 
 def test_fsdp2_and_tensor_parallel_ranks(tmp_path):
     mp.spawn(overlap_worker.worker, args=(2, os.path.join(tmp_path, "rendezvous"), 0), nprocs=2, join=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["Muon", "NorMuon", "Muon bf16 state"])
+def test_overlapped_steps_on_cuda_equal_the_plain_steps(name):
+    """The side stream: the same bits as the plain step, with the work queued during backward."""
+    results = []
+    for ov in (False, True):
+        gen = torch.Generator().manual_seed(13)
+        params = [torch.nn.Parameter(p.detach().cuda()) for p in _params(gen)]
+        opt = BUILDERS[name](ov)(params)
+        for _ in range(3):
+            opt.zero_grad()
+            _backward(params, [torch.randn(p.shape, generator=gen).cuda() for p in params])
+            if ov:
+                assert opt._overlap.work is not None and opt._overlap.work.started
+            opt.step()
+        torch.cuda.synchronize()
+        results.append(params)
+    for i, (p, q) in enumerate(zip(*results)):
+        assert torch.equal(p, q), f"param {i} differs"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from megatron_eopt import plan
 from megatron_eopt.step_stats import newton_schulz_flops
@@ -76,3 +77,50 @@ def test_cli_prints_a_table_and_a_choice(capsys):
     assert table.count("| moe-64e |") == 2 * len(plan.LAYOUTS)  # tp 1: every layout runs
     assert plan.main(["--preset", "llama3-8b", "--mesh", "dp_replicate=2,dp_shard=8"]) == 0
     assert "chosen:" in capsys.readouterr().out
+
+
+class _FakeMesh:
+    def __init__(self, *sizes):
+        self.sizes = sizes
+
+    def size(self, dim=None):
+        return math.prod(self.sizes) if dim is None else self.sizes[dim]
+
+
+def _fake_dtensor(shape, mesh, placements):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(shape=shape, ndim=len(shape), device_mesh=mesh, placements=placements,
+                           device=torch.device("cpu"))
+
+
+def test_replica_work_auto_weighs_the_saved_newton_schulz_against_the_sent_results():
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from megatron_eopt.optim.multirank.hardware import HARDWARE, Hardware
+    from megatron_eopt.optim.multirank.replica_work import choose_replica_work, resolve_replica_work
+
+    hsdp = _FakeMesh(4, 8)
+    pairs = [(_fake_dtensor((4096, 4096), hsdp, (Replicate(), Shard(0))), "error")]
+    for name in ("H100", "B200", "CPU"):
+        assert choose_replica_work(pairs, "medium", 5, HARDWARE[name]) == "split"
+    # links slow against the device: sending the result costs more than orthogonalizing it again
+    slow = Hardware("fast GPU, slow links", {"medium": 1e4}, 0.0, 0.01, 0.01, 20.0)
+    assert choose_replica_work(pairs, "medium", 5, slow) == "repeat"
+    # nothing to share: no replicate dim, a replicated (not sharded) matrix, experts sharded on their dim
+    assert choose_replica_work([(_fake_dtensor((64, 64), _FakeMesh(8), (Shard(0),)), "error")], "medium", 5,
+                               slow) == "repeat"
+    nothing = [(_fake_dtensor((64, 64), hsdp, (Replicate(), Replicate())), "error"),
+               (_fake_dtensor((8, 64, 64), hsdp, (Replicate(), Shard(0))), "batch")]
+    assert choose_replica_work(nothing, "medium", 5, HARDWARE["H100"]) == "repeat"
+    # an expert batch sharded on a matrix dim is shared
+    experts = [(_fake_dtensor((8, 64, 64), hsdp, (Replicate(), Shard(1))), "batch")]
+    assert choose_replica_work(experts, "medium", 5, HARDWARE["H100"]) == "split"
+    # one matrix whose shards are strided (FSDP2 over TP) cannot share its owner: every rank repeats
+    strided = pairs + [(_fake_dtensor((64, 64), hsdp, (Replicate(), _StridedShard(0, split_factor=2))), "error")]
+    assert choose_replica_work(strided, "medium", 5, HARDWARE["H100"]) == "repeat"
+    groups = [dict(params=[p for p, _ in pairs])]
+    assert resolve_replica_work("auto", "gather", groups, "error", "medium", 5) == "repeat"
+    assert resolve_replica_work("repeat", "owner", groups, "error", "medium", 5) == "repeat"
+    assert resolve_replica_work("auto", "owner", [dict(params=[torch.zeros(4, 4)])], "error", "medium", 5) == "repeat"

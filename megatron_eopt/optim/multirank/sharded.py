@@ -55,8 +55,9 @@ except ImportError:  # pragma: no cover
 SHARDED_MODES = ("owner", "gather")
 # What the replicas of a matrix (mesh dims that replicate it: HSDP's replicate dim) do in owner mode:
 # "repeat" orthogonalizes every matrix once per replica; "split" once in the whole mesh, its owner
-# chosen among the ranks of every replica and its result sent to the ranks of all of them.
-REPLICA_WORK = ("repeat", "split")
+# chosen among the ranks of every replica and its result sent to the ranks of all of them; "auto"
+# picks one of them by the cost model (multirank.replica_work) when the plan is built.
+REPLICA_WORK = ("auto", "repeat", "split")
 # Matrices per rank and chunk in owner mode: two keeps every rank busy while the next chunk's
 # shards travel, and same-shape matrices of a chunk still batch into one Newton–Schulz call.
 ITEMS_PER_RANK = 2
