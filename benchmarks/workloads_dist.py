@@ -106,12 +106,18 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
         diff_t = torch.tensor([diff])
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
         results[mode]["rel_diff_vs_gather"] = float(diff_t)
+    finish_rank(rank, out, {"name": name, "ranks": world, "description": WORKLOADS[name][0],
+                            "params": sum(math.prod(s) for s in shapes),
+                            "matrices": sum(math.prod(s[:-2]) for s in shapes), "results": results})
+
+
+def finish_rank(rank: int, out: str, entry: dict) -> None:
+    """A spawned rank's end: rank 0 writes the workload's ``entry`` (JSON) to ``out``; the group goes."""
+    import torch.distributed as dist
+
     if rank == 0:
-        numel = sum(math.prod(s) for s in shapes)
-        matrices = sum(math.prod(s[:-2]) for s in shapes)
         with open(out, "w") as f:
-            json.dump({"name": name, "ranks": world, "description": WORKLOADS[name][0], "params": numel,
-                       "matrices": matrices, "results": results}, f)
+            json.dump(entry, f)
     dist.destroy_process_group()
 
 

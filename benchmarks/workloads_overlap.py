@@ -18,7 +18,6 @@ final parameters of overlap on and off are compared: they must be equal (bitwise
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -113,11 +112,8 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
         same = torch.tensor([float(all(torch.equal(a, b) for a, b in zip(finals[False], finals[True])))])
         dist.all_reduce(same, op=dist.ReduceOp.MIN)
         results[f"{layout}, overlap on"]["bitwise_equal"] = bool(same)
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"name": name, "ranks": world, "description": WORKLOADS[name][0], "matrices": 4 * LAYERS,
-                       "results": results}, f)
-    dist.destroy_process_group()
+    workloads_dist.finish_rank(rank, out, {"name": name, "ranks": world, "description": WORKLOADS[name][0],
+                                           "matrices": 4 * LAYERS, "results": results})
 
 
 def run(name: str, ranks: int, quick: bool) -> dict:

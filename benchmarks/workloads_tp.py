@@ -15,7 +15,6 @@ whole. The final parameters of every mode are compared with duplicated mode's.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 from types import SimpleNamespace
@@ -76,11 +75,8 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
         dist.all_reduce(diff_t, op=dist.ReduceOp.MAX)
         results[mode]["rel_diff_vs_duplicated"] = float(diff_t)
     results["duplicated"]["rel_diff_vs_duplicated"] = 0.0
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"name": name, "ranks": world, "description": WORKLOADS[name][0], "matrices": len(layout),
-                       "results": results}, f)
-    dist.destroy_process_group()
+    workloads_dist.finish_rank(rank, out, {"name": name, "ranks": world, "description": WORKLOADS[name][0],
+                                           "matrices": len(layout), "results": results})
 
 
 def run(name: str, ranks: int, quick: bool) -> dict:

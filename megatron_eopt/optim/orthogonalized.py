@@ -408,8 +408,11 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
     def _run_step(self) -> None:
         """The step itself, without torch's step hooks (``step`` is wrapped with them per class, so a
         front end with its own ``step`` calls this rather than ``super().step``)."""
+        overlap = self.__dict__.get("_overlap")
         error = self._step_time_error() or self._spanning_matrix_error()
         if error is not None:
+            if overlap is not None:
+                overlap.discard(None)  # (backward started nothing: it checked the same)
             raise error
         if not self._use_fused_step():
             if self._low_memory_state:
@@ -420,9 +423,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                 )
             return self._hook_step()
         plan = self._current_plan()
-        overlap = self.__dict__.get("_overlap")
-        if overlap is not None and overlap.work is not None:  # backward started the step
-            return self._finish_overlapped_step(overlap)
+        if overlap is not None and overlap.work is not None:
+            if not overlap.work.off:  # backward started the step
+                return self._finish_overlapped_step(overlap)
+            overlap.work = None
         active = [e.param.grad is not None for e in plan.entries]
         # Everything that can reject the input runs before anything is written.
         self._check_grads(plan, active)
@@ -472,8 +476,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         overlap = self.__dict__.get("_overlap")
         if overlap is not None:
-            overlap.wait()
-            overlap.work = None  # the checkpoint replaces the state the work wrote
+            overlap.discard(None)  # the checkpoint replaces the state the work wrote
         super().load_state_dict(state_dict)
 
     def _step_chunk(self, plan, layout, inputs: dict, scalers: dict) -> None:

@@ -84,7 +84,7 @@ def check_tensor_parallel(group, seed, tp_mode):
     grads = [[torch.randn(s, generator=gen) for s, _ in shapes] for _ in range(STEPS)]
 
     def shard(t, pd):
-        return t if pd == -1 else t.chunk(size, dim=pd)[rank].clone()
+        return (t if pd == -1 else t.chunk(size, dim=pd)[rank]).clone()
 
     results = []
     for overlap in (False, True):

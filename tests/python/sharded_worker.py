@@ -435,7 +435,7 @@ def _replica_splits_only(replica: set[int]):
 @exits_without_teardown
 def hsdp_tp_worker(rank, world_size, init_file, seed):
     """8 ranks, a 2 x 2 x 2 mesh (replicate, shard, tp): every matrix is split over the 4 ranks of
-    its replica (2 mesh dims, no process group of their own). Owner mode runs over the world, each
+    its replica (2 mesh dims, no process group of their own). Owner mode with replica_work="repeat" runs over the world, each
     replica exchanging only among its own ranks, and equals the unsharded optimizer; with
     replica_work="split" the replicas share the owners. Then FSDP x TP x EP and a pipeline stage's mesh."""
     with gloo_world(rank, world_size, init_file):
@@ -447,10 +447,11 @@ def hsdp_tp_worker(rank, world_size, init_file, seed):
             for cls, extra in OPTIMIZERS:
                 for placements in ([Replicate(), Shard(0), Shard(1)], [Replicate(), Shard(1), Shard(0)],
                                    [Replicate(), Shard(0), Shard(0)]):
-                    check(cube, [(s, placements) for s in shapes], cls, extra, seed, label=f"2x2x2 {placements}",
-                          ran="owner")
+                    check(cube, [(s, placements) for s in shapes], cls, dict(extra, replica_work="repeat"), seed,
+                          label=f"2x2x2 {placements}", ran="owner")
             # per chunk of 2 x 4 matrices one all-to-all there and one back
-            check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in [(37, 24)] * 9 + [(16, 16)]], Muon, {},
+            check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in [(37, 24)] * 9 + [(16, 16)]], Muon,
+                  dict(replica_work="repeat"),
                   seed, expect={"all_to_all_single": 2 * 2 * STEPS}, label="2x2x2 owner collectives", ran="owner")
         finally:
             dist.all_to_all_single = original

@@ -6,17 +6,8 @@ import pytest
 import torch
 
 from megatron_eopt.optim import AdaptiveMuon, Muon
-from optim_helpers import (
-    SHAPES,
-    ReferenceMuon,
-    clone_params,
-    make_grads,
-    make_params,
-    max_delta_err,
-    max_delta_err_without_flips,
-    max_state_err,
-    run_steps,
-)
+from optim_helpers import SHAPES, ReferenceMuon, clone_params, make_grads, make_params
+from optim_helpers import max_delta_err, max_delta_err_without_flips, max_state_err, run_steps
 from reference import TOLERANCE, ns_tolerance
 
 eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers")

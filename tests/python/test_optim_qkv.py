@@ -3,16 +3,8 @@
 import pytest
 
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon
-from optim_helpers import (
-    ReferenceMuon,
-    clone_params,
-    make_grads,
-    make_params,
-    max_delta_err,
-    max_delta_err_without_flips,
-    max_state_err,
-    run_steps,
-)
+from optim_helpers import ReferenceMuon, clone_params, make_grads, make_params
+from optim_helpers import max_delta_err, max_delta_err_without_flips, max_state_err, run_steps
 from reference import TOLERANCE
 
 HIGHEST = TOLERANCE["highest"]

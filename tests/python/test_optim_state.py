@@ -4,15 +4,8 @@ import pytest
 import torch
 
 from megatron_eopt.optim import AdaptiveMuon, Muon, TensorParallelAdaptiveMuon, TensorParallelMuon
-from optim_helpers import (
-    SHAPES,
-    clone_params,
-    continued_delta_err,
-    make_grads,
-    make_params,
-    max_delta_err,
-    run_steps,
-)
+from optim_helpers import SHAPES, clone_params, continued_delta_err, make_grads
+from optim_helpers import make_params, max_delta_err, run_steps
 from reference import TOLERANCE
 
 eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers")

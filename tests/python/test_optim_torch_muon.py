@@ -10,15 +10,8 @@ import torch
 
 import megatron_eopt as me
 from megatron_eopt.optim import Muon
-from optim_helpers import (
-    SHAPES,
-    clone_params,
-    continued_delta_err,
-    make_grads,
-    make_params,
-    max_delta_err,
-    run_steps,
-)
+from optim_helpers import SHAPES, clone_params, continued_delta_err, make_grads
+from optim_helpers import make_params, max_delta_err, run_steps
 from reference import TOLERANCE
 
 ADJUST = {

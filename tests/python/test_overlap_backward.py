@@ -168,22 +168,24 @@ def test_clip_policies_that_scale_matrix_gradients_are_refused_before_clipping(p
     assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))
 
 
-def test_the_adamw_clip_policy_composes():
-    def build(ov):
-        return lambda ps: Muon(ps, lr=0.02, overlap_backward=ov, workspace_mib=ONE_MATRIX_MIB)
-
+def _same_with_and_without_overlap(seed, steps, between):
+    """Muon with and without overlap, ``steps`` of backward, ``between(opt)``, step: the same params."""
     results = []
     for ov in (False, True):
-        gen = torch.Generator().manual_seed(5)
+        gen = torch.Generator().manual_seed(seed)
         params = _params(gen)
-        opt = build(ov)(params)
-        for _ in range(2):
+        opt = Muon(params, lr=0.02, overlap_backward=ov, workspace_mib=ONE_MATRIX_MIB)
+        for _ in range(steps):
             opt.zero_grad()
             _backward(params, [torch.randn(p.shape, generator=gen) for p in params])
-            clipping.clip_grad_norm_(opt, 1e-3, policy="adamw")
+            between(opt)
             opt.step()
         results.append(params)
     assert all(torch.equal(p, q) for p, q in zip(*results))
+
+
+def test_the_adamw_clip_policy_composes():
+    _same_with_and_without_overlap(5, 2, lambda opt: clipping.clip_grad_norm_(opt, 1e-3, policy="adamw"))
 
 
 def test_a_momentum_changed_between_backward_and_step_is_refused():
@@ -195,16 +197,7 @@ def test_a_momentum_changed_between_backward_and_step_is_refused():
 
 
 def test_a_learning_rate_changed_between_backward_and_step_applies():
-    results = []
-    for ov in (False, True):
-        gen = torch.Generator().manual_seed(7)
-        params = _params(gen)
-        opt = Muon(params, lr=0.02, overlap_backward=ov, workspace_mib=ONE_MATRIX_MIB)
-        _backward(params, [torch.randn(p.shape, generator=gen) for p in params])
-        opt.param_groups[0]["lr"] = 0.005
-        opt.step()
-        results.append(params)
-    assert all(torch.equal(p, q) for p, q in zip(*results))
+    _same_with_and_without_overlap(7, 1, lambda opt: opt.param_groups[0].update(lr=0.005))
 
 
 def test_grad_scaler_is_refused():
@@ -327,3 +320,70 @@ def test_overlapped_steps_on_cuda_equal_the_plain_steps(name):
         results.append(params)
     for i, (p, q) in enumerate(zip(*results)):
         assert torch.equal(p, q), f"param {i} differs"
+
+
+def test_gradients_that_share_one_buffer_are_not_mistaken_for_changed():
+    """Views of one flat buffer share a version counter: a sibling's accumulation later in the same
+    backward bumps it (FSDP2's grads of a group, flat gradient buffers)."""
+    results = []
+    for ov in (False, True):
+        gen = torch.Generator().manual_seed(14)
+        params = _params(gen)
+        flat = torch.zeros(sum(p.numel() for p in params))
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        opt = Muon(params, lr=0.02, overlap_backward=ov, workspace_mib=ONE_MATRIX_MIB)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=False)
+            _backward(params, [torch.randn(p.shape, generator=gen) for p in params])
+            opt.step()
+        results.append(params)
+    assert all(torch.equal(p, q) for p, q in zip(*results))
+
+
+def test_a_workspace_changed_between_backward_and_step_keeps_the_started_chunks():
+    _same_with_and_without_overlap(15, 2, lambda opt: setattr(opt, "workspace_mib", None))
+
+
+def test_a_dropped_step_leaves_the_low_memory_seeds_as_a_skipped_step_does():
+    results = []
+    for ov in (False, True):
+        gen = torch.Generator().manual_seed(16)
+        params = _params(gen)
+        opt = Muon(params, lr=0.02, state_dtype="bf16", overlap_backward=ov)  # one chunk
+        for k in range(3):
+            opt.zero_grad()
+            used = params[:2] if k == 1 else params  # step 1: the chunk waits for grads that never come
+            _backward(used, [torch.randn(p.shape, generator=gen) for p in used])
+            if k == 1:
+                opt.zero_grad()  # skipped: nothing had started, nothing to warn about
+            else:
+                opt.step()
+        results.append((params, opt))
+    (a, opt_a), (b, opt_b) = results
+    _assert_same(a, b, opt_a, opt_b)
+
+
+def test_hooks_follow_the_optimizer():
+    import gc
+
+    gen = torch.Generator().manual_seed(17)
+    params = _params(gen)
+    frozen = torch.nn.Parameter(torch.randn(8, 8, generator=gen), requires_grad=False)
+    opt = Muon(params + [frozen], lr=0.02, overlap_backward=True)  # a frozen param gets no hook
+    sd = copy.deepcopy(opt.state_dict())
+    for _ in range(3):
+        opt.load_state_dict(copy.deepcopy(sd))
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in params)
+    del opt
+    gc.collect()
+    assert all(not p._post_accumulate_grad_hooks for p in params)
+
+
+def test_a_momentum_given_as_a_tensor_of_the_same_value_is_no_change():
+    gen = torch.Generator().manual_seed(18)
+    params, opt = _after_backward(gen)
+    opt.param_groups[0]["momentum"] = torch.tensor(0.95, dtype=torch.float64)  # (an fp32 0.95 is another value)
+    opt.step()

@@ -120,6 +120,10 @@ def test_replica_work_auto_weighs_the_saved_newton_schulz_against_the_sent_resul
     # one matrix whose shards are strided (FSDP2 over TP) cannot share its owner: every rank repeats
     strided = pairs + [(_fake_dtensor((64, 64), hsdp, (Replicate(), _StridedShard(0, split_factor=2))), "error")]
     assert choose_replica_work(strided, "medium", 5, HARDWARE["H100"]) == "repeat"
+    # ... also where the strided dim has one rank (describe() refuses "split" for it all the same)
+    hsdp_tp = _FakeMesh(2, 1, 2)
+    strided = [(_fake_dtensor((64, 64), hsdp_tp, (Replicate(), _StridedShard(0, split_factor=2), Shard(0))), "error")]
+    assert choose_replica_work(strided, "medium", 5, HARDWARE["H100"]) == "repeat"
     groups = [dict(params=[p for p, _ in pairs])]
     assert resolve_replica_work("auto", "gather", groups, "error", "medium", 5) == "repeat"
     assert resolve_replica_work("repeat", "owner", groups, "error", "medium", 5) == "repeat"

@@ -40,9 +40,11 @@ def _replicas_of(p, nd_mode: str) -> int | None:
         size = mesh.size(i)
         if type(pl).__name__ == "Replicate":
             replicas *= size
-        elif hasattr(pl, "dim") and size > 1:
+        elif hasattr(pl, "dim"):
             if type(pl).__name__ != "Shard" or pl.dim < 0:
-                return None
+                return None  # describe() refuses "split" for such placements, even on a dim of one rank
+            if size == 1:
+                continue
             dim = pl.dim % nd
             # the dims of the view's matrices: the last two (nd_mode "batch": the leading ones index
             # matrices), or dim 0 of a flattened N-D param

@@ -74,9 +74,14 @@ class BackwardWork:
     """One backward's work: the gradients seen final, the chunks started, their results."""
 
     plan: Plan
+    chunks: tuple  # the plan's chunks when the work began (workspace_mib may change them later)
     chunk_of: dict  # entry index -> chunk index
-    waiting: list  # per chunk: members whose gradient is not final yet
-    versions: dict = field(default_factory=dict)  # entry index -> (grad, its version when consumed)
+    waiting: list  # per chunk: members whose gradient is not final yet (None: the chunk waits for step())
+    # entry index -> [grad, its version]: taken when the grad is final and again at the end of backward
+    # (FSDP2's grads of one group are views of one buffer, whose version every later sibling bumps)
+    versions: dict = field(default_factory=dict)
+    seeds: dict = field(default_factory=dict)  # the low-memory state's seeds before this step advanced them
+    off: bool = False  # this step does not overlap (step() does it all, and raises what it must)
     hyper: dict = field(default_factory=dict)  # group index -> {key: value when the first chunk started}
     started: dict = field(default_factory=dict)  # chunk index -> StartedChunk or Future of one
     error: BaseException | None = None  # what stopped the work; step() raises it
@@ -93,9 +98,14 @@ class BackwardOverlap:
         self._params: dict[int, weakref.ref] = {}
         self.accumulating_depth = 0
         self.work: BackwardWork | None = None
-        self.lock = threading.Lock()  # the worker and the hooks share the below-eps counters
+        # The hooks of parameters on different devices run on autograd's per-device threads, and the
+        # worker shares the below-eps counters with them: one lock for the bookkeeping.
+        self.lock = threading.RLock()
         self._executor: ThreadPoolExecutor | None = None
+        self._executors: list[ThreadPoolExecutor] = []
         self._streams: dict[torch.device, Any] = {}
+        # hooks and the worker go with the optimizer
+        weakref.finalize(optimizer, _close, self._handles, self._params, self._executors)
 
     # ------------------------------------------------------------------ hooks
     def sync_hooks(self, plan: Plan) -> None:
@@ -106,7 +116,7 @@ class BackwardOverlap:
             self._params.pop(pid, None)
         ref = weakref.ref(self)
         for pid, p in wanted.items():
-            if pid not in self._handles:
+            if pid not in self._handles and p.requires_grad:  # a frozen param gets no grad (nor a hook)
                 self._handles[pid] = p.register_post_accumulate_grad_hook(_hook(ref))
                 self._params[pid] = weakref.ref(p)
 
@@ -128,62 +138,81 @@ class BackwardOverlap:
         opt = self._optimizer()
         if opt is None or self.accumulating_depth or torch.compiler.is_compiling():
             return
-        work = self.work
-        if work is not None and work.error is not None:
-            return
-        plan = opt._current_plan() if work is None else work.plan
-        i = plan.index.get(id(p))
-        if i is None:
-            return
-        if work is None:
-            work = self._begin(opt, plan)
+        with self.lock:
+            work = self.work
+            if work is not None and (work.off or work.error is not None):
+                return
+            plan = opt._current_plan() if work is None else work.plan
+            i = plan.index.get(id(p))
+            if i is None:
+                return
+            if work is None:
+                work = self.work = self._begin(opt, plan)
+                if work.off:
+                    return
+            if i in work.versions:
+                raise RuntimeError(
+                    f"{type(opt).__name__}(overlap_backward=True): a second backward accumulated into the gradient of "
+                    f"the {tuple(p.shape)} parameter after its Newton–Schulz started; call step() between backward "
+                    "passes, or run the non-final micro-batches inside `with optimizer.accumulating():`"
+                )
+            g = p.grad
+            work.versions[i] = [g, None if g is None else local(g)._version]
+            c = work.chunk_of[i]
+            if work.waiting[c] is None:
+                return
+            work.waiting[c] -= 1
+            if work.waiting[c] == 0:
+                self._start_chunk(opt, work, c)
+
+    def _end_of_backward(self) -> None:
+        """Autograd's final callback of the backward that began the work: the versions of the
+        consumed gradients as backward left them."""
+        with self.lock:
+            work = self.work
             if work is None:
                 return
-        if i in work.versions:
-            raise RuntimeError(
-                f"{type(opt).__name__}(overlap_backward=True): a second backward accumulated into the gradient of the "
-                f"{tuple(p.shape)} parameter after its Newton–Schulz started; call step() between backward passes, "
-                "or run the non-final micro-batches inside `with optimizer.accumulating():`"
-            )
-        g = p.grad
-        work.versions[i] = (g, local(g)._version if g is not None else None)
-        c = work.chunk_of[i]
-        work.waiting[c] -= 1
-        if work.waiting[c] == 0:
-            self._start_chunk(opt, work, c)
+            for record in work.versions.values():
+                if record[0] is not None:
+                    record[1] = local(record[0])._version
 
     # ------------------------------------------------------------------ the work
-    def _begin(self, opt, plan: Plan) -> BackwardWork | None:
-        """The step's per-step preparation, done when the first gradient of a backward is final.
-        Returns None when this step cannot overlap (step() then does everything and raises what
-        it must)."""
-        if not opt._use_fused_step() or opt._step_time_error() is not None or opt._spanning_matrix_error() is not None:
-            return None
-        n = len(plan.entries)
+    def _begin(self, opt, plan: Plan) -> BackwardWork:
+        """The step's per-step preparation, done when the first gradient of a backward is final. A
+        step that cannot overlap is marked off (step() then does everything and raises what it must)."""
         chunk_of = {}
         waiting = []
         for c, chunk in enumerate(plan.chunks):
             for i in chunk:
                 chunk_of[i] = c
-            waiting.append(len(chunk))
-        work = BackwardWork(plan, chunk_of, waiting)
+            devices = {local(plan.entries[i].param).device for i in chunk}
+            waiting.append(len(chunk) if len(devices) == 1 else None)  # a chunk on two devices runs in step()
+        work = BackwardWork(plan, plan.chunks, chunk_of, waiting)
+        if not opt._use_fused_step() or opt._step_time_error() is not None or opt._spanning_matrix_error() is not None:
+            work.off = True
+            return work
         try:
-            opt._write_hyperparameters(plan, [True] * n)
+            opt._write_hyperparameters(plan, [True] * len(plan.entries))
         except (ValueError, TypeError, RuntimeError):
-            return None  # step() raises it
+            work.off = True
+            return work
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        except RuntimeError:  # not inside a backward (a hook called by hand): versions as taken
+            pass
         for gi, group in enumerate(opt.param_groups):
             work.hyper[gi] = {k: _snapshot(group[k]) for k in MOMENTUM_PHASE_KEYS if k in group}
-        for seed in opt._state_seeds.values():
+        for device, seed in opt._state_seeds.items():
+            work.seeds[device] = seed.clone()
             seed.add_(1)
         opt._reset_ns_inputs_below_eps(plan)
         if opt._sharded.loads:
             opt._sharded.loads.clear()
-        self.work = work
         return work
 
     def _start_chunk(self, opt, work: BackwardWork, c: int) -> None:
         plan = work.plan
-        members = plan.chunks[c]
+        members = work.chunks[c]
         active = [False] * len(plan.entries)
         for i in members:
             active[i] = True
@@ -196,23 +225,25 @@ class BackwardOverlap:
         device = local(plan.entries[members[0]].param).device
         collectives = any(plan.entries[i].stack_index < 0 or plan.stacks[plan.entries[i].stack_index].tp is not None
                           or plan.stacks[plan.entries[i].stack_index].gtp is not None for i in members)
-        if device.type == "cuda":
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = self._streams[device] = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            for i in members:  # the grads are read on the side stream
-                local(plan.entries[i].param.grad).record_stream(stream)
-            with torch.cuda.stream(stream):
-                work.started[c] = self._run(opt, work, plan, layout)
-        elif device.type == "cpu" and not collectives:
+        if device.type == "cpu" and not collectives and opt._orthogonalize_is_base():
+            # (an orthogonalize() override runs inline: it reads the optimizer's per-call batch table)
             work.started[c] = self._worker(opt).submit(self._run, opt, work, plan, layout)
-        else:
-            try:
+            return
+        try:
+            if device.type == "cuda":
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                for i in members:  # the grads are read on the side stream
+                    local(plan.entries[i].param.grad).record_stream(stream)
+                with torch.cuda.stream(stream):
+                    work.started[c] = self._run(opt, work, plan, layout)
+            else:
                 work.started[c] = self._run(opt, work, plan, layout)
-            except BaseException as exc:
-                work.error = exc  # step() raises it too; nothing more starts
-                raise
+        except BaseException as exc:
+            work.error = exc  # step() raises it too; nothing more starts
+            raise
 
     def _run(self, opt, work: BackwardWork, plan: Plan, layout) -> StartedChunk:
         """Momentum and Newton–Schulz of one chunk, into buffers of its own (kept until step())."""
@@ -236,7 +267,7 @@ class BackwardOverlap:
             # The worker's ops use as many threads as the caller's (a new thread would get OpenMP's default).
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="megatron-eopt-overlap",
                                                 initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-            weakref.finalize(opt, self._executor.shutdown, wait=False)
+            self._executors.append(self._executor)
         return self._executor
 
     def wait(self) -> None:
@@ -253,12 +284,22 @@ class BackwardOverlap:
                     work.error = work.error or exc
         for device, stream in self._streams.items():
             torch.cuda.current_stream(device).wait_stream(stream)
+        if self._streams:  # buffers made on a side stream, read and freed on the current one
+            for started in work.started.values():
+                for t in (*started.updates.values(), *started.ns_inputs.values()):
+                    if t.is_cuda:
+                        t.record_stream(torch.cuda.current_stream(t.device))
 
-    def discard(self, why: str) -> None:
-        """Drops the pending work (after waiting for it), warning when some had started."""
+    def discard(self, why: str | None) -> None:
+        """Drops the pending work (after waiting for it), warning when some had started (``why``:
+        what dropped it; None: no warning). The low-memory seeds go back to where they were."""
         self.wait()
-        work, self.work = self.work, None
-        if work is not None and work.started:
+        with self.lock:
+            work, self.work = self.work, None
+        if work is None:
+            return
+        _restore_seeds(work, self._optimizer())
+        if work.started and why is not None:
             opt = self._optimizer()
             warnings.warn(
                 f"{type(opt).__name__}(overlap_backward=True): {why} dropped the Newton–Schulz work that backward "
@@ -267,16 +308,40 @@ class BackwardOverlap:
 
     # ------------------------------------------------------------------ step()
     def finish(self, opt) -> None:
-        """The rest of the step, after backward started some of it (the fused step's body)."""
+        """The rest of the step, after backward started some of it (the fused step's body). A
+        refusal restores the low-memory seeds (the momentum of started chunks has advanced)."""
         self.wait()
-        work, self.work = self.work, None
+        with self.lock:
+            work, self.work = self.work, None
+        try:
+            plan = self._check(opt, work)
+        except BaseException:
+            _restore_seeds(work, opt)
+            raise
+        active = [e.param.grad is not None for e in plan.entries]
+        opt._write_hyperparameters(plan, active)
+        scalers = {d: (None, None) for d in {b.device for b in plan.buckets}}
+        merge_into_recording(work.stats, work.seconds)
+        for c, chunk in enumerate(work.chunks):  # the chunks the work began with, in step order
+            started = work.started.get(c)
+            if started is not None:
+                opt._update_phase(plan, started.launches, started.updates, started.scales, started.ns_inputs)
+                continue
+            members = [i for i in chunk if active[i]]
+            if members:
+                layout = chunk_layout(plan, members)
+                opt._step_chunk(plan, layout, opt._ns_input_buffers((layout,)), scalers)
+
+    @staticmethod
+    def _check(opt, work: BackwardWork) -> Plan:
+        """What step() refuses before it applies anything; returns the plan."""
+        name = type(opt).__name__
         plan = opt._current_plan()
         if plan is not work.plan:
-            raise RuntimeError(f"{type(opt).__name__}(overlap_backward=True): the parameters changed between backward "
-                               "and step(); the work backward started was dropped")
+            raise RuntimeError(f"{name}(overlap_backward=True): the parameters changed between backward and step(); "
+                               "the work backward started was dropped")
         if work.error is not None:
             raise work.error
-        name = type(opt).__name__
         grad_scale, found_inf = opt._grad_scaler_tensors()
         if grad_scale is not None or found_inf is not None:
             raise RuntimeError(f"{name}(overlap_backward=True) does not compose with torch.amp.GradScaler: its scale and "
@@ -288,8 +353,8 @@ class BackwardOverlap:
                 raise RuntimeError(
                     f"{name}(overlap_backward=True): the gradient of the {tuple(p.shape)} parameter changed after "
                     "backward started its Newton–Schulz (a clip that scales it, an unscale, another micro-batch "
-                    "accumulated into it); clip with policy='adamw' (megatron_eopt.clipping), run non-final "
-                    "micro-batches inside `with optimizer.accumulating():`, or use overlap_backward=False"
+                    "accumulated into it, a DDP all-reduce); clip with policy='adamw' (megatron_eopt.clipping), run "
+                    "non-final micro-batches inside `with optimizer.accumulating():`, or use overlap_backward=False"
                 )
         for gi, values in work.hyper.items():
             for key, value in values.items():
@@ -299,20 +364,28 @@ class BackwardOverlap:
                         f"({value!r} -> {opt.param_groups[gi].get(key)!r}); with overlap_backward=True set it before "
                         "loss.backward()"
                     )
-        active = [e.param.grad is not None for e in plan.entries]
-        opt._check_grads(plan, active)
-        opt._write_hyperparameters(plan, active)
-        scalers = {d: (None, None) for d in {b.device for b in plan.buckets}}
-        merge_into_recording(work.stats, work.seconds)
-        for c, chunk in enumerate(plan.chunks):
-            started = work.started.get(c)
-            if started is not None:
-                opt._update_phase(plan, started.launches, started.updates, started.scales, started.ns_inputs)
-                continue
-            members = [i for i in chunk if active[i]]
-            if members:
-                layout = chunk_layout(plan, members)
-                opt._step_chunk(plan, layout, opt._ns_input_buffers((layout,)), scalers)
+        opt._check_grads(plan, [e.param.grad is not None for e in plan.entries])
+        return plan
+
+
+def _restore_seeds(work: BackwardWork, opt) -> None:
+    """The low-memory seeds as they were before the work advanced them (the step did not happen)."""
+    if opt is None:
+        return
+    for device, before in work.seeds.items():
+        seed = opt._state_seeds.get(device)
+        if seed is not None:
+            seed.copy_(before)
+
+
+def _close(handles: dict, params: dict, executors: list) -> None:
+    """The optimizer is gone: its hooks and worker go too."""
+    for handle in handles.values():
+        handle.remove()
+    handles.clear()
+    params.clear()
+    for executor in executors:
+        executor.shutdown(wait=False)
 
 
 def _hook(ref):
@@ -328,7 +401,11 @@ def _snapshot(value):
 
 
 def _same(a, b) -> bool:
+    """Equal values (a Python number and a one-element tensor of the same value are)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if all(isinstance(v, (int, float, torch.Tensor)) and (not isinstance(v, torch.Tensor) or v.numel() == 1)
+               for v in (a, b)):
+            return float(a) == float(b)
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
             and bool(torch.equal(a, b.to(a.device)))
     return a == b

@@ -43,6 +43,9 @@ class FusedState:
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None:
+            overlap.wait()  # the momentum of started chunks is being written
         state = super().__getstate__()
         transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_overlap")
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
@@ -60,8 +63,10 @@ class FusedState:
         if self._config is None:
             return
         self._sharded = ShardedOrthogonalizer(self._config)
-        if getattr(self, "overlap_backward", False):
-            self._overlap = BackwardOverlap(self)  # hooks on this copy's params, made with its plan
+        if getattr(self, "overlap_backward", False) and "_overlap" not in self.__dict__:
+            # a copy (pickle, deepcopy): hooks on its own params, made with its plan; load_state_dict
+            # (which calls this too) keeps the optimizer's own
+            self._overlap = BackwardOverlap(self)
         if not hasattr(self, "_state_seeds"):
             self._state_seeds = {}
         # Param groups keep exactly the keys they were saved with (state_dict -> load_state_dict
