@@ -83,27 +83,31 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
             opt = Muon(model.parameters(), lr=0.02, momentum=0.95, weight_decay=0.01, overlap_backward=overlap,
                        workspace_mib=4)
             gen = torch.Generator().manual_seed(1 + rank)
-            exposed, whole = [], []
+            exposed, whole, held_sizes = [], [], []
             for i in range(repeats + 1):
                 x = torch.randn(TOKENS, D, generator=gen)
                 dist.barrier()
                 start = time.perf_counter()
                 model(x).square().mean().backward()
                 backward_end = time.perf_counter()
+                # waits for the worker as step() would (then step() finds it done): timed as exposed
+                held = opt._overlap.held_bytes() if overlap else 0
                 opt.step()
                 opt.zero_grad()
                 end = time.perf_counter()
-                t = torch.tensor([end - backward_end, end - start])
+                t = torch.tensor([end - backward_end, end - start, float(held)])
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 if i:  # the first step builds state and plans
                     exposed.append(float(t[0]) * 1e3)
                     whole.append(float(t[1]) * 1e3)
+                    held_sizes.append(float(t[2]))
             stats = opt.step_stats()
             busiest = torch.tensor([float(stats["bytes_sent"]), float(stats["ns_matrices"]),
                                     float(stats["seconds_before_step"] or 0.0)])
             dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
             results[f"{layout}, overlap {'on' if overlap else 'off'}"] = {
                 "exposed_ms": statistics.median(exposed), "median_ms": statistics.median(whole),
+                "held_mib": statistics.median(held_sizes) / 2**20,
                 "bytes_sent_per_rank": int(busiest[0]), "ns_matrices_per_rank": int(busiest[1]),
                 "ms_before_step": float(busiest[2]) * 1e3, "chunks": len(opt._plan.chunks),
             }
@@ -134,18 +138,21 @@ def markdown(entries: list[dict], environment: dict) -> str:
         "the slowest rank. **ms before step**: host time of the optimizer work done during backward "
         "(`step_stats()['seconds_before_step']`, busiest rank). fsdp2: FSDP2 shards, owner mode (the work runs "
         "in the hooks, after each reduce-scatter); replicated: the whole model on every rank (the work runs on "
-        "the optimizer's worker thread). **equal**: the final parameters with and without overlap, bit for bit.",
+        "the optimizer's worker thread). **held MiB**: what the started chunks hold from backward until `step()` "
+        "(their fp32 Newton–Schulz inputs and results, the busiest rank; without overlap nothing is held, and "
+        "the step allocates one chunk's buffer, at most `workspace_mib`). **equal**: the final parameters with "
+        "and without overlap, bit for bit.",
         "",
-        "| workload | ranks | layout, overlap | exposed ms | step ms | ms before step | MiB sent | NS matrices / rank "
-        "| equal |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | ranks | layout, overlap | exposed ms | step ms | ms before step | held MiB | MiB sent "
+        "| NS matrices / rank | equal |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         for mode, r in e["results"].items():
             equal = "" if "bitwise_equal" not in r else ("yes" if r["bitwise_equal"] else "**no**")
             lines.append(
                 f"| {e['name']} | {e['ranks']} | {mode} | {r['exposed_ms']:.1f} | {r['median_ms']:.1f} | "
-                f"{r['ms_before_step']:.1f} | {r['bytes_sent_per_rank'] / 2**20:.2f} | "
+                f"{r['ms_before_step']:.1f} | {r['held_mib']:.1f} | {r['bytes_sent_per_rank'] / 2**20:.2f} | "
                 f"{r['ns_matrices_per_rank']} / {e['matrices']} | {equal} |"
             )
     return "\n".join(lines) + "\n"

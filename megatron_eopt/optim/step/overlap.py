@@ -290,6 +290,16 @@ class BackwardOverlap:
                     if t.is_cuda:
                         t.record_stream(torch.cuda.current_stream(t.device))
 
+    def held_bytes(self) -> int:
+        """Bytes the started chunks hold until step() (their Newton–Schulz inputs and results)."""
+        self.wait()
+        work = self.work
+        storages = {}
+        for started in ([] if work is None else work.started.values()):
+            for t in (*started.updates.values(), *started.ns_inputs.values()):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
+
     def discard(self, why: str | None) -> None:
         """Drops the pending work (after waiting for it), warning when some had started (``why``:
         what dropped it; None: no warning). The low-memory seeds go back to where they were."""
