@@ -102,11 +102,12 @@ def test_replica_work_auto_weighs_the_saved_newton_schulz_against_the_sent_resul
     from megatron_eopt.optim.multirank.replica_work import choose_replica_work, resolve_replica_work
 
     hsdp = _FakeMesh(4, 8)
-    pairs = [(_fake_dtensor((4096, 4096), hsdp, (Replicate(), Shard(0))), "error")]
+    # 64 matrices: 8 per rank of a replica, 2 per rank of the mesh
+    pairs = [(_fake_dtensor((4096, 4096), hsdp, (Replicate(), Shard(0))), "error")] * 64
     for name in ("H100", "B200", "CPU"):
         assert choose_replica_work(pairs, "medium", 5, HARDWARE[name]) == "split"
-    # links slow against the device: sending the result costs more than orthogonalizing it again
-    slow = Hardware("fast GPU, slow links", {"medium": 1e4}, 0.0, 0.01, 0.01, 20.0)
+    # a network slow against the device: results sent across nodes cost more than orthogonalizing again
+    slow = Hardware("fast GPU, slow network", {"medium": 1e4}, 0.0, 450.0, 0.01, 20.0)
     assert choose_replica_work(pairs, "medium", 5, slow) == "repeat"
     # nothing to share: no replicate dim, a replicated (not sharded) matrix, experts sharded on their dim
     assert choose_replica_work([(_fake_dtensor((64, 64), _FakeMesh(8), (Shard(0),)), "error")], "medium", 5,
@@ -115,7 +116,7 @@ def test_replica_work_auto_weighs_the_saved_newton_schulz_against_the_sent_resul
                (_fake_dtensor((8, 64, 64), hsdp, (Replicate(), Shard(0))), "batch")]
     assert choose_replica_work(nothing, "medium", 5, HARDWARE["H100"]) == "repeat"
     # an expert batch sharded on a matrix dim is shared
-    experts = [(_fake_dtensor((8, 64, 64), hsdp, (Replicate(), Shard(1))), "batch")]
+    experts = [(_fake_dtensor((64, 64, 64), hsdp, (Replicate(), Shard(1))), "batch")]
     assert choose_replica_work(experts, "medium", 5, HARDWARE["H100"]) == "split"
     # one matrix whose shards are strided (FSDP2 over TP) cannot share its owner: every rank repeats
     strided = pairs + [(_fake_dtensor((64, 64), hsdp, (Replicate(), _StridedShard(0, split_factor=2))), "error")]
@@ -128,3 +129,23 @@ def test_replica_work_auto_weighs_the_saved_newton_schulz_against_the_sent_resul
     assert resolve_replica_work("auto", "gather", groups, "error", "medium", 5) == "repeat"
     assert resolve_replica_work("repeat", "owner", groups, "error", "medium", 5) == "repeat"
     assert resolve_replica_work("auto", "owner", [dict(params=[torch.zeros(4, 4)])], "error", "medium", 5) == "repeat"
+
+
+@pytest.mark.parametrize("gpus", [16, 64, 256, 1024])
+@pytest.mark.parametrize("hardware", ["H100", "B200"])
+def test_replica_work_auto_picks_what_the_planner_picks(gpus, hardware):
+    """The optimizer's choice (the busiest rank of each mode, by the profile) agrees with the
+    planner's full model of the step on Llama-3 8B under HSDP (8-GPU shard groups)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from megatron_eopt.optim.multirank.hardware import HARDWARE
+    from megatron_eopt.optim.multirank.replica_work import choose_replica_work
+
+    matrices = plan.PRESETS["llama3-8b"][1]()
+    mesh = plan.Mesh(dp_replicate=gpus // 8, dp_shard=8)
+    fake_mesh = _FakeMesh(gpus // 8, 8)
+    pairs = [(_fake_dtensor(m.shape, fake_mesh, (Replicate(), Shard(m.fsdp_dim))), "error")
+             for m in matrices for _ in range(m.count)]
+    planned = plan.estimate(matrices, mesh, hardware, "medium", layouts=("owner", "split"))[0].layout
+    assert choose_replica_work(pairs, "medium", plan.NS_STEPS, HARDWARE[hardware]) == \
+        ("split" if planned == "split" else "repeat")

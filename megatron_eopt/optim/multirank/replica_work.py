@@ -2,16 +2,16 @@
 Newton–Schulz of every matrix (``"split"``) or each repeat it (``"repeat"``), by the planner's time
 model (``multirank.hardware``; ``megatron_eopt.plan`` models whole steps with it).
 
-The two differ by what a matrix of R replicas costs beyond the shard exchange both make: "repeat"
-runs its Newton–Schulz R times in the mesh, "split" once and sends the fp32 result from its owner
-to the R - 1 other replicas' ranks (the result's bytes once per other replica). Owners are balanced
-over the ranks in both, so the mesh-wide sums compare as the busiest rank's do: "split" when the
-Newton–Schulz time it saves, (R - 1)·t_NS, exceeds the sending it adds, (R - 1)·bytes / bandwidth,
-summed over the sharded matrices. With the shipped profiles that is "split" for matrices of every
-size: a Newton–Schulz costs at least the profile's small-matrix floor (half efficiency at
-``half_gflop``) and grows as the cube of the side, its result's bytes as the square; "repeat" wins
-on links slow against the device's Newton–Schulz (e.g. a profile with a few GB/s between replicas
-of fast GPUs).
+The model, as the planner's: a matrix's owner runs its Newton–Schulz (the profile's rate, lower for
+small matrices) and sends the other holders their parts of the fp32 result. "repeat" balances the
+owners over the S ranks of a replica, each sending (S - 1)/S of the matrix over the replica's links;
+"split" over all R·S ranks, each sending (R·S - 1)/S of it over links that span the replicas (the
+network once they leave a node); every rank sends its shard of a matrix to the matrix's owner (in
+"split" only to owners of its own replica, a 1/R share). The busiest rank decides (owners go largest first to the least
+loaded rank): "split" divides the Newton–Schulz by R while there are matrices for every rank, and
+costs R copies of a result from its owner, which at a thousand GPUs outweighs it (Llama-3 8B:
+"split" on 64 H100s, "repeat" on 256 and 1,024, as ``megatron_eopt.plan`` picks; the suite checks
+that the two agree on its presets).
 
 The choice depends only on the global shapes, the placements, the mesh sizes, the precision and
 the device's profile, so every rank of a mesh makes the same one (the plan's agreement checks it).
@@ -19,6 +19,7 @@ the device's profile, so every rank of a mesh makes the same one (the plan's agr
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import torch
@@ -28,13 +29,13 @@ from ..matrix_view import matrix_view, not_a_matrix
 from .hardware import Hardware, hardware_of, ns_seconds
 
 
-def _replicas_of(p, nd_mode: str) -> int | None:
-    """The replicas among which a DTensor matrix's owner could be shared: the product of the mesh
-    dims that replicate it, when other dims shard its matrix dims with plain shards (1: nothing to
-    share); None when ``"split"`` cannot hold for it (strided shards)."""
+def _replicas_of(p, nd_mode: str) -> tuple[int, int] | None:
+    """(replicas, shard ranks) of a DTensor matrix: the product of the sizes of the mesh dims that
+    replicate it and of those that shard its matrix dims; None when ``"split"`` cannot hold for it
+    (strided shards)."""
     mesh, placements = p.device_mesh, tuple(p.placements)
     nd = len(p.shape)
-    matrix_dims = set()
+    shards = 1
     replicas = 1
     for i, pl in enumerate(placements):
         size = mesh.size(i)
@@ -49,30 +50,56 @@ def _replicas_of(p, nd_mode: str) -> int | None:
             # the dims of the view's matrices: the last two (nd_mode "batch": the leading ones index
             # matrices), or dim 0 of a flattened N-D param
             if (nd == 2 or nd_mode == "batch") and dim >= nd - 2 or nd > 2 and nd_mode == "flatten" and dim == 0:
-                matrix_dims.add(dim)
-    return replicas if matrix_dims else 1
+                shards *= size
+    return replicas, shards
 
 
 def choose_replica_work(params_and_modes, precision: str, steps: int, hardware: Hardware | None = None) -> str:
     """``"split"`` or ``"repeat"`` for the DTensor matrices of ``params_and_modes`` ((param,
     nd_mode) pairs; plain tensors and non-matrices are skipped) at ``precision`` and ``steps``
     iterations; ``hardware`` defaults to the first matrix's device's profile."""
-    saved = added = 0.0
+    groups: dict[tuple, list[tuple[float, float]]] = {}  # (shard ranks, replicas, hw) -> (NS s, bytes) per matrix
+    profiles: dict[str, Hardware] = {}
     for p, nd_mode in params_and_modes:
         if not hasattr(p, "device_mesh") or not_a_matrix(p, nd_mode):
             continue
-        replicas = _replicas_of(p, nd_mode)
-        if replicas is None:
+        found = _replicas_of(p, nd_mode)
+        if found is None:
             return "repeat"  # one matrix that cannot share its owner: the replicas repeat, every one alike
-        if replicas == 1:
+        replicas, shards = found
+        if replicas == 1 or shards == 1:
             continue
         hw = hardware or hardware_of(p.device)
         view = matrix_view(tuple(p.shape), nd_mode)
-        batch, (m, n) = math.prod(view[:-2]), view[-2:]
-        link = hw.nvlink_gbps if p.device_mesh.size() <= hw.gpus_per_node else hw.network_gbps
-        saved += (replicas - 1) * batch * ns_seconds(hw, newton_schulz_flops(m, n, steps), precision)
-        added += (replicas - 1) * batch * 4 * m * n / (link * 1e9)
-    return "split" if saved > added else "repeat"
+        (m, n), batch = view[-2:], math.prod(view[:-2])
+        t = ns_seconds(hw, newton_schulz_flops(m, n, steps), precision)
+        profiles[hw.name] = hw
+        groups.setdefault((shards, replicas, hw.name), []).extend([(t, 4.0 * m * n)] * batch)
+    repeat = split = 0.0
+    for (shards, replicas, name), matrices in groups.items():
+        hw = profiles[name]
+        # repeat: owners among a replica's ranks, each sending the other shards of its result back
+        # over the replica's links; split: owners among all ranks, each sending every other rank
+        # of every replica its part, over links that span the replicas
+        within = hw.nvlink_gbps if shards <= hw.gpus_per_node else hw.network_gbps
+        across = hw.nvlink_gbps if shards * replicas <= hw.gpus_per_node else hw.network_gbps
+        # and every rank sends its shard of each matrix to the owner (in split mode: an owner of its replica)
+        shard_bytes = sum(b for _, b in matrices) / shards * (shards - 1) / shards
+        repeat += _busiest([t + (shards - 1) / shards * b / (within * 1e9) for t, b in matrices], shards) \
+            + shard_bytes / (within * 1e9)
+        split += _busiest([t + (shards * replicas - 1) / shards * b / (across * 1e9) for t, b in matrices],
+                          shards * replicas) + shard_bytes / replicas / (across * 1e9)
+    return "split" if split < repeat else "repeat"
+
+
+def _busiest(costs: list[float], ranks: int) -> float:
+    """The busiest rank's time when the matrices of ``costs`` go, largest first, to the least loaded
+    of ``ranks`` ranks (as the owner assignment balances them)."""
+    loads = [0.0] * min(ranks, len(costs))
+    heapq.heapify(loads)
+    for cost in sorted(costs, reverse=True):
+        heapq.heappush(loads, heapq.heappop(loads) + cost)
+    return max(loads, default=0.0)
 
 
 def resolve_replica_work(replica_work: str, sharded_mode: str, param_groups, nd_mode: str, precision: str,
