@@ -459,6 +459,16 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             return contextlib.nullcontext()
         return overlap.accumulating()
 
+    def overlap_with_ddp(self, ddp_module) -> None:
+        """With ``overlap_backward=True`` under ``DistributedDataParallel`` (constructed with
+        ``gradient_as_bucket_view=True``): registers a DDP comm hook that averages each bucket as
+        DDP does and starts the optimizer work of its matrices when it is reduced (a post-accumulate
+        hook would see the gradient before its all-reduce). ``no_sync()`` micro-batches start nothing."""
+        overlap = self.__dict__.get("_overlap")
+        if overlap is None:
+            raise ValueError(f"{type(self).__name__}.overlap_with_ddp needs overlap_backward=True")
+        overlap.attach_ddp(ddp_module)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         overlap = self.__dict__.get("_overlap")
         if overlap is not None and overlap.work is not None:

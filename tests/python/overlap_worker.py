@@ -1,7 +1,8 @@
 """One gloo rank of the ``overlap_backward`` tests (spawned by test_overlap_backward.py): an FSDP2
-model (the hooks fire after the reduce-scatter; owner mode's exchanges run inside backward) and
-tensor-parallel shards (layer-sharded and distributed modes' collectives inside backward), each
-compared bit for bit with the same optimizer without overlap."""
+model (the hooks fire after the reduce-scatter; owner mode's exchanges run inside backward),
+tensor-parallel shards (layer-sharded and distributed modes' collectives inside backward) and DDP
+(the work starts as each bucket is all-reduced), each compared bit for bit with the same optimizer
+without overlap."""
 
 from __future__ import annotations
 
@@ -107,6 +108,46 @@ def check_tensor_parallel(group, seed, tp_mode):
         assert torch.equal(a, b), f"tp_mode={tp_mode} param {i}: overlap differs"
 
 
+def check_ddp(seed, micro):
+    """DDP (gradient_as_bucket_view=True, small buckets): the work starts as each bucket is all-reduced
+    (overlap_with_ddp's comm hook), no_sync() micro-batches start nothing; the same bits as plain DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = []
+    for overlap in (False, True):
+        model = DistributedDataParallel(_Net(torch.Generator().manual_seed(seed)), gradient_as_bucket_view=True,
+                                        bucket_cap_mb=0.004)
+        opt = Muon(model.parameters(), lr=0.02, overlap_backward=overlap, workspace_mib=0.001)
+        if overlap:
+            opt.overlap_with_ddp(model)
+        gen = torch.Generator().manual_seed(seed + dist.get_rank())
+        for _ in range(STEPS):
+            for k in range(micro):
+                if k < micro - 1:
+                    with model.no_sync():
+                        model(torch.randn(5, 24, generator=gen)).square().mean().backward()
+                    assert not overlap or opt._overlap.work is None, "work started on a no_sync micro-batch"
+                else:
+                    model(torch.randn(5, 24, generator=gen)).square().mean().backward()
+            if overlap:
+                opt._overlap.wait()
+                assert len(opt._overlap.work.started) == len(opt._plan.chunks), "nothing ran in backward"
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"DDP micro={micro} param {i}: overlap differs"
+    plain_ddp = DistributedDataParallel(_Net(torch.Generator().manual_seed(seed)))  # copies grads at the end
+    for opt, text in ((Muon(plain_ddp.parameters(), overlap_backward=True), "gradient_as_bucket_view=True"),
+                      (Muon(plain_ddp.parameters()), "overlap_backward=True")):
+        try:
+            opt.overlap_with_ddp(plain_ddp)
+        except ValueError as e:
+            assert text in str(e), str(e)
+        else:
+            raise AssertionError(f"overlap_with_ddp accepted without {text}")
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     with gloo_world(rank, world_size, init_file):
@@ -117,3 +158,5 @@ def worker(rank, world_size, init_file, seed):
         check_fsdp(world, seed, Muon, dict(sharded_mode="gather"), 1)
         for tp_mode in ("duplicated", "distributed", "layer_sharded"):
             check_tensor_parallel(dist.group.WORLD, seed, tp_mode)
+        for micro in (1, 2):
+            check_ddp(seed, micro)

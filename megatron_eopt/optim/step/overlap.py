@@ -7,6 +7,9 @@ Newton–Schulz inputs, then the batched Newton–Schulz (with the exchanges of 
 ``step()`` waits for that work, runs the chunks that did not start (a parameter without a
 gradient, a chunk whose gradients came last) and applies every update in chunk order.
 
+Under DDP (``overlap_with_ddp``) a gradient is final when its bucket is all-reduced: a comm hook
+averages the bucket as DDP does and marks its parameters then (``no_sync()`` calls no comm hook).
+
 Where the work runs: on a CUDA device, on a side stream of its own, ordered after the stream the
 gradient was produced on (FSDP2 calls the hooks of its sharded parameters after the
 reduce-scatter, on its post-reduce stream), and ``step()`` makes the current stream wait for it.
@@ -23,8 +26,8 @@ reproduced is refused:
   second micro-batch accumulated into it) raises at ``step()`` (before any update is applied; the
   momentum of the started chunks has advanced). A second backward into a consumed gradient raises
   in the hook. Gradient accumulation: FSDP2 calls no hook while
-  ``set_requires_gradient_sync(False)``; plain loops wrap non-final micro-batches in
-  ``with optimizer.accumulating():``.
+  ``set_requires_gradient_sync(False)``, DDP none under ``no_sync()``; plain loops wrap non-final
+  micro-batches in ``with optimizer.accumulating():``.
 - ``momentum`` / ``weight_decay`` are read when the first chunk starts; a change before ``step()``
   raises (set them before ``backward()``); ``lr`` is read by ``step()`` as always.
 - ``torch.amp.GradScaler`` (its scale and inf check arrive with ``step()``) is refused.
@@ -97,6 +100,8 @@ class BackwardOverlap:
         self._handles: dict[int, Any] = {}  # id(param) -> hook handle
         self._params: dict[int, weakref.ref] = {}
         self.accumulating_depth = 0
+        self.ddp = False  # gradients final when DDP's buckets are all-reduced (attach_ddp)
+        self._snapshot_queued = False
         self.work: BackwardWork | None = None
         # The hooks of parameters on different devices run on autograd's per-device threads, and the
         # worker shares the below-eps counters with them: one lock for the bookkeeping.
@@ -135,6 +140,49 @@ class BackwardOverlap:
             self.accumulating_depth -= 1
 
     def on_grad_final(self, p: torch.Tensor) -> None:
+        """A parameter's post-accumulate-grad hook (FSDP2: after the reduce-scatter)."""
+        if self.ddp:  # under DDP the gradient is final when its bucket is all-reduced (on_bucket_reduced)
+            if not self._snapshot_queued:
+                self._snapshot_queued = _queue_end_of_backward(self._end_of_backward)
+            return
+        self._mark_final(p)
+
+    def on_bucket_reduced(self, params) -> None:
+        """DDP's comm hook: a bucket's gradients are averaged over the ranks, in place."""
+        for p in params:
+            self._mark_final(p, in_callback=True)
+
+    def attach_ddp(self, ddp_module) -> None:
+        """Takes DDP's gradients when their bucket is all-reduced, not when they are accumulated."""
+        import torch.distributed as dist
+
+        if not getattr(ddp_module, "gradient_as_bucket_view", False):
+            raise ValueError(
+                "overlap_backward with DDP reads the gradients when their bucket is all-reduced: construct "
+                "DistributedDataParallel(..., gradient_as_bucket_view=True) (with False DDP copies them into "
+                "param.grad only at the end of backward)")
+        group = ddp_module.process_group
+        ref = weakref.ref(self)
+
+        def comm_hook(state, bucket):
+            # DDP's own averaging (torch's allreduce_hook: divide, then sum), then the bucket's params are final
+            params = bucket.parameters()
+            buffer = bucket.buffer()
+            buffer.div_(group.size())
+            future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+
+            def reduced(f):
+                overlap = ref()
+                if overlap is not None:
+                    overlap.on_bucket_reduced(params)
+                return f.value()[0]
+
+            return future.then(reduced)
+
+        ddp_module.register_comm_hook(None, comm_hook)
+        self.ddp = True
+
+    def _mark_final(self, p: torch.Tensor, in_callback: bool = False) -> None:
         opt = self._optimizer()
         if opt is None or self.accumulating_depth or torch.compiler.is_compiling():
             return
@@ -163,12 +211,13 @@ class BackwardOverlap:
                 return
             work.waiting[c] -= 1
             if work.waiting[c] == 0:
-                self._start_chunk(opt, work, c)
+                self._start_chunk(opt, work, c, in_callback)
 
     def _end_of_backward(self) -> None:
         """Autograd's final callback of the backward that began the work: the versions of the
         consumed gradients as backward left them."""
         with self.lock:
+            self._snapshot_queued = False
             work = self.work
             if work is None:
                 return
@@ -196,10 +245,8 @@ class BackwardOverlap:
         except (ValueError, TypeError, RuntimeError):
             work.off = True
             return work
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        except RuntimeError:  # not inside a backward (a hook called by hand): versions as taken
-            pass
+        if not self._snapshot_queued:
+            self._snapshot_queued = _queue_end_of_backward(self._end_of_backward)
         for gi, group in enumerate(opt.param_groups):
             work.hyper[gi] = {k: _snapshot(group[k]) for k in MOMENTUM_PHASE_KEYS if k in group}
         for device, seed in opt._state_seeds.items():
@@ -210,7 +257,7 @@ class BackwardOverlap:
             opt._sharded.loads.clear()
         return work
 
-    def _start_chunk(self, opt, work: BackwardWork, c: int) -> None:
+    def _start_chunk(self, opt, work: BackwardWork, c: int, in_callback: bool = False) -> None:
         plan = work.plan
         members = work.chunks[c]
         active = [False] * len(plan.entries)
@@ -229,6 +276,8 @@ class BackwardOverlap:
             # (an orthogonalize() override runs inline: it reads the optimizer's per-call batch table)
             work.started[c] = self._worker(opt).submit(self._run, opt, work, plan, layout)
             return
+        if in_callback and (collectives or device.type == "cpu"):
+            return  # not from a communication thread: step() runs it
         try:
             if device.type == "cuda":
                 stream = self._streams.get(device)
@@ -376,6 +425,16 @@ class BackwardOverlap:
                     )
         opt._check_grads(plan, [e.param.grad is not None for e in plan.entries])
         return plan
+
+
+def _queue_end_of_backward(callback) -> bool:
+    """Queues ``callback`` to run when the running backward ends; False outside a backward (a hook
+    called by hand, a communication thread)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _restore_seeds(work: BackwardWork, opt) -> None:
