@@ -207,7 +207,10 @@ def test_signature_follows_emerging_optimizers():
 def test_positional_call_in_emerging_optimizers_order(gen):
     x = torch.randn(2, 12, 40, generator=gen)
     ours = me.newton_schulz(x, 3, "polar_express", None, 1e-7, False, None, True, precision="highest")
-    assert torch.equal(ours, me.newton_schulz(x, steps=3, coefficient_type="polar_express", precision="highest"))
+    # the same arguments by keyword (use_syrk=True: symmetric products, which the measured "auto" plan
+    # of another process need not pick)
+    assert torch.equal(ours, me.newton_schulz(x, steps=3, coefficient_type="polar_express", eps=1e-7, transpose=False,
+                                              use_syrk=True, precision="highest"))
     with pytest.raises(TypeError, match="pass precision='highest' as a keyword"):
         me.newton_schulz(x, 5, "quintic", None, 1e-7, None, "highest")
     with pytest.raises(TypeError, match="use_syrk must be a bool"):
