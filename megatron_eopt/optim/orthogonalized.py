@@ -409,6 +409,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         """The step itself, without torch's step hooks (``step`` is wrapped with them per class, so a
         front end with its own ``step`` calls this rather than ``super().step``)."""
         overlap = self.__dict__.get("_overlap")
+        if overlap is not None and overlap.work is not None and overlap.work.off:
+            overlap.work = None  # backward started nothing: this step does it all
         error = self._step_time_error() or self._spanning_matrix_error()
         if error is not None:
             if overlap is not None:
@@ -423,10 +425,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                 )
             return self._hook_step()
         plan = self._current_plan()
-        if overlap is not None and overlap.work is not None:
-            if not overlap.work.off:  # backward started the step
-                return self._finish_overlapped_step(overlap)
-            overlap.work = None
+        if overlap is not None and overlap.work is not None:  # backward started the step
+            return self._finish_overlapped_step(overlap)
         active = [e.param.grad is not None for e in plan.entries]
         # Everything that can reject the input runs before anything is written.
         self._check_grads(plan, active)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -137,6 +138,8 @@ def check_ddp(seed, micro):
         results.append([p.detach().clone() for p in model.parameters()])
     for i, (a, b) in enumerate(zip(*results)):
         assert torch.equal(a, b), f"DDP micro={micro} param {i}: overlap differs"
+    check_ddp_unused(seed)
+    check_ddp_without_its_hook(seed)
     plain_ddp = DistributedDataParallel(_Net(torch.Generator().manual_seed(seed)))  # copies grads at the end
     for opt, text in ((Muon(plain_ddp.parameters(), overlap_backward=True), "gradient_as_bucket_view=True"),
                       (Muon(plain_ddp.parameters()), "overlap_backward=True")):
@@ -146,6 +149,62 @@ def check_ddp(seed, micro):
             assert text in str(e), str(e)
         else:
             raise AssertionError(f"overlap_with_ddp accepted without {text}")
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self, gen):
+        super().__init__()
+        self.net = _Net(gen)
+        self.unused = torch.nn.Linear(24, 24, bias=False)  # in a bucket, never given a gradient
+        with torch.no_grad():
+            self.unused.weight.copy_(torch.randn(24, 24, generator=gen))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def check_ddp_unused(seed):
+    """find_unused_parameters=True with a parameter that never gets a gradient: its chunk is left to
+    step(), nothing raises on the communication thread, the same bits as plain DDP."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    results = []
+    for overlap in (False, True):
+        model = DistributedDataParallel(_WithUnused(torch.Generator().manual_seed(seed)), gradient_as_bucket_view=True,
+                                        bucket_cap_mb=0.004, find_unused_parameters=True)
+        opt = Muon(model.parameters(), lr=0.02, overlap_backward=overlap, workspace_mib=0.001)
+        if overlap:
+            opt.overlap_with_ddp(model)
+        gen = torch.Generator().manual_seed(seed + dist.get_rank())
+        for _ in range(STEPS):
+            model(torch.randn(5, 24, generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"DDP with an unused param, param {i}: overlap differs"
+
+
+def check_ddp_without_its_hook(seed):
+    """overlap_backward under DDP without overlap_with_ddp: the hooks see the local gradients, DDP's
+    averaging changes them afterwards, and step() refuses on every step (never a silent divergence)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_Net(torch.Generator().manual_seed(seed)), gradient_as_bucket_view=True,
+                                    bucket_cap_mb=0.004)
+    opt = Muon(model.parameters(), lr=0.02, overlap_backward=True, workspace_mib=0.001)
+    gen = torch.Generator().manual_seed(seed + dist.get_rank())
+    for step in range(STEPS):
+        model(torch.randn(5, 24, generator=gen)).square().mean().backward()
+        try:
+            opt.step()
+        except RuntimeError as e:
+            assert "changed after backward started" in str(e), str(e)
+        else:
+            raise AssertionError(f"step {step}: DDP's all-reduce after the hooks was not refused")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.zero_grad(set_to_none=False)
 
 
 @exits_without_teardown

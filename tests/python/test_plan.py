@@ -116,7 +116,7 @@ def test_replica_work_auto_weighs_the_saved_newton_schulz_against_the_sent_resul
                (_fake_dtensor((8, 64, 64), hsdp, (Replicate(), Shard(0))), "batch")]
     assert choose_replica_work(nothing, "medium", 5, HARDWARE["H100"]) == "repeat"
     # an expert batch sharded on a matrix dim is shared
-    experts = [(_fake_dtensor((64, 64, 64), hsdp, (Replicate(), Shard(1))), "batch")]
+    experts = [(_fake_dtensor((64, 64, 64), hsdp, (Replicate(), Shard(1))), "batch")] * 64
     assert choose_replica_work(experts, "medium", 5, HARDWARE["H100"]) == "split"
     # one matrix whose shards are strided (FSDP2 over TP) cannot share its owner: every rank repeats
     strided = pairs + [(_fake_dtensor((64, 64), hsdp, (Replicate(), _StridedShard(0, split_factor=2))), "error")]

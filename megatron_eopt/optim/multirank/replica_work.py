@@ -29,14 +29,15 @@ from ..matrix_view import matrix_view, not_a_matrix
 from .hardware import Hardware, hardware_of, ns_seconds
 
 
-def _replicas_of(p, nd_mode: str) -> tuple[int, int] | None:
-    """(replicas, shard ranks) of a DTensor matrix: the product of the sizes of the mesh dims that
-    replicate it and of those that shard its matrix dims; None when ``"split"`` cannot hold for it
-    (strided shards)."""
+def _replicas_of(p, nd_mode: str) -> tuple[int, int, int] | None:
+    """(replicas, shard ranks, batch split) of a DTensor matrix: the products of the sizes of the
+    mesh dims that replicate it, that shard its matrix dims and that shard its batch of matrices
+    (MoE experts over EP); None when ``"split"`` cannot hold for it (strided shards)."""
     mesh, placements = p.device_mesh, tuple(p.placements)
     nd = len(p.shape)
     shards = 1
     replicas = 1
+    batch_split = 1
     for i, pl in enumerate(placements):
         size = mesh.size(i)
         if type(pl).__name__ == "Replicate":
@@ -51,13 +52,15 @@ def _replicas_of(p, nd_mode: str) -> tuple[int, int] | None:
             # matrices), or dim 0 of a flattened N-D param
             if (nd == 2 or nd_mode == "batch") and dim >= nd - 2 or nd > 2 and nd_mode == "flatten" and dim == 0:
                 shards *= size
-    return replicas, shards
+            elif nd_mode == "batch":
+                batch_split *= size
+    return replicas, shards, batch_split
 
 
 def choose_replica_work(params_and_modes, precision: str, steps: int, hardware: Hardware | None = None) -> str:
     """``"split"`` or ``"repeat"`` for the DTensor matrices of ``params_and_modes`` ((param,
     nd_mode) pairs; plain tensors and non-matrices are skipped) at ``precision`` and ``steps``
-    iterations; ``hardware`` defaults to the first matrix's device's profile."""
+    iterations; ``hardware`` defaults to each matrix's device's profile."""
     groups: dict[tuple, list[tuple[float, float]]] = {}  # (shard ranks, replicas, hw) -> (NS s, bytes) per matrix
     profiles: dict[str, Hardware] = {}
     for p, nd_mode in params_and_modes:
@@ -66,15 +69,16 @@ def choose_replica_work(params_and_modes, precision: str, steps: int, hardware: 
         found = _replicas_of(p, nd_mode)
         if found is None:
             return "repeat"  # one matrix that cannot share its owner: the replicas repeat, every one alike
-        replicas, shards = found
+        replicas, shards, batch_split = found
         if replicas == 1 or shards == 1:
             continue
         hw = hardware or hardware_of(p.device)
         view = matrix_view(tuple(p.shape), nd_mode)
-        (m, n), batch = view[-2:], math.prod(view[:-2])
-        t = ns_seconds(hw, newton_schulz_flops(m, n, steps), precision)
+        (m, n), batch = view[-2:], -(-math.prod(view[:-2]) // batch_split)
+        # one owner per parameter: the matrices of its batch that one rank's slice holds (its EP experts)
+        t = batch * ns_seconds(hw, newton_schulz_flops(m, n, steps), precision)
         profiles[hw.name] = hw
-        groups.setdefault((shards, replicas, hw.name), []).extend([(t, 4.0 * m * n)] * batch)
+        groups.setdefault((shards, replicas, hw.name), []).append((t, batch * 4.0 * m * n))
     repeat = split = 0.0
     for (shards, replicas, name), matrices in groups.items():
         hw = profiles[name]

@@ -80,8 +80,8 @@ class BackwardWork:
     chunks: tuple  # the plan's chunks when the work began (workspace_mib may change them later)
     chunk_of: dict  # entry index -> chunk index
     waiting: list  # per chunk: members whose gradient is not final yet (None: the chunk waits for step())
-    # entry index -> [grad, its version]: taken when the grad is final and again at the end of backward
-    # (FSDP2's grads of one group are views of one buffer, whose version every later sibling bumps)
+    # entry index -> [grad, its version]: taken when the grad is final, and again whenever a grad
+    # sharing its storage is (FSDP2's grads of one group are views of one buffer: one version counter)
     versions: dict = field(default_factory=dict)
     seeds: dict = field(default_factory=dict)  # the low-memory state's seeds before this step advanced them
     off: bool = False  # this step does not overlap (step() does it all, and raises what it must)
@@ -101,7 +101,6 @@ class BackwardOverlap:
         self._params: dict[int, weakref.ref] = {}
         self.accumulating_depth = 0
         self.ddp = False  # gradients final when DDP's buckets are all-reduced (attach_ddp)
-        self._snapshot_queued = False
         self.work: BackwardWork | None = None
         # The hooks of parameters on different devices run on autograd's per-device threads, and the
         # worker shares the below-eps counters with them: one lock for the bookkeeping.
@@ -142,15 +141,21 @@ class BackwardOverlap:
     def on_grad_final(self, p: torch.Tensor) -> None:
         """A parameter's post-accumulate-grad hook (FSDP2: after the reduce-scatter)."""
         if self.ddp:  # under DDP the gradient is final when its bucket is all-reduced (on_bucket_reduced)
-            if not self._snapshot_queued:
-                self._snapshot_queued = _queue_end_of_backward(self._end_of_backward)
             return
         self._mark_final(p)
 
     def on_bucket_reduced(self, params) -> None:
-        """DDP's comm hook: a bucket's gradients are averaged over the ranks, in place."""
-        for p in params:
-            self._mark_final(p, in_callback=True)
+        """DDP's comm hook: a bucket's gradients are averaged over the ranks, in place. Runs on a
+        communication thread: nothing is raised there (an error stops the work; step() raises it),
+        and a parameter without a gradient (unused) leaves its chunk to step()."""
+        try:
+            for p in params:
+                if p.grad is not None:
+                    self._mark_final(p, in_callback=True)
+        except BaseException as exc:  # noqa: BLE001 - kept for step()
+            with self.lock:
+                if self.work is not None and self.work.error is None:
+                    self.work.error = exc
 
     def attach_ddp(self, ddp_module) -> None:
         """Takes DDP's gradients when their bucket is all-reduced, not when they are accumulated."""
@@ -172,10 +177,11 @@ class BackwardOverlap:
             future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
 
             def reduced(f):
+                value = f.value()[0]  # (raises first if the all-reduce failed)
                 overlap = ref()
                 if overlap is not None:
                     overlap.on_bucket_reduced(params)
-                return f.value()[0]
+                return value
 
             return future.then(reduced)
 
@@ -205,6 +211,14 @@ class BackwardOverlap:
                     "passes, or run the non-final micro-batches inside `with optimizer.accumulating():`"
                 )
             g = p.grad
+            if g is not None:
+                # Views of one buffer share a version counter (FSDP2's grads of a group, flat gradient
+                # buffers): this grad's accumulation bumped its consumed siblings' too. Re-taken here,
+                # so a change made after the last of them was marked (a clip, DDP's all-reduce) still shows.
+                storage = local(g).untyped_storage().data_ptr()
+                for record in work.versions.values():
+                    if record[0] is not None and local(record[0]).untyped_storage().data_ptr() == storage:
+                        record[1] = local(record[0])._version
             work.versions[i] = [g, None if g is None else local(g)._version]
             c = work.chunk_of[i]
             if work.waiting[c] is None:
@@ -212,18 +226,6 @@ class BackwardOverlap:
             work.waiting[c] -= 1
             if work.waiting[c] == 0:
                 self._start_chunk(opt, work, c, in_callback)
-
-    def _end_of_backward(self) -> None:
-        """Autograd's final callback of the backward that began the work: the versions of the
-        consumed gradients as backward left them."""
-        with self.lock:
-            self._snapshot_queued = False
-            work = self.work
-            if work is None:
-                return
-            for record in work.versions.values():
-                if record[0] is not None:
-                    record[1] = local(record[0])._version
 
     # ------------------------------------------------------------------ the work
     def _begin(self, opt, plan: Plan) -> BackwardWork:
@@ -245,8 +247,6 @@ class BackwardOverlap:
         except (ValueError, TypeError, RuntimeError):
             work.off = True
             return work
-        if not self._snapshot_queued:
-            self._snapshot_queued = _queue_end_of_backward(self._end_of_backward)
         for gi, group in enumerate(opt.param_groups):
             work.hyper[gi] = {k: _snapshot(group[k]) for k in MOMENTUM_PHASE_KEYS if k in group}
         for device, seed in opt._state_seeds.items():
@@ -374,11 +374,11 @@ class BackwardOverlap:
             work, self.work = self.work, None
         try:
             plan = self._check(opt, work)
+            active = [e.param.grad is not None for e in plan.entries]
+            opt._write_hyperparameters(plan, active)
         except BaseException:
             _restore_seeds(work, opt)
             raise
-        active = [e.param.grad is not None for e in plan.entries]
-        opt._write_hyperparameters(plan, active)
         scalers = {d: (None, None) for d in {b.device for b in plan.buckets}}
         merge_into_recording(work.stats, work.seconds)
         for c, chunk in enumerate(work.chunks):  # the chunks the work began with, in step order
@@ -425,16 +425,6 @@ class BackwardOverlap:
                     )
         opt._check_grads(plan, [e.param.grad is not None for e in plan.entries])
         return plan
-
-
-def _queue_end_of_backward(callback) -> bool:
-    """Queues ``callback`` to run when the running backward ends; False outside a backward (a hook
-    called by hand, a communication thread)."""
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(callback)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _restore_seeds(work: BackwardWork, opt) -> None:
