@@ -9,6 +9,7 @@ from torch.optim.optimizer import ParamsT
 from ..newton_schulz import NS_EPS
 from ._config import fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
+from .step.block_periodic import check_block_period
 from .step.plan import DEFAULT_WORKSPACE_MIB
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
@@ -50,6 +51,11 @@ class Muon(OrthogonalizedOptimizer):
     start during ``loss.backward()`` as soon as its gradients are final; ``step()`` applies the
     updates, bitwise as without overlap (``optim.step.overlap``; ``accumulating()`` for plain
     gradient-accumulation loops).
+
+    ``block_period`` P (an extension, default None: off) selects MuonBP (arXiv 2510.16981), a
+    different algorithm: on P - 1 of every P steps a matrix sharded across ranks (DTensor) is
+    orthogonalized shard by shard where it lives, scaled by its shard's shape, with the step size
+    ``lr·block_lr_scale``; every P-th step is a full Muon step (``optim.step.block_periodic``).
 
     The 2026 recipe (nanochat's ``MuonAdamW``), each off by default:
 
@@ -126,7 +132,11 @@ class Muon(OrthogonalizedOptimizer):
         state_block_size: int = DEFAULT_BLOCK_SIZE,
         workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
         overlap_backward: bool = False,
+        block_period: int | None = None,
+        block_lr_scale: float = 1.0,
     ) -> None:
+        check_block_period(block_period, block_lr_scale)
+        self.block_period, self.block_lr_scale = block_period, float(block_lr_scale)
         config, deferred_error = fused_config(locals())
         self._init_fused(
             params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay), config, nd_mode=nd_mode,

@@ -336,6 +336,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
                               self.sharded_mode, self._group_configs(), self._gtp_layout, self._replica_work_in_use,
                               uneven)
+            if self.block_period is not None and any(e.stack_index < 0 and e.qkv is not None for e in plan.entries):
+                raise ValueError(
+                    f"block_period={self.block_period} (MuonBP) orthogonalizes a shard as one matrix, which a fused "
+                    "projection split into parts (split_shapes) sharded across ranks is not: use block_period=None")
             if self._low_memory_state and any(e.sharding is not None and e.sharding.uneven for e in plan.entries):
                 raise ValueError(
                     f"state_dtype={self.state_dtype!r} lays its codes' blocks out by DTensor's chunking rule, which "
@@ -426,7 +430,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             return self._hook_step()
         plan = self._current_plan()
         if overlap is not None and overlap.work is not None:  # backward started the step
-            return self._finish_overlapped_step(overlap)
+            self._finish_overlapped_step(overlap)
+            if self.block_period is not None:
+                self._count_block_step()
+            return None
         active = [e.param.grad is not None for e in plan.entries]
         # Everything that can reject the input runs before anything is written.
         self._check_grads(plan, active)
@@ -443,6 +450,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             self._sharded.loads.clear()
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             self._step_chunk(plan, layout, inputs, scalers)
+        if self.block_period is not None:
+            self._count_block_step()
         return None
 
     @torch._disable_dynamo
@@ -477,17 +486,23 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
 
     @torch._disable_dynamo
     def state_dict(self) -> dict[str, Any]:
-        overlap = self.__dict__.get("_overlap")
-        if overlap is not None:
-            overlap.wait()  # the momentum of started chunks is being written
-        return super().state_dict()
+        self._wait_for_overlap()
+        state_dict = super().state_dict()
+        if self.block_period is not None:  # MuonBP's phase: a resumed run takes its full steps where it would
+            state_dict[BLOCK_STEPS_KEY] = self._block_steps
+        return state_dict
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         overlap = self.__dict__.get("_overlap")
         if overlap is not None:
             overlap.discard(None)  # the checkpoint replaces the state the work wrote
+        steps = state_dict.get(BLOCK_STEPS_KEY)
+        if BLOCK_STEPS_KEY in state_dict:
+            state_dict = {k: v for k, v in state_dict.items() if k != BLOCK_STEPS_KEY}
         super().load_state_dict(state_dict)
+        if steps is not None and self.block_period is not None:
+            self._block_steps = int(steps)
 
     def _step_chunk(self, plan, layout, inputs: dict, scalers: dict) -> None:
         """Every phase for one chunk. A function of its own so that the chunk's results (memory of
@@ -563,6 +578,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             res = self._orthogonalize(plan.stacks[entry.stack_index], x if x.ndim == 3 else x.unsqueeze(0))
             out = res[0] if x.ndim == 2 else (res if isinstance(res, torch.Tensor) else torch.stack(res))
         return out if self._config.moment2_method is not None else out * entry.update_scale
+
+BLOCK_STEPS_KEY = "block_period_steps"  # MuonBP's step count in a state_dict (step.block_periodic)
 
 # The fused step reproduces these methods; a subclass replacing one gets the per-parameter step.
 OrthogonalizedOptimizer._fused_hook_defaults = {name: getattr(OrthogonalizedOptimizer, name) for name in BASE_HOOK_NAMES}

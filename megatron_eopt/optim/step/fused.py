@@ -30,6 +30,7 @@ from ..multirank.tensor_parallel import (
 from ..matrix_view import QKVSplit, split_newton_schulz
 from .plan import Plan, Stack
 from ..multirank.sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
+from .block_periodic import block_orthogonalize, block_scale
 from .layout import ChunkLayout, buffer_floats
 
 _OPS = torch.ops.megatron_eopt
@@ -115,6 +116,23 @@ class FusedStep:
         A subclass may fold a per-group factor in (``hyper`` holds the group's device scalars),
         e.g. ``1 - momentum`` for an SGD-style buffer ``buf = momentum·buf + g``."""
         return grad_scale
+
+    # MuonBP (step.block_periodic): off unless a class sets block_period
+    block_period: int | None = None
+    block_lr_scale: float = 1.0
+    _block_steps: int = 0  # fused steps taken, which decide the next one's kind
+
+    @torch._disable_dynamo
+    def _block_step_now(self) -> bool:
+        """Whether this step orthogonalizes sharded matrices shard by shard (a graph break under
+        torch.compile: the step's kind is a Python decision)."""
+        period = self.block_period
+        return period is not None and (self._block_steps + 1) % period != 0
+
+    @torch._disable_dynamo
+    def _count_block_step(self) -> None:
+        if self.block_period is not None:
+            self._block_steps += 1
 
     def _grad_scaler_tensors(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """GradScaler's grad_scale and found_inf, set on the optimizer for the duration of step()."""
@@ -224,10 +242,15 @@ class FusedStep:
         for i in members:
             if entries[i].stack_index < 0:
                 by_config.setdefault(id(plan.configs[entries[i].group_index]), []).append(i)
+        # MuonBP: shards orthogonalized where they are (step.block_periodic)
+        block = self.block_period is not None and bool(by_config) and self._block_step_now()
         for sharded in by_config.values():
-            outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
-                                     plan.configs[entries[sharded[0]].group_index],
-                                     [entries[i].qkv for i in sharded])
+            cfg = plan.configs[entries[sharded[0]].group_index]
+            if block:
+                outs = block_orthogonalize(cfg, [ns_inputs[i] for i in sharded])
+            else:
+                outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
+                                         cfg, [entries[i].qkv for i in sharded])
             updates.update(zip(sharded, outs))
         # Nothing reads a Newton–Schulz input after its Newton–Schulz (but NAMO's normalization and
         # an orthogonalize() override), so the results may take the inputs' memory: a quarter of a
@@ -247,6 +270,11 @@ class FusedStep:
                         else results[k : k + e.batch]
                 k += e.batch
         scales = {i: entries[i].update_scale for i in members}
+        if block:
+            for sharded in by_config.values():
+                for i in sharded:
+                    scales[i] = block_scale(plan.configs[entries[i].group_index], tuple(ns_inputs[i].shape),
+                                            self.block_lr_scale)
         if not self._orthogonalize_is_base():
             self._call_orthogonalize_override(entries, members, ns_inputs, updates, scales)
         return updates, scales

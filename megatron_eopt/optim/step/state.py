@@ -39,13 +39,18 @@ class FusedState:
     # Pickling, copying and loading rebuild the plan: they run outside dynamo (as torch.optim's own
     # state_dict, load_state_dict and add_param_group do), so an optimizer copied or loaded inside
     # a compiled function is complete.
+    def _wait_for_overlap(self) -> None:
+        """Waits for the work backward started (``overlap_backward``): it writes the momentum of the
+        chunks it started."""
+        overlap = self.__dict__.get("_overlap")
+        if overlap is not None:
+            overlap.wait()
+
     @torch._disable_dynamo
     def __getstate__(self) -> dict[str, Any]:
         # torch.optim.Optimizer pickles defaults, state and param_groups only; the settings kept on
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
-        overlap = self.__dict__.get("_overlap")
-        if overlap is not None:
-            overlap.wait()  # the momentum of started chunks is being written
+        self._wait_for_overlap()
         state = super().__getstate__()
         transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_overlap")
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
