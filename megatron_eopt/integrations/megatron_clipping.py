@@ -78,7 +78,7 @@ def _leaves(chained: Any) -> list[_Leaf]:
     leaves: list[_Leaf] = []
 
     def visit(opt: Any, config: Any, group: Any) -> None:
-        # Megatron-LM's own flag on the placeholder optimizer of a rank that holds no parameters of
+        # Megatron-LM's own flag on the empty optimizer it builds for a rank that holds no parameters of
         # that kind: nothing to clip there.
         if getattr(opt, "is_stub_optimizer", False):
             return

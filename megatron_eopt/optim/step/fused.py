@@ -62,9 +62,12 @@ class FusedStep:
 
     # ------------------------------------------------------------------ checks and per-step values
     def _check_grads(self, plan: Plan, active: list[bool]) -> None:
-        for i, entry in enumerate(plan.entries):
-            if not active[i]:
-                continue
+        self._check_grads_of(plan, (i for i, a in enumerate(active) if a))
+
+    def _check_grads_of(self, plan: Plan, indices) -> None:
+        """The grads of the entries ``indices`` (each has one), checked against their params."""
+        for i in indices:
+            entry = plan.entries[i]
             p, g = entry.param, entry.param.grad
             if g.is_sparse:
                 raise ValueError(

@@ -83,6 +83,7 @@ class BackwardWork:
     # entry index -> [grad, its version]: taken when the grad is final, and again whenever a grad
     # sharing its storage is (FSDP2's grads of one group are views of one buffer: one version counter)
     versions: dict = field(default_factory=dict)
+    by_storage: dict = field(default_factory=dict)  # a storage's address -> the version records of its grads
     seeds: dict = field(default_factory=dict)  # the low-memory state's seeds before this step advanced them
     off: bool = False  # this step does not overlap (step() does it all, and raises what it must)
     hyper: dict = field(default_factory=dict)  # group index -> {key: value when the first chunk started}
@@ -98,18 +99,16 @@ class BackwardOverlap:
     def __init__(self, optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._handles: dict[int, Any] = {}  # id(param) -> hook handle
-        self._params: dict[int, weakref.ref] = {}
         self.accumulating_depth = 0
         self.ddp = False  # gradients final when DDP's buckets are all-reduced (attach_ddp)
         self.work: BackwardWork | None = None
         # The hooks of parameters on different devices run on autograd's per-device threads, and the
         # worker shares the below-eps counters with them: one lock for the bookkeeping.
         self.lock = threading.RLock()
-        self._executor: ThreadPoolExecutor | None = None
-        self._executors: list[ThreadPoolExecutor] = []
+        self._executors: list[ThreadPoolExecutor] = []  # the worker, once made (a list: _close holds it)
         self._streams: dict[torch.device, Any] = {}
         # hooks and the worker go with the optimizer
-        weakref.finalize(optimizer, _close, self._handles, self._params, self._executors)
+        weakref.finalize(optimizer, _close, self._handles, self._executors)
 
     # ------------------------------------------------------------------ hooks
     def sync_hooks(self, plan: Plan) -> None:
@@ -117,18 +116,10 @@ class BackwardOverlap:
         wanted = {id(e.param): e.param for e in plan.entries}
         for pid in [pid for pid in self._handles if pid not in wanted]:
             self._handles.pop(pid).remove()
-            self._params.pop(pid, None)
         ref = weakref.ref(self)
         for pid, p in wanted.items():
             if pid not in self._handles and p.requires_grad:  # a frozen param gets no grad (nor a hook)
                 self._handles[pid] = p.register_post_accumulate_grad_hook(_hook(ref))
-                self._params[pid] = weakref.ref(p)
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles.clear()
-        self._params.clear()
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -211,15 +202,16 @@ class BackwardOverlap:
                     "passes, or run the non-final micro-batches inside `with optimizer.accumulating():`"
                 )
             g = p.grad
+            record = [g, None]
             if g is not None:
                 # Views of one buffer share a version counter (FSDP2's grads of a group, flat gradient
                 # buffers): this grad's accumulation bumped its consumed siblings' too. Re-taken here,
                 # so a change made after the last of them was marked (a clip, DDP's all-reduce) still shows.
-                storage = local(g).untyped_storage().data_ptr()
-                for record in work.versions.values():
-                    if record[0] is not None and local(record[0]).untyped_storage().data_ptr() == storage:
-                        record[1] = local(record[0])._version
-            work.versions[i] = [g, None if g is None else local(g)._version]
+                siblings = work.by_storage.setdefault(local(g).untyped_storage().data_ptr(), [])
+                siblings.append(record)
+                for sibling in siblings:
+                    sibling[1] = local(sibling[0])._version
+            work.versions[i] = record
             c = work.chunk_of[i]
             if work.waiting[c] is None:
                 return
@@ -260,11 +252,8 @@ class BackwardOverlap:
     def _start_chunk(self, opt, work: BackwardWork, c: int, in_callback: bool = False) -> None:
         plan = work.plan
         members = work.chunks[c]
-        active = [False] * len(plan.entries)
-        for i in members:
-            active[i] = True
         try:
-            opt._check_grads(plan, active)
+            opt._check_grads_of(plan, members)
         except (ValueError, TypeError) as exc:
             work.error = exc
             return
@@ -312,12 +301,12 @@ class BackwardOverlap:
         return StartedChunk(layout, launches, updates, scales, ns_inputs)
 
     def _worker(self, opt) -> ThreadPoolExecutor:
-        if self._executor is None:
+        if not self._executors:
             # The worker's ops use as many threads as the caller's (a new thread would get OpenMP's default).
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="megatron-eopt-overlap",
-                                                initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),))
-            self._executors.append(self._executor)
-        return self._executor
+            self._executors.append(ThreadPoolExecutor(1, thread_name_prefix="megatron-eopt-overlap",
+                                                      initializer=torch.set_num_threads,
+                                                      initargs=(torch.get_num_threads(),)))
+        return self._executors[0]
 
     def wait(self) -> None:
         """Waits for the in-flight work (its results stay pending for step())."""
@@ -437,12 +426,11 @@ def _restore_seeds(work: BackwardWork, opt) -> None:
             seed.copy_(before)
 
 
-def _close(handles: dict, params: dict, executors: list) -> None:
+def _close(handles: dict, executors: list) -> None:
     """The optimizer is gone: its hooks and worker go too."""
     for handle in handles.values():
         handle.remove()
     handles.clear()
-    params.clear()
     for executor in executors:
         executor.shutdown(wait=False)
 
