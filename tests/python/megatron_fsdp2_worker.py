@@ -89,7 +89,10 @@ CHECKPOINT_CASES = (
 # DDP's (a few 1e-8 relative); Adam's first steps are sign-like, so on the elements whose gradient is
 # rounding noise that difference can flip an update. As for NorMuon and NAMO (STATISTICS_TOL), the
 # Adam parameters get the loose tolerance and the cases run in fp32: in bf16 one such flip moves a
-# weight by more than one bf16 step and the runs part (seen in 1 of a few dozen runs).
+# weight by more than one bf16 step and the runs part (seen in 1 of a few dozen runs). The Muon matrices
+# then see the Adam parameters' differences in the next steps' gradients: measured over 460 seeds, up
+# to 4.4e-6 of their update under Muon and 2.2e-5 under AdaMuon (whose sign-like normalization
+# amplifies them), beyond FP32_TOL; they get SPANNING_MATRIX_TOL as well.
 CLIP_CASES = (("muon", False, True, None), ("adaptive_muon", False, True, "adamuon"))
 CLIP_GRAD = 1e-3
 SCALE_MODE = {"muon": "spectral", "adaptive_muon": "unit_rms_norm"}
@@ -235,7 +238,7 @@ def check_against_ddp(case, seed, same_data=False, clip_grad=0.0):
         assert not bf16, where  # see STATISTICS_TOL and CLIP_CASES
         muon_params = {id(p) for group in muon_member(fsdp[1]).param_groups for p in group["params"]}
         loose = {name for name, p in fsdp[0].module.named_parameters() if id(p) not in muon_params}
-    tol = SPANNING_MATRIX_TOL if moment2_method in SPANNING_STATISTICS else FP32_TOL
+    tol = SPANNING_MATRIX_TOL if moment2_method in SPANNING_STATISTICS or clip_grad else FP32_TOL
     worst = assert_close(got, ref, init, where, tol=tol, loose=loose, loose_tol=STATISTICS_TOL)
     worst = max(worst, assert_close(got_main, ref_main, init, f"{where} main params"))
     if dist.get_rank() == 0:
