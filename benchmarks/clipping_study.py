@@ -60,34 +60,10 @@ SCHEMA = "megatron-eopt-benchmarks/clipping-study/1"
 # for Muon's momentum (0.95: a spike 50x the EMA's usual size decays to it in ~76 steps) to forget
 # it. --quick: a model small enough for a test; its figures mean nothing.
 SIZES = {
-    "full": dict(
-        d_model=192,
-        layers=4,
-        heads=6,
-        block_size=64,
-        batch_size=8,
-        steps=160,
-        spike_step=80,
-        eval_every=40,
-        eval_batches=8,
-        data_mb=2.0,
-        widths=(128, 512, 2048, 4096),
-        imbalanced_steps=60,
-    ),
-    "quick": dict(
-        d_model=32,
-        layers=1,
-        heads=2,
-        block_size=16,
-        batch_size=2,
-        steps=10,
-        spike_step=4,
-        eval_every=5,
-        eval_batches=2,
-        data_mb=0.5,
-        widths=(32, 64),
-        imbalanced_steps=6,
-    ),
+    "full": dict(d_model=192, layers=4, heads=6, block_size=64, batch_size=8, steps=160, spike_step=80, eval_every=40,
+                 eval_batches=8, data_mb=2.0, widths=(128, 512, 2048, 4096), imbalanced_steps=60),
+    "quick": dict(d_model=32, layers=1, heads=2, block_size=16, batch_size=2, steps=10, spike_step=4, eval_every=5,
+                  eval_batches=2, data_mb=0.5, widths=(32, 64), imbalanced_steps=6),
 }
 
 

@@ -42,26 +42,16 @@ void run_newton_schulz_cpu(const Tensor& x, Tensor& out, NsOptions opts) {
 
 Tensor as_batch(const Tensor& x) { return x.dim() == 2 ? aten::unsqueeze(x, 0) : x; }
 
-Tensor newton_schulz_cpu(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
-                         double eps, std::optional<bool> transpose, const std::string& precision,
-                         const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                         bool row_equilibration, bool frobenius_renorm, const std::string& products) {
+Tensor newton_schulz_cpu(const Tensor& x, const NsOptions& opts) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz: x must be a CPU tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   if (x.numel() == 0) return aten::empty_like(x);
   Tensor out = aten::empty({opts.batch, opts.rows, opts.cols}, kFloat, x.device());
   run_newton_schulz_cpu(as_batch(x), out, opts);
   return x.dim() == 2 ? aten::squeeze(out, 0) : out;
 }
 
-void newton_schulz_cpu_(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
-                        double eps, std::optional<bool> transpose, const std::string& precision,
-                        const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                        bool row_equilibration, bool frobenius_renorm, const std::string& products) {
+void newton_schulz_cpu_(const Tensor& x, const NsOptions& opts) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cpu(), "newton_schulz_: x must be a CPU tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   MEGATRON_EOPT_CHECK_VALUE(x.is_contiguous(), "newton_schulz_: x must be contiguous (strides ", x.strides(), ")");
   if (x.numel() == 0) return;
   // Written through a detached alias: ATen's out= products refuse an output that requires grad
@@ -73,8 +63,8 @@ void newton_schulz_cpu_(const Tensor& x, const std::vector<double>& coefficients
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CPU, m) {
-  m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cpu));
-  m.impl("newton_schulz_", TORCH_BOX(&newton_schulz_cpu_));
+  m.impl("newton_schulz", TORCH_BOX(&newton_schulz_entry<&newton_schulz_cpu>));
+  m.impl("newton_schulz_", TORCH_BOX(&newton_schulz_entry<&newton_schulz_cpu_>));
 }
 
 }  // namespace megatron_eopt

@@ -89,13 +89,8 @@ void run_newton_schulz_cuda(const Tensor& input, Tensor& out, const NsOptions& o
                      blas_context(input, workspace, opts.products));
 }
 
-Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
-                             double eps, std::optional<bool> transpose, const std::string& precision,
-                             const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                             bool row_equilibration, bool frobenius_renorm, const std::string& products) {
+Tensor newton_schulz_cuda_op(const Tensor& x, const NsOptions& opts) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz: x must be a CUDA tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   const cuda::DeviceGuard guard(cuda::device_of(x));
   const Tensor input = aten::contiguous(x);
   Tensor out = aten::empty_like(input);
@@ -104,13 +99,8 @@ Tensor newton_schulz_cuda_op(const Tensor& x, const std::vector<double>& coeffic
   return out;
 }
 
-void newton_schulz_cuda_op_(const Tensor& x, const std::vector<double>& coefficients, int64_t steps, bool repeat_last,
-                            double eps, std::optional<bool> transpose, const std::string& precision,
-                            const std::string& algorithm, const std::string& eps_mode, double norm_divisor,
-                            bool row_equilibration, bool frobenius_renorm, const std::string& products) {
+void newton_schulz_cuda_op_(const Tensor& x, const NsOptions& opts) {
   MEGATRON_EOPT_CHECK_VALUE(x.is_cuda(), "newton_schulz_: x must be a CUDA tensor here, got ", x.device());
-  const NsOptions opts = parse_ns_options(x, coefficients, steps, repeat_last, eps, transpose, precision, algorithm,
-                                          eps_mode, norm_divisor, row_equilibration, frobenius_renorm, products);
   MEGATRON_EOPT_CHECK_VALUE(x.is_contiguous(), "newton_schulz_: x must be contiguous (strides ", x.strides(), ")");
   const cuda::DeviceGuard guard(cuda::device_of(x));
   if (x.numel() == 0) return;
@@ -131,8 +121,8 @@ void newton_schulz_cuda_op_(const Tensor& x, const std::vector<double>& coeffici
 }  // namespace
 
 STABLE_TORCH_LIBRARY_IMPL(megatron_eopt, CUDA, m) {
-  m.impl("newton_schulz", TORCH_BOX(&newton_schulz_cuda_op));
-  m.impl("newton_schulz_", TORCH_BOX(&newton_schulz_cuda_op_));
+  m.impl("newton_schulz", TORCH_BOX(&newton_schulz_entry<&newton_schulz_cuda_op>));
+  m.impl("newton_schulz_", TORCH_BOX(&newton_schulz_entry<&newton_schulz_cuda_op_>));
 }
 
 }  // namespace megatron_eopt

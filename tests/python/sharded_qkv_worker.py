@@ -29,11 +29,8 @@ TOL = 1e-6  # fp32, "highest": the sharded step must equal the whole one
 SPLIT = [4, 2, 2]  # rows of q, k, v per query group
 GROUPS = 3
 STEPS = 2
-OPTIMIZERS = [
-    (TensorParallelMuon, {}),
-    (TensorParallelAdaptiveMuon, dict(moment2_method="adamuon")),
-    (TensorParallelAdaptiveMuon, dict(moment2_method="normuon")),
-    (TensorParallelAdaptiveMuon, dict(moment2_method="namo")),
+OPTIMIZERS = [(TensorParallelMuon, {})] + [
+    (TensorParallelAdaptiveMuon, dict(moment2_method=m)) for m in ("adamuon", "normuon", "namo")
 ]
 
 

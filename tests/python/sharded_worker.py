@@ -27,12 +27,7 @@ from worker_exit import exits_without_teardown  # noqa: E402
 
 TOL = 1e-6  # fp32, precision "highest": the sharded step must equal the unsharded one
 STEPS = 2
-OPTIMIZERS = [
-    (Muon, {}),
-    (AdaptiveMuon, dict(moment2_method="adamuon")),
-    (AdaptiveMuon, dict(moment2_method="normuon")),
-    (AdaptiveMuon, dict(moment2_method="namo")),
-]
+OPTIMIZERS = [(Muon, {})] + [(AdaptiveMuon, dict(moment2_method=m)) for m in ("adamuon", "normuon", "namo")]
 
 
 def _kwargs(extra, **more):

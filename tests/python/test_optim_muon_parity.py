@@ -141,29 +141,20 @@ def test_adaptive_muon_moment2_methods(moment2_method, nesterov, gen):
     )
 
 
-@pytest.mark.parametrize(
-    "moment2_method,weight_decay_method,scale_mode",
-    [
-        ("adamuon", "l2", "shape_scaling"),
-        ("normuon", "independent", "unit_rms_norm"),
-        ("namo", "palm", "spectral"),
-        ("normuon", "decoupled", "spectral"),
-    ],
-)
+CONFIGURATIONS = [  # (moment2_method, weight_decay_method, scale_mode): each method, mode and scale at least once
+    ("adamuon", "l2", "shape_scaling"),
+    ("normuon", "independent", "unit_rms_norm"),
+    ("namo", "palm", "spectral"),
+    ("normuon", "decoupled", "spectral"),
+]
+
+
+@pytest.mark.parametrize("moment2_method,weight_decay_method,scale_mode", CONFIGURATIONS)
 def test_adaptive_muon_configurations(moment2_method, weight_decay_method, scale_mode, gen):
-    kwargs = dict(
-        lr=0.01,
-        momentum=0.95,
-        weight_decay=0.3,
-        moment2_method=moment2_method,
-        scale_mode=scale_mode,
-        weight_decay_method=weight_decay_method,
-        extra_scale_factor=0.2,
-        eps=1e-6,
-        coefficient_type="polar_express",
-        num_ns_steps=6,
-        fp32_matmul_prec="highest",
-    )
+    # every hyper-parameter away from its default
+    kwargs = dict(lr=0.01, momentum=0.95, weight_decay=0.3, moment2_method=moment2_method, scale_mode=scale_mode,
+                  weight_decay_method=weight_decay_method, extra_scale_factor=0.2, eps=1e-6,
+                  coefficient_type="polar_express", num_ns_steps=6, fp32_matmul_prec="highest")
     _compare_adaptive(
         kwargs,
         gen,

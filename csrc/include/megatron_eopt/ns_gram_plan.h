@@ -267,11 +267,7 @@ inline GramScratchLayout gram_scratch_layout(const GramProgram& p, int64_t batch
     layout.offset[i] = at;
     at += ns_align256(elems * (gram_buf_is_bf16(p, b) ? 2 : 4));
   }
-  const NsNormScratch norm = ns_norm_scratch(at, batch, norm_partial_slots);
-  layout.sum_squares = norm.sum_squares;
-  layout.norm_partials = norm.norm_partials;
-  layout.total = norm.end;
-  return layout;
+  return end_with_norm_scratch(layout, at, batch, norm_partial_slots);
 }
 
 // FLOPs of one matrix (2 per multiply-add), by kind of product: with the long side and a

@@ -24,20 +24,15 @@ inline int64_t ns_cpu_aligned_elems(int64_t elems, int64_t elem_bytes) {
   return (elems + line - 1) / line * line;
 }
 
-// The normalization's scratch of a call (both iterations'), placed from byte `offset` on: `batch`
-// sums of squares, then `norm_partial_slots` partial sums; `end` is where it stops.
-struct NsNormScratch {
-  std::size_t sum_squares;
-  std::size_t norm_partials;
-  std::size_t end;
-};
-
-inline NsNormScratch ns_norm_scratch(std::size_t offset, int64_t batch, int64_t norm_partial_slots) {
-  NsNormScratch s{};
-  s.sum_squares = offset;
-  s.norm_partials = s.sum_squares + ns_align256(static_cast<std::size_t>(batch) * sizeof(float));
-  s.end = s.norm_partials + ns_align256(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
-  return s;
+// Ends `layout` (a scratch layout of a call, either iteration's) with the normalization's scratch,
+// placed from byte `offset` on: `batch` sums of squares, then `norm_partial_slots` partial sums;
+// `total` is where it stops.
+template <typename Layout>
+Layout end_with_norm_scratch(Layout layout, std::size_t offset, int64_t batch, int64_t norm_partial_slots) {
+  layout.sum_squares = offset;
+  layout.norm_partials = offset + ns_align256(static_cast<std::size_t>(batch) * sizeof(float));
+  layout.total = layout.norm_partials + ns_align256(static_cast<std::size_t>(norm_partial_slots) * sizeof(float));
+  return layout;
 }
 
 // Bytes of one of G and B for a batch: batch matrices of g x padded_square_ld(g) elements of the
@@ -99,11 +94,7 @@ inline NsScratchLayout ns_scratch_layout(int64_t batch, int64_t m, int64_t n, bo
     layout.poly = offset;
     offset += product_bytes;
   }
-  const NsNormScratch norm = ns_norm_scratch(offset, batch, norm_partial_slots);
-  layout.sum_squares = norm.sum_squares;
-  layout.norm_partials = norm.norm_partials;
-  layout.total = norm.end;
-  return layout;
+  return end_with_norm_scratch(layout, offset, batch, norm_partial_slots);
 }
 
 // The CPU standard iteration under "medium" (cpu/newton_schulz_standard_cpu.cpp) iterates in bf16
