@@ -12,15 +12,23 @@ import torch
 import torch.distributed as dist
 
 
+# The CPU products every test rank runs (megatron_eopt.set_cpu_symmetric_products /
+# set_cpu_bf16_products): one full ATen GEMM for the symmetric products, fp32 GEMMs of the bf16 values
+# for "medium" (both portable). A test that compares the ranks' results with a reference of its own
+# process computes it with the same (cpu_paths.cpu_path(**RANK_CPU_PRODUCTS)).
+RANK_CPU_PRODUCTS = dict(symmetric="full", bf16="fp32")
+
+
 def _same_cpu_products_on_every_rank():
-    """Pins the CPU's symmetric products to one full ATen GEMM. Each process times its own CPU
-    paths (docs/newton-schulz.md), so two ranks of one machine can take different ones, whose
-    results differ by summation order: an owner rank's Newton–Schulz would then differ from the
-    same matrix's on another rank by fp32 rounding, and the bitwise comparisons of sharded against
-    whole steps would test the measurement, not the sharding (docs/limits.md)."""
+    """Pins the CPU products to RANK_CPU_PRODUCTS. Each process times its own CPU paths
+    (docs/newton-schulz.md), so two ranks of one machine, loaded differently, can take different ones,
+    whose results differ by summation order: an owner rank's Newton–Schulz would then differ from the
+    same matrix's on another rank by rounding, and the comparisons of sharded against whole steps
+    would test the measurement, not the sharding (docs/limits.md)."""
     import megatron_eopt
 
-    megatron_eopt.set_cpu_symmetric_products("full")
+    megatron_eopt.set_cpu_symmetric_products(RANK_CPU_PRODUCTS["symmetric"])
+    megatron_eopt.set_cpu_bf16_products(RANK_CPU_PRODUCTS["bf16"])
 
 
 @contextlib.contextmanager
