@@ -27,18 +27,20 @@ MOTIF_QUINTIC = [
 MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_steps", "adamw_betas", "adamw_eps", "none_grad")
 
 
-def motif_ns(x: torch.Tensor) -> torch.Tensor:
-    """Newton–Schulz of one matrix or of each (m, n) slice of an (E, m, n) tensor, in float64."""
+def motif_ns(x: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Newton–Schulz of one matrix or of each (m, n) slice of an (E, m, n) tensor, computed in
+    ``dtype`` (float64: the reference; bfloat16: Motif's own arithmetic, the input and every product
+    rounded to bf16), returned in float64."""
     if x.dim() == 3:
-        return torch.stack([motif_ns(m) for m in x])
-    x = x.double()
+        return torch.stack([motif_ns(m, dtype) for m in x])
+    x = x.to(dtype)
     tall = x.shape[0] > x.shape[1]
     w = x.T if tall else x
     w = w / (w.norm() + 1e-7)
     for a, b, c in MOTIF_QUINTIC:
         gram = w @ w.T
         w = a * w + (b * gram + c * gram @ gram) @ w
-    return w.T if tall else w
+    return (w.T if tall else w).double()
 
 
 def parse_name(name: str):
@@ -91,6 +93,7 @@ class MotifReference:
         self.groups = [dict(g) for g in groups]
         self.state: dict[int, dict] = {}
         self.clip_config = clip_config
+        self.ns_dtype = torch.float64  # what motif_ns computes in
 
     def step(self, grads: dict[int, torch.Tensor], qk_logits=None) -> None:
         for group in self.groups:
@@ -104,7 +107,7 @@ class MotifReference:
                     mu = group["momentum"]
                     buf = st.get("momentum_buffer", torch.zeros_like(g)) * mu + g
                     st["momentum_buffer"] = buf
-                    u = motif_ns(g + mu * buf if group["nesterov"] else buf)
+                    u = motif_ns(g + mu * buf if group["nesterov"] else buf, self.ns_dtype)
                     m, n = self.p[i].shape[-2:]
                     self.p[i] = self.p[i] * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(m, n)) * u
                     self._clip(i, group["names"][pos] if "names" in group else "", qk_logits)

@@ -3,6 +3,7 @@ AdamW state, checkpoints and QK-clip semantics, against the float64 re-expressio
 behaviour in motif_reference.py (single process; the DTensor / FSDP2 runs are in
 test_motif_sharded.py)."""
 
+import copy
 import warnings
 
 import pytest
@@ -93,15 +94,22 @@ def _fresh_grads(params, gen):
     return grads
 
 
-def _compare(opt, params, start, ref, steps):
-    """Each param's change over the steps against the reference's (bf16 Newton–Schulz / fp32
-    AdamW tolerance, plus one fp32 rounding of the stored parameter per step), and the state."""
+def _compare(opt, params, start, ref, steps, motif_bf16):
+    """Each param's change over the steps against the reference's, and the state. Tolerances: fp32
+    AdamW's; for Muon, design §9's bf16 figure, or 1.5x the distance bf16 rounding alone puts
+    between Motif's own arithmetic (``motif_bf16``, the reference run with bf16 Newton–Schulz) and
+    float64 on these inputs where that is larger (the small near-square matrices here, whose
+    smallest singular values the iteration magnifies); plus one fp32 rounding of the stored
+    parameter per step."""
     for group in opt.param_groups:
         for p in group["params"]:
             i = next(j for j, q in enumerate(params) if q is p)
             delta, ref_delta = p.detach().double() - start[i], ref.p[i] - start[i]
             storage = steps * 2.0**-24 * float(start[i].norm() / ref_delta.norm().clamp_min(1e-30))
-            tol = (TOLERANCE["medium"] if group["use_muon"] else 1e-5) + storage
+            if group["use_muon"]:
+                tol = max(TOLERANCE["medium"], 1.5 * rel_err(motif_bf16.p[i] - start[i], ref_delta)) + storage
+            else:
+                tol = 1e-5 + storage
             assert rel_err(delta, ref_delta) <= tol, (group["use_muon"], tuple(p.shape), rel_err(delta, ref_delta))
             for key, value in ref.state[i].items():
                 got = opt.state[p][key]
@@ -114,11 +122,14 @@ def _compare(opt, params, start, ref, steps):
 def _step_and_compare(opt, params, ref, gen, steps):
     """``steps`` steps of ``opt`` and of the reference on the same fresh grads, then :func:`_compare`."""
     start = [p.detach().double().clone() for p in params]
+    motif_bf16 = copy.deepcopy(ref)
+    motif_bf16.ns_dtype = torch.bfloat16
     for _ in range(steps):
         grads = _fresh_grads(params, gen)
         opt.step()
         ref.step(grads)
-    _compare(opt, params, start, ref, steps)
+        motif_bf16.step(grads)
+    _compare(opt, params, start, ref, steps, motif_bf16)
 
 
 # ------------------------------------------------------------------ numbers, routing, group keys
