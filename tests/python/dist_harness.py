@@ -14,9 +14,27 @@ import torch.distributed as dist
 
 # The CPU products every test rank runs (megatron_eopt.set_cpu_symmetric_products /
 # set_cpu_bf16_products): one full ATen GEMM for the symmetric products, fp32 GEMMs of the bf16 values
-# for "medium" (both portable). A test that compares the ranks' results with a reference of its own
-# process computes it with the same (cpu_paths.cpu_path(**RANK_CPU_PRODUCTS)).
+# for "medium" (both portable). A test that compares the ranks' results closely with a reference of
+# its own process computes it under computing_as_the_ranks().
 RANK_CPU_PRODUCTS = dict(symmetric="full", bf16="fp32")
+
+
+@contextlib.contextmanager
+def computing_as_the_ranks():
+    """The ranks' CPU products (RANK_CPU_PRODUCTS) and their one torch thread in this process for the
+    block; the measured choices and the thread count are back on the way out."""
+    import megatron_eopt
+
+    threads = torch.get_num_threads()
+    megatron_eopt.set_cpu_symmetric_products(RANK_CPU_PRODUCTS["symmetric"])
+    megatron_eopt.set_cpu_bf16_products(RANK_CPU_PRODUCTS["bf16"])
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        megatron_eopt.set_cpu_symmetric_products("auto")
+        megatron_eopt.set_cpu_bf16_products("auto")
 
 
 def _same_cpu_products_on_every_rank():

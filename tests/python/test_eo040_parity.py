@@ -251,10 +251,13 @@ def test_overridden_extension_points_are_called(overrides, gen):
     # The same override on EO's Muon and on ours: ours leaves the fused step and calls it as EO does.
     ours = type("OursCustom", (optim.Muon,), dict(overrides))
     theirs = type("EOCustom", (eo.Muon,), dict(overrides))
-    # 2e-5: a random 16x16 draw can have a tiny singular value that the fp32 iteration's own rounding
-    # magnifies past 1e-5 (seen once in CI: 1.35e-5 with MEGATRON_EOPT_TEST_SEED=616949391, equal on
-    # every CPU product path; 0 of 30 other seeds past 1e-5).
-    opt = _compare(ours, theirs, dict(lr=0.05, weight_decay=0.1, fp32_matmul_prec="highest"), gen, tol=2e-5)
+    # With the update clamped, a random 16x16 draw's tiny singular value, which the fp32 iteration's
+    # own rounding magnifies, weighs more in the clamped step: 1.35e-5 with
+    # MEGATRON_EOPT_TEST_SEED=616949391 (equal on every CPU product path), up to 1.1e-5 over 600 other
+    # seeds (2 past 1e-5); the other overrides stay near 3e-7. An override left uncalled moves the
+    # step by far more than either bound.
+    tol = 5e-5 if "pre_weight_update_fn_inplace" in overrides else TOLERANCE["highest"]
+    opt = _compare(ours, theirs, dict(lr=0.05, weight_decay=0.1, fp32_matmul_prec="highest"), gen, tol=tol)
     if "orthogonalize" not in overrides:  # an overridden orthogonalize is called from the fused step
         assert not opt._use_fused_step()
         assert sorted(opt.overridden_extension_points()) == sorted(overrides)

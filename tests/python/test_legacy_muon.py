@@ -11,17 +11,17 @@ import megatron_eopt
 from megatron_eopt import muon as legacy
 from megatron_eopt.optim import Muon as FusedMuon
 
-from cpu_paths import cpu_path
-from dist_harness import RANK_CPU_PRODUCTS, run_workers
+from dist_harness import computing_as_the_ranks, run_workers
 from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, rel_err
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIMPLE = (3.4445, -4.7750, 2.0315)
 # Two independent bf16 Newton–Schulz steps of one small matrix (ours and nanochat's) apart, relative
 # to the update: about twice the bf16 tolerance typically (up to 1.3e-2 over 36 seeds), with a long
-# tail on the small matrices, whose norms rest on few elements (4.01e-2 with seed 2815249341). What
-# the comparisons guard against, a momentum restarted from zero, puts a step 35-75% off.
-BF16_PAIR_TOL = 0.12
+# tail on the small matrices, whose norms rest on few elements (4.01e-2 with seed 2815249341; two
+# independent bf16 roundings of one 5 x 5 Newton–Schulz call reach 9.2% over 1,500 draws). What the
+# comparisons guard against, a momentum restarted from zero, puts a step 35-75% off.
+BF16_PAIR_TOL = 0.2
 
 
 @pytest.fixture(autouse=True)
@@ -398,12 +398,12 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
     results = _run_dist_muon(tmp_path, world, seed, case)
     shapes = worker.CASES[case]
 
-    # single process: Muon on the averaged grads (summed in rank order), same schedule, on the CPU
-    # products the ranks run (their summation order: the fp32 comparison below is near bitwise)
+    # single process: Muon on the averaged grads (summed in rank order), same schedule, computed as
+    # the ranks compute (their CPU products and thread: the fp32 comparison below is near bitwise)
     params = worker.initial_params(seed, case)
     start = [p.detach().clone() for p in params]
     opt = legacy.Muon(params, lr=worker.LR, momentum=worker.MOMENTUM, weight_decay=worker.WEIGHT_DECAY)
-    with cpu_path(**RANK_CPU_PRODUCTS):
+    with computing_as_the_ranks():
         for step in range(worker.STEPS):
             per_rank = [worker.grads(seed, r, step, case) for r in range(world)]
             for i, p in enumerate(params):

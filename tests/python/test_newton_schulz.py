@@ -31,12 +31,15 @@ def test_schedules_run_past_their_table(device, coefficient_type, gen):
     # Past its table a schedule re-applies rows tuned for small singular values (cycle) to a
     # spectrum already near 1, which amplifies the rounding of fp32 itself: compared with float64,
     # the fp32 reference recipe lands up to 7e-6 away (quintic) and, for cans, whose rows are the
-    # steepest, up to 2.5e-5 (600 seeds; ours up to 1.7e-5), so cans gets twice that.
+    # steepest, up to 2.5e-5 (600 seeds; ours up to 2.9e-5 over 4,000), so cans gets 5e-5, and any
+    # schedule three times the fp32 recipe's own distance on this input where that is larger.
     steps = len(COEFFICIENT_SETS[coefficient_type]) + 2
     x = _input((3, 40, 24), gen, device)
     out = me.newton_schulz(x, steps=steps, coefficient_type=coefficient_type, precision="highest")
     ref = newton_schulz_ref(x.cpu().double(), steps=steps, coefficient_type=coefficient_type, dtype=torch.float64)
-    assert rel_err(out.cpu().double(), ref) <= (5e-5 if coefficient_type == "cans" else TOLERANCE["highest"])
+    recipe = newton_schulz_ref(x.cpu(), steps=steps, coefficient_type=coefficient_type, dtype=torch.float32)
+    floor = 5e-5 if coefficient_type == "cans" else TOLERANCE["highest"]
+    assert rel_err(out.cpu().double(), ref) <= max(floor, 3 * rel_err(recipe.double(), ref))
 
 
 @pytest.mark.parametrize("device", DEVICES)
