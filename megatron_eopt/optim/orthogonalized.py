@@ -450,7 +450,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
             self._sharded.loads.clear()
         for layout in layouts:  # the matrices whose buffers fit the workspace budget together
             self._step_chunk(plan, layout, inputs, scalers)
-        if self.block_period is not None:
+        if self.block_period is not None:  # tested here too: the counter is a graph break (fullgraph compile)
             self._count_block_step()
         return None
 
