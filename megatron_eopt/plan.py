@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from .optim.multirank.agreement import AGREEMENT_BYTES
 from .optim.multirank.hardware import HARDWARE, Hardware, ns_seconds
 from .optim.multirank.sharded import ITEMS_PER_RANK, assign_owners, ns_flops
 from .optim.step.plan import chunk_entries
@@ -349,10 +350,21 @@ def _merged(a: list[RankCounts], b: list[RankCounts]) -> list[RankCounts]:
     return out
 
 
+def _with_rank_agreement(ranks: list[RankCounts], matrices: list[Matrix], mesh: Mesh, hw: Hardware):
+    """Our step's agreement between the ranks (multirank.agreement): where a matrix spans ranks, one
+    all-reduce of a few integers per mesh dim of size > 1, before anything else."""
+    if any(_sharding(m, mesh) for m in matrices):
+        for r in ranks:
+            for d, size in enumerate(mesh.dims):
+                if size > 1:
+                    _cost(r, 2 * (size - 1) * AGREEMENT_BYTES // size, _link(mesh, (d,), hw), hw)
+    return ranks
+
+
 _COUNTERS = {
-    "owner": lambda ms, mesh, hw, p, ws: _owner_counts(ms, mesh, False, hw, p, ws),
-    "split": lambda ms, mesh, hw, p, ws: _owner_counts(ms, mesh, True, hw, p, ws),
-    "gather": lambda ms, mesh, hw, p, ws: _gather_counts(ms, mesh, hw, p),
+    "owner": lambda ms, mesh, hw, p, ws: _with_rank_agreement(_owner_counts(ms, mesh, False, hw, p, ws), ms, mesh, hw),
+    "split": lambda ms, mesh, hw, p, ws: _with_rank_agreement(_owner_counts(ms, mesh, True, hw, p, ws), ms, mesh, hw),
+    "gather": lambda ms, mesh, hw, p, ws: _with_rank_agreement(_gather_counts(ms, mesh, hw, p), ms, mesh, hw),
     "megatron_layer_wise": lambda ms, mesh, hw, p, ws: _megatron_layer_wise(ms, mesh, hw, p),
     "torchtitan_dist_muon": lambda ms, mesh, hw, p, ws: _torchtitan_dist_muon(ms, mesh, hw, p, ws),
 }

@@ -263,7 +263,7 @@ class Muon(OrthogonalizedOptimizer):
             and self._layout_key == self._layout()
         )
 
-    def _rebuild_plan(self) -> None:
+    def _rebuild_plan(self, agree_ranks: bool = True) -> None:
         # split_heads: the fused weight's rows as H equal parts, each its own matrix (the split
         # Newton–Schulz of fused QKV projections, one query group). Unusable values split nothing
         # here: add_param_group and step() refuse them.
@@ -277,7 +277,7 @@ class Muon(OrthogonalizedOptimizer):
                     heads[id(p)] = (p.shape[0] // h,) * h
         self._head_sizes = heads
         self._layout_key = self._layout()
-        super()._rebuild_plan()
+        super()._rebuild_plan(agree_ranks)
 
     def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
         sizes = self._head_sizes.get(id(p))

@@ -43,6 +43,7 @@ classes (Muon, AdaptiveMuon, Scion, the tensor-parallel ones) set up through ``_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -59,13 +60,13 @@ from ._config import (
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
-from .multirank.agreement import agree, meshes_of, plan_digest
+from .multirank.agreement import agree, meshes_of, plan_digest, plan_fingerprint, step_meshes
 from .multirank.replica_work import resolve_replica_work
 from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
                                 uneven_splits)
 from .multirank.tensor_parallel import GTPLayout, TPLayout
 from .step import low_memory as _low_memory
-from .step.fused import FusedStep
+from .step.fused import FusedStep, _capturing_cuda_graph
 from .step.layout import cached_step_layouts, step_layouts
 from .step.overlap import BackwardOverlap
 from .step.plan import (
@@ -173,7 +174,9 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         self._sharded = ShardedOrthogonalizer(config)
         self._sharded.count_below_eps = self._count_below_eps
         if self._constructed:
-            self._rebuild_plan()
+            # An option written between steps (on some ranks only, perhaps): no collective here; the
+            # next step's agreement (_agree_step) compares it between the ranks.
+            self._rebuild_plan(agree_ranks=False)
 
     def _init_fused(self, params, defaults: dict, config: OrthogonalizationConfig, *, nd_mode: str = "error",
                     sharded_mode: str = "owner", replica_work: str = "repeat", weight_update_hook: Any | None = None,
@@ -269,7 +272,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         except Exception as exc:  # refused on this rank: every rank of the group's meshes refuses it
             error = exc
         try:
-            agree(meshes, error, what=f"{type(self).__name__}.add_param_group")
+            # (the fields too: a group added on some ranks only pairs with the others' next agreement)
+            agree(meshes, error, what=type(self).__name__, fields=self._agreement_fields())
             if self._constructed:
                 self._rebuild_plan()
         except Exception:
@@ -320,11 +324,15 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
     def _group_configs(self) -> tuple[OrthogonalizationConfig, ...]:
         return tuple(self._group_config(group) for group in self.param_groups)
 
-    def _rebuild_plan(self) -> None:
+    def _rebuild_plan(self, agree_ranks: bool = True) -> None:
         # DTensor params: every rank of their meshes builds the same plan or raises the same error
         # (a refusal or plan seen by some ranks only would leave the others in a collective).
-        meshes = meshes_of(p for g in self.param_groups for p in g["params"]) if getattr(self, "_agree_ranks", True) \
-            else []
+        agree_ranks = agree_ranks and getattr(self, "_agree_ranks", True)
+        meshes = meshes_of(p for g in self.param_groups for p in g["params"]) if agree_ranks else []
+        if meshes:
+            # Options, param groups and parameters first: a parameter more on one rank must not reach
+            # the plan build's own collectives (the shard sizes' gather) unpaired.
+            agree(meshes, None, what=type(self).__name__, fields=self._agreement_fields())
         plan, error = None, None
         try:
             if meshes:  # a copy's rebuild (no collectives) keeps the shards' sizes its original gathered
@@ -400,6 +408,68 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         carry settings also compares those)."""
         return _plan_matches(plan, self.param_groups)
 
+    # ------------------------------------------------------------------ rank agreement
+    # Agreed at construction (and add_param_group) and, where a step communicates, at every step:
+    # see _agree_step and docs/sharded.md "Ranks that differ".
+    rank_checks: str = "every_step"
+
+    def _agreement_fields(self, active: list[bool] | None = None, plan: Plan | None = None) -> list[tuple[str, str]]:
+        """Everything that changes a collective or a result, as ``(name, value)`` pairs the ranks of a
+        mesh must hold alike: the class and its options, every param group's values, and each
+        parameter's name (where the groups carry ``param_names``), shape, dtype and placements;
+        with ``active`` (per plan entry) also which parameters have a gradient this step and its dtype."""
+        fields = [("optimizer", type(self).__qualname__)]
+        config = self._config
+        for f in dataclasses.fields(config):
+            if f.name not in _DERIVED_CONFIG_FIELDS:
+                fields.append((_CONFIG_ARGUMENT_NAMES.get(f.name, f.name), repr(getattr(config, f.name))))
+        for name in _OPTION_NAMES:
+            fields.append((name, repr(getattr(self, name, None))))
+        hook = _effective_hook(self._weight_update_hook)
+        fields.append(("weight_update_hook", "None" if hook is None else type(hook).__qualname__))
+        fields.append(("orthogonalize", type(self).orthogonalize.__qualname__))
+        grads = {}
+        if active is not None and plan is not None:  # (None: an entry whose grad is not reported)
+            grads = {id(e.param): (None if not a else e.param.grad) for e, a in zip(plan.entries, active)
+                     if a is not None}
+        for gi, group in enumerate(self.param_groups):
+            where = f"param_groups[{gi}]"
+            for key in sorted(k for k in group if k not in ("params", "param_names")):
+                fields.append((f"{where}[{key!r}]", _value_repr(group[key])))
+            names = group.get("param_names")
+            for pi, p in enumerate(group["params"]):
+                described = f"{tuple(p.shape)} {p.dtype}"
+                if names is not None and pi < len(names):
+                    described = f"{names[pi]!r} {described}"
+                if is_dtensor(p):
+                    described += f" {list(p.placements)} on mesh {tuple(p.device_mesh.mesh.shape)}"
+                if id(p) in grads:
+                    g = grads[id(p)]
+                    described += ", no grad" if g is None else f", grad {g.dtype}"
+                fields.append((f"{where}['params'][{pi}]", described))
+        return fields
+
+    def _agree_step(self, plan: Plan, active: list[bool | None] | None, error: Exception | None,
+                    chunk: int | None = None) -> None:
+        """Raises ``error``, the same on every rank of the meshes this step communicates over (a
+        matrix sharded across ranks), when any rank refused the step or holds different
+        ``_agreement_fields`` (grads included): one all-reduce of five integers per mesh dim, before
+        anything changes, so a rank never enters a collective the others do not. Not in a compiled
+        step or a CUDA graph capture (no host values there), nor with ``rank_checks="construction"``.
+        ``chunk``: the chunk about to start (``overlap_backward`` agrees before each chunk whose work
+        communicates, with the grads of its members, and once more when step() finishes)."""
+        if (torch.compiler.is_compiling() or self.rank_checks != "every_step" or not step_meshes(plan)
+                or _capturing_cuda_graph(plan)):
+            if error is not None:
+                raise error
+            return
+        meshes = step_meshes(plan)
+        fields = self._agreement_fields(active, plan)
+        fields.append(("step plan", plan_fingerprint(plan)))
+        if chunk is not None:
+            fields.append(("chunk started", "step() finishing" if chunk < 0 else str(chunk)))
+        agree(meshes, error, what=type(self).__name__, fields=fields)
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -416,11 +486,31 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         if overlap is not None and overlap.work is not None and overlap.work.off:
             overlap.work = None  # backward started nothing: this step does it all
         error = self._step_time_error() or self._spanning_matrix_error()
+        overlapped = overlap is not None and overlap.work is not None
+        fused = self._use_fused_step()
+        plan = self._current_plan() if self._config is not None else None
+        active = None
+        if plan is not None and fused and not overlapped:
+            active = [e.param.grad is not None for e in plan.entries]
+            if error is None:
+                # Everything that can reject the input runs before anything is written.
+                try:
+                    self._check_grads(plan, active)
+                    self._write_hyperparameters(plan, active)
+                except (ValueError, TypeError, RuntimeError) as exc:
+                    error = exc
+        if plan is not None and not overlapped:  # (an overlapped step agreed when backward began it)
+            try:
+                self._agree_step(plan, active, error)
+            except BaseException:
+                if overlap is not None:
+                    overlap.discard(None)  # (backward started nothing: it checked the same)
+                raise
         if error is not None:
             if overlap is not None:
-                overlap.discard(None)  # (backward started nothing: it checked the same)
+                overlap.discard(None)
             raise error
-        if not self._use_fused_step():
+        if not fused:
             if self._low_memory_state:
                 raise RuntimeError(
                     f"state_dtype={self.state_dtype!r} is stepped by the fused ops, but {type(self).__name__} "
@@ -428,16 +518,11 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
                     "steps each parameter with fp32 state: construct it with state_dtype='fp32'"
                 )
             return self._hook_step()
-        plan = self._current_plan()
-        if overlap is not None and overlap.work is not None:  # backward started the step
+        if overlapped:  # backward started the step
             self._finish_overlapped_step(overlap)
             if self.block_period is not None:
                 self._count_block_step()
             return None
-        active = [e.param.grad is not None for e in plan.entries]
-        # Everything that can reject the input runs before anything is written.
-        self._check_grads(plan, active)
-        self._write_hyperparameters(plan, active)
         for seed in self._state_seeds.values():  # new draws for the stochastic rounding of this step
             seed.add_(1)
         scalers = self._scaler_tensors_per_device(plan)
@@ -603,3 +688,22 @@ def _plan_matches(plan: Plan, param_groups) -> bool:
                 return False
             i += 1
     return True
+
+
+# The configuration's fields named by the constructor argument that sets them, and those derived
+# from others (the coefficient set's expansion), left out of the rank agreement's fields.
+_CONFIG_ARGUMENT_NAMES = {"precision": "fp32_matmul_prec", "ns_eps": "eps"}
+_DERIVED_CONFIG_FIELDS = frozenset({"coefficients", "table", "repeat_last"})
+# The options outside the configuration that change a step's collectives or results.
+_OPTION_NAMES = ("nd_mode", "sharded_mode", "replica_work", "overlap_backward", "block_period", "block_lr_scale",
+                 "state_dtype", "state_block_size", "workspace_mib", "rank_checks")
+
+
+def _value_repr(value) -> str:
+    """A param group value as the rank agreement compares it: a tensor by its value (lr tensors
+    written by a scheduler), anything else by its repr."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return repr(float(value))
+        return f"tensor of shape {tuple(value.shape)}"
+    return repr(value)

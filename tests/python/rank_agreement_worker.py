@@ -143,7 +143,8 @@ def plans_agree(mesh, rank):
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(9, 16), mesh, [Shard(0)], src_data_rank=None))
               for _ in range(4)]
     budget = 0.001 if rank == 0 else None  # rank 0 cuts chunks, rank 1 does not
-    with pytest.raises(ValueError, match=f"different step plans.*{EVERY_RANK}"):
+    with pytest.raises(ValueError, match=rf"differ in workspace_mib: 0.001 on rank\(s\) \[0\]; None on rank\(s\) \[1\].*"
+                                         f"{EVERY_RANK}"):
         Muon(params, lr=0.02, workspace_mib=budget)
 
 

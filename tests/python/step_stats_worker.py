@@ -13,6 +13,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dist_harness import counted_collectives, gloo_world  # noqa: E402
+from megatron_eopt.optim.multirank.agreement import AGREEMENT_BYTES  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 from megatron_eopt.compat import snippet  # noqa: E402
 from megatron_eopt import plan  # noqa: E402
@@ -45,6 +46,16 @@ def _step(opt, params, gen, before_counted=lambda: None):
     return opt.step_stats(), calls
 
 
+def _agreements(mesh):
+    """A step's agreement all-reduces (one per mesh dim of size > 1)."""
+    return sum(1 for p in mesh.mesh.shape if p > 1)
+
+
+def _agreement_bytes(mesh):
+    """What a step's agreement between the ranks sends (one all-reduce per mesh dim of size > 1)."""
+    return sum(2 * (p - 1) * AGREEMENT_BYTES // p for p in mesh.mesh.shape if p > 1)
+
+
 def check_sharded(mesh, mode):
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)])) for s in SHAPES]
@@ -54,12 +65,12 @@ def check_sharded(mesh, mode):
     if mode == "owner":
         assert stats["collectives"] == sum(calls.values()), (mode, stats, calls)
         assert _sum(stats["ns_matrices"]) == len(SHAPES), stats
-        # the owner exchange's own counter: the same bytes
-        assert stats["bytes_sent"] == opt._sharded.bytes_sent - before[0], stats
+        # the owner exchange's own counter: the same bytes, and the ranks' agreement before the step
+        assert stats["bytes_sent"] == opt._sharded.bytes_sent - before[0] + _agreement_bytes(mesh), stats
     else:  # every rank gathers every matrix (DTensor's own all-gather, one each) and orthogonalizes all
-        assert stats["ns_matrices"] == len(SHAPES) == stats["collectives"], stats
+        assert stats["ns_matrices"] == len(SHAPES) == stats["collectives"] - _agreements(mesh), stats
         local = sum(p.to_local().numel() * 4 for p in params)
-        assert stats["bytes_sent"] == local, (stats, local)  # (2 - 1) x the local rows
+        assert stats["bytes_sent"] == local + _agreement_bytes(mesh), (stats, local)  # (2 - 1) x the local rows
     _planned(stats, [plan.Matrix(s) for s in SHAPES], plan.Mesh(dp_shard=mesh.size()), mode)
 
 

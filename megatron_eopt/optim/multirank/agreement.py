@@ -21,7 +21,7 @@ whole grid), so no process group spanning a mesh is needed: pipeline stages' mes
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,16 @@ def meshes_of(params: Iterable[torch.Tensor]) -> list[Any]:
         if is_dtensor(p) and not any(p.device_mesh is m or p.device_mesh == m for m in out):
             out.append(p.device_mesh)
     return out
+
+
+def step_meshes(plan) -> list[Any]:
+    """The meshes a step of ``plan`` communicates over: those of its matrices sharded across ranks
+    (orthogonalized on an owner or gathered; an expert batch sharded on dim 0 needs none)."""
+    cached = getattr(plan, "_step_meshes", None)
+    if cached is None:
+        cached = meshes_of(plan.entries[i].param for i in plan.sharded)
+        plan._step_meshes = cached
+    return cached
 
 
 def _multi_rank(meshes) -> list[Any]:
@@ -83,12 +93,19 @@ def _digest_value(digest: bytes) -> int:
     return int.from_bytes(hashlib.blake2b(digest, digest_size=7).digest(), "little")
 
 
-def agree(meshes: list[Any], error: BaseException | None, digest: bytes = b"", what: str = "optimizer") -> None:
-    """Raises on every rank of ``meshes`` if any rank passes an ``error`` or a different ``digest``.
+def agree(meshes: list[Any], error: BaseException | None, digest: bytes = b"", what: str = "optimizer",
+          fields: Sequence[tuple[str, str]] = ()) -> None:
+    """Raises on every rank of ``meshes`` if any rank passes an ``error``, different ``fields`` or a
+    different ``digest``.
 
     A refusal is re-raised on every rank with the message of the lowest rank that refused and the
-    ranks that did; the ranks' own tracebacks stay with the ranks that saw it. Without meshes of
-    more than one rank this only raises ``error`` (single process: the error as it is).
+    ranks that did; the ranks' own tracebacks stay with the ranks that saw it. ``fields`` are
+    ``(name, value)`` pairs (every option, param group value and parameter that changes a collective
+    or a result; see ``OrthogonalizedOptimizer._agreement_fields``): where they differ, every rank
+    raises a ValueError naming the first field that differs and each rank's value. Costs one
+    all-reduce of five integers per mesh dim of size > 1, and an object gather only when something
+    differs. Without meshes of more than one rank this only raises ``error`` (single process: the
+    error as it is).
     """
     meshes = _multi_rank(meshes)
     if not meshes or torch.compiler.is_compiling():
@@ -96,20 +113,50 @@ def agree(meshes: list[Any], error: BaseException | None, digest: bytes = b"", w
             raise error
         return
     value = _digest_value(digest)
-    failed, high, neg_low = _max_over(meshes, [int(error is not None), value, -value])
+    field_value = _digest_value(repr(tuple(fields)).encode()) if fields else 0
+    failed, high, neg_low, field_high, field_neg_low = _max_over(
+        meshes, [int(error is not None), value, -value, field_value, -field_value])  # (AGREEMENT_BYTES)
     if failed:
         mine = [] if error is None else [(dist.get_rank(), type(error).__name__, str(error))]
         refusals = _union_over(meshes, mine)
         rank, type_name, message = refusals[0]
         ranks = sorted({r for r, _, _ in refusals})
-        exc = _TYPES.get(type_name, ValueError)(f"{message} [refused on rank(s) {ranks}: every rank raises this]")
+        exc = _TYPES.get(type_name, ValueError)(f"{message} [refused on rank(s) {ranks}: {EVERY_RANK}]")
         raise exc from error
+    if field_high != -field_neg_low:
+        every = _union_over(meshes, [(dist.get_rank(), tuple(fields))])
+        raise ValueError(f"{what}: {difference(every)}; every rank of a mesh must construct and step the optimizer "
+                         f"alike, or their collectives would not pair [{EVERY_RANK}]")
     if high != -neg_low:
         raise ValueError(
             f"{what}: the ranks built different step plans for their DTensor parameters (shapes, placements, "
             "nd_mode, sharded_mode, workspace_mib or param groups differ between ranks); every rank of a mesh must "
-            "construct the optimizer alike, or their collectives would not pair [every rank raises this]"
+            f"construct the optimizer alike, or their collectives would not pair [{EVERY_RANK}]"
         )
+
+
+EVERY_RANK = "every rank raises this"
+AGREEMENT_BYTES = 5 * 8  # what one agreement all-reduces: five int64 (the planner counts them)
+_ABSENT = "(absent)"
+
+
+def difference(every: list[tuple[int, tuple[tuple[str, str], ...]]]) -> str:
+    """Says where the ranks' ``fields`` (``(rank, fields)`` per rank) first differ: the field's name
+    and each value with the ranks that hold it."""
+    longest = max(len(f) for _, f in every)
+    for i in range(longest):
+        at = {rank: (f[i] if i < len(f) else (None, _ABSENT)) for rank, f in every}
+        if len(set(at.values())) == 1:
+            continue
+        names = [n for n, _ in at.values() if n is not None]
+        name = names[0] if len(set(names)) == 1 else " / ".join(dict.fromkeys(names))
+        by_value: dict[str, list[int]] = {}
+        for rank, (n, v) in sorted(at.items()):
+            shown = v if n is None or n == name else f"{n} = {v}"
+            by_value.setdefault(shown, []).append(rank)
+        values = "; ".join(f"{v} on rank(s) {ranks}" for v, ranks in by_value.items())
+        return f"the ranks differ in {name}: {values}"
+    return "the ranks differ"  # (equal fields, unequal digests: not reached)
 
 
 def plan_digest(plan) -> bytes:
@@ -127,3 +174,12 @@ def plan_digest(plan) -> bytes:
                           tuple(s.mesh.mesh.shape), s.mesh_dims_for_matrix, e.global_shape,
                           None if e.qkv is None else (e.qkv.sizes, e.qkv.columns)))
     return repr((len(plan.entries), parts)).encode()
+
+
+def plan_fingerprint(plan) -> str:
+    """A short digest of :func:`plan_digest` (kept with the plan while its chunks stay)."""
+    cached = getattr(plan, "_fingerprint", None)
+    if cached is None or cached[0] != plan.chunks:
+        cached = (plan.chunks, hashlib.blake2b(plan_digest(plan), digest_size=8).hexdigest())
+        plan._fingerprint = cached
+    return cached[1]

@@ -259,14 +259,21 @@ class BackwardOverlap:
             return
         layout = chunk_layout(plan, list(members))
         device = local(plan.entries[members[0]].param).device
-        collectives = any(plan.entries[i].stack_index < 0 or plan.stacks[plan.entries[i].stack_index].tp is not None
-                          or plan.stacks[plan.entries[i].stack_index].gtp is not None for i in members)
+        collectives = _communicates(plan, members)
         if device.type == "cpu" and not collectives and opt._orthogonalize_is_base():
             # (an orthogonalize() override runs inline: it reads the optimizer's per-call batch table)
             work.started[c] = self._worker(opt).submit(self._run, opt, work, plan, layout)
             return
         if in_callback and (collectives or device.type == "cpu"):
             return  # not from a communication thread: step() runs it
+        if collectives:
+            # Every rank must start this chunk's collectives with the same grads (a parameter unused on
+            # one rank leaves its chunk unstarted there): agreed first, the same error on every rank.
+            try:
+                opt._agree_step(plan, _members_active(plan, members), None, chunk=c)
+            except BaseException as exc:
+                work.error = exc
+                raise
         try:
             if device.type == "cuda":
                 stream = self._streams.get(device)
@@ -361,10 +368,21 @@ class BackwardOverlap:
         self.wait()
         with self.lock:
             work, self.work = self.work, None
+        plan, error = work.plan, None
         try:
             plan = self._check(opt, work)
             active = [e.param.grad is not None for e in plan.entries]
             opt._write_hyperparameters(plan, active)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            error = exc
+        try:
+            # The chunks backward did not start, whose work communicates, agree as they would have
+            # there (a parameter without a grad on this rank only is named), then the step once more:
+            # a refusal seen here by some ranks only must not leave the others updating alone.
+            for c, chunk in enumerate(work.chunks):
+                if c not in work.started and _communicates(work.plan, chunk):
+                    opt._agree_step(work.plan, _members_active(work.plan, chunk), error, chunk=c)
+            opt._agree_step(work.plan, None, error, chunk=-1)
         except BaseException:
             _restore_seeds(work, opt)
             raise
@@ -414,6 +432,20 @@ class BackwardOverlap:
                     )
         opt._check_grads(plan, [e.param.grad is not None for e in plan.entries])
         return plan
+
+
+def _communicates(plan: Plan, members) -> bool:
+    """Whether the work of the chunk with these entries calls collectives."""
+    return any(plan.entries[i].stack_index < 0 or plan.stacks[plan.entries[i].stack_index].tp is not None
+               or plan.stacks[plan.entries[i].stack_index].gtp is not None for i in members)
+
+
+def _members_active(plan: Plan, members) -> list[bool | None]:
+    """Which of a chunk's entries have a grad (None for the entries of other chunks)."""
+    active: list[bool | None] = [None] * len(plan.entries)
+    for i in members:
+        active[i] = plan.entries[i].param.grad is not None
+    return active
 
 
 def _restore_seeds(work: BackwardWork, opt) -> None:
