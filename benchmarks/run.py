@@ -20,7 +20,9 @@ The ``dist_*`` workloads (workloads_dist.py) run only when named: they spawn --r
 (gloo) holding FSDP2-sharded DTensor parameters and compare the owner and gather modes of the
 sharded step with per-rank redundant computation; their table is its own RESULTS.md section. So do
 the ``tp_*`` workloads (workloads_tp.py): Megatron tensor-parallel shards, every ``tp_mode``, and
-the ``overlap_*`` workloads (workloads_overlap.py): training steps with and without ``overlap_backward``.
+the ``overlap_*`` workloads (workloads_overlap.py): training steps with and without ``overlap_backward``,
+and the ``agreement_*`` workloads (workloads_agreement.py): a sharded step with and without the ranks'
+agreement before it (``rank_checks``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import hyper  # noqa: E402
 import report  # noqa: E402
 import workloads as catalogue_module  # noqa: E402
 import workloads_dist  # noqa: E402
+import workloads_agreement  # noqa: E402
 import workloads_overlap  # noqa: E402
 import workloads_tp  # noqa: E402
 from timing import measure, plan_for  # noqa: E402
@@ -153,7 +156,8 @@ def publish(doc: dict, args) -> None:
 
 # The workloads that spawn ranks, by name: their module (run, markdown).
 _SPAWNED = {**{n: workloads_dist for n in workloads_dist.WORKLOADS}, **{n: workloads_tp for n in workloads_tp.WORKLOADS},
-            **{n: workloads_overlap for n in workloads_overlap.WORKLOADS}}
+            **{n: workloads_overlap for n in workloads_overlap.WORKLOADS},
+            **{n: workloads_agreement for n in workloads_agreement.WORKLOADS}}
 
 
 def run_dist(args, names, others) -> int:
@@ -176,7 +180,8 @@ def run_dist(args, names, others) -> int:
     body = module.markdown(entries, environment)
     if args.remarks:
         body += "\n" + args.remarks + "\n"
-    kind = {workloads_dist: "dist", workloads_tp: "tp", workloads_overlap: "overlap"}[module]
+    kind = {workloads_dist: "dist", workloads_tp: "tp", workloads_overlap: "overlap",
+            workloads_agreement: "agreement"}[module]
     report.publish(body, args.results_md, f"{kind}: {environment['device_name'].split(',')[0]}")
     if args.out:
         with open(args.out, "w") as f:

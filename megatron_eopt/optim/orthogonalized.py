@@ -409,9 +409,24 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         return _plan_matches(plan, self.param_groups)
 
     # ------------------------------------------------------------------ rank agreement
-    # Agreed at construction (and add_param_group) and, where a step communicates, at every step:
-    # see _agree_step and docs/sharded.md "Ranks that differ".
-    rank_checks: str = "every_step"
+    _rank_checks: str = "every_step"
+
+    @property
+    def rank_checks(self) -> str:
+        """When the ranks of a mesh agree on everything that changes a collective or a result (the
+        options, every param group's values, each parameter's name, shape, dtype and placements, and
+        which parameters have a grad): ``"every_step"`` (default) at construction, at
+        ``add_param_group`` and before every step whose matrices span ranks (one all-reduce of five
+        integers per mesh dim); ``"construction"``: at construction and ``add_param_group`` only (a
+        value written, or a grad missing, on some ranks later is not caught). Set it alike on every
+        rank. See docs/sharded.md "Ranks that differ"."""
+        return self._rank_checks
+
+    @rank_checks.setter
+    def rank_checks(self, value: str) -> None:
+        if value not in RANK_CHECKS:
+            raise ValueError(f"rank_checks must be one of {list(RANK_CHECKS)}, got {value!r}")
+        self._rank_checks = value
 
     def _agreement_fields(self, active: list[bool] | None = None, plan: Plan | None = None) -> list[tuple[str, str]]:
         """Everything that changes a collective or a result, as ``(name, value)`` pairs the ranks of a
@@ -690,6 +705,7 @@ def _plan_matches(plan: Plan, param_groups) -> bool:
     return True
 
 
+RANK_CHECKS = ("every_step", "construction")
 # The configuration's fields named by the constructor argument that sets them, and those derived
 # from others (the coefficient set's expansion), left out of the rank agreement's fields.
 _CONFIG_ARGUMENT_NAMES = {"precision": "fp32_matmul_prec", "ns_eps": "eps"}
