@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 from typing import Any, Callable
 
 import torch
@@ -447,21 +448,18 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         if active is not None and plan is not None:  # (None: an entry whose grad is not reported)
             grads = {id(e.param): (None if not a else e.param.grad) for e, a in zip(plan.entries, active)
                      if a is not None}
+        described = _described_params(self.param_groups, plan)
         for gi, group in enumerate(self.param_groups):
             where = f"param_groups[{gi}]"
             for key in sorted(k for k in group if k not in ("params", "param_names")):
                 fields.append((f"{where}[{key!r}]", _value_repr(group[key])))
-            names = group.get("param_names")
             for pi, p in enumerate(group["params"]):
-                described = f"{tuple(p.shape)} {p.dtype}"
-                if names is not None and pi < len(names):
-                    described = f"{names[pi]!r} {described}"
-                if is_dtensor(p):
-                    described += f" {list(p.placements)} on mesh {tuple(p.device_mesh.mesh.shape)}"
+                name, (shape, placed) = f"{where}['params'][{pi}]", described[gi][pi]
+                value = f"{shape} {p.dtype}{placed}"
                 if id(p) in grads:
                     g = grads[id(p)]
-                    described += ", no grad" if g is None else f", grad {g.dtype}"
-                fields.append((f"{where}['params'][{pi}]", described))
+                    value += ", no grad" if g is None else f", grad {g.dtype}"
+                fields.append((name, value))
         return fields
 
     def _agree_step(self, plan: Plan, active: list[bool | None] | None, error: Exception | None,
@@ -715,6 +713,29 @@ _OPTION_NAMES = ("nd_mode", "sharded_mode", "replica_work", "overlap_backward", 
                  "state_dtype", "state_block_size", "workspace_mib", "rank_checks")
 
 
+def _described_params(param_groups, plan: Plan | None) -> list[list[tuple[str, str]]]:
+    """Per group, per parameter: its name (where the group carries ``param_names``) and shape, and its
+    placements (DTensor), as the rank agreement compares them (the dtype is read at each call).
+    Kept with the plan, which is rebuilt whenever the groups' parameters change."""
+    cached = None if plan is None else getattr(plan, "_described_params", None)
+    if cached is not None:
+        return cached
+    out = []
+    for group in param_groups:
+        names = group.get("param_names")
+        rows = []
+        for pi, p in enumerate(group["params"]):
+            shape = str(tuple(p.shape))
+            if names is not None and pi < len(names):
+                shape = f"{names[pi]!r} {shape}"
+            placed = f" {list(p.placements)} on mesh {tuple(p.device_mesh.mesh.shape)}" if is_dtensor(p) else ""
+            rows.append((shape, placed))
+        out.append(rows)
+    if plan is not None and _plan_matches(plan, param_groups):
+        plan._described_params = out
+    return out
+
+
 def _value_repr(value) -> str:
     """A param group value as the rank agreement compares it: a tensor by its value (lr tensors
     written by a scheduler), anything else by its repr."""
@@ -722,4 +743,7 @@ def _value_repr(value) -> str:
         if value.numel() == 1:
             return repr(float(value))
         return f"tensor of shape {tuple(value.shape)}"
-    return repr(value)
+    return _ADDRESS.sub("", repr(value))  # (a function's repr holds its address: another on every rank)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

@@ -152,13 +152,15 @@ def check_placements(world, grid, cube, pair, single, seed):
                   label=f"2 ranks {placements}")
             check(single, [(s, placements) for s in shapes], Muon, {}, seed, sharded_mode=sharded_mode,
                   label=f"1 rank {placements}")
-    # Owner mode: per chunk of 2 x 4 matrices one all-to-all there and one back, nothing else (Muon).
+    # Owner mode: per chunk of 2 x 4 matrices one all-to-all there and one back, and before each step
+    # the ranks' agreement (one all-reduce per mesh dim); nothing else (Muon).
     shapes = [(37, 24)] * 9 + [(16, 16)]
-    check(world, [(s, [Shard(0)]) for s in shapes], Muon, {}, seed, expect={"all_to_all_single": 2 * 2 * STEPS},
-          label="owner collectives")
+    check(world, [(s, [Shard(0)]) for s in shapes], Muon, {}, seed,
+          expect={"all_to_all_single": 2 * 2 * STEPS, "all_reduce": STEPS}, label="owner collectives")
     # The same over a 2 x 2 mesh (FSDP x TP): one all-to-all over the world each way per chunk.
     check(grid, [(s, [Shard(0), Shard(1)]) for s in shapes], Muon, {}, seed,
-          expect={"all_to_all_single": 2 * 2 * STEPS}, label="2x2 owner collectives", ran="owner")
+          expect={"all_to_all_single": 2 * 2 * STEPS, "all_reduce": 2 * STEPS}, label="2x2 owner collectives",
+          ran="owner")
 
 
 def check_transposed_grid(seed):
@@ -447,7 +449,8 @@ def hsdp_tp_worker(rank, world_size, init_file, seed):
             # per chunk of 2 x 4 matrices one all-to-all there and one back
             check(cube, [(s, [Replicate(), Shard(0), Shard(1)]) for s in [(37, 24)] * 9 + [(16, 16)]], Muon,
                   dict(replica_work="repeat"),
-                  seed, expect={"all_to_all_single": 2 * 2 * STEPS}, label="2x2x2 owner collectives", ran="owner")
+                  seed, expect={"all_to_all_single": 2 * 2 * STEPS, "all_reduce": 3 * STEPS},
+                  label="2x2x2 owner collectives", ran="owner")
         finally:
             dist.all_to_all_single = original
         # replica_work="split": one owner in the whole mesh per matrix (the exchanges cross replicas)
@@ -501,6 +504,7 @@ def check_stage_mesh(seed):
                 check(stage, [(s, placements) for s in shapes], cls, extra, seed, label=f"stage 2x2 {placements}",
                       ran="owner")
         check(stage, [(s, [Shard(0), Shard(1)]) for s in [(37, 24)] * 9 + [(16, 16)]], Muon, {}, seed,
-              expect={"all_to_all_single": 2 * 2 * 2 * STEPS}, label="stage 2x2 owner collectives", ran="owner")
+              expect={"all_to_all_single": 2 * 2 * 2 * STEPS, "all_reduce": 2 * STEPS},
+              label="stage 2x2 owner collectives", ran="owner")
     finally:
         dist.all_to_all_single = original
