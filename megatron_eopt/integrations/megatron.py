@@ -3,7 +3,9 @@
 After :func:`install`, ``megatron.core.optimizer.get_megatron_optimizer`` with
 ``OptimizerConfig(optimizer="muon")`` (or ``"adaptive_muon"``, or any name registered in
 :mod:`megatron_eopt.registry`) builds megatron-eopt's classes from the usual ``muon_*`` /
-``adaptive_muon_*`` config fields. Megatron's own parameter routing stays in charge: its factory
+``adaptive_muon_*`` config fields, each reaching the constructor argument of its name; a field of
+that prefix which neither the constructor nor megatron-eopt knows stops the build with a ValueError
+naming it (:func:`megatron_eopt.registry.config_kwargs`). Megatron's own parameter routing stays in charge: its factory
 tags fused QKV weights, applies the entry's ``default_param_overrides`` and wraps the result in
 its mixed-precision / chained / layer-wise optimizers. For a name Megatron-LM registers itself
 ("muon", "adaptive_muon") and an entry with the built-in routing rule, the installed entry keeps

@@ -276,6 +276,65 @@ def test_init_state_fn_through_megatron_wrapper(stock_registry, megatron_env, na
             assert ("moment2_buffer" in state) == (method is not None)
 
 
+def _mapped_or_consumed(fields, cls, prefixes):
+    """The fields among ``fields`` with one of ``prefixes`` that are neither a constructor argument of
+    ``cls`` (prefix stripped) nor read elsewhere (registry.CONSUMED_CONFIG_FIELDS / RENAMED_CONFIG_FIELDS)."""
+    import inspect
+
+    registry = megatron_eopt.registry
+    arguments = set(inspect.signature(cls).parameters)
+    return [f for f in fields if any(f.startswith(p + "_") for p in prefixes)
+            and f not in registry.CONSUMED_CONFIG_FIELDS and f not in registry.RENAMED_CONFIG_FIELDS
+            and registry._strip_prefix(f, prefixes) not in arguments]
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls, prefixes", [("muon", TensorParallelMuon, ("muon",)),
+                                                  ("adaptive_muon", TensorParallelAdaptiveMuon, ("muon", "adaptive_muon"))])
+def test_every_muon_field_of_megatrons_config_is_mapped_or_consumed(name, cls, prefixes):
+    """Each muon_* / adaptive_muon_* field of this megatron-core's OptimizerConfig reaches the
+    constructor argument of its name, or is one the integration lists as read elsewhere; a field a
+    newer megatron-core adds makes this test name it."""
+    registry = megatron_eopt.registry
+    fields = [f.name for f in dataclasses.fields(mcore_optimizer.OptimizerConfig)]
+    version = ".".join(map(str, integration.megatron_core_version() or ()))
+    unknown = _mapped_or_consumed(fields, cls, prefixes)
+    assert not unknown, f"megatron-core {version}: OptimizerConfig fields neither mapped nor consumed: {unknown}"
+    config = _config(name)
+    chunk = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8))
+    kwargs = registry.get(name).config_to_kwargs(config, [chunk], None)
+    for field in fields:
+        if not any(field.startswith(p + "_") for p in prefixes) or field in registry.CONSUMED_CONFIG_FIELDS:
+            continue
+        argument = registry._strip_prefix(field, prefixes)
+        if field.startswith("muon_") and hasattr(config, "adaptive_muon_" + argument) and "adaptive_muon" in prefixes:
+            continue  # the adaptive field wins, as in Megatron-LM
+        assert argument in kwargs and kwargs[argument] == getattr(config, field), field
+    assert kwargs["lr"] == config.lr and kwargs["weight_decay"] == config.weight_decay
+    # the consumed fields are real fields of this config, or ours (set as attributes)
+    assert set(registry.CONSUMED_CONFIG_FIELDS) - set(fields) <= {"muon_clip_policy"}
+
+
+@needs_megatron
+@pytest.mark.parametrize("name", ["muon", "adaptive_muon"])
+def test_unknown_muon_field_stops_get_megatron_optimizer(stock_registry, megatron_env, name):
+    """A config of a newer Megatron-LM carrying a muon_* field megatron-eopt does not know stops
+    get_megatron_optimizer with an error naming the field and the megatron-core version."""
+
+    @dataclasses.dataclass
+    class NewerOptimizerConfig(mcore_optimizer.OptimizerConfig):
+        muon_split_glu: bool = True
+
+    base = dataclasses.asdict(_config(name))
+    config = NewerOptimizerConfig(**{k: v for k, v in base.items() if k in {f.name for f in dataclasses.fields(_config(name)) if f.init}})
+    model = megatron_env.build_gpt(seed=1)
+    integration.install()
+    version = r"\.".join(map(str, integration.megatron_core_version()))
+    with megatron_env.megatron_optimizer_on_cpu(), pytest.raises(
+            ValueError, match=rf"'muon_split_glu' \(argument 'split_glu'\) of megatron-core {version}"):
+        mcore_optimizer.get_megatron_optimizer(config, [model])
+
+
 @needs_megatron
 def test_own_names_registered_here_reach_megatron(stock_registry, megatron_env, monkeypatch):
     registry = megatron_eopt.registry
