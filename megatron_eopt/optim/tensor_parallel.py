@@ -25,6 +25,7 @@ Fused QKV projections (``split_qkv`` and ``is_qkv_fn(p)``) are orthogonalized pe
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
@@ -214,6 +215,115 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
                          overlap_backward=a["overlap_backward"])
 
 
+def _adaptive_arguments(
+    self,
+    params: ParamsT,
+    lr: float = 3e-4,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    weight_decay: float = 0.01,
+    use_decoupled_weight_decay: bool = True,
+    split_qkv: bool = False,
+    is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
+    qkv_split_shapes: list[int] | None = None,
+    fp32_matmul_prec: str = "medium",
+    coefficient_type: str = "quintic",
+    num_ns_steps: int = 5,
+    scale_mode: str = "spectral",
+    extra_scale_factor: float = 1.0,
+    pg_collection: Any | None = None,
+    tp_mode: str = "duplicated",
+    use_syrk: bool = False,
+    moment2_method: str = "adamuon",
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    *,
+    ns_batch_size: int = 1,
+    expert_tp_mode: str | None = None,
+    ns_products: str = "auto",
+    custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+    state_dtype: str = "fp32",
+    state_block_size: int = DEFAULT_BLOCK_SIZE,
+    workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
+    row_equilibration: bool = False,
+    frobenius_renorm: bool = False,
+    ns_eps_mode: str = "clamp",
+    ns_norm_divisor: float = 1.0,
+    overlap_backward: bool = False,
+) -> None:
+    """TensorParallelAdaptiveMuon's arguments, in Megatron-LM main's positional order."""
+
+
+# The positional arguments after tp_mode: Megatron-LM main's order (use_syrk, #6381, then the second
+# moment's); megatron-core 0.18 / 0.19 have no use_syrk and take moment2_method right after tp_mode.
+ADAPTIVE_TAIL_MAIN = ("use_syrk", "moment2_method", "beta2", "eps")
+
+
+def _megatron_emerging_source() -> str | None:
+    """The text of megatron/core/optimizer/emerging_optimizers.py where ``import megatron.core`` would
+    find it (``megatron`` is a namespace package: the first ``megatron/core`` package on its path), read
+    without importing megatron."""
+    import importlib.machinery
+    import os
+
+    spec = importlib.machinery.PathFinder.find_spec("megatron")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.isfile(os.path.join(folder, "core", "__init__.py")):
+            path = os.path.join(folder, "core", "optimizer", "emerging_optimizers.py")
+            if not os.path.isfile(path):
+                return None
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    return None
+
+
+def positional_tail(names: Sequence[str]) -> tuple[str, ...] | None:
+    """The names after ``tp_mode`` in a positional argument list; None without ``tp_mode``."""
+    names = list(names)
+    return tuple(names[names.index("tp_mode") + 1:]) if "tp_mode" in names else None
+
+
+def installed_adaptive_tail() -> tuple[str, ...] | None:
+    """The positional arguments after ``tp_mode`` of the installed megatron-core's
+    ``TensorParallelAdaptiveMuon`` (its imported class if megatron-core's module is loaded, else its
+    source, parsed), or None where there is no megatron-core or no such class."""
+    import ast
+    import inspect
+    import sys
+
+    module = sys.modules.get("megatron.core.optimizer.emerging_optimizers")
+    cls = getattr(module, "TensorParallelAdaptiveMuon", None)
+    if cls is not None and not issubclass(cls, _TensorParallelRouting):
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return positional_tail(n for n, p in inspect.signature(cls).parameters.items() if p.kind in kinds)
+    try:
+        source = _megatron_emerging_source()
+        tree = ast.parse(source) if source is not None else None
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == "TensorParallelAdaptiveMuon":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    return positional_tail(a.arg for a in item.args.posonlyargs + item.args.args)
+    return None
+
+
+def adaptive_signature(tail: Sequence[str] | None) -> inspect.Signature:
+    """TensorParallelAdaptiveMuon's signature with ``tail`` (names of :data:`ADAPTIVE_TAIL_MAIN`) the
+    positional arguments after ``tp_mode``, the others of that tuple keyword-only. None, or a tail with
+    a name ours does not know: main's order."""
+    if tail is None or not set(tail) <= set(ADAPTIVE_TAIL_MAIN) or len(set(tail)) != len(tail):
+        tail = ADAPTIVE_TAIL_MAIN
+    parameters = list(inspect.signature(_adaptive_arguments).parameters.values())
+    by_name = {p.name: p for p in parameters}
+    head = [p for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in ADAPTIVE_TAIL_MAIN]
+    positional = [by_name[n] for n in tail]
+    keyword = [by_name[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in ADAPTIVE_TAIL_MAIN if n not in tail]
+    keyword += [p for p in parameters if p.kind is p.KEYWORD_ONLY]
+    return inspect.Signature(head + positional + keyword, return_annotation=None)
+
+
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
     """Megatron-LM's ``TensorParallelAdaptiveMuon``: TensorParallelMuon with AdaptiveMuon's second moment.
 
@@ -223,42 +333,22 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
     reduced buffer (its averaged dimension is chosen from the global shape). ``moment2_method``
     also accepts "namo" (not with ``use_decoupled_weight_decay=False``). State:
     ``momentum_buffer``, ``moment2_buffer``.
+
+    Positional arguments follow the installed megatron-core's class: after ``tp_mode``, Megatron-LM
+    main takes ``use_syrk, moment2_method, beta2, eps``, megatron-core 0.18 / 0.19 ``moment2_method,
+    beta2, eps`` (``use_syrk`` then keyword-only); without megatron-core, main's order.
+    ``inspect.signature`` shows the order in force (:data:`POSITIONAL_TAIL`).
     """
 
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 3e-4,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.01,
-        use_decoupled_weight_decay: bool = True,
-        split_qkv: bool = False,
-        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
-        qkv_split_shapes: list[int] | None = None,
-        fp32_matmul_prec: str = "medium",
-        coefficient_type: str = "quintic",
-        num_ns_steps: int = 5,
-        scale_mode: str = "spectral",
-        extra_scale_factor: float = 1.0,
-        pg_collection: Any | None = None,
-        tp_mode: str = "duplicated",
-        moment2_method: str = "adamuon",
-        beta2: float = 0.95,
-        eps: float = 1e-8,
-        *,
-        use_syrk: bool = False,
-        ns_batch_size: int = 1,
-        expert_tp_mode: str | None = None,
-        ns_products: str = "auto",
-        custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
-        state_dtype: str = "fp32",
-        state_block_size: int = DEFAULT_BLOCK_SIZE,
-        workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
-        row_equilibration: bool = False,
-        frobenius_renorm: bool = False,
-        ns_eps_mode: str = "clamp",
-        ns_norm_divisor: float = 1.0,
-        overlap_backward: bool = False,
-    ) -> None:
-        self._init_tensor_parallel(locals(), moment2=(moment2_method, beta2, eps))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _ADAPTIVE_SIGNATURE.bind(self, *args, **kwargs)  # TypeError as Python gives for a def
+        bound.apply_defaults()
+        a = bound.arguments
+        self._init_tensor_parallel(dict(a), moment2=(a["moment2_method"], a["beta2"], a["eps"]))
+
+
+_ADAPTIVE_SIGNATURE = adaptive_signature(installed_adaptive_tail())
+TensorParallelAdaptiveMuon.__init__.__signature__ = _ADAPTIVE_SIGNATURE
+# The positional arguments after tp_mode in force (the installed megatron-core's order, else main's).
+TensorParallelAdaptiveMuon.POSITIONAL_TAIL = positional_tail(
+    n for n, p in _ADAPTIVE_SIGNATURE.parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD)
