@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS_EO_030
+from ..newton_schulz import NS_EPS, NS_EPS_EO_030
 from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
@@ -139,6 +139,13 @@ class _TensorParallelRouting:
         return list(sizes)
 
 
+def megatron_ns_eps(use_syrk: bool) -> float:
+    """The Newton–Schulz normalization floor of Megatron-LM's tensor-parallel classes: 1e-7 (the
+    Emerging-Optimizers 0.2.0 / 0.3.0 that megatron-core 0.18, 0.19 and main pin), 1e-15 with
+    ``use_syrk=True`` (main refuses it below Emerging-Optimizers 0.4.0, whose floor that is)."""
+    return NS_EPS if use_syrk is True else NS_EPS_EO_030
+
+
 class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     """Megatron-LM's ``TensorParallelMuon`` (same constructor and defaults: nesterov on, decoupled decay).
 
@@ -151,8 +158,13 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``use_syrk`` (Megatron-LM main's switch for its SYRK kernel): True runs the Newton–Schulz ops
     with symmetric products (the symmetric kernel or lower block panels), False lets them choose by
     measurement (``ns_products="full"``, an extension, forces one GEMM each); the results agree to
-    float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (Megatron-LM's layer-sharded
-    Muon, ``--muon-ns-batch-size`` / ``--muon-expert-tp-mode``): see the module docstring.
+    float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (extensions: the layer-sharded mode's batch
+    and the mode of expert parameters): see the module docstring.
+
+    ``ns_eps`` (an extension; None: as Megatron-LM, :func:`megatron_ns_eps`) is the Frobenius
+    normalization floor of Newton–Schulz: 1e-7, the Emerging-Optimizers release Megatron-LM pins, or
+    1e-15 with ``use_syrk=True``, which Megatron-LM main runs only on Emerging-Optimizers >= 0.4.
+    The floor matters only for updates of norm below it (shrunk instead of orthogonalized).
     """
 
     # Megatron-LM's classes: arguments and params are checked at construction, as before.
@@ -190,6 +202,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
         overlap_backward: bool = False,
+        ns_eps: float | None = None,
     ) -> None:
         self._init_tensor_parallel(locals(), moment2=None)
 
@@ -198,10 +211,12 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         (moment2_method, beta2, eps) for the adaptive class, None for Muon."""
         a = arguments
         weight_decay_method = "decoupled" if a["use_decoupled_weight_decay"] else "l2"
-        # Megatron-LM's classes run Emerging-Optimizers 0.3.0's newton_schulz (eps 1e-7) and refuse bad
-        # values at construction
+        # Megatron-LM's classes refuse bad values at construction, and run Emerging-Optimizers'
+        # newton_schulz_tp with its default eps: megatron-core 0.18 / 0.19 pin EO 0.2.0, main 0.3.0,
+        # both 1e-7; main's use_syrk=True needs EO >= 0.4, whose eps is 1e-15.
+        ns_eps = a["ns_eps"] if a["ns_eps"] is not None else megatron_ns_eps(a["use_syrk"])
         config, _ = fused_config(a, defer=False, weight_decay_method=weight_decay_method,
-                                 moment2_method=None if moment2 is None else moment2[0], ns_eps=NS_EPS_EO_030)
+                                 moment2_method=None if moment2 is None else moment2[0], ns_eps=ns_eps)
         if "distributed" in (a["tp_mode"], a["expert_tp_mode"]) and config.recipe.op_arguments != NSRecipe().op_arguments:
             raise ValueError("row_equilibration, frobenius_renorm, ns_eps_mode and ns_norm_divisor do not apply with "
                              "tp_mode='distributed'")
@@ -250,6 +265,7 @@ def _adaptive_arguments(
     ns_eps_mode: str = "clamp",
     ns_norm_divisor: float = 1.0,
     overlap_backward: bool = False,
+    ns_eps: float | None = None,
 ) -> None:
     """TensorParallelAdaptiveMuon's arguments, in Megatron-LM main's positional order."""
 

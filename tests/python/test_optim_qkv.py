@@ -253,3 +253,29 @@ def test_adaptive_order_read_from_megatron_source_without_importing(tmp_path, mo
     assert tp.installed_adaptive_tail() == ("use_syrk", "moment2_method", "beta2", "eps")
     (folder / "emerging_optimizers.py").write_text("x = 1\n")
     assert tp.installed_adaptive_tail() is None
+
+
+def test_newton_schulz_floor_follows_megatron():
+    """Megatron-LM's classes normalize with Emerging-Optimizers' default eps: 1e-7 in the release
+    Megatron-LM pins (0.2.0 / 0.3.0), 1e-15 with use_syrk=True (main needs EO >= 0.4 for it); ns_eps
+    chooses it. A gradient of norm 1e-12 shows it: the 1e-7 floor shrinks it, 1e-15 orthogonalizes it."""
+    import torch
+
+    from megatron_eopt.newton_schulz import NS_EPS, NS_EPS_EO_030
+
+    for cls in (TensorParallelMuon, TensorParallelAdaptiveMuon):
+        p = [torch.nn.Parameter(torch.zeros(8, 8))]
+        assert cls(p)._config.ns_eps == NS_EPS_EO_030 == 1e-7
+        assert cls(p, use_syrk=True)._config.ns_eps == NS_EPS == 1e-15
+        assert cls(p, use_syrk=True, ns_eps=1e-7)._config.ns_eps == 1e-7
+        assert cls(p, ns_eps=1e-10)._config.recipe.eps == 1e-10
+        with pytest.raises(ValueError, match="ns_eps"):
+            cls(p, ns_eps=0.0)
+    steps = {}
+    for options in (dict(), dict(ns_eps=1e-15)):
+        p = torch.nn.Parameter(torch.zeros(8, 8))
+        opt = TensorParallelMuon([p], lr=1.0, momentum=0.0, weight_decay=0.0, fp32_matmul_prec="highest", **options)
+        p.grad = torch.eye(8) * 1e-12 / 8 ** 0.5  # Frobenius norm 1e-12
+        opt.step()
+        steps[options.get("ns_eps", 1e-7)] = -p.detach()
+    assert steps[1e-7].abs().max() < 1e-2 * steps[1e-15].abs().max()
