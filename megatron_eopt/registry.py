@@ -35,6 +35,7 @@ __all__ = [
     "get_configured_optimizer_cls",
     "get_optimizer_cls",
     "get_optimizer_name_list",
+    "constructor_only_arguments",
     "init_optimizer_state",
     "is_muon_excluded",
     "is_nonlinear_or_embedding",
@@ -130,12 +131,24 @@ class EmergingOptimizerEntry:
         default_param_overrides: ``{rule: overrides}`` applied to every parameter the rule
             matches; a rule is a :class:`ParamRule` (or a Megatron ``ParamKey``, passed through
             as is). ``{"optimizer": "adam"}`` sends matching parameters to Adam.
+        constructor_only_kwargs: constructor arguments that configure the whole optimizer and so
+            cannot be set per parameter group (the field of the same name that Megatron-LM's
+            optimizer-recipe proposal, #5925, adds to its entry; handed to a megatron-core whose entry
+            has it). Empty: no such argument declared.
     """
 
     optimizer_cls: type
     init_state_fn: Callable[..., None] = init_optimizer_state
     config_to_kwargs: Callable[[Any, Any, Any], dict[str, Any]] | None = None
     default_param_overrides: dict[Any, dict[str, Any]] = field(default_factory=_route_nonlinear_to_adam)
+    constructor_only_kwargs: frozenset[str] = field(default_factory=frozenset)
+
+
+def constructor_only_arguments(optimizer_cls: type, per_group: Sequence[str]) -> frozenset[str]:
+    """The keyword arguments of ``optimizer_cls``'s constructor other than ``params`` and the
+    ``per_group`` values (those kept in each param group, e.g. lr, momentum, weight_decay)."""
+    return frozenset(n for n, p in inspect.signature(optimizer_cls).parameters.items()
+                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n != "params" and n not in per_group)
 
 
 # ------------------------------------------------------------------ Megatron config mapping
@@ -349,10 +362,16 @@ def _load_builtins() -> None:
             return
         from . import optim
 
+        # The per-group values of the tensor-parallel classes: the rest is optimizer-wide.
+        muon_groups, adaptive_groups = ("lr", "momentum", "weight_decay"), ("lr", "momentum", "weight_decay", "beta2", "eps")
         builtins = {
-            "muon": EmergingOptimizerEntry(optim.TensorParallelMuon, config_to_kwargs=muon_config_to_kwargs),
+            "muon": EmergingOptimizerEntry(
+                optim.TensorParallelMuon, config_to_kwargs=muon_config_to_kwargs,
+                constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelMuon, muon_groups),
+            ),
             "adaptive_muon": EmergingOptimizerEntry(
-                optim.TensorParallelAdaptiveMuon, config_to_kwargs=adaptive_muon_config_to_kwargs
+                optim.TensorParallelAdaptiveMuon, config_to_kwargs=adaptive_muon_config_to_kwargs,
+                constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelAdaptiveMuon, adaptive_groups),
             ),
         }
         for name, cls in (("scion", optim.Scion), ("mop", optim.MOP), ("polargrad", optim.PolarGrad),

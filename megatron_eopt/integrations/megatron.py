@@ -288,6 +288,9 @@ def _to_megatron_entry(
         # Megatron-LM's layer-sharded Muon picks a class per tp mode (config_to_cls); ours runs every
         # mode (tp_mode, expert_tp_mode, ns_batch_size) itself, so the entry's class is the answer.
         extra["config_to_cls"] = _always(entry.optimizer_cls)
+    if "constructor_only_kwargs" in getattr(emerging.EmergingOptimizerEntry, "__dataclass_fields__", {}):
+        # Megatron-LM's optimizer recipes (#5925) refuse these per parameter group.
+        extra["constructor_only_kwargs"] = frozenset(entry.constructor_only_kwargs)
     megatron_entry = emerging.EmergingOptimizerEntry(
         optimizer_cls=entry.optimizer_cls,
         init_state_fn=entry.init_state_fn,

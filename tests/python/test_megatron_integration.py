@@ -111,6 +111,33 @@ def test_install_fills_config_to_cls_where_megatron_has_it(stock_registry, monke
 
 
 @needs_megatron
+def test_install_fills_constructor_only_kwargs_where_megatron_has_it(stock_registry, monkeypatch):
+    """Megatron-LM's optimizer recipes (#5925) refuse an entry's ``constructor_only_kwargs`` per
+    parameter group: where its entry has that field, install() hands ours on, every optimizer-wide
+    argument (the #5925 list for its own classes among them), the per-group values left out."""
+    emerging = mcore_optimizer.emerging_optimizers
+
+    @dataclasses.dataclass
+    class EntryWithConstructorOnly(emerging.EmergingOptimizerEntry):
+        constructor_only_kwargs: frozenset = frozenset()
+
+    monkeypatch.setattr(emerging, "EmergingOptimizerEntry", EntryWithConstructorOnly)
+    integration.install()
+    try:
+        proposal = {"split_qkv", "is_qkv_fn", "qkv_split_shapes", "fp32_matmul_prec", "coefficient_type",
+                    "num_ns_steps", "scale_mode", "extra_scale_factor", "use_decoupled_weight_decay",
+                    "pg_collection", "tp_mode"}
+        for name, per_group in (("muon", {"lr", "momentum", "weight_decay"}),
+                                ("adaptive_muon", {"lr", "momentum", "weight_decay", "beta2", "eps"})):
+            only = stock_registry[name].constructor_only_kwargs
+            assert only == megatron_eopt.registry.get(name).constructor_only_kwargs
+            assert proposal | {"use_syrk", "tp_mode", "state_dtype"} <= only and not per_group & only
+            assert name == "muon" or "moment2_method" in only
+    finally:
+        integration.uninstall()
+
+
+@needs_megatron
 @pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
 def test_factory_builds_ours_and_routes_like_megatron(stock_registry, megatron_env, name, cls):
     model = megatron_env.build_gpt(seed=1)
