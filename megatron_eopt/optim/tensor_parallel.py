@@ -10,7 +10,7 @@ sharded dimension is ``p.partition_dim`` (-1 or missing: not sharded). tp_mode:
 - distributed: Newton–Schulz on the shards with all-reduced norm and Gram matrices; scale from the
   global shape. Meant for parameters sharded along their long side; one sharded along its short
   side is orthogonalized as in duplicated mode instead (same result, far less communication).
-- layer_sharded (Megatron-LM's layer-sharded Muon): each matrix is gathered whole onto one rank of
+- layer_sharded (ours, after Megatron-LM's layer-sharded Muon proposal, PR #6683): each matrix is gathered whole onto one rank of
   the group, its home (the least loaded by Newton–Schulz FLOPs), orthogonalized there in batches of
   ``ns_batch_size`` same-shape matrices, and its shards are sent back: one all-to-all each way per
   chunk of matrices, every matrix orthogonalized once in the group. Results equal duplicated mode.

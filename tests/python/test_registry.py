@@ -182,8 +182,9 @@ def test_init_state_fn_uses_emerging_optimizers_style_init_group():
 
 
 def test_layer_sharded_fields_reach_the_class():
-    """Megatron-LM's layer-sharded Muon flags (--muon-tp-mode layer_sharded, --muon-ns-batch-size,
-    --muon-expert-tp-mode) map to the class, which refuses bad values naming them."""
+    """The layer-sharded mode's config attributes (muon_tp_mode="layer_sharded", muon_ns_batch_size,
+    muon_expert_tp_mode; set from Python, no Megatron-LM flags) map to the class, which refuses bad
+    values naming them."""
     config = _megatron_like_config(muon_tp_mode="layer_sharded", muon_ns_batch_size=32,
                                    muon_expert_tp_mode="layer_sharded")
     kwargs = registry.get("muon").config_to_kwargs(config, [_model_chunk()], None)
