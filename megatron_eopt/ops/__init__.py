@@ -32,7 +32,7 @@ from ._qk_clip import qk_clip_
 
 # The names this module offered beside its ops, from the modules that define them.
 from .._errors import call_op
-from ..newton_schulz import MuonScaleT, NSAlgorithmT, NSCoeffT, PrecisionT, NS_ALGORITHMS, NS_EPS
-from ..newton_schulz import check_steps, coefficient_table, resolve_precision, validate_algorithm, validate_precision
+from ..coefficients import MuonScaleT, NSAlgorithmT, NSCoeffT, PrecisionT, NS_ALGORITHMS, NS_EPS
+from ..coefficients import check_steps, coefficient_table, resolve_precision, validate_algorithm, validate_precision
 from ..second_moment import Moment2MethodT, moment2_shape, validate_moment2_method
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS
+from ..coefficients import NS_EPS
 from ._config import fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.block_periodic import check_block_period

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS_EO_030
+from ..coefficients import NS_EPS_EO_030
 from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
