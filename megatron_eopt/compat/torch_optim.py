@@ -43,7 +43,7 @@ from ..optim._closure import closure_loss
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from ..optim._config import OrthogonalizationConfig, check_matmul_precision, make_config
 from ..optim.matrix_view import check_nd_mode, not_a_matrix
-from ..optim.step.plan import DEFAULT_WORKSPACE_MIB, Plan
+from ..optim.step.grouping import DEFAULT_WORKSPACE_MIB, Plan
 from ..optim.orthogonalized import OrthogonalizedOptimizer, _plan_matches
 from ..coefficients import NS_ALGORITHMS
 

@@ -10,7 +10,7 @@ from ..coefficients import NS_EPS
 from ._config import fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.block_periodic import check_block_period
-from .step.plan import DEFAULT_WORKSPACE_MIB
+from .step.grouping import DEFAULT_WORKSPACE_MIB
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 
