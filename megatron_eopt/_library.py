@@ -97,7 +97,8 @@ def _find_library() -> str:
             shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
             warnings.warn(
                 f"megatron_eopt: the checkout {root} has no compiled library of its own and loads the installed "
-                f"one from {installed}, which was built from other C++ sources ({shown} differ): its ops may not "
+                f"one from {installed}, which was built from other C++ sources ({shown} "
+                f"{'differs' if len(differing) == 1 else 'differ'}): its ops may not "
                 "match this checkout's Python code. Rebuild it with `pip install --no-build-isolation .`, "
                 "or build one in place (docs/development.md).",
                 RuntimeWarning, stacklevel=3,

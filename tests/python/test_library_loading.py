@@ -174,6 +174,11 @@ def test_other_sources_than_the_installed_librarys_are_named(tmp_path, monkeypat
     with pytest.warns(RuntimeWarning, match=re.escape("built from other C++ sources (csrc/a.cpp, csrc/gone.cpp, "
                                                       "csrc/new.cu differ)")):
         assert _library._find_library() == str(site / "megatron_eopt" / "_C.so")
+    (checkout / "csrc" / "new.cu").unlink()
+    del built_from["csrc/gone.cpp"]
+    (site / "megatron_eopt" / "_C_sources.sha256").write_text(_manifest_text(built_from))
+    with pytest.warns(RuntimeWarning, match=re.escape("built from other C++ sources (csrc/a.cpp differs)")):
+        _library._find_library()
 
 
 def test_no_library_anywhere_says_how_to_build_one(tmp_path, monkeypatch):
