@@ -440,7 +440,7 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
 def _check_step_options(options: dict[str, Any]) -> None:
     """Refuses a bad memory option at install() rather than at the first optimizer build."""
     from .. import low_memory_state as lms
-    from ..optim.step.plan import check_workspace_mib
+    from ..optim.step.grouping import check_workspace_mib
 
     if "state_dtype" in options:
         lms.validate_state_dtype(options["state_dtype"])

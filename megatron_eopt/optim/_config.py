@@ -16,7 +16,7 @@ import torch
 
 from .._errors import call_op
 from ._recipe import NSRecipe, polar_express_rows
-from ..newton_schulz import (
+from ..coefficients import (
     NS_ALGORITHMS,
     NS_EPS,
     SCALE_MODES,

@@ -7,11 +7,11 @@ from typing import Any, Sequence
 
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS
+from ..coefficients import NS_EPS
 from ._config import ReadOnlySetting, fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.block_periodic import check_block_period
-from .step.plan import DEFAULT_WORKSPACE_MIB
+from .step.grouping import DEFAULT_WORKSPACE_MIB
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS, NS_EPS_EO_030
+from ..coefficients import NS_EPS, NS_EPS_EO_030
 from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
-from .step.plan import DEFAULT_WORKSPACE_MIB
-from .multirank.tensor_parallel import GTPLayout, TPLayout
+from .step.grouping import DEFAULT_WORKSPACE_MIB
+from .multirank.tp_modes import GTPLayout, TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
