@@ -189,7 +189,7 @@ def _config_field_names(config: Any) -> list[str]:
 
 
 def _megatron_core_label() -> str:
-    from .integrations.megatron import megatron_core_version  # reads metadata; does not import megatron
+    from ._megatron_version import megatron_core_version  # reads metadata; does not import megatron
 
     version = megatron_core_version()
     return "megatron-core " + (".".join(map(str, version)) if version else "(not installed)")

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 import sys
 import threading
 from typing import Any
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 
 from .. import registry
+from .._megatron_version import megatron_core_version
 from . import megatron_clipping
 from ._megatron_patches import installed, is_ours, restore_globals, set_global
 from .megatron_fsdp2 import FSDP2_CKPT_FORMAT, allow_torch_fsdp2, guard_torch_dist_under_fsdp2  # noqa: F401 (re-exported)
@@ -81,52 +81,6 @@ class _LionNeedsEmergingOptimizers:
             "the Lion optimizer (muon_scalar_optimizer='lion' or optimizer='lion') needs the "
             "emerging-optimizers package: pip install emerging-optimizers"
         )
-
-
-def _parse_version(text: str) -> tuple[int, ...]:
-    """'0.19.2' -> (0, 19, 2); '0.18.0rc1+abc' -> (0, 18, 0)."""
-    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text.strip())
-    if match is None:
-        return ()
-    return tuple(int(g) for g in match.groups() if g is not None)
-
-
-def megatron_core_version() -> tuple[int, ...] | None:
-    """The version of the megatron-core that ``import megatron.core`` loads, as a tuple, or None
-    when there is none: a Megatron-LM checkout ahead of an installed release on ``sys.path`` is the
-    one reported (its ``package_info.py``, read without importing ``megatron.core``), then the
-    installed distribution's metadata."""
-    from importlib import metadata
-
-    info = sys.modules.get("megatron.core.package_info")
-    if info is not None and hasattr(info, "__version__"):
-        return _parse_version(info.__version__)
-    source = _package_info_source()
-    if source is not None:
-        parts = [re.search(rf"^{name}\s*=\s*(\d+)", source, re.MULTILINE) for name in ("MAJOR", "MINOR", "PATCH")]
-        if all(parts):
-            return tuple(int(m.group(1)) for m in parts)
-    try:
-        return _parse_version(metadata.version("megatron-core"))
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _package_info_source() -> str | None:
-    """The text of megatron/core/package_info.py where ``import megatron.core`` would find it."""
-    import importlib.util
-    import os
-
-    try:
-        spec = importlib.util.find_spec("megatron.core")
-    except (ImportError, ValueError):
-        return None
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = os.path.join(folder, "package_info.py")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    return None
 
 
 def _megatron_modules() -> tuple[Any, Any]:

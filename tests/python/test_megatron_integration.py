@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import megatron_eopt
+from megatron_eopt import _megatron_version
 from megatron_eopt.integrations import megatron as integration
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon
 
@@ -643,9 +644,9 @@ def test_version_is_the_imported_packages(tmp_path):
 
 
 def test_version_parsing():
-    assert integration._parse_version("0.19.2") == (0, 19, 2)
-    assert integration._parse_version("0.18.0rc1+abc123") == (0, 18, 0)
-    assert integration._parse_version("1.0") == (1, 0)
+    assert _megatron_version._parse_version("0.19.2") == (0, 19, 2)
+    assert _megatron_version._parse_version("0.18.0rc1+abc123") == (0, 18, 0)
+    assert _megatron_version._parse_version("1.0") == (1, 0)
 
 
 _WITHOUT_EO = textwrap.dedent(
