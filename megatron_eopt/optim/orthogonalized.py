@@ -1,6 +1,6 @@
 """The fused step shared by Muon, AdaptiveMuon and their tensor-parallel variants.
 
-Per step, with the parameters grouped once (see ``step.plan``), for each *chunk* (the matrices whose
+Per step, with the parameters grouped once (see ``step.grouping``), for each *chunk* (the matrices whose
 Newton–Schulz buffers fit the workspace budget ``workspace_mib`` together; small models are one
 chunk, a large matrix is a chunk of its own, so the step's transient memory is bounded by the
 budget or by the largest matrix, not by the size of the model):
@@ -9,7 +9,7 @@ budget or by the largest matrix, not by the size of the model):
    Nesterov — writing the Newton–Schulz inputs straight into a stacked fp32 (k, m, n) buffer per
    stack (views of one flat buffer per device, reused by every chunk of the step);
 2. per stack: one batched ``newton_schulz`` (QKV projections: ``newton_schulz_split``; tensor
-   parallel: see ``multirank.tensor_parallel``);
+   parallel: see ``multirank.tp_modes``);
 3. AdaptiveMuon: per bucket one second-moment normalization launch on the raw NS output;
 4. per bucket: one ``foreach_update_`` applying decoupled / independent / PaLM decay and
    ``p -= lr * scale * update`` with per-tensor scales.
@@ -43,8 +43,6 @@ classes (Muon, AdaptiveMuon, Scion, the tensor-parallel ones) set up through ``_
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import re
 from typing import Any, Callable
 
 import torch
@@ -61,13 +59,13 @@ from ._config import (
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
-from .multirank.agreement import agree, meshes_of, plan_digest, plan_fingerprint, step_meshes
+from .multirank.agreement import RankAgreement, agree, meshes_of, plan_digest
 from .multirank.replica_work import resolve_replica_work
 from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
                                 uneven_splits)
 from .multirank.tp_modes import GTPLayout, TPLayout
 from .step import state_dtype as _low_memory
-from .step.fused import FusedStep, _capturing_cuda_graph
+from .step.fused import FusedStep
 from .step.layout import cached_step_layouts, step_layouts
 from .step.overlap import BackwardOverlap
 from .step.grouping import (
@@ -84,7 +82,8 @@ from .. import low_memory_state as lms
 from ..step_stats import StepStatsReporter, records_step_stats
 
 
-class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStatsReporter, torch.optim.Optimizer):
+class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgreement, StepStatsReporter,
+                              torch.optim.Optimizer):
     """Emerging-Optimizers' base class of orthogonalized optimizers.
 
     EO's constructor: ``scaled_orthogonalize_fn(grad) -> update`` orthogonalizes (and scales) one
@@ -409,80 +408,6 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, StepStat
         carry settings also compares those)."""
         return _plan_matches(plan, self.param_groups)
 
-    # ------------------------------------------------------------------ rank agreement
-    _rank_checks: str = "every_step"
-
-    @property
-    def rank_checks(self) -> str:
-        """When the ranks of a mesh agree on everything that changes a collective or a result (the
-        options, every param group's values, each parameter's name, shape, dtype and placements, and
-        which parameters have a grad): ``"every_step"`` (default) at construction, at
-        ``add_param_group`` and before every step whose matrices span ranks (one all-reduce of five
-        integers per mesh dim); ``"construction"``: at construction and ``add_param_group`` only (a
-        value written, or a grad missing, on some ranks later is not caught). Set it alike on every
-        rank. See docs/sharded.md "Ranks that differ"."""
-        return self._rank_checks
-
-    @rank_checks.setter
-    def rank_checks(self, value: str) -> None:
-        if value not in RANK_CHECKS:
-            raise ValueError(f"rank_checks must be one of {list(RANK_CHECKS)}, got {value!r}")
-        self._rank_checks = value
-
-    def _agreement_fields(self, active: list[bool] | None = None, plan: Plan | None = None) -> list[tuple[str, str]]:
-        """Everything that changes a collective or a result, as ``(name, value)`` pairs the ranks of a
-        mesh must hold alike: the class and its options, every param group's values, and each
-        parameter's name (where the groups carry ``param_names``), shape, dtype and placements;
-        with ``active`` (per plan entry) also which parameters have a gradient this step and its dtype."""
-        fields = [("optimizer", type(self).__qualname__)]
-        config = self._config
-        for f in dataclasses.fields(config):
-            if f.name not in _DERIVED_CONFIG_FIELDS:
-                fields.append((_CONFIG_ARGUMENT_NAMES.get(f.name, f.name), repr(getattr(config, f.name))))
-        for name in _OPTION_NAMES:
-            fields.append((name, repr(getattr(self, name, None))))
-        hook = _effective_hook(self._weight_update_hook)
-        fields.append(("weight_update_hook", "None" if hook is None else type(hook).__qualname__))
-        fields.append(("orthogonalize", type(self).orthogonalize.__qualname__))
-        grads = {}
-        if active is not None and plan is not None:  # (None: an entry whose grad is not reported)
-            grads = {id(e.param): (None if not a else e.param.grad) for e, a in zip(plan.entries, active)
-                     if a is not None}
-        described = _described_params(self.param_groups, plan)
-        for gi, group in enumerate(self.param_groups):
-            where = f"param_groups[{gi}]"
-            for key in sorted(k for k in group if k not in ("params", "param_names")):
-                fields.append((f"{where}[{key!r}]", _value_repr(group[key])))
-            for pi, p in enumerate(group["params"]):
-                name, (shape, placed) = f"{where}['params'][{pi}]", described[gi][pi]
-                value = f"{shape} {p.dtype}{placed}"
-                if id(p) in grads:
-                    g = grads[id(p)]
-                    value += ", no grad" if g is None else f", grad {g.dtype}"
-                fields.append((name, value))
-        return fields
-
-    def _agree_step(self, plan: Plan, active: list[bool | None] | None, error: Exception | None,
-                    chunk: int | None = None) -> None:
-        """Raises ``error``, the same on every rank of the meshes this step communicates over (a
-        matrix sharded across ranks), when any rank refused the step or holds different
-        ``_agreement_fields`` (grads included): one all-reduce of five integers per mesh dim, before
-        anything changes, so a rank never enters a collective the others do not. Not in a compiled
-        step or a CUDA graph capture (no host values there), nor with ``rank_checks="construction"``.
-        ``chunk``: the chunk about to start (``overlap_backward`` agrees before each chunk whose work
-        communicates, with the grads of its members, and once more when step() finishes)."""
-        if (torch.compiler.is_compiling() or self.rank_checks != "every_step" or not step_meshes(plan)
-                or _capturing_cuda_graph(plan)):
-            if error is not None:
-                raise error
-            return
-        meshes = step_meshes(plan)
-        fields = self._agreement_fields(active, plan)
-        fields.append(("step plan", plan_fingerprint(plan)))
-        if chunk is not None:
-            fields.append(("chunk started", "step() finishing" if chunk < 0 else str(chunk)))
-        agree(meshes, error, what=type(self).__name__, fields=fields)
-
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -701,49 +626,3 @@ def _plan_matches(plan: Plan, param_groups) -> bool:
                 return False
             i += 1
     return True
-
-
-RANK_CHECKS = ("every_step", "construction")
-# The configuration's fields named by the constructor argument that sets them, and those derived
-# from others (the coefficient set's expansion), left out of the rank agreement's fields.
-_CONFIG_ARGUMENT_NAMES = {"precision": "fp32_matmul_prec", "ns_eps": "eps"}
-_DERIVED_CONFIG_FIELDS = frozenset({"coefficients", "table", "repeat_last"})
-# The options outside the configuration that change a step's collectives or results.
-_OPTION_NAMES = ("nd_mode", "sharded_mode", "replica_work", "overlap_backward", "block_period", "block_lr_scale",
-                 "state_dtype", "state_block_size", "workspace_mib", "rank_checks")
-
-
-def _described_params(param_groups, plan: Plan | None) -> list[list[tuple[str, str]]]:
-    """Per group, per parameter: its name (where the group carries ``param_names``) and shape, and its
-    placements (DTensor), as the rank agreement compares them (the dtype is read at each call).
-    Kept with the plan, which is rebuilt whenever the groups' parameters change."""
-    cached = None if plan is None else getattr(plan, "_described_params", None)
-    if cached is not None:
-        return cached
-    out = []
-    for group in param_groups:
-        names = group.get("param_names")
-        rows = []
-        for pi, p in enumerate(group["params"]):
-            shape = str(tuple(p.shape))
-            if names is not None and pi < len(names):
-                shape = f"{names[pi]!r} {shape}"
-            placed = f" {list(p.placements)} on mesh {tuple(p.device_mesh.mesh.shape)}" if is_dtensor(p) else ""
-            rows.append((shape, placed))
-        out.append(rows)
-    if plan is not None and _plan_matches(plan, param_groups):
-        plan._described_params = out
-    return out
-
-
-def _value_repr(value) -> str:
-    """A param group value as the rank agreement compares it: a tensor by its value (lr tensors
-    written by a scheduler), anything else by its repr."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1:
-            return repr(float(value))
-        return f"tensor of shape {tuple(value.shape)}"
-    return _ADDRESS.sub("", repr(value))  # (a function's repr holds its address: another on every rank)
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

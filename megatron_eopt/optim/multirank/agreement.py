@@ -20,7 +20,9 @@ whole grid), so no process group spanning a mesh is needed: pipeline stages' mes
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import re
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -183,3 +185,135 @@ def plan_fingerprint(plan) -> str:
         cached = (plan.chunks, hashlib.blake2b(plan_digest(plan), digest_size=8).hexdigest())
         plan._fingerprint = cached
     return cached[1]
+
+
+class RankAgreement:
+    """Mixin of the orthogonalizing optimizers: what the ranks of a mesh agree on
+    (``_agreement_fields``), when (``rank_checks``; construction and ``add_param_group`` call
+    :func:`agree` with the fields, a step ``_agree_step``). The optimizer provides ``_config``,
+    ``param_groups``, ``orthogonalize`` and the options of ``_OPTION_NAMES``."""
+
+    _rank_checks: str = "every_step"
+
+    @property
+    def rank_checks(self) -> str:
+        """When the ranks of a mesh agree on everything that changes a collective or a result (the
+        options, every param group's values, each parameter's name, shape, dtype and placements, and
+        which parameters have a grad): ``"every_step"`` (default) at construction, at
+        ``add_param_group`` and before every step whose matrices span ranks (one all-reduce of five
+        integers per mesh dim); ``"construction"``: at construction and ``add_param_group`` only (a
+        value written, or a grad missing, on some ranks later is not caught). Set it alike on every
+        rank. See docs/sharded.md "Ranks that differ"."""
+        return self._rank_checks
+
+    @rank_checks.setter
+    def rank_checks(self, value: str) -> None:
+        if value not in RANK_CHECKS:
+            raise ValueError(f"rank_checks must be one of {list(RANK_CHECKS)}, got {value!r}")
+        self._rank_checks = value
+
+    def _agreement_fields(self, active: list[bool] | None = None, plan=None) -> list[tuple[str, str]]:
+        """Everything that changes a collective or a result, as ``(name, value)`` pairs the ranks of a
+        mesh must hold alike: the class and its options, every param group's values, and each
+        parameter's name (where the groups carry ``param_names``), shape, dtype and placements;
+        with ``active`` (per plan entry) also which parameters have a gradient this step and its dtype."""
+        fields = [("optimizer", type(self).__qualname__)]
+        config = self._config
+        for f in dataclasses.fields(config):
+            if f.name not in _DERIVED_CONFIG_FIELDS:
+                fields.append((_CONFIG_ARGUMENT_NAMES.get(f.name, f.name), repr(getattr(config, f.name))))
+        for name in _OPTION_NAMES:
+            fields.append((name, repr(getattr(self, name, None))))
+        hook = type(getattr(self, "_weight_update_hook", None)).__qualname__
+        fields.append(("weight_update_hook", "None" if hook in _NO_HOOK else hook))
+        fields.append(("orthogonalize", type(self).orthogonalize.__qualname__))
+        grads = {}
+        if active is not None and plan is not None:  # (None: an entry whose grad is not reported)
+            grads = {id(e.param): (None if not a else e.param.grad) for e, a in zip(plan.entries, active)
+                     if a is not None}
+        described = _described_params(self.param_groups, plan)
+        for gi, group in enumerate(self.param_groups):
+            where = f"param_groups[{gi}]"
+            for key in sorted(k for k in group if k not in ("params", "param_names")):
+                fields.append((f"{where}[{key!r}]", _value_repr(group[key])))
+            for pi, p in enumerate(group["params"]):
+                name, (shape, placed) = f"{where}['params'][{pi}]", described[gi][pi]
+                value = f"{shape} {p.dtype}{placed}"
+                if id(p) in grads:
+                    g = grads[id(p)]
+                    value += ", no grad" if g is None else f", grad {g.dtype}"
+                fields.append((name, value))
+        return fields
+
+    def _agree_step(self, plan, active: list[bool | None] | None, error: Exception | None,
+                    chunk: int | None = None) -> None:
+        """Raises ``error``, the same on every rank of the meshes this step communicates over (a
+        matrix sharded across ranks), when any rank refused the step or holds different
+        ``_agreement_fields`` (grads included): one all-reduce of five integers per mesh dim, before
+        anything changes, so a rank never enters a collective the others do not. Not in a compiled
+        step or a CUDA graph capture (no host values there), nor with ``rank_checks="construction"``.
+        ``chunk``: the chunk about to start (``overlap_backward`` agrees before each chunk whose work
+        communicates, with the grads of its members, and once more when step() finishes)."""
+        if (torch.compiler.is_compiling() or self.rank_checks != "every_step" or not step_meshes(plan)
+                or _capturing(plan)):
+            if error is not None:
+                raise error
+            return
+        meshes = step_meshes(plan)
+        fields = self._agreement_fields(active, plan)
+        fields.append(("step plan", plan_fingerprint(plan)))
+        if chunk is not None:
+            fields.append(("chunk started", "step() finishing" if chunk < 0 else str(chunk)))
+        agree(meshes, error, what=type(self).__name__, fields=fields)
+
+
+RANK_CHECKS = ("every_step", "construction")
+# The configuration's fields named by the constructor argument that sets them, and those derived
+# from others (the coefficient set's expansion), left out of the rank agreement's fields.
+_CONFIG_ARGUMENT_NAMES = {"precision": "fp32_matmul_prec", "ns_eps": "eps"}
+_DERIVED_CONFIG_FIELDS = frozenset({"coefficients", "table", "repeat_last"})
+# The options outside the configuration that change a step's collectives or results.
+_OPTION_NAMES = ("nd_mode", "sharded_mode", "replica_work", "overlap_backward", "block_period", "block_lr_scale",
+                 "state_dtype", "state_block_size", "workspace_mib", "rank_checks")
+
+
+def _described_params(param_groups, plan) -> list[list[tuple[str, str]]]:
+    """Per group, per parameter: its name (where the group carries ``param_names``) and shape, and its
+    placements (DTensor), as the rank agreement compares them (the dtype is read at each call).
+    Kept with the plan, which is rebuilt whenever the groups' parameters change."""
+    cached = None if plan is None else getattr(plan, "_described_params", None)
+    if cached is not None:
+        return cached
+    out = []
+    for group in param_groups:
+        names = group.get("param_names")
+        rows = []
+        for pi, p in enumerate(group["params"]):
+            shape = str(tuple(p.shape))
+            if names is not None and pi < len(names):
+                shape = f"{names[pi]!r} {shape}"
+            placed = f" {list(p.placements)} on mesh {tuple(p.device_mesh.mesh.shape)}" if is_dtensor(p) else ""
+            rows.append((shape, placed))
+        out.append(rows)
+    if plan is not None:  # (the current plan: _agree_step's)
+        plan._described_params = out
+    return out
+
+
+def _value_repr(value) -> str:
+    """A param group value as the rank agreement compares it: a tensor by its value (lr tensors
+    written by a scheduler), anything else by its repr."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1:
+            return repr(float(value))
+        return f"tensor of shape {tuple(value.shape)}"
+    return _ADDRESS.sub("", repr(value))  # (a function's repr holds its address: another on every rank)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_NO_HOOK = ("NoneType", "NoOpWeightUpdateHook")  # no weight-update hook, either way
+
+
+def _capturing(plan) -> bool:
+    """A CUDA graph capture is under way on a device of ``plan`` (no host values can be read)."""
+    return any(b.device.type == "cuda" for b in plan.buckets) and torch.cuda.is_current_stream_capturing()

@@ -1,7 +1,7 @@
 """Newton–Schulz overlapped with backward (``overlap_backward=True``).
 
 Every parameter of the plan gets a post-accumulate-grad hook. During ``loss.backward()`` a hook
-marks its parameter's gradient final; once every member of a chunk (``step.plan``'s chunks, the
+marks its parameter's gradient final; once every member of a chunk (``step.grouping``'s chunks, the
 same the step uses) has a final gradient, the chunk's first two phases run: momentum into its
 Newton–Schulz inputs, then the batched Newton–Schulz (with the exchanges of sharded matrices).
 ``step()`` waits for that work, runs the chunks that did not start (a parameter without a
