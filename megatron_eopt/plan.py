@@ -262,7 +262,8 @@ def _owner_exchange(entries, dims, coords, ranks: list[RankCounts], mesh: Mesh, 
 
 
 def _add(into: RankCounts, other: RankCounts) -> None:
-    for f in ("ns_matrices", "ns_flops", "bytes_sent", "collectives", "comm_s", "compute_s"):
+    for f in ("ns_matrices", "ns_flops", "bytes_sent", "collectives", "agreements", "agreement_bytes", "comm_s",
+              "compute_s"):
         setattr(into, f, getattr(into, f) + getattr(other, f))
 
 
@@ -357,7 +358,10 @@ def _with_rank_agreement(ranks: list[RankCounts], matrices: list[Matrix], mesh: 
         for r in ranks:
             for d, size in enumerate(mesh.dims):
                 if size > 1:
-                    _cost(r, 2 * (size - 1) * AGREEMENT_BYTES // size, _link(mesh, (d,), hw), hw)
+                    nbytes = 2 * (size - 1) * AGREEMENT_BYTES // size
+                    _cost(r, nbytes, _link(mesh, (d,), hw), hw)
+                    r.agreements += 1
+                    r.agreement_bytes += nbytes
     return ranks
 
 

@@ -22,6 +22,9 @@ Conventions (the planner, ``megatron_eopt.plan``, counts by the same rules):
   collective, whatever the backend really does: all-gather (p − 1)·local; reduce-scatter
   (p − 1)·output; all-reduce ⌊2(p − 1)·size / p⌋ (ring); all-to-all what its splits send to
   other ranks; a DTensor gather (p − 1)·local per sharded mesh dim.
+- ``agreements``, ``agreement_bytes``: of those collectives and bytes, the ranks' agreement before
+  the step (``multirank.agreement``: one all-reduce per mesh dim where matrices span ranks; with
+  ``overlap_backward`` one more per chunk whose work communicates).
 - ``seconds_in_step``: host wall time of ``step()``. On CUDA it is the time to enqueue the step's
   work unless something in it waits for the device.
 - ``seconds_before_step``: host time of work started before ``step()`` (None: none was).
@@ -51,6 +54,8 @@ class StepStats:
     ns_flops: float = 0.0
     collectives: int = 0
     bytes_sent: int = 0
+    agreements: int = 0
+    agreement_bytes: int = 0
     seconds_in_step: float | None = None
     seconds_before_step: float | None = None
 
@@ -129,6 +134,16 @@ def count_collective(bytes_sent: int) -> None:
         stats.bytes_sent += int(bytes_sent)
 
 
+def count_agreement(bytes_sent: int) -> None:
+    """Marks the collective just counted (``bytes_sent``) as one of the ranks' agreement."""
+    stack = _stack()
+    if not stack:
+        return
+    for stats in stack:
+        stats.agreements += 1
+        stats.agreement_bytes += int(bytes_sent)
+
+
 @contextlib.contextmanager
 def recording_into(stats: StepStats):
     """Counts what this thread does inside the block into ``stats`` (work started before a step, on
@@ -149,7 +164,8 @@ def merge_into_recording(parts: list[StepStats], seconds_before_step: float) -> 
         return
     for stats in stack:
         for part in parts:
-            for name in ("ns_matrices", "ns_shared_matrices", "ns_flops", "collectives", "bytes_sent"):
+            for name in ("ns_matrices", "ns_shared_matrices", "ns_flops", "collectives", "bytes_sent", "agreements",
+                         "agreement_bytes"):
                 setattr(stats, name, getattr(stats, name) + getattr(part, name))
         stats.seconds_before_step = (stats.seconds_before_step or 0.0) + seconds_before_step
 
@@ -196,6 +212,7 @@ class StepStatsReporter:
 __all__ = [
     "StepStats",
     "StepStatsReporter",
+    "count_agreement",
     "count_collective",
     "count_newton_schulz",
     "count_split_newton_schulz",

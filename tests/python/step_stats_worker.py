@@ -62,6 +62,8 @@ def check_sharded(mesh, mode):
     opt = Muon(params, lr=0.02, sharded_mode=mode)
     before = []
     stats, calls = _step(opt, params, torch.Generator().manual_seed(1), lambda: before.append(opt._sharded.bytes_sent))
+    # the ranks' agreement before the step: one all-reduce per mesh dim, counted apart too
+    assert (stats["agreements"], stats["agreement_bytes"]) == (_agreements(mesh), _agreement_bytes(mesh)), stats
     if mode == "owner":
         assert stats["collectives"] == sum(calls.values()), (mode, stats, calls)
         assert _sum(stats["ns_matrices"]) == len(SHAPES), stats

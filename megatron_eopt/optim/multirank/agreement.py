@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _collectives as collectives
+from ...step_stats import count_agreement
 from .sharded import is_dtensor
 
 # Exception types a refusal is re-raised as on the ranks that did not see it (others: ValueError).
@@ -72,6 +73,7 @@ def _max_over(meshes, values: list[int]) -> list[int]:
         for d in range(mesh.ndim):
             if mesh.size(d) > 1:
                 collectives.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
+                count_agreement(2 * (mesh.size(d) - 1) * t.numel() * t.element_size() // mesh.size(d))
         out = t.tolist()
     return out
 
@@ -224,6 +226,8 @@ class RankAgreement:
                 fields.append((_CONFIG_ARGUMENT_NAMES.get(f.name, f.name), repr(getattr(config, f.name))))
         for name in _OPTION_NAMES:
             fields.append((name, repr(getattr(self, name, None))))
+        if getattr(self, "block_period", None) is not None:  # MuonBP's phase: which steps are full ones
+            fields.append(("block_period steps taken", str(self._block_steps)))
         hook = type(getattr(self, "_weight_update_hook", None)).__qualname__
         fields.append(("weight_update_hook", "None" if hook in _NO_HOOK else hook))
         fields.append(("orthogonalize", type(self).orthogonalize.__qualname__))
@@ -254,8 +258,9 @@ class RankAgreement:
         step or a CUDA graph capture (no host values there), nor with ``rank_checks="construction"``.
         ``chunk``: the chunk about to start (``overlap_backward`` agrees before each chunk whose work
         communicates, with the grads of its members, and once more when step() finishes)."""
+        block_step = getattr(self, "block_period", None) is not None and self._block_step_now()
         if (torch.compiler.is_compiling() or self.rank_checks != "every_step" or not step_meshes(plan)
-                or _capturing(plan)):
+                or _capturing(plan) or block_step):  # (MuonBP's block steps communicate nothing)
             if error is not None:
                 raise error
             return

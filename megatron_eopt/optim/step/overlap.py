@@ -269,11 +269,16 @@ class BackwardOverlap:
         if collectives:
             # Every rank must start this chunk's collectives with the same grads (a parameter unused on
             # one rank leaves its chunk unstarted there): agreed first, the same error on every rank.
+            agreed = StepStats()
             try:
-                opt._agree_step(plan, _members_active(plan, members), None, chunk=c)
+                with recording_into(agreed):  # counted with the step's work
+                    opt._agree_step(plan, _members_active(plan, members), None, chunk=c)
             except BaseException as exc:
                 work.error = exc
                 raise
+            finally:
+                with self.lock:
+                    work.stats.append(agreed)
         try:
             if device.type == "cuda":
                 stream = self._streams.get(device)
