@@ -59,7 +59,7 @@ from ._config import (
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
-from .multirank.agreement import RankAgreement, agree, meshes_of, plan_digest
+from .multirank.agreement import GroupScope, RankAgreement, agree, meshes_of, plan_digest, step_meshes
 from .multirank.replica_work import resolve_replica_work
 from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
                                 uneven_splits)
@@ -358,7 +358,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             if not meshes:
                 raise
             error = exc
-        agree(meshes, error, b"" if plan is None else plan_digest(plan), type(self).__name__)
+        # Megatron's tensor-parallel (and GTP) groups: their ranks agree here on the fields and the plan.
+        groups = [] if plan is None or not agree_ranks else [s for s in step_meshes(plan) if isinstance(s, GroupScope)]
+        agree(meshes + groups, error, b"" if plan is None else plan_digest(plan), type(self).__name__,
+              fields=self._agreement_fields() if groups else ())
         hyper = {}
         for bucket in plan.buckets:
             if self._low_memory_state and bucket.device not in self._state_seeds:

@@ -159,14 +159,15 @@ def check_megatron(group, tp_mode, seed, ours_mode=None):
 
 def check_collectives(group, seed):
     """Per step and stack: distributed mode all-reduces the norms once and the Gram matrices once per
-    NS iteration (nothing gathered); duplicated mode gathers once (nothing reduced)."""
+    NS iteration (nothing gathered); duplicated mode gathers once (nothing reduced); and per step the
+    ranks' agreement, one all-reduce over the tensor-parallel group (multirank.agreement)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     gen = torch.Generator().manual_seed(seed)
     layout = [((32, 16), 0), ((32, 16), 0), ((16, 32), 1)]  # two stacks, sharded along the long side
     pg = SimpleNamespace(tp=group, expt_tp=group)
     expectations = (
-        ("distributed", {"all_reduce": 2 * (1 + 5), "all_gather": 0}),
-        ("duplicated", {"all_reduce": 0, "all_gather": 2}),
+        ("distributed", {"all_reduce": 1 + 2 * (1 + 5), "all_gather": 0}),
+        ("duplicated", {"all_reduce": 1, "all_gather": 2}),
     )
     for tp_mode, expected in expectations:
         params = []
@@ -262,6 +263,9 @@ def check_step_stats(group, seed):
             opt.step()
         stats = opt.step_stats()
         assert stats["collectives"] == sum(calls.values()), f"{tp_mode}: {stats} vs {calls}"
+        # the ranks' agreement before the step: one all-reduce of five int64 over the group
+        assert (stats["agreements"], stats["agreement_bytes"]) == (1, 2 * (size - 1) * 40 // size), stats
+        stats["bytes_sent"] -= stats["agreement_bytes"]
         local_bytes = 32 * 16 * 4 // size  # every shard holds 1 / size of a 32 x 16 fp32 matrix
         if tp_mode == "duplicated":  # one all-gather per stack, of the stack's shards
             assert stats["bytes_sent"] == (size - 1) * 3 * local_bytes, (tp_mode, stats)

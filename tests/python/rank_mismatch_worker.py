@@ -7,7 +7,8 @@ message; None if it raised nothing) and whether its parameters and optimizer sta
 they were before the step or construction that raised. The test compares the ranks' records.
 
 Every case builds on a 1-D mesh of all the ranks ("hsdp_*" cases: a 2-D mesh, replicas outermost)
-a few Shard(0) DTensor matrices and makes one rank differ from the others in one thing.
+a few Shard(0) DTensor matrices ("tensor_parallel_*": Megatron tensor-parallel shards over the world
+group) and makes one rank differ from the others in one thing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import datetime
 import os
 import sys
 import traceback
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from megatron_eopt.optim import AdaptiveMuon, Muon  # noqa: E402
+from megatron_eopt.optim import AdaptiveMuon, Muon, TensorParallelMuon  # noqa: E402
 from dist_harness import RANK_CPU_PRODUCTS  # noqa: E402
 
 SHAPES = [(12, 8), (12, 8), (9, 20)]  # two of one shape: a swapped order is only told apart by name
@@ -60,7 +62,7 @@ def _snapshot(params, opt):
     state = {} if opt is None else copy.deepcopy({i: {k: v.to_local().clone() if isinstance(v, DTensor) else v
                                                       for k, v in opt.state[p].items()}
                                                   for i, p in enumerate(params)})
-    return [p.detach().to_local().clone() for p in params], state
+    return [(p.detach().to_local() if isinstance(p, DTensor) else p.detach()).clone() for p in params], state
 
 
 def _same(a, b) -> bool:
@@ -240,6 +242,45 @@ def alike(mesh, rank, seed):
     return before, opt.step, lambda: before
 
 
+def _tp_params(rank, world, seed):
+    """Megatron tensor-parallel shards over the world (rows of a (12, 8) and columns of a (9, 21))."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for shape, dim in (((12, 8), 0), ((9, 21), 1)):
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen).chunk(world, dim=dim)[rank].clone())
+        p.partition_dim, p.is_qkv, p.expert_tp = dim, False, False
+        out.append(p)
+    return out
+
+
+def tensor_parallel_option(mesh, rank, seed):
+    world = dist.get_world_size()
+    params = _tp_params(rank, world, seed)
+    pg = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
+    kw = dict(KW, pg_collection=pg, tp_mode="duplicated", num_ns_steps=6 if rank == 1 else 5)
+    return _at_construction(params, lambda: TensorParallelMuon(params, **kw))
+
+
+def tensor_parallel_grad_missing(mesh, rank, seed):
+    world = dist.get_world_size()
+    params = _tp_params(rank, world, seed)
+    pg = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
+    opt = TensorParallelMuon(params, **KW, pg_collection=pg, tp_mode="distributed")
+
+    def grads(step):
+        gen = torch.Generator().manual_seed(seed + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        if step and rank == 0:
+            params[0].grad = None
+
+    grads(0)
+    opt.step()
+    grads(1)
+    before = _snapshot(params, opt)
+    return before, opt.step, lambda: _snapshot(params, opt)
+
+
 CASES = {
     "extra_param": extra_param,
     "extra_group": extra_group,
@@ -261,6 +302,8 @@ CASES = {
     "extra_scale_factor_written": option_written("extra_scale_factor", 0.5),
     "loaded_other_checkpoint": loaded_other_checkpoint,
     "alike": alike,
+    "tensor_parallel_option": tensor_parallel_option,
+    "tensor_parallel_grad_missing": tensor_parallel_grad_missing,
     "hsdp_replica_work": option("replica_work", "repeat"),
     "hsdp_grad_missing": grad_missing,
     "hsdp_alike": alike,

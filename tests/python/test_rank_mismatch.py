@@ -33,6 +33,8 @@ CASES = {
     "extra_scale_factor_written": r"differ in extra_scale_factor: 1.0 on rank\(s\) \[0, 1\]; 0.5 on rank\(s\) \[2\]",
     "loaded_other_checkpoint": r"differ in param_groups\[0\]\['momentum'\]: 0.9 on rank\(s\) \[0, 2\]; 0.5 on rank\(s\) \[1\]",
     "alike": None,
+    "tensor_parallel_option": r"differ in num_ns_steps: 5 on rank\(s\) \[0, 2\]; 6 on rank\(s\) \[1\]",
+    "tensor_parallel_grad_missing": r"params'\]\[0\]: .*no grad on rank\(s\) \[0\]; .*grad torch.float32 on rank\(s\) \[1, 2\]",
 }
 HSDP_CASES = {
     "hsdp_replica_work": r"differ in replica_work: 'repeat' on rank\(s\) \[0\]; 'auto' on rank\(s\) \[1, 2, 3, 4, 5\]",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import re
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -45,12 +46,35 @@ def meshes_of(params: Iterable[torch.Tensor]) -> list[Any]:
     return out
 
 
+@dataclass(eq=False)
+class GroupScope:
+    """A process group the ranks agree over, as a one-dim mesh (Megatron's tensor-parallel and GTP
+    groups, which are not DeviceMeshes)."""
+
+    group: Any
+    device_type: str
+    ndim: int = 1
+
+    def size(self, dim: int | None = None) -> int:
+        return dist.get_world_size(self.group)
+
+    def get_group(self, dim: int = 0) -> Any:
+        return self.group
+
+
 def step_meshes(plan) -> list[Any]:
-    """The meshes a step of ``plan`` communicates over: those of its matrices sharded across ranks
-    (orthogonalized on an owner or gathered; an expert batch sharded on dim 0 needs none)."""
+    """What a step of ``plan`` communicates over: the meshes of its matrices sharded across ranks
+    (orthogonalized on an owner or gathered; an expert batch sharded on dim 0 needs none), then the
+    tensor-parallel and GTP groups of its stacks (as :class:`GroupScope`), in plan order."""
     cached = getattr(plan, "_step_meshes", None)
     if cached is None:
         cached = meshes_of(plan.entries[i].param for i in plan.sharded)
+        seen = set()
+        for stack in plan.stacks:
+            for layout in (stack.tp, stack.gtp):
+                if layout is not None and id(layout.group) not in seen:
+                    seen.add(id(layout.group))
+                    cached.append(GroupScope(layout.group, stack.device.type))
         plan._step_meshes = cached
     return cached
 
@@ -177,6 +201,13 @@ def plan_digest(plan) -> bytes:
             parts.append((ci, i, e.group_index, s.kind, s.view_shape, s.largest_view, tuple(map(str, s.placements)),
                           tuple(s.mesh.mesh.shape), s.mesh_dims_for_matrix, e.global_shape,
                           None if e.qkv is None else (e.qkv.sizes, e.qkv.columns)))
+        for i in chunk:  # tensor-parallel shards: their mode, layout and local shape (no group id; with
+            e = plan.entries[i]  # GTP "blockwise" each rank's real rows, and so its matrix, are its own)
+            if e.tp is not None or e.gtp is not None:
+                tp = None if e.tp is None else (e.tp.size, e.tp.partition_dim, e.tp.mode, e.tp.ns_batch_size)
+                gtp = None if e.gtp is None else (e.gtp.size, e.gtp.pad_rows, e.gtp.blockwise)
+                parts.append((ci, i, e.group_index, "tp", tp, gtp, e.local_shape,
+                              None if e.qkv is None else (e.qkv.sizes, e.qkv.columns)))
     return repr((len(plan.entries), parts)).encode()
 
 
