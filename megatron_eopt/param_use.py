@@ -1,0 +1,773 @@
+"""Which matrices a model's weights hold, read from how one forward pass uses them.
+
+The routing tables of :mod:`megatron_eopt.model_views` know the layouts of the modules they name;
+a weight of any other module, or a bare ``nn.Parameter``, is a matrix only by its shape there.
+:func:`trace_parameter_uses` runs the model's forward once on example inputs under a
+``TorchDispatchMode`` and records what the aten ops do with each parameter:
+
+- a product (``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``_grouped_mm``, ``mv``: what ``F.linear``,
+  ``@``, ``matmul`` and ``einsum`` become) makes it a matrix. Which of its dims the product
+  contracts with the input's features is its *in* side, the other its *out* side: (out, in) as
+  ``nn.Linear`` stores it, or (in, out) as ``Conv1D``. A dim indexed away before the product
+  (``W[e]``, ``W.view(E, f, h)[e]``, ``W[expert_ids]``) or a ``bmm`` batch dim is one matrix per
+  index (stacked experts);
+- the product's output split along its output features (``split``, ``chunk``, ``unbind``, a
+  ``view`` into (..., heads, 3, head_dim) followed by ``unbind`` or indexing, slices, steps of 2)
+  into parts that are not concatenated back (rotary embeddings split and re-join their halves) is
+  a fused projection: the parts' sizes are its ``split_shapes``. Parts that meet in one elementwise
+  product (``act(gate) * up``) are a fused gate/up;
+- a product whose output reaches ``topk`` (or ``argmax``) is a router; one whose output is what
+  the model returns, or reaches ``log_softmax`` / a loss, is an output head;
+- ``embedding``, ``index_select`` or indexing by an integer tensor whose result never reaches a
+  product is a lookup table (an embedding, a relative-position bias table); a weight only ever used
+  elementwise (``-exp(A_log)``, ``q + r_w_bias``) is not a matrix.
+
+Every derived tensor (views, transposes, reshapes, dtype copies, indexing, slices) is followed back
+to its parameter by identity, as a map from the tensor's dims to factors of the parameter's dims.
+The forward runs on the meta device first (``torch.func.functional_call`` with meta tensors in
+place of the parameters and buffers, so a model of any size costs no memory); a forward that cannot
+run on meta (data-dependent shapes, ``.item()``) runs once more on the real parameters with the
+example inputs, under ``torch.no_grad()`` and in eval mode. What the trace cannot read (a weight
+used by an op it does not know, products that disagree, a layout the param-group keys cannot carry)
+is reported in :attr:`ParameterUses.problems`, never guessed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from .model_views import MatrixView, check_view_options
+
+__all__ = ["ParamUse", "ParameterUses", "example_forward_inputs", "trace_parameter_uses"]
+
+aten = torch.ops.aten
+
+# An atom: (root dim, stride, size): ``size`` consecutive indices of the root's dim ``root dim``,
+# ``stride`` apart. A tensor derived from a root maps each of its dims to atoms, outer to inner.
+# Root dim -1: not from the root (a broadcast or a new dim).
+Atom = tuple[int, int, int]
+
+_VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.view_copy}
+_SAME = {aten.clone, aten._to_copy, aten.detach, aten.alias, aten.lift_fresh, aten.contiguous,
+         aten._conj, aten.to, aten.type_as}
+_PRODUCTS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm, aten.mv, aten.addmv}
+_TOPK = {aten.topk, aten.argmax, aten.sort, aten.argsort}
+_LOSS = {aten._log_softmax, aten.nll_loss_forward, aten.nll_loss, aten.nll_loss2d_forward,
+         aten.cross_entropy_loss, aten.binary_cross_entropy_with_logits}
+_SOFTMAX = {aten._softmax, aten.softmax}
+_LOOKUPS = {aten.embedding, aten._embedding_bag, aten.embedding_bag, aten._embedding_bag_forward_only,
+            aten.index_select}
+# Ops that multiply a weight in ways the trace does not read (convolutions, fused attention, ...).
+_PRODUCT_LIKE = re.compile(r"conv|mm|matmul|linear|attention|einsum|tensordot|linalg|lstm|gru|rnn|dot|fft", re.I)
+_IGNORED = {aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_same_size,
+            aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.new_empty, aten.new_zeros,
+            aten.new_ones, aten.new_full, aten._local_scalar_dense, aten.copy_, aten.detach_}
+
+
+def _normalize(atoms) -> tuple[Atom, ...]:
+    """Size-1 atoms dropped, consecutive atoms of one root dim that tile merged."""
+    out: list[Atom] = []
+    for a in atoms:
+        if a[2] == 1:
+            continue
+        if out and out[-1][0] == a[0] and a[0] >= 0 and out[-1][1] == a[1] * a[2]:
+            d, _, n = out.pop()
+            out.append((d, a[1], n * a[2]))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def _reshape(dims, shape, new_shape) -> list[tuple[Atom, ...]] | None:
+    """The atoms of a view of a tensor of ``shape`` (dims ``dims``) as ``new_shape``; None when an
+    atom would have to split unevenly."""
+    new_shape = list(new_shape)
+    if -1 in new_shape:
+        known = 1
+        for s in new_shape:
+            known *= s if s != -1 else 1
+        total = 1
+        for s in shape:
+            total *= s
+        new_shape[new_shape.index(-1)] = total // known if known else 0
+    queue = [a for d in dims for a in d if a[2] != 1]
+    out = []
+    for size in new_shape:
+        need, atoms = int(size), []
+        while need > 1:
+            if not queue:
+                return None
+            d, s, n = queue[0]
+            if n <= need:
+                if need % n:
+                    return None
+                atoms.append(queue.pop(0))
+                need //= n
+            else:
+                if n % need:
+                    return None
+                atoms.append((d, s * (n // need), need))
+                queue[0] = (d, s, n // need)
+                need = 1
+        out.append(_normalize(atoms))
+    return out if not queue else None
+
+
+class _Lookup:
+    """A parameter indexed by an integer tensor: a lookup table unless the rows reach a product."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.reached_product = False
+
+
+@dataclass
+class _Root:
+    """A parameter, or the output of a product with one."""
+
+    shape: tuple[int, ...]
+    param: str = ""  # the parameter (of a product: the one multiplied)
+    out_dim: int = -1  # a product's output-feature dim
+    router: bool = False
+    loss: bool = False
+    # pieces: {(atom, piece key)}; per atom the (start, length) pieces seen, and their fate
+    pieces: dict = field(default_factory=dict)
+    rejoined: set = field(default_factory=set)
+    glu: set = field(default_factory=set)
+
+
+@dataclass
+class _Derived:
+    root: _Root
+    dims: list
+    removed: tuple = ()  # atoms indexed away: one matrix per index
+    lookup: _Lookup | None = None
+    piece: tuple | None = None  # (atom, index) of the product-output piece this tensor comes from
+    partial: tuple = ()  # (atom, start, length) slices of a parameter
+
+
+@dataclass
+class _ProductUse:
+    roles: dict  # {atom of the param: "out" | "in" | "batch"}
+    product: _Root
+    partial: tuple
+
+
+@dataclass
+class _ParamRecord:
+    name: str
+    root: _Root
+    products: list = field(default_factory=list)
+    lookups: list = field(default_factory=list)
+    elementwise: set = field(default_factory=set)
+    other: set = field(default_factory=set)  # other ops that read it (reductions, ...)
+    lost: set = field(default_factory=set)  # what the trace could not follow
+
+
+@dataclass(frozen=True)
+class ParamUse:
+    """What the traced forward did with one parameter.
+
+    ``kind``: ``"matrix"`` (multiplied: ``view`` holds its matrices), ``"router"``, ``"head"``,
+    ``"embedding"`` (an index lookup), ``"tied"`` (a lookup table also multiplied: a tied
+    embedding / output head), ``"not_matrix"`` (elementwise only), ``"unused"`` or ``"unknown"``
+    (seen, but not understood: ``seen`` says what)."""
+
+    name: str
+    kind: str
+    seen: str
+    view: MatrixView | None = None
+
+
+@dataclass
+class ParameterUses:
+    """The result of :func:`trace_parameter_uses`: ``uses[id(param)]``, how the forward ran
+    (``"meta"`` or ``"real"``), and the problems met (a failed forward sets ``error``)."""
+
+    uses: dict[int, ParamUse]
+    ran_on: str = ""
+    error: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+    def __getitem__(self, name: str) -> ParamUse:
+        for use in self.uses.values():
+            if use.name == name:
+                return use
+        raise KeyError(f"no parameter named {name!r} in the trace")
+
+
+class _Tracer(TorchDispatchMode):
+    def __init__(self, params: Mapping[int, tuple[str, torch.Tensor]]):
+        super().__init__()
+        self.records: dict[int, _ParamRecord] = {}
+        self.derived: dict[int, tuple[weakref.ref, _Derived]] = {}
+        for key, (name, t) in params.items():
+            root = _Root(tuple(t.shape), name)
+            self.records[key] = _ParamRecord(name, root)
+            self._track(t, _Derived(root, [((d, 1, s),) if s != 1 else () for d, s in enumerate(t.shape)]))
+        self.root_record = {id(r.root): r for r in self.records.values()}
+        self.unreadable = False  # a meta index the split depends on
+
+    # -- bookkeeping
+    def _track(self, t, derived: _Derived) -> None:
+        if isinstance(t, torch.Tensor):
+            self.derived[id(t)] = (weakref.ref(t), derived)
+
+    def _get(self, t) -> _Derived | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        entry = self.derived.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        return entry[1]
+
+    def _record(self, d: _Derived) -> _ParamRecord | None:
+        return self.root_record.get(id(d.root))
+
+    def _like(self, d: _Derived, dims, **changes) -> _Derived:
+        fields = dict(root=d.root, dims=list(dims), removed=d.removed, lookup=d.lookup, piece=d.piece,
+                      partial=d.partial)
+        fields.update(changes)
+        return _Derived(**fields)
+
+    # -- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        try:
+            self._observe(func, args, kwargs, out)
+        except Exception as exc:  # an op the bookkeeping mis-reads: said, never fatal to the forward
+            for a in tree_flatten((args, kwargs))[0]:
+                d = self._get(a)
+                if d is not None and (rec := self._record(d)) is not None:
+                    rec.lost.add(f"{func.overloadpacket.__name__} ({type(exc).__name__}: {exc})")
+        return out
+
+    def _observe(self, func, args, kwargs, out) -> None:
+        flat = tree_flatten((args, kwargs))[0]
+        tracked = [(i, a, d) for i, a in enumerate(flat) if (d := self._get(a)) is not None]
+        if not tracked:
+            return
+        packet = func.overloadpacket
+        if packet in _IGNORED:
+            return
+        first = self._get(args[0]) if args else None
+        if packet in _PRODUCTS:
+            return self._product(packet, args, out)
+        if first is not None and self._structural(packet, args, kwargs, first, out):
+            return
+        if packet in (aten.cat, aten.stack):
+            return self._concat(args[0], out)
+        if packet in _LOOKUPS:
+            table = args[1] if packet is aten.index_select else args[0]
+            d = self._get(table)
+            if d is not None and (rec := self._record(d)) is not None:
+                rec.lookups.append(_Lookup(packet.__name__))
+            return
+        if packet is aten.index and first is not None:
+            return self._index(args, first, out)
+        if packet in _TOPK or packet in _LOSS:
+            for _, _, d in tracked:
+                if self._record(d) is None:
+                    if packet in _TOPK:
+                        d.root.router = True
+                    else:
+                        d.root.loss = True
+            return
+        if packet in _SOFTMAX and first is not None and self._record(first) is None:
+            self._track(out, self._like(first, first.dims))
+            return
+        if torch.Tag.pointwise in func.tags:
+            return self._pointwise(packet, flat, tracked, out)
+        for _, _, d in tracked:
+            if (rec := self._record(d)) is not None:
+                rec.other.add(packet.__name__)
+
+    def _structural(self, packet, args, kwargs, d: _Derived, out) -> bool:
+        """Views, transposes, copies, selects and slices of a tracked tensor; True when handled."""
+        x = args[0]
+        dims = d.dims
+        if packet in _SAME:
+            self._track(out, self._like(d, dims))
+        elif packet in _VIEWS:
+            new = _reshape(dims, tuple(x.shape), tuple(args[1]))
+            if new is None:
+                self._lost(d, f"{packet.__name__} to {tuple(args[1])}")
+            else:
+                self._track(out, self._like(d, new))
+        elif packet is aten.t:
+            self._track(out, self._like(d, dims[::-1]))
+        elif packet is aten.transpose:
+            a, b = (int(i) % max(x.dim(), 1) for i in args[1:3])
+            new = list(dims)
+            new[a], new[b] = new[b], new[a]
+            self._track(out, self._like(d, new))
+        elif packet is aten.permute:
+            self._track(out, self._like(d, [dims[int(i) % x.dim()] for i in args[1]]))
+        elif packet is aten.unsqueeze:
+            new = list(dims)
+            new.insert(int(args[1]) % (x.dim() + 1), ())
+            self._track(out, self._like(d, new))
+        elif packet is aten.squeeze:
+            drop = set(range(x.dim())) if len(args) < 2 else {int(i) % x.dim() for i in
+                                                               (args[1] if isinstance(args[1], (list, tuple))
+                                                                else [args[1]])}
+            self._track(out, self._like(d, [a for i, a in enumerate(dims) if i not in drop or x.shape[i] != 1]))
+        elif packet is aten.expand:
+            sizes = list(args[1])
+            lead = len(sizes) - x.dim()
+            new = [((-1, 0, int(s)),) if int(s) > 1 else () for s in sizes[:lead]]
+            for i, s in enumerate(sizes[lead:]):
+                new.append(((-1, 0, int(s)),) if x.shape[i] == 1 and int(s) > 1 else dims[i])  # -1: kept
+            self._track(out, self._like(d, new))
+        elif packet is aten.select:
+            dim, index = int(args[1]) % x.dim(), int(args[2]) % x.shape[int(args[1])]
+            self._take(d, dim, [(index, 1)], [out], drop=True)
+        elif packet is aten.unbind:
+            dim = int(args[1]) % x.dim() if len(args) > 1 else 0
+            self._take(d, dim, [(i, 1) for i in range(x.shape[dim])], list(out), drop=True)
+        elif packet is aten.slice:
+            dim = int(args[1]) % x.dim() if len(args) > 1 else 0
+            n = x.shape[dim]
+            start = 0 if len(args) < 3 or args[2] is None else int(args[2])
+            end = n if len(args) < 4 or args[3] is None else int(args[3])
+            step = 1 if len(args) < 5 else int(args[4])
+            start, end = (start + n if start < 0 else start), (end + n if end < 0 else end)
+            start, end = max(0, min(start, n)), max(0, min(end, n))
+            if start == 0 and end == n and step == 1:
+                self._track(out, self._like(d, dims))
+            elif step == 1:
+                self._take(d, dim, [(start, end - start)], [out])
+            else:
+                self._strided(d, dim, start, end, step, out)
+        elif packet in (aten.split, aten.split_with_sizes, aten.chunk, aten.tensor_split):
+            dim = int(args[2] if len(args) > 2 else kwargs.get("dim", 0)) % x.dim()
+            lengths = [int(p.shape[dim]) for p in out]
+            starts = [sum(lengths[:i]) for i in range(len(lengths))]
+            self._take(d, dim, list(zip(starts, lengths)), list(out))
+        elif packet is aten.narrow:
+            dim, start, length = int(args[1]) % x.dim(), int(args[2]), int(args[3])
+            self._take(d, dim, [(start % x.shape[dim], length)], [out])
+        else:
+            return False
+        return True
+
+    def _lost(self, d: _Derived, what: str) -> None:
+        if (rec := self._record(d)) is not None:
+            rec.lost.add(what)
+
+    def _take(self, d: _Derived, dim: int, pieces, outs, drop: bool = False) -> None:
+        """Pieces (start, length) of dim ``dim``: a select / unbind (``drop``) or slices / a split."""
+        atoms = d.dims[dim]
+        rec = self._record(d)
+        if rec is not None:  # a parameter: indexed away (one matrix per index) or sliced
+            for (start, length), o in zip(pieces, outs):
+                if drop:
+                    self._track(o, self._like(d, d.dims[:dim] + d.dims[dim + 1:], removed=d.removed + atoms))
+                elif len(atoms) == 1:
+                    self._track(o, self._like(d, d.dims, partial=d.partial + ((atoms[0], start, length),)))
+                else:
+                    self._lost(d, "a slice across merged dims")
+            return
+        new_dims = d.dims[:dim] + d.dims[dim + 1:] if drop else d.dims
+        if d.piece is not None or len(atoms) != 1 or atoms[0][0] != d.root.out_dim:
+            for o in outs:  # not along the output features, or a piece of a piece: followed as is
+                self._track(o, self._like(d, new_dims))
+            return
+        atom = atoms[0]
+        seen = d.root.pieces.setdefault(atom, set())
+        for (start, length), o in zip(pieces, outs):
+            seen.add((start, length))
+            if not drop:
+                new_dims = d.dims[:dim] + [((atom[0], atom[1], length),)] + d.dims[dim + 1:]
+            self._track(o, self._like(d, new_dims, piece=(atom, start)))
+
+    def _strided(self, d: _Derived, dim: int, start: int, end: int, step: int, out) -> None:
+        """x[..., start::step]: x.view(..., n // step, step)[..., start]."""
+        atoms = d.dims[dim]
+        count = len(range(start, end, step))
+        if self._record(d) is not None or len(atoms) != 1 or atoms[0][2] % step or start >= step \
+                or count != atoms[0][2] // step:
+            return self._lost(d, "a strided slice")
+        r, s, size = atoms[0]
+        outer, inner = (r, s * step, size // step), (r, s, step)
+        new = d.dims[:dim] + [(outer,)] + d.dims[dim + 1:]
+        if d.piece is not None or r != d.root.out_dim:
+            return self._track(out, self._like(d, new))
+        d.root.pieces.setdefault(inner, set()).add((start, 1))
+        self._track(out, self._like(d, new, piece=(inner, start)))
+
+    def _index(self, args, d: _Derived, out) -> None:
+        x, indices = args[0], list(args[1])
+        used = [(k, t) for k, t in enumerate(indices) if t is not None]
+        rec = self._record(d)
+        if len(used) != 1 or used[0][1].dtype == torch.bool:
+            if rec is not None:
+                rec.lookups.append(_Lookup("index"))
+            return
+        k, index = used[0]
+        if rec is not None:
+            lookup = _Lookup("index by an integer tensor")
+            rec.lookups.append(lookup)
+            new = d.dims[:k] + [((-1, 0, int(s)),) if int(s) > 1 else () for s in index.shape] + d.dims[k + 1:]
+            self._track(out, self._like(d, new, removed=d.removed + d.dims[k], lookup=lookup))
+            return
+        # indexing a product's output along its features by a constant index (Falcon's qkv[..., [-2]])
+        if index.dim() != 1 or index.numel() == 0:
+            return
+        if index.device.type == "meta":  # values unknown on meta: only a run on real tensors tells
+            if d.piece is None and len(d.dims[k]) == 1 and d.dims[k][0][0] == d.root.out_dim:
+                self.unreadable = True
+            return
+        values = [int(v) % x.shape[k] for v in index.tolist()]
+        if values == list(range(values[0], values[0] + len(values))):
+            self._take(d, k, [(values[0], len(values))], [out])
+
+    def _product(self, packet, args, out) -> None:
+        if packet in (aten.addmm, aten.baddbmm, aten.addmv):
+            a, b = args[1], args[2]
+        else:
+            a, b = args[0], args[1]
+        da, db = self._get(a), self._get(b)
+        pa = da if da is not None and self._record(da) is not None else None
+        pb = db if db is not None and self._record(db) is not None else None
+        if pa is not None and pb is not None:
+            for d in (pa, pb):
+                self._lost(d, "a product of two parameters")
+            return
+        if pa is None and pb is None:
+            return
+        batched = packet in (aten.bmm, aten.baddbmm)
+        if pb is not None:  # x @ W: W's first dim (of its matrix) is contracted
+            d, operand = pb, b
+            if packet is aten._grouped_mm:
+                if operand.dim() != 3:
+                    return self._lost(d, "_grouped_mm with a 2-D weight")
+                roles = ("batch", "in", "out")
+            else:
+                roles = ("batch", "in", "out") if batched else ("in", "out")
+            out_dim = out.dim() - 1
+        else:  # W @ x
+            d, operand = pa, a
+            if packet is aten._grouped_mm:
+                return self._lost(d, "_grouped_mm with the weight first")
+            roles = ("batch", "out", "in") if batched else ("out", "in")
+            out_dim = out.dim() - 2 if packet not in (aten.mv, aten.addmv) else 0
+        rec = self._record(d)
+        found: dict = {}
+        for atoms, role in zip(d.dims, roles):
+            for atom in atoms:
+                if atom[0] >= 0:
+                    found[atom] = role
+        for atom in d.removed:
+            if atom[0] >= 0:
+                found[atom] = "batch"
+        if d.lookup is not None:
+            d.lookup.reached_product = True
+        product = _Root(tuple(out.shape), rec.name, out_dim)
+        rec.products.append(_ProductUse(found, product, d.partial))
+        self._track(out, _Derived(product, [((i, 1, s),) if s != 1 else () for i, s in enumerate(out.shape)]))
+
+    def _concat(self, tensors, out) -> None:
+        """Pieces of one split concatenated back (rotary halves): not a fused projection. A piece
+        concatenated with parts of itself (``rotate_half``) stays that piece."""
+        by_atom: dict = {}
+        for t in tensors:
+            d = self._get(t)
+            if d is not None and d.piece is not None:
+                by_atom.setdefault((id(d.root), d.piece[0]), (d.root, set(), d))[1].add(d.piece[1])
+        for (_, atom), (root, starts, d) in by_atom.items():
+            if len(starts) > 1:
+                root.rejoined.add(atom)
+            elif len(by_atom) == 1 and all(self._get(t) is not None for t in tensors):
+                self._track(out, self._like(d, d.dims))
+
+    def _pointwise(self, packet, flat, tracked, out) -> None:
+        if not isinstance(out, torch.Tensor):
+            return
+        full = [(a, d) for _, a, d in tracked if tuple(a.shape) == tuple(out.shape)]
+        for _, a, d in tracked:
+            if (rec := self._record(d)) is not None:
+                rec.elementwise.add(packet.__name__)
+        pieces = {(id(d.root), d.piece) for _, d in full if d.piece is not None}
+        if len(pieces) > 1:  # two parts of one split meet: act(gate) * up
+            for _, d in full:
+                if d.piece is not None:
+                    d.root.glu.add(d.piece[0])
+            return
+        if len(full) > 1 and len(pieces) == 1 and all(d.piece is not None for _, d in full):
+            # q * cos + rotate_half(q) * sin: still that piece
+            self._track(out, self._like(full[0][1], full[0][1].dims))
+            return
+        if len(full) != 1:
+            return
+        a, d = full[0]
+        # followed through a bias, a scale or an activation; not through a sum with another
+        # full-size tensor (a residual)
+        if any(isinstance(o, torch.Tensor) and o is not a and o.numel() >= out.numel() for o in flat):
+            return
+        self._track(out, self._like(d, d.dims))
+
+    def outputs(self, result) -> None:
+        """The tensors the model returned: products among them are output heads."""
+        if isinstance(result, Mapping):
+            leaves = list(result.values())
+        elif isinstance(result, (tuple, list)):
+            leaves = list(result)
+        else:
+            leaves = [result]
+        for leaf in tree_flatten(leaves)[0]:
+            d = self._get(leaf)
+            if d is not None and self._record(d) is None:
+                d.root.loss = True
+
+
+def _split_of(product: _Root) -> tuple[tuple[int, ...] | None, bool, str | None]:
+    """(split sizes of the output features, gate/up, problem) of one product's output."""
+    found = []
+    for atom, pieces in product.pieces.items():
+        if atom in product.rejoined:
+            continue
+        spans = sorted(pieces)
+        at, sizes = 0, []
+        for start, length in spans:
+            if start != at:
+                break
+            sizes.append(length * atom[1])
+            at += length
+        if at != atom[2]:
+            return None, False, f"output features sliced into {spans} of {atom[2]} (not a partition)"
+        found.append((atom, tuple(sizes)))
+    if not found:
+        return None, False, None
+    if len(found) > 1:
+        return None, False, f"output features split in {len(found)} ways"
+    atom, sizes = found[0]
+    if len(sizes) == 1:
+        return None, False, None
+    return sizes, atom in product.glu, None
+
+
+def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
+    name, shape = rec.name, rec.root.shape
+    lookups = [lk for lk in rec.lookups if not lk.reached_product]
+    productlike = sorted(op for op in rec.other if _PRODUCT_LIKE.search(op))
+    if rec.lost or productlike:
+        return ParamUse(name, "unknown", f"used by {', '.join(sorted(rec.lost) + productlike)}")
+    if not rec.products:
+        if lookups:
+            return ParamUse(name, "embedding", f"index lookup ({lookups[0].what})")
+        if rec.elementwise or rec.other:
+            ops = ", ".join(sorted(rec.elementwise | rec.other))
+            return ParamUse(name, "not_matrix", f"no product, only elementwise / reducing ops ({ops})")
+        return ParamUse(name, "unused", "not used by the traced forward")
+    roles = rec.products[0].roles
+    if any(u.roles != roles for u in rec.products[1:]):
+        return ParamUse(name, "unknown", "multiplied in products that disagree on its in / out sides")
+    per_dim = []
+    for dim, size in enumerate(shape):
+        atoms = sorted((a for a in roles if a[0] == dim), key=lambda a: -a[1])
+        covered = 1
+        for a in atoms:
+            covered *= a[2]
+        if covered != size:
+            return ParamUse(name, "unknown", f"multiplied through a part of its dim {dim} only")
+        per_dim.append(tuple(roles[a] for a in atoms))
+    splits = {_split_of(u.product) for u in rec.products}
+    problems = [p for _, _, p in splits if p]
+    if problems:
+        return ParamUse(name, "unknown", problems[0])
+    if len(splits) > 1:
+        return ParamUse(name, "unknown", "output split in some products and not in others")
+    split, glu, _ = splits.pop()
+    routed = any(u.product.router for u in rec.products)
+    head = any(u.product.loss for u in rec.products)
+    partial = {p for u in rec.products for p in u.partial}
+    if partial:
+        return ParamUse(name, "unknown", "multiplied in slices")
+    seen = []
+    sizes = split
+    nd_mode = "error"
+    if len(shape) == 2 and per_dim[0] in (("out",), ("in",)) and per_dim[1] in (("out",), ("in",)) \
+            and per_dim[0] != per_dim[1]:
+        layout = "out_in" if per_dim[0] == ("out",) else "in_out"
+    elif len(shape) >= 3 and all(r == ("batch",) for r in per_dim[:-2]) and \
+            {per_dim[-2], per_dim[-1]} == {("out",), ("in",)}:
+        layout = "out_in" if per_dim[-2] == ("out",) else "in_out"
+        nd_mode = "batch"
+        seen.append(f"{'x'.join(map(str, shape[:-2]))} stacked matrices")
+    elif len(shape) == 2 and ("batch", "out") in per_dim and ("in",) in per_dim:
+        stacked = 0 if per_dim[0] == ("batch", "out") else 1
+        experts = [a for a in roles if a[0] == stacked and roles[a] == "batch"][0][2]
+        rows = shape[stacked] // experts
+        if split is not None:
+            return ParamUse(name, "unknown", f"{experts} stacked matrices along dim {stacked}, each split again")
+        layout = "out_in" if stacked == 0 else "in_out"
+        sizes = (rows,) * experts
+        seen.append(f"{experts} matrices stacked along dim {stacked}")
+    elif len(shape) == 2 and ("batch", "in") in per_dim:
+        return ParamUse(name, "unknown", "matrices stacked along their input dim: no param-group keys describe "
+                        "them (store the stack (E, out, in) or (E, in, out))")
+    else:
+        return ParamUse(name, "unknown", f"multiplied with dims as {per_dim}")
+    seen.append("(out, in)" if layout == "out_in" else "(in, out)")
+    if lookups:
+        return ParamUse(name, "tied", f"index lookup ({lookups[0].what}) and product: tied embedding / head")
+    if routed:
+        return ParamUse(name, "router", "product feeding a top-k over its outputs",
+                        MatrixView("router", f"router ({' '.join(seen)}; routers={routers!r})", nd_mode, layout,
+                                   optimizer=routers))
+    if head:
+        return ParamUse(name, "head", "product giving the model's output / loss")
+    if split is not None and sizes == split:
+        parts = " + ".join(map(str, split))
+        if glu:
+            if fused_gate_up == "whole":
+                seen.append(f"fused gate/up [{parts}] whole")
+                sizes = None
+            else:
+                seen.append(f"fused gate/up split [{parts}]")
+        else:
+            seen.append(f"output split [{parts}]")
+    what = "product " + ", ".join(seen)
+    kind = "experts" if nd_mode == "batch" else ("fused" if sizes is not None else "linear")
+    return ParamUse(name, "matrix", what, MatrixView(kind, f"use: {what}", nd_mode, layout, sizes))
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__) and hasattr(model, "config")
+
+
+def example_forward_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
+    """``example_inputs`` as (args, kwargs) for one ``model(*args, **kwargs)`` call: a tuple / list of
+    positional args, a dict of keyword args, or one tensor; None for a transformers model: its
+    ``dummy_inputs`` (or a small ``input_ids``). A TypeError names ``model.forward``'s signature
+    when they do not bind to it."""
+    if example_inputs is None:
+        if not _is_transformers_model(model):
+            raise ValueError(f"example_inputs: {type(model).__name__} is not a transformers model, so the trace "
+                             "needs example inputs for one forward call (a tuple of args or a dict of kwargs)")
+        dummy = None
+        try:
+            dummy = model.dummy_inputs
+        except Exception:
+            dummy = None
+        if not isinstance(dummy, Mapping) or not dummy:
+            dummy = {"input_ids": torch.tensor([[1, 2, 3, 0], [0, 3, 2, 1]])}
+        example_inputs = dict(dummy)
+    if isinstance(example_inputs, torch.Tensor):
+        args, kwargs = (example_inputs,), {}
+    elif isinstance(example_inputs, Mapping):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        raise TypeError(f"example_inputs must be a tuple of positional args, a dict of keyword args or a tensor, got "
+                        f"{type(example_inputs).__name__}")
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return args, kwargs
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"example_inputs do not fit {type(model).__name__}.forward{signature}: {exc}") from None
+    return args, kwargs
+
+
+def _to(tree, device):
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, Mapping):
+        return {k: _to(v, device) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_to(v, device) for v in tree) if not hasattr(tree, "_fields") else \
+            type(tree)(*(_to(v, device) for v in tree))
+    return tree
+
+
+def _param_names(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
+    out: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), (name, p))
+    return out
+
+
+def _run(model, params, args, kwargs, meta: bool):
+    if meta:
+        replacement: dict[int, torch.Tensor] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + \
+                list(model.named_buffers(remove_duplicate=False)):
+            if id(t) not in replacement:
+                replacement[id(t)] = torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+            tensors[name] = replacement[id(t)]
+        traced = {id(replacement[k]): (name, replacement[k]) for k, (name, _) in params.items()}
+        tracer = _Tracer(traced)
+        back = {id(replacement[k]): k for k in params}
+        with torch.no_grad(), tracer:
+            result = torch.func.functional_call(model, tensors, _to(args, "meta"), _to(kwargs, "meta"),
+                                                tie_weights=True, strict=False)
+        tracer.outputs(result)
+        return tracer, back
+    device = next((p.device for _, p in params.values()), torch.device("cpu"))
+    tracer = _Tracer(params)
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with torch.no_grad(), tracer:
+            result = model(*_to(args, device), **_to(kwargs, device))
+        tracer.outputs(result)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return tracer, {k: k for k in params}
+
+
+def trace_parameter_uses(model: nn.Module, example_inputs: Any = None, *, fused_gate_up: str = "split",
+                         routers: str = "adamw", real_fallback: bool = True) -> ParameterUses:
+    """Run ``model``'s forward once on ``example_inputs`` (see :func:`example_forward_inputs`) and
+    read from the ops what each parameter is (see the module docstring). ``fused_gate_up`` and
+    ``routers`` are those of :func:`megatron_eopt.route_parameters`. The forward runs on meta
+    tensors; where it cannot, on the real parameters (``real_fallback``). A forward that fails both
+    ways gives ``error`` and no uses; bad ``example_inputs`` are a TypeError naming the forward's
+    signature."""
+    check_view_options(fused_gate_up, routers)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = example_forward_inputs(model, example_inputs)
+    params = _param_names(model)
+    errors = []
+    tracer = back = None
+    ran_on = ""
+    for meta in (True, False):
+        if not meta and (not real_fallback or any(p.device.type == "meta" for _, p in params.values())):
+            break
+        try:
+            tracer, back = _run(model, params, args, kwargs, meta)
+            ran_on = "meta" if meta else "real"
+            if not (meta and tracer.unreadable and real_fallback and
+                    all(p.device.type != "meta" for _, p in params.values())):
+                break
+            errors.append("meta: an output split by an index only real tensors hold")
+        except Exception as exc:
+            errors.append(f"{'meta' if meta else 'real'}: {type(exc).__name__}: {str(exc)[:300]}")
+    if tracer is None:
+        return ParameterUses({}, error="; ".join(errors))
+    uses: dict[int, ParamUse] = {}
+    problems = []
+    for key, rec in tracer.records.items():
+        use = _decide(rec, fused_gate_up, routers)
+        uses[back[key]] = use
+        if use.kind == "unknown":
+            problems.append(f"{use.name}: {use.seen}")
+    return ParameterUses(uses, ran_on, None, problems)
