@@ -151,7 +151,7 @@ class _Derived:
     dims: list
     removed: tuple = ()  # atoms indexed away: one matrix per index
     lookup: _Lookup | None = None
-    piece: tuple | None = None  # (atom, index) of the product-output piece this tensor comes from
+    pieces: frozenset = frozenset()  # {(atom, start)}: the product-output pieces this tensor comes from
     partial: tuple = ()  # (atom, start, length) slices of a parameter
 
 
@@ -234,7 +234,7 @@ class _Tracer(TorchDispatchMode):
         return self.root_record.get(id(d.root))
 
     def _like(self, d: _Derived, dims, **changes) -> _Derived:
-        fields = dict(root=d.root, dims=list(dims), removed=d.removed, lookup=d.lookup, piece=d.piece,
+        fields = dict(root=d.root, dims=list(dims), removed=d.removed, lookup=d.lookup, pieces=d.pieces,
                       partial=d.partial)
         fields.update(changes)
         return _Derived(**fields)
@@ -379,7 +379,7 @@ class _Tracer(TorchDispatchMode):
                     self._lost(d, "a slice across merged dims")
             return
         new_dims = d.dims[:dim] + d.dims[dim + 1:] if drop else d.dims
-        if d.piece is not None or len(atoms) != 1 or atoms[0][0] != d.root.out_dim:
+        if d.pieces or len(atoms) != 1 or atoms[0][0] != d.root.out_dim:
             for o in outs:  # not along the output features, or a piece of a piece: followed as is
                 self._track(o, self._like(d, new_dims))
             return
@@ -389,7 +389,7 @@ class _Tracer(TorchDispatchMode):
             seen.add((start, length))
             if not drop:
                 new_dims = d.dims[:dim] + [((atom[0], atom[1], length),)] + d.dims[dim + 1:]
-            self._track(o, self._like(d, new_dims, piece=(atom, start)))
+            self._track(o, self._like(d, new_dims, pieces=frozenset({(atom, start)})))
 
     def _strided(self, d: _Derived, dim: int, start: int, end: int, step: int, out) -> None:
         """x[..., start::step]: x.view(..., n // step, step)[..., start]."""
@@ -401,10 +401,10 @@ class _Tracer(TorchDispatchMode):
         r, s, size = atoms[0]
         outer, inner = (r, s * step, size // step), (r, s, step)
         new = d.dims[:dim] + [(outer,)] + d.dims[dim + 1:]
-        if d.piece is not None or r != d.root.out_dim:
+        if d.pieces or r != d.root.out_dim:
             return self._track(out, self._like(d, new))
         d.root.pieces.setdefault(inner, set()).add((start, 1))
-        self._track(out, self._like(d, new, piece=(inner, start)))
+        self._track(out, self._like(d, new, pieces=frozenset({(inner, start)})))
 
     def _index(self, args, d: _Derived, out) -> None:
         x, indices = args[0], list(args[1])
@@ -425,7 +425,7 @@ class _Tracer(TorchDispatchMode):
         if index.dim() != 1 or index.numel() == 0:
             return
         if index.device.type == "meta":  # values unknown on meta: only a run on real tensors tells
-            if d.piece is None and len(d.dims[k]) == 1 and d.dims[k][0][0] == d.root.out_dim:
+            if not d.pieces and len(d.dims[k]) == 1 and d.dims[k][0][0] == d.root.out_dim:
                 self.unreadable = True
             return
         values = [int(v) % x.shape[k] for v in index.tolist()]
@@ -480,16 +480,18 @@ class _Tracer(TorchDispatchMode):
     def _concat(self, tensors, out) -> None:
         """Pieces of one split concatenated back (rotary halves): not a fused projection. A piece
         concatenated with parts of itself (``rotate_half``) stays that piece."""
-        by_atom: dict = {}
-        for t in tensors:
-            d = self._get(t)
-            if d is not None and d.piece is not None:
-                by_atom.setdefault((id(d.root), d.piece[0]), (d.root, set(), d))[1].add(d.piece[1])
-        for (_, atom), (root, starts, d) in by_atom.items():
-            if len(starts) > 1:
-                root.rejoined.add(atom)
-            elif len(by_atom) == 1 and all(self._get(t) is not None for t in tensors):
-                self._track(out, self._like(d, d.dims))
+        ds = [self._get(t) for t in tensors]
+        carried = [d for d in ds if d is not None and d.pieces]
+        if not carried:
+            return
+        roots = {id(d.root) for d in carried}
+        union = frozenset().union(*(d.pieces for d in carried))
+        for d in carried:
+            for atom, _ in d.pieces:
+                if len({start for a, start in union if a == atom}) > 1:
+                    d.root.rejoined.add(atom)
+        if len(roots) == 1 and len(carried) == len(ds):
+            self._track(out, self._like(carried[0], carried[0].dims, pieces=union))
 
     def _pointwise(self, packet, flat, tracked, out) -> None:
         if not isinstance(out, torch.Tensor):
@@ -498,15 +500,18 @@ class _Tracer(TorchDispatchMode):
         for _, a, d in tracked:
             if (rec := self._record(d)) is not None:
                 rec.elementwise.add(packet.__name__)
-        pieces = {(id(d.root), d.piece) for _, d in full if d.piece is not None}
-        if len(pieces) > 1:  # two parts of one split meet: act(gate) * up
-            for _, d in full:
-                if d.piece is not None:
-                    d.root.glu.add(d.piece[0])
-            return
-        if len(full) > 1 and len(pieces) == 1 and all(d.piece is not None for _, d in full):
-            # q * cos + rotate_half(q) * sin: still that piece
-            self._track(out, self._like(full[0][1], full[0][1].dims))
+        carried = [d for _, d in full if d.pieces]
+        if carried:
+            # parts of one split that meet (act(gate) * up; rotary's x1 * cos - x2 * sin) are
+            # followed together: a later concatenation tells rotary halves from gate and up
+            union = frozenset().union(*(d.pieces for d in carried))
+            for d in carried:
+                for atom, _ in d.pieces:
+                    if len({start for a, start in union if a == atom}) > 1:
+                        d.root.glu.add(atom)
+            if len({id(d.root) for d in carried}) == 1 and len(carried) == len(full) and not any(
+                    isinstance(o, torch.Tensor) and o.numel() >= out.numel() and self._get(o) is None for o in flat):
+                self._track(out, self._like(carried[0], carried[0].dims, pieces=union))
             return
         if len(full) != 1:
             return

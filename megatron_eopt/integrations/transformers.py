@@ -61,6 +61,7 @@ def build_muon_adamw(
     routers: str = "adamw",
     views: Mapping[str, Any] | None = None,
     verbose: bool = False,
+    example_inputs: Any = None,
     **muon_kwargs: Any,
 ) -> HybridMuon:
     """One :class:`HybridMuon` for ``model``: Muon (``lr``, ``momentum``, ``nesterov``,
@@ -79,7 +80,7 @@ def build_muon_adamw(
         model, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay,
         embedding_patterns=embedding_patterns, head_patterns=head_patterns, adamw_patterns=adamw_patterns,
         fused_gate_up=fused_gate_up, routers=routers, views=views,
-        scale_mode=scale_mode if isinstance(scale_mode, str) else "shape_scaling",
+        scale_mode=scale_mode if isinstance(scale_mode, str) else "shape_scaling", example_inputs=example_inputs,
     )
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     groups = [
