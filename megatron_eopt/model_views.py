@@ -88,7 +88,9 @@ class MatrixView:
     def describe(self, shape: tuple[int, ...]) -> str:
         count, parts = self.matrices(shape)
         body = " + ".join(f"{o}x{i}" for o, i in parts)
-        if len(parts) > 1:
+        if len(parts) > 3 and len(set(parts)) == 1:  # a 2-D stack of per-expert matrices
+            body = f"[{len(parts)} parts of {parts[0][0]}x{parts[0][1]}]"
+        elif len(parts) > 1:
             body = f"[{body}]"
         return f"{count} x {body}" if count > 1 or self.nd_mode != "error" else body
 

@@ -192,7 +192,7 @@ def _by_shape(p: torch.Tensor, names: Sequence[str], nd_mode: str) -> tuple[str,
 
 
 # The uses that decide a route; "unused" and "unknown" leave it to the tables and the shape.
-_DECIDED = ("matrix", "router", "head", "embedding", "tied", "not_matrix")
+_DECIDED = ("matrix", "router", "head", "embedding", "tied", "not_matrix", "unsupported")
 
 
 def _by_use(use: ParamUse, table_view: MatrixView | None, table_optimizer: str):
@@ -209,6 +209,8 @@ def _by_use(use: ParamUse, table_view: MatrixView | None, table_optimizer: str):
         return (MUON if use.view.optimizer == MUON else ADAMW), f"MoE router ({what})", use.view, False
     if table_optimizer == ADAMW and (table_view is None or table_view.kind != "router"):
         return None
+    if use.kind == "unsupported":
+        return ADAMW, f"matrices Muon cannot be given ({what})", None, False
     if use.kind == "head":
         return ADAMW, f"output head ({what})", None, False
     if use.kind in ("embedding", "tied"):
@@ -397,6 +399,8 @@ def route_parameters(
                     if source != "shape" and _differs(decided, optimizer, view):
                         disagree.append(f"{names[0]} ({reason} -> {decided[1]})")
                     (optimizer, reason, view, no_decay), source = decided, "use"
+                    if use.kind == "unsupported":
+                        not_understood.append(f"{names[0]}: {use.seen} (given to AdamW)")
             elif use is not None and use.kind == "unknown":
                 not_understood.append(f"{names[0]}: {use.seen} (routed by {source})")
             elif uses is not None and source == "shape" and p.dim() >= 2:
@@ -443,7 +447,7 @@ def route_parameters(
         )
     if not_understood:
         warnings.warn(
-            f"the traced forward did not say what {len(not_understood)} parameter(s) are: "
+            f"the traced forward did not say what matrices {len(not_understood)} parameter(s) hold: "
             f"{not_understood[:5]}{' ...' if len(not_understood) > 5 else ''}; views= or adamw_patterns= decide them",
             stacklevel=3,
         )

@@ -615,13 +615,14 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
         experts = [a for a in roles if a[0] == stacked and roles[a] == "batch"][0][2]
         rows = shape[stacked] // experts
         if split is not None:
-            return ParamUse(name, "unknown", f"{experts} stacked matrices along dim {stacked}, each split again")
+            return ParamUse(name, "unsupported", f"{experts} matrices stacked along dim {stacked}, each split "
+                            "again: no param-group keys describe them (store the stack 3-D)")
         layout = "out_in" if stacked == 0 else "in_out"
         sizes = (rows,) * experts
         seen.append(f"{experts} matrices stacked along dim {stacked}")
     elif len(shape) == 2 and ("batch", "in") in per_dim:
-        return ParamUse(name, "unknown", "matrices stacked along their input dim: no param-group keys describe "
-                        "them (store the stack (E, out, in) or (E, in, out))")
+        return ParamUse(name, "unsupported", "matrices stacked along their input dim: no param-group keys "
+                        "describe them (store the stack (E, out, in) or (E, in, out))")
     else:
         return ParamUse(name, "unknown", f"multiplied with dims as {per_dim}")
     seen.append("(out, in)" if layout == "out_in" else "(in, out)")
