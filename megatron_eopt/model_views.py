@@ -28,7 +28,8 @@ would orthogonalize or scale the wrong thing:
 Detection is by module class and its attributes (transformers' ``use_experts_implementation``
 flags ``is_transposed`` / ``is_concatenated`` / ``has_gate``, the attention modules' head
 counts), not by parameter name alone. :func:`model_matrix_views` returns the view of every
-parameter it recognizes; :func:`megatron_eopt.route_parameters` applies them.
+parameter it recognizes; :func:`megatron_eopt.route_parameters` applies them where the traced
+forward (:mod:`megatron_eopt.param_use`) has not read the weight's use, or agrees.
 """
 
 from __future__ import annotations

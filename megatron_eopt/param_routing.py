@@ -1,10 +1,14 @@
 """Split a model's parameters between Muon and AdamW, and say why for each one.
 
 Muon orthogonalizes hidden matrices; embeddings, output heads, norms, biases, scalars and
-unrecognized N-D tensors belong to AdamW. Given a model, the routing also reads its modules
-(:mod:`megatron_eopt.model_views`): a ``Conv1D`` weight is an (out, in) matrix stored transposed,
-a fused QKV or gate/up projection is split into its matrices, a transformers MoE experts
-parameter is one matrix per expert, a router goes to AdamW. :func:`build_optimizers` applies these
+unrecognized N-D tensors belong to AdamW. Given a model and ``example_inputs`` (a transformers model
+without them: its dummy inputs), the routing first reads how one forward pass uses each weight
+(:mod:`megatron_eopt.param_use`): multiplied as (out, in) or (in, out), per expert, its output split
+into fused blocks, a router, an output head, a lookup table, elementwise only. It also reads the
+model's modules (:mod:`megatron_eopt.model_views`): a ``Conv1D`` weight is an (out, in) matrix
+stored transposed, a fused QKV or gate/up projection is split into its matrices, a transformers MoE
+experts parameter is one matrix per expert, a router goes to AdamW; where the two disagree the use
+wins, with a warning. :func:`build_optimizers` applies these
 rules and returns the two optimizers with a :class:`RoutingTable` listing every parameter, where it
 went, its matrix view and scale, and why, so a misrouted parameter shows up in the table instead
 of silently training with the wrong method.
@@ -278,8 +282,15 @@ def route_parameters(
     Returns the table and ``{"muon": [...], "adamw_decay": [...], "adamw_no_decay": [...]}``.
     The table's ``muon_groups`` are the Muon side as param-group dicts, one per matrix view, with
     its ``nd_mode`` / ``matrix_layout`` / ``split_shapes`` keys.
+    ``example_inputs``: one forward call's inputs (a tuple of args, a dict of kwargs or a tensor) on
+    which the forward is traced (:func:`megatron_eopt.param_use.trace_parameter_uses`, on meta
+    tensors where it can run there); the use it shows decides each weight of two or more dims before
+    the rules below (docs/compatibility.md, "How routing decides"). None: a transformers model is
+    traced on its ``dummy_inputs``, another model not; False: no trace. Inputs that do not bind to
+    ``forward`` are a TypeError, a forward that fails on them a ValueError, both naming its
+    signature; weights the trace could not read are named in a warning.
     Rules, first match wins: frozen (``requires_grad=False``) → none; ``adamw_patterns`` →
-    AdamW; an ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, a Megatron
+    AdamW; ``views`` → that view; the traced use; an ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, a Megatron
     ``is_embedding_or_output_parameter`` tag, or an embedding name → AdamW; an output-head
     name → AdamW; sharing storage with an embedding (tied head) → AdamW; a parameter of a module
     :func:`megatron_eopt.model_views.model_matrix_views` recognizes (``Conv1D``, fused QKV and
@@ -350,7 +361,7 @@ def route_parameters(
         else:
             tied = ""
         if not p.requires_grad:
-            routes.append(Route(tuple(names), tuple(p.shape), FROZEN, "requires_grad=False", None))
+            routes.append(Route(tuple(names), tuple(p.shape), FROZEN, "requires_grad=False", None, source="override"))
             continue
         if key is not None and key in seen_storage and id(p) not in embedding_reason:
             if key not in embedding_storage:
@@ -502,7 +513,7 @@ def build_optimizers(
     experts: ``fused_gate_up``, ``routers`` and ``views`` as in :func:`route_parameters`) get Muon
     param groups of their own with the view's keys, which a ``muon_cls`` of ``megatron_eopt.optim``
     takes; another ``muon_cls`` is refused for such a model (ValueError) rather than given weights
-    it would orthogonalize as stored.
+    it would orthogonalize as stored. ``example_inputs``: see :func:`route_parameters`.
     """
     kwargs: dict[str, Any] = {"scale_mode": "shape_scaling"}
     kwargs.update(muon_kwargs or {})
@@ -581,7 +592,7 @@ def muon_param_groups(
     keys a flat list cannot carry: ``as_groups=True`` returns the Muon side as param-group dicts
     with those keys, for ``megatron_eopt.optim.Muon`` or ``megatron_eopt.torch_optim.Muon``.
     Without it, such 2-D weights stay in the flat Muon list and 3-D experts go to the other list,
-    with a warning naming them.
+    with a warning naming them. ``example_inputs``: see :func:`route_parameters`.
     """
     if not isinstance(model_or_named_params, (nn.Module, Mapping)):
         model_or_named_params = list(model_or_named_params)  # read twice below
