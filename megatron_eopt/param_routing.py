@@ -250,7 +250,12 @@ def _trace(model: Any, example_inputs: Any, fused_gate_up: str, routers: str) ->
         warnings.warn("example_inputs: the model's parameters are DTensors (sharded); their uses are not traced "
                       "(route the unsharded model, or rely on the tables and views=)", stacklevel=4)
         return None
-    uses = trace_parameter_uses(model, example_inputs, fused_gate_up=fused_gate_up, routers=routers)
+    try:
+        uses = trace_parameter_uses(model, example_inputs, fused_gate_up=fused_gate_up, routers=routers)
+    except TypeError as exc:
+        if example_inputs is not None:
+            raise
+        uses = ParameterUses({}, error=f"its dummy inputs: {exc}")  # a transformers model's own inputs
     if uses.error is not None and example_inputs is not None:
         import inspect
 

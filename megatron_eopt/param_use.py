@@ -583,6 +583,12 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
             ops = ", ".join(sorted(rec.elementwise | rec.other))
             return ParamUse(name, "not_matrix", f"no product, only elementwise / reducing ops ({ops})")
         return ParamUse(name, "unused", "not used by the traced forward")
+    routed = any(u.product.router for u in rec.products)
+    head = any(u.product.loss for u in rec.products)
+    if lookups:
+        return ParamUse(name, "tied", f"index lookup ({lookups[0].what}) and product: tied embedding / head")
+    if head and not routed:
+        return ParamUse(name, "head", "product giving the model's output / loss")
     roles = rec.products[0].roles
     if any(u.roles != roles for u in rec.products[1:]):
         return ParamUse(name, "unknown", "multiplied in products that disagree on its in / out sides")
@@ -595,6 +601,10 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
         if covered != size:
             return ParamUse(name, "unknown", f"multiplied through a part of its dim {dim} only")
         per_dim.append(tuple(roles[a] for a in atoms))
+    if len(shape) == 2 and () in per_dim and per_dim != [(), ()]:  # a size-1 side: the other role
+        known = per_dim[0] or per_dim[1]
+        if known in (("out",), ("in",)):
+            per_dim = [p or (("in",) if known == ("out",) else ("out",)) for p in per_dim]
     splits = {_split_of(u.product) for u in rec.products}
     problems = [p for _, _, p in splits if p]
     if problems:
@@ -602,8 +612,6 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
     if len(splits) > 1:
         return ParamUse(name, "unknown", "output split in some products and not in others")
     split, glu, _ = splits.pop()
-    routed = any(u.product.router for u in rec.products)
-    head = any(u.product.loss for u in rec.products)
     partial = {p for u in rec.products for p in u.partial}
     if partial:
         return ParamUse(name, "unknown", "multiplied in slices")
@@ -634,14 +642,10 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
     else:
         return ParamUse(name, "unknown", f"multiplied with dims as {per_dim}")
     seen.append("(out, in)" if layout == "out_in" else "(in, out)")
-    if lookups:
-        return ParamUse(name, "tied", f"index lookup ({lookups[0].what}) and product: tied embedding / head")
     if routed:
         return ParamUse(name, "router", "product feeding a top-k over its outputs",
                         MatrixView("router", f"router ({' '.join(seen)}; routers={routers!r})", nd_mode, layout,
                                    optimizer=routers))
-    if head:
-        return ParamUse(name, "head", "product giving the model's output / loss")
     if split is not None and sizes == split:
         parts = " + ".join(map(str, split))
         if glu:

@@ -391,7 +391,7 @@ def test_a_weight_the_trace_cannot_read_is_reported():
 
         def forward(self, x):
             y = F.conv2d(x, self.kernel).mean((-1, -2))
-            return y @ self.mat.T[:4, :3]  # sliced before the product: not read
+            return (y @ self.mat.T[:4, :3]).sum()  # sliced before the product: not read
 
     model = Conv()
     with pytest.warns(UserWarning, match=r"did not say what matrices 2 parameter\(s\) hold.*kernel: used by "
@@ -506,5 +506,12 @@ def test_hf_model_that_cannot_be_traced_falls_back_with_a_warning():
     assert len(said) == 1 and "could not be traced" in said[0] and "q_proj.weight" in said[0]
     assert table["model.layers.0.self_attn.q_proj.weight"].source == "shape"
     assert table["model.embed_tokens.weight"].source == "table"
+    class Unbound(transformers.LlamaForCausalLM):
+        @property
+        def dummy_inputs(self):
+            return {"pixel_values": torch.ones(1, 3)}  # not an argument of its forward
+
+    table, said = _routes(Unbound(model.config))
+    assert len(said) == 1 and "could not be traced (its dummy inputs: example_inputs do not fit" in said[0]
     table, said = _routes(model, example_inputs=False)  # tables only, as before, silently
     assert not said and table["model.layers.0.self_attn.q_proj.weight"].source == "shape"
