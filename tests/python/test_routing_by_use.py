@@ -507,6 +507,9 @@ def test_hf_model_that_cannot_be_traced_falls_back_with_a_warning():
     assert table["model.layers.0.self_attn.q_proj.weight"].source == "shape"
     assert table["model.embed_tokens.weight"].source == "table"
     class Unbound(transformers.LlamaForCausalLM):
+        def forward(self, input_ids):
+            return super().forward(input_ids=input_ids)
+
         @property
         def dummy_inputs(self):
             return {"pixel_values": torch.ones(1, 3)}  # not an argument of its forward
