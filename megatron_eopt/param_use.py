@@ -612,9 +612,22 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
     if len(splits) > 1:
         return ParamUse(name, "unknown", "output split in some products and not in others")
     split, glu, _ = splits.pop()
-    partial = {p for u in rec.products for p in u.partial}
-    if partial:
-        return ParamUse(name, "unknown", "multiplied in slices")
+    if any(u.partial for u in rec.products):
+        # the weight split before its products (wq, wk, wv = w.split(d)): its output rows in parts
+        atoms = {p[0] for u in rec.products for p in u.partial}
+        if len(atoms) != 1 or any(len(u.partial) != 1 for u in rec.products) or split is not None:
+            return ParamUse(name, "unknown", "multiplied in slices")
+        atom = atoms.pop()
+        spans = sorted({(p[1], p[2]) for u in rec.products for p in u.partial})
+        at, parts = 0, []
+        for start, length in spans:
+            if start != at:
+                break
+            parts.append(length * atom[1])
+            at += length
+        if roles.get(atom) != "out" or at != atom[2] or len(parts) < 2:
+            return ParamUse(name, "unknown", f"multiplied in slices {spans} of its dim {atom[0]}")
+        split, glu = tuple(parts), False
     seen = []
     sizes = split
     nd_mode = "error"
@@ -655,7 +668,7 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
             else:
                 seen.append(f"fused gate/up split [{parts}]")
         else:
-            seen.append(f"output split [{parts}]")
+            seen.append(f"{'weight' if any(u.partial for u in rec.products) else 'output'} split [{parts}]")
     what = "product " + ", ".join(seen)
     kind = "experts" if nd_mode == "batch" else ("fused" if sizes is not None else "linear")
     return ParamUse(name, "matrix", what, MatrixView(kind, f"use: {what}", nd_mode, layout, sizes))

@@ -190,6 +190,24 @@ class NanoGPT(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+class SplitWeights(nn.Module):
+    """Weights split before their products: a bare [Q; K; V] (GQA sizes) split by rows, an (in, out)
+    weight chunked by columns, and torch's nn.MultiheadAttention (in_proj_weight, a fused QKV)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(16 + 8 + 8, 16) / 4)
+        self.io = nn.Parameter(torch.randn(16, 24) / 4)
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+
+    def forward(self, x):
+        q, k, v = self.qkv.split([16, 8, 8], dim=0)
+        a, b = self.io.chunk(2, dim=1)
+        y = F.linear(x, q) + F.linear(x, k).repeat(1, 1, 2) + F.linear(x, v).repeat(1, 1, 2)
+        y = y + (x @ a).sum(-1, keepdim=True) * (x @ b).sum(-1, keepdim=True)
+        return x + self.mha(y, y, y, need_weights=False)[0]
+
+
 def _inputs(model):
     g = torch.Generator().manual_seed(0)
     if isinstance(model, FusedHeads):
@@ -198,6 +216,8 @@ def _inputs(model):
         return (torch.randn(2, 5, 8, generator=g), torch.randint(0, 10, (2, 5), generator=g))
     if isinstance(model, GatedMLP):
         return (torch.randn(2, 5, 8, generator=g),)
+    if isinstance(model, SplitWeights):
+        return (torch.randn(2, 5, 16, generator=g),)
     if isinstance(model, TitanLlama):
         return (torch.randint(0, 40, (2, 6), generator=g),)
     return {"idx": torch.randint(0, 50, (2, 8), generator=g), "targets": torch.randint(0, 50, (2, 8), generator=g)}
@@ -251,6 +271,15 @@ def test_chunked_and_interleaved_gate_up():
     _check(table, "wo.weight", "muon", {})  # returned through a residual sum: not an output head
 
 
+def test_weights_split_before_their_products_and_torch_multihead_attention():
+    table = _route(SplitWeights())
+    _check(table, "qkv", "muon", {"split_shapes": (16, 8, 8)}, "weight split [16 + 8 + 8]")
+    _check(table, "io", "muon", {"matrix_layout": "in_out", "split_shapes": (12, 12)}, "weight split [12 + 12]")
+    # F.multi_head_attention_forward: linear(x, in_proj_weight).unflatten(-1, (3, E)) then [0], [1], [2]
+    _check(table, "mha.in_proj_weight", "muon", {"split_shapes": (16, 16, 16)}, "output split [16 + 16 + 16]")
+    _check(table, "mha.out_proj.weight", "muon", {})
+
+
 def test_torchtitan_llama_without_names():
     table = _route(TitanLlama())
     for i in range(2):
@@ -297,6 +326,12 @@ def _blocks(model, tensors):
             out += [t[:12], t[12:]]
         elif name == "wi2.weight":
             out += [t[0::2], t[1::2]]
+        elif name == "qkv":
+            out += [t[:16], t[16:24], t[24:]]
+        elif name == "io":
+            out += [t[:, :12].T, t[:, 12:].T]
+        elif name == "mha.in_proj_weight":
+            out += [t[:16], t[16:32], t[32:]]
         elif name.endswith("c_attn.weight"):
             out += [t[:16], t[16:32], t[32:]]
         else:
@@ -304,7 +339,7 @@ def _blocks(model, tensors):
     return out
 
 
-@pytest.mark.parametrize("cls", [FusedHeads, Stacks, GatedMLP, NanoGPT, TitanLlama])
+@pytest.mark.parametrize("cls", [FusedHeads, Stacks, GatedMLP, SplitWeights, NanoGPT, TitanLlama])
 def test_updates_equal_per_block_muon(cls):
     torch.manual_seed(0)
     model = cls()
