@@ -418,7 +418,9 @@ def route_parameters(
                     if use.kind == "unsupported":
                         not_understood.append(f"{names[0]}: {use.seen} (given to AdamW)")
             elif use is not None and use.kind == "unknown":
-                not_understood.append(f"{names[0]}: {use.seen} (routed by {source})")
+                reason += f" (use not read: {use.seen})"
+                if source == "shape" or optimizer == MUON:  # a table sending it to AdamW needs no warning
+                    not_understood.append(f"{names[0]}: {use.seen} (routed by {source})")
             elif uses is not None and source == "shape" and p.dim() >= 2:
                 shape_only.append(names[0])
             if source == "shape" and optimizer == ADAMW and p.dim() > 2:

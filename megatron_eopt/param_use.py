@@ -639,6 +639,12 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
         layout = "out_in" if per_dim[-2] == ("out",) else "in_out"
         nd_mode = "batch"
         seen.append(f"{'x'.join(map(str, shape[:-2]))} stacked matrices")
+    elif len(shape) >= 3 and per_dim[0] in (("out",), ("in",)) and all(
+            set(r) == {"in", "out"} - set(per_dim[0]) for r in per_dim[1:]):
+        # one matrix whose other side spans the trailing dims (XLNet's (d_model, heads, head_dim))
+        layout = "out_in" if per_dim[0] == ("out",) else "in_out"
+        nd_mode = "flatten"
+        seen.append(f"one matrix {shape[0]} x {'x'.join(map(str, shape[1:]))}")
     elif len(shape) == 2 and ("batch", "out") in per_dim and ("in",) in per_dim:
         stacked = 0 if per_dim[0] == ("batch", "out") else 1
         experts = [a for a in roles if a[0] == stacked and roles[a] == "batch"][0][2]
@@ -670,7 +676,7 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
         else:
             seen.append(f"{'weight' if any(u.partial for u in rec.products) else 'output'} split [{parts}]")
     what = "product " + ", ".join(seen)
-    kind = "experts" if nd_mode == "batch" else ("fused" if sizes is not None else "linear")
+    kind = {"batch": "experts", "flatten": "nd"}.get(nd_mode, "fused" if sizes is not None else "linear")
     return ParamUse(name, "matrix", what, MatrixView(kind, f"use: {what}", nd_mode, layout, sizes))
 
 
@@ -681,7 +687,8 @@ def _is_transformers_model(model: nn.Module) -> bool:
 def example_forward_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict]:
     """``example_inputs`` as (args, kwargs) for one ``model(*args, **kwargs)`` call: a tuple / list of
     positional args, a dict of keyword args, or one tensor; None for a transformers model: its
-    ``dummy_inputs`` (or a small ``input_ids``). A TypeError names ``model.forward``'s signature
+    ``dummy_inputs`` (a small ``input_ids``; ``pixel_values`` of its config's image size for a
+    model whose main input they are). A TypeError names ``model.forward``'s signature
     when they do not bind to it."""
     if example_inputs is None:
         if not _is_transformers_model(model):
@@ -692,6 +699,12 @@ def example_forward_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple
             dummy = model.dummy_inputs
         except Exception:
             dummy = None
+        config = model.config
+        if getattr(model, "main_input_name", "input_ids") == "pixel_values" and (
+                not isinstance(dummy, Mapping) or "pixel_values" not in dummy):
+            size = getattr(config, "image_size", 224)
+            size = tuple(size) if isinstance(size, (tuple, list)) else (size, size)
+            dummy = {"pixel_values": torch.randn(1, getattr(config, "num_channels", 3), *size)}
         if not isinstance(dummy, Mapping) or not dummy:
             dummy = {"input_ids": torch.tensor([[1, 2, 3, 0], [0, 3, 2, 1]])}
         example_inputs = dict(dummy)

@@ -208,6 +208,19 @@ class SplitWeights(nn.Module):
         return x + self.mha(y, y, y, need_weights=False)[0]
 
 
+class EinsumHeads(nn.Module):
+    """XLNet's attention weights: (d_model, heads, head_dim) used through einsum, one matrix each."""
+
+    def __init__(self, d=16, heads=4, hd=6):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(d, heads, hd) / 4)
+        self.o = nn.Parameter(torch.randn(d, heads, hd) / 4)
+
+    def forward(self, x):
+        h = torch.einsum("bti,ihd->bthd", x, self.q).relu()
+        return x + torch.einsum("bthd,ihd->bti", h, self.o)
+
+
 def _inputs(model):
     g = torch.Generator().manual_seed(0)
     if isinstance(model, FusedHeads):
@@ -216,6 +229,8 @@ def _inputs(model):
         return (torch.randn(2, 5, 8, generator=g), torch.randint(0, 10, (2, 5), generator=g))
     if isinstance(model, GatedMLP):
         return (torch.randn(2, 5, 8, generator=g),)
+    if isinstance(model, EinsumHeads):
+        return (torch.randn(2, 5, 16, generator=g),)
     if isinstance(model, SplitWeights):
         return (torch.randn(2, 5, 16, generator=g),)
     if isinstance(model, TitanLlama):
@@ -280,6 +295,13 @@ def test_weights_split_before_their_products_and_torch_multihead_attention():
     _check(table, "mha.out_proj.weight", "muon", {})
 
 
+def test_einsum_weights_of_three_dims_are_one_matrix():
+    table = _route(EinsumHeads())
+    _check(table, "q", "muon", {"nd_mode": "flatten", "matrix_layout": "in_out"}, "one matrix 16 x 4x6, (in, out)")
+    _check(table, "o", "muon", {"nd_mode": "flatten"}, "(out, in)")
+    assert table["q"].scale == f"{math.sqrt(24 / 16):.3g}" and table["o"].scale == "1"
+
+
 def test_torchtitan_llama_without_names():
     table = _route(TitanLlama())
     for i in range(2):
@@ -326,6 +348,10 @@ def _blocks(model, tensors):
             out += [t[:12], t[12:]]
         elif name == "wi2.weight":
             out += [t[0::2], t[1::2]]
+        elif name == "q":
+            out.append(t.reshape(16, 24).T)
+        elif name == "o":
+            out.append(t.reshape(16, 24))
         elif name == "qkv":
             out += [t[:16], t[16:24], t[24:]]
         elif name == "io":
@@ -339,7 +365,7 @@ def _blocks(model, tensors):
     return out
 
 
-@pytest.mark.parametrize("cls", [FusedHeads, Stacks, GatedMLP, SplitWeights, NanoGPT, TitanLlama])
+@pytest.mark.parametrize("cls", [FusedHeads, Stacks, GatedMLP, SplitWeights, EinsumHeads, NanoGPT, TitanLlama])
 def test_updates_equal_per_block_muon(cls):
     torch.manual_seed(0)
     model = cls()
