@@ -746,6 +746,28 @@ def _param_names(model: nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
     return out
 
 
+def _module_tensors(model: nn.Module) -> dict:
+    """Each module's buffers and tensor attributes, to undo what a forward on meta caches on them
+    (a rotary table computed on first use, say)."""
+    return {m: (dict(m._buffers), dict(vars(m))) for m in model.modules()}
+
+
+def _restore_module_tensors(model: nn.Module, state: dict) -> None:
+    for m in model.modules():
+        buffers, attrs = state.get(m, ({}, {}))
+        for k in list(m._buffers):
+            if k not in buffers:
+                del m._buffers[k]
+            elif m._buffers[k] is not buffers[k]:
+                m._buffers[k] = buffers[k]
+        for k, v in list(vars(m).items()):
+            if isinstance(v, torch.Tensor) and v.device.type == "meta" and attrs.get(k) is not v:
+                if k in attrs:
+                    setattr(m, k, attrs[k])
+                else:
+                    delattr(m, k)
+
+
 def _run(model, params, args, kwargs, meta: bool):
     if meta:
         replacement: dict[int, torch.Tensor] = {}
@@ -758,9 +780,13 @@ def _run(model, params, args, kwargs, meta: bool):
         traced = {id(replacement[k]): (name, replacement[k]) for k, (name, _) in params.items()}
         tracer = _Tracer(traced)
         back = {id(replacement[k]): k for k in params}
-        with torch.no_grad(), tracer:
-            result = torch.func.functional_call(model, tensors, _to(args, "meta"), _to(kwargs, "meta"),
-                                                tie_weights=True, strict=False)
+        state = _module_tensors(model)
+        try:
+            with torch.no_grad(), tracer:
+                result = torch.func.functional_call(model, tensors, _to(args, "meta"), _to(kwargs, "meta"),
+                                                    tie_weights=True, strict=False)
+        finally:
+            _restore_module_tensors(model, state)
         tracer.outputs(result)
         return tracer, back
     device = next((p.device for _, p in params.values()), torch.device("cpu"))

@@ -463,11 +463,8 @@ def test_a_weight_the_trace_cannot_read_is_reported():
 
 # --- transformers models: the route of every weight, written from their modeling code (5.24)
 
-transformers = pytest.importorskip("transformers")
-
-
 def _hf(name):
-    T = transformers
+    T = pytest.importorskip("transformers")
     small = dict(num_hidden_layers=2, vocab_size=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
     llama = dict(hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     configs = {
@@ -486,7 +483,7 @@ def _hf(name):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_config(configs[name]()).float()
+        return T.AutoModelForCausalLM.from_config(configs[name]()).float()
 
 
 def _routes(model, **kw):
@@ -557,6 +554,8 @@ def test_hf_dbrx_2d_expert_stacks():
 
 
 def test_hf_model_that_cannot_be_traced_falls_back_with_a_warning():
+    transformers = pytest.importorskip("transformers")
+
     class Broken(transformers.LlamaForCausalLM):
         @property
         def dummy_inputs(self):
@@ -579,3 +578,24 @@ def test_hf_model_that_cannot_be_traced_falls_back_with_a_warning():
     assert len(said) == 1 and "could not be traced (its dummy inputs: example_inputs do not fit" in said[0]
     table, said = _routes(model, example_inputs=False)  # tables only, as before, silently
     assert not said and table["model.layers.0.self_attn.q_proj.weight"].source == "shape"
+
+
+def test_what_a_meta_forward_caches_on_modules_is_undone():
+    class Lazy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(4, 4)
+            self.cache = None
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x):
+            if self.cache is None:  # a table computed on first use, on the input's device
+                self.cache = torch.arange(x.shape[1], device=x.device).float()
+                self.register_buffer("made", torch.zeros(1, device=x.device), persistent=False)
+            return torch.relu(self.w(x) * self.scale + self.cache[:, None]).sum()
+
+    model = Lazy()
+    uses = trace_parameter_uses(model, (torch.randn(2, 3, 4),))
+    assert uses.ran_on == "meta" and uses["w.weight"].kind == "matrix"
+    assert model.cache is None and "made" not in model._buffers and model.scale.device.type == "cpu"
+    assert model(torch.randn(2, 3, 4)).isfinite()
