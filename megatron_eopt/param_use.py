@@ -59,7 +59,7 @@ Atom = tuple[int, int, int]
 _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.view_copy}
 _SAME = {aten.clone, aten._to_copy, aten.detach, aten.alias, aten.lift_fresh, aten.contiguous,
          aten._conj, aten.to, aten.type_as}
-_PRODUCTS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm, aten.mv, aten.addmv}
+_PRODUCTS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm, aten.mv, aten.addmv, aten.linear}
 _TOPK = {aten.topk, aten.argmax, aten.sort, aten.argsort}
 _LOSS = {aten._log_softmax, aten.nll_loss_forward, aten.nll_loss, aten.nll_loss2d_forward,
          aten.cross_entropy_loss, aten.binary_cross_entropy_with_logits}
@@ -276,8 +276,7 @@ class _Tracer(TorchDispatchMode):
         if packet in (aten.cat, aten.stack):
             return self._concat(args[0], out)
         if packet in _LOOKUPS:
-            table = args[1] if packet is aten.index_select else args[0]
-            d = self._get(table)
+            d = self._get(args[0])
             if d is not None and (rec := self._record(d)) is not None:
                 rec.lookups.append(_Lookup(packet.__name__))
             return
@@ -443,6 +442,20 @@ class _Tracer(TorchDispatchMode):
     def _product(self, packet, args, out) -> None:
         if packet in (aten.addmm, aten.baddbmm, aten.addmv):
             a, b = args[1], args[2]
+        elif packet is aten.linear:  # where a backend keeps F.linear whole: x @ W.T
+            a, b = args[0], args[1]
+            d = self._get(b)
+            if d is None or self._record(d) is None or self._get(a) is not None and self._record(self._get(a)):
+                return
+            rec = self._record(d)
+            roles = {atom: role for atoms, role in zip(d.dims, ("out", "in")) for atom in atoms if atom[0] >= 0}
+            roles.update({atom: "batch" for atom in d.removed if atom[0] >= 0})
+            if d.lookup is not None:
+                d.lookup.reached_product = True
+            product = _Root(tuple(out.shape), rec.name, out.dim() - 1)
+            rec.products.append(_ProductUse(roles, product, d.partial))
+            self._track(out, _Derived(product, [((i, 1, s),) if s != 1 else () for i, s in enumerate(out.shape)]))
+            return
         else:
             a, b = args[0], args[1]
         da, db = self._get(a), self._get(b)
@@ -567,7 +580,7 @@ def _split_of(product: _Root) -> tuple[tuple[int, ...] | None, bool, str | None]
     atom, sizes = found[0]
     if len(sizes) == 1:
         return None, False, None
-    return sizes, atom in product.glu, None
+    return sizes, atom in product.glu and len(sizes) == 2, None  # gate and up: two parts that meet
 
 
 def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
