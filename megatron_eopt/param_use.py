@@ -262,7 +262,7 @@ class _Tracer(TorchDispatchMode):
 
     def _observe(self, func, args, kwargs, out) -> None:
         flat = tree_flatten((args, kwargs))[0]
-        tracked = [(i, a, d) for i, a in enumerate(flat) if (d := self._get(a)) is not None]
+        tracked = [(i, a, d) for i, a in enumerate(flat) if (d := self._get(a)) is not None]  # (position, t, how)
         if not tracked:
             return
         packet = func.overloadpacket
@@ -502,6 +502,9 @@ class _Tracer(TorchDispatchMode):
         """Pieces of one split concatenated back (rotary halves): not a fused projection. A piece
         concatenated with parts of itself (``rotate_half``) stays that piece."""
         ds = [self._get(t) for t in tensors]
+        for d in ds:
+            if d is not None and self._record(d) is not None:  # weights concatenated before their use
+                self._lost(d, "cat / stack with other tensors")
         carried = [d for d in ds if d is not None and d.pieces]
         if not carried:
             return
