@@ -67,7 +67,7 @@ _SOFTMAX = {aten._softmax, aten.softmax}
 _LOOKUPS = {aten.embedding, aten._embedding_bag, aten.embedding_bag, aten._embedding_bag_forward_only,
             aten.index_select}
 # Ops that multiply a weight in ways the trace does not read (convolutions, fused attention, ...).
-_PRODUCT_LIKE = re.compile(r"conv|mm|matmul|linear|attention|einsum|tensordot|linalg|lstm|gru|rnn|dot|fft", re.I)
+_PRODUCT_LIKE = re.compile(r"conv|mm|matmul|linear|attention|einsum|tensordot|lstm|gru|rnn|dot", re.I)
 _IGNORED = {aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_same_size,
             aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.new_empty, aten.new_zeros,
             aten.new_ones, aten.new_full, aten._local_scalar_dense, aten.copy_, aten.detach_}
@@ -295,9 +295,13 @@ class _Tracer(TorchDispatchMode):
             return
         if torch.Tag.pointwise in func.tags:
             return self._pointwise(packet, flat, tracked, out)
-        for _, _, d in tracked:
+        results = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+        for _, a, d in tracked:
             if (rec := self._record(d)) is not None:
-                rec.other.add(packet.__name__)
+                if any(o.numel() >= a.numel() > 1 for o in results):  # a rearranged copy, maybe multiplied later
+                    rec.lost.add(f"{packet.__name__} (not followed)")
+                else:  # a reduction, a comparison, ...
+                    rec.other.add(packet.__name__)
 
     def _structural(self, packet, args, kwargs, d: _Derived, out) -> bool:
         """Views, transposes, copies, selects and slices of a tracked tensor; True when handled."""
@@ -387,7 +391,9 @@ class _Tracer(TorchDispatchMode):
             return
         new_dims = d.dims[:dim] + d.dims[dim + 1:] if drop else d.dims
         if d.pieces or len(atoms) != 1 or atoms[0][0] != d.root.out_dim:
-            for o in outs:  # not along the output features, or a piece of a piece: followed as is
+            for (_, length), o in zip(pieces, outs):  # not along the output features, or a piece of a piece
+                if not drop:
+                    new_dims = d.dims[:dim] + [((-1, 0, length),) if length != 1 else ()] + d.dims[dim + 1:]
                 self._track(o, self._like(d, new_dims))
             return
         atom = atoms[0]
