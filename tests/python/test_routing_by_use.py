@@ -599,3 +599,18 @@ def test_what_a_meta_forward_caches_on_modules_is_undone():
     assert uses.ran_on == "meta" and uses["w.weight"].kind == "matrix"
     assert model.cache is None and "made" not in model._buffers and model.scale.device.type == "cpu"
     assert model(torch.randn(2, 3, 4)).isfinite()
+
+
+def test_hf_fused_qkv_no_table_names_bloom_and_mpt():
+    """Bloom: query_key_value(x).view(b, t, heads, 3, head_dim)[..., j, :]: per head [q; k; v].
+    MPT: Wqkv(x).chunk(3, dim=2): [Q; K; V]."""
+    T = pytest.importorskip("transformers")
+    small = dict(vocab_size=64, bos_token_id=0, eos_token_id=0)
+    for model, name, sizes in (
+            (T.BloomForCausalLM(T.BloomConfig(hidden_size=32, n_layer=1, n_head=4, **small)),
+             "transformer.h.0.self_attention.query_key_value.weight", (8, 8, 8)),
+            (T.MptForCausalLM(T.MptConfig(d_model=32, n_layers=1, n_heads=4, **small)),
+             "transformer.blocks.0.attn.Wqkv.weight", (32, 32, 32))):
+        table, said = _routes(model)
+        assert not said and dict(table[name].group_keys) == {"split_shapes": sizes}, type(model).__name__
+        assert table[name].source == "use"
