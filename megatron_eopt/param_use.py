@@ -10,12 +10,14 @@ a weight of any other module, or a bare ``nn.Parameter``, is a matrix only by it
   contracts with the input's features is its *in* side, the other its *out* side: (out, in) as
   ``nn.Linear`` stores it, or (in, out) as ``Conv1D``. A dim indexed away before the product
   (``W[e]``, ``W.view(E, f, h)[e]``, ``W[expert_ids]``) or a ``bmm`` batch dim is one matrix per
-  index (stacked experts);
+  index (stacked experts); a weight whose other side spans its trailing dims (an ``einsum`` over
+  (d_model, heads, head_dim)) is one matrix (``nd_mode="flatten"``);
 - the product's output split along its output features (``split``, ``chunk``, ``unbind``, a
   ``view`` into (..., heads, 3, head_dim) followed by ``unbind`` or indexing, slices, steps of 2)
   into parts that are not concatenated back (rotary embeddings split and re-join their halves) is
-  a fused projection: the parts' sizes are its ``split_shapes``. Parts that meet in one elementwise
-  product (``act(gate) * up``) are a fused gate/up;
+  a fused projection: the parts' sizes are its ``split_shapes``, as are those of a weight split
+  along its output rows before its products (``wq, wk, wv = w.split(...)``). Two parts that meet in
+  one elementwise product (``act(gate) * up``) are a fused gate/up;
 - a product whose output reaches ``topk`` (or ``argmax``) is a router; one whose output is what
   the model returns, or reaches ``log_softmax`` / a loss, is an output head;
 - ``embedding``, ``index_select`` or indexing by an integer tensor whose result never reaches a
