@@ -166,7 +166,6 @@ def _view_box(shape, view, placements, coordinate, mesh_shape, uneven=None) -> t
     return ((offset[0] * inner,) + (0,) * tail, (size[0] * inner,) + tuple(view[1:]))
 
 
-
 def describe(
     p: torch.Tensor, nd_mode: str, sharded_mode: str, where: str, cache: dict | None = None,
     replica_work: str = "repeat", uneven: tuple[int, tuple[int, ...]] | None = None, check_local: bool = True,

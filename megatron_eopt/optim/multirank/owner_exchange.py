@@ -130,7 +130,6 @@ def _relay_route(mesh, mesh_dims: tuple[int, ...]) -> OwnerRoute:
                       {c: m for m, c in enumerate(grid)})
 
 
-
 def ns_flops(shape) -> float:
     """Newton–Schulz FLOPs of one iteration over a (..., m, n) matrix view (the owners' cost)."""
     *lead, m, n = shape
