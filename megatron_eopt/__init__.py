@@ -15,7 +15,7 @@ from ._library import (
     set_cpu_symmetric_products,
     set_cuda_symmetric_products,
 )
-from .newton_schulz import (
+from .coefficients import (
     COEFFICIENT_SETS,
     NS_ALGORITHMS,
     get_coefficient_iterator,
@@ -24,6 +24,9 @@ from .newton_schulz import (
     get_supported_coefficient_types,
     validate_coefficient_type,
 )
+# The coefficients' old module name (megatron_eopt/newton_schulz.py says why they moved), imported here
+# first: the function imported next then takes the package attribute `newton_schulz` over.
+from . import newton_schulz
 from .ops import (
     adamuon_normalize_,
     adamuon_normalize_quantized_,
@@ -32,7 +35,7 @@ from .ops import (
     foreach_update_,
     namo_normalize_,
     new_moment2_buffer,
-    newton_schulz,
+    newton_schulz,  # noqa: F811  (the function, over the alias module above)
     newton_schulz_list,
     newton_schulz_split,
     newton_schulz_tp,

@@ -3,6 +3,10 @@
 Both libraries use only the LibTorch stable ABI (compiled for the stable-ABI version of their
 torch floor, 2.11 by default), so one build loads on that torch and every later one; an older
 torch lacks the stable C functions they call and cannot load them.
+
+A checkout imported from its own directory (``python3 -m pytest`` run there) shadows the installed
+package; when it has no library built in place, it loads the installed package's libraries and
+warns if they were built from other C++ sources than the checkout's (docs/development.md).
 """
 
 from __future__ import annotations
@@ -10,24 +14,96 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import glob
+import hashlib
 import os
+import sys
 import warnings
 
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+# The file next to an installed library that lists the C++ sources it was built from
+# (cmake/SourceManifest.cmake writes it; source_manifest() computes the same lines).
+_SOURCES_FILE = "_C_sources.sha256"
+_SOURCE_DIRS, _SOURCE_EXTENSIONS = ("csrc", "cmake"), (".cpp", ".h", ".cu", ".cuh", ".cmake")
+
+
+def _op_libraries(directory: str) -> list[str]:
+    return [p for p in sorted(glob.glob(os.path.join(directory, "_C*.so")))
+            if not os.path.basename(p).startswith("_C_cuda")]
+
+
+def _installed_package_dir() -> str | None:
+    """The first other ``megatron_eopt`` on sys.path with a compiled library: the installed package
+    that a checkout shadows when Python runs from it (``python3 -m pytest`` puts the working
+    directory first on sys.path)."""
+    here = os.path.realpath(_HERE)
+    for entry in sys.path:
+        candidate = os.path.join(os.path.abspath(entry or os.curdir), "megatron_eopt")
+        if os.path.realpath(candidate) != here and _op_libraries(candidate):
+            return candidate
+    return None
+
+
+def source_manifest(root: str) -> dict[str, str]:
+    """``{path: sha256}`` of the C++ sources a build compiles, for the checkout at ``root``: every
+    .cpp/.h/.cu/.cuh/.cmake file under csrc/ and cmake/, and CMakeLists.txt (paths relative to
+    ``root``, with "/")."""
+    paths = ["CMakeLists.txt"]
+    for top in _SOURCE_DIRS:
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            paths += [os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
+                      for f in files if f.endswith(_SOURCE_EXTENSIONS)]
+    out = {}
+    for path in sorted(paths):
+        with open(os.path.join(root, path), "rb") as f:
+            out[path] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _sources_differing(library_dir: str, root: str) -> list[str] | None:
+    """The C++ source files of the checkout at ``root`` that differ from (or are missing in, or were
+    added since) those the library in ``library_dir`` was built from; None when the library does not
+    record its sources (a build older than the record)."""
+    recorded_file = os.path.join(library_dir, _SOURCES_FILE)
+    if not os.path.isfile(recorded_file):
+        return None
+    recorded = {}
+    with open(recorded_file) as f:
+        for line in f:
+            digest, _, path = line.rstrip("\n").partition("  ")
+            recorded[path] = digest
+    current = source_manifest(root)
+    return sorted(p for p in recorded.keys() | current.keys() if recorded.get(p) != current.get(p))
 
 
 def _find_library() -> str:
-    candidates = [p for p in sorted(glob.glob(os.path.join(_HERE, "_C*.so")))
-                  if not os.path.basename(p).startswith("_C_cuda")]
-    if not candidates:
+    """``_C.so`` next to this file; in a checkout that has none (nothing built in place), the installed
+    package's, with a warning when the checkout's C++ sources differ from those it was built from."""
+    candidates = _op_libraries(_HERE)
+    if candidates:
+        return candidates[0]
+    installed = _installed_package_dir()
+    if installed is None:
         raise ImportError(
-            "megatron_eopt: the compiled library _C.so is missing next to "
-            f"{_HERE}; install the package with `pip install --no-build-isolation .`"
+            f"megatron_eopt: the compiled library _C.so is missing next to {_HERE}, and no installed "
+            "megatron_eopt on sys.path has one; install the package with `pip install --no-build-isolation .` "
+            "(docs/development.md)"
         )
-    return candidates[0]
-
+    root = os.path.dirname(_HERE)
+    if os.path.isfile(os.path.join(root, "CMakeLists.txt")) and os.path.isdir(os.path.join(root, "csrc")):
+        differing = _sources_differing(installed, root)
+        if differing:
+            shown = ", ".join(differing[:5]) + (f" and {len(differing) - 5} more" if len(differing) > 5 else "")
+            warnings.warn(
+                f"megatron_eopt: the checkout {root} has no compiled library of its own and loads the installed "
+                f"one from {installed}, which was built from other C++ sources ({shown} "
+                f"{'differs' if len(differing) == 1 else 'differ'}): its ops may not "
+                "match this checkout's Python code. Rebuild it with `pip install --no-build-isolation .`, "
+                "or build one in place (docs/development.md).",
+                RuntimeWarning, stacklevel=3,
+            )
+    return _op_libraries(installed)[0]
 
 def _load_op_library(path: str) -> ctypes.CDLL:
     try:
@@ -45,13 +121,15 @@ def _load_op_library(path: str) -> ctypes.CDLL:
 
 
 LIBRARY_PATH = _find_library()
+# Where both libraries come from: this package, or the installed one a checkout shadows.
+LIBRARY_DIR = os.path.dirname(LIBRARY_PATH)
 _cdll = _load_op_library(LIBRARY_PATH)
 
 
 def _cuda_library_candidates() -> list[tuple[int, str]]:
     """The CUDA libraries next to _C.so: (CUDA major version they were built for, path)."""
     found = []
-    for path in sorted(glob.glob(os.path.join(_HERE, "_C_cuda*.so"))):
+    for path in sorted(glob.glob(os.path.join(LIBRARY_DIR, "_C_cuda*.so"))):
         digits = os.path.basename(path)[len("_C_cuda") :].split(".")[0]
         if digits.isdigit():
             found.append((int(digits), path))

@@ -33,7 +33,7 @@ from megatron_eopt._library import (
     gemm_counts,
     set_cuda_symmetric_products,
 )
-from megatron_eopt.newton_schulz import get_coefficients, get_muon_scale_factor
+from megatron_eopt.coefficients import get_coefficients, get_muon_scale_factor
 from megatron_eopt.ops._newton_schulz import _ns_arguments
 
 # Awkward shapes (row / column vectors, primes both ways, square) and a batch.

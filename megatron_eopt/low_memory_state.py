@@ -36,7 +36,7 @@ advance ``seed`` every step.
 
 # ruff: noqa: F401  (a module of re-exports)
 from .ops._constants import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, STATE_DTYPES
-from .ops._low_memory_state import (  # _blocks, _squared_grid: the block layout, for checks of it
+from .ops._quantized_state import (  # _blocks, _squared_grid: the block layout, for checks of it
     _blocks,
     _squared_grid,
     adamuon_normalize_quantized_,

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .model_views import MatrixView, check_view_options, check_view_overrides, model_matrix_views
-from .newton_schulz import get_muon_scale_factor
+from .coefficients import get_muon_scale_factor
 from .optim.matrix_view import check_nd_mode
 from .param_use import ParameterUses, ParamUse, _is_transformers_model, trace_parameter_uses
 

@@ -47,7 +47,7 @@ from types import SimpleNamespace
 
 from .optim.multirank.hardware import HARDWARE, Hardware, ns_seconds
 from .optim.multirank.sharded import ITEMS_PER_RANK, assign_owners, ns_flops
-from .optim.step.plan import chunk_entries
+from .optim.step.grouping import chunk_entries
 from .step_stats import StepStats, newton_schulz_flops
 
 NS_STEPS = 5

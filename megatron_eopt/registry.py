@@ -2,7 +2,8 @@
 
 An :class:`EmergingOptimizerEntry` carries the optimizer class, a function that creates every
 state tensor up front (checkpoint formats need the state before the first step), a function
-mapping a Megatron-LM ``OptimizerConfig`` to constructor arguments, and per-parameter overrides
+mapping a Megatron-LM ``OptimizerConfig`` to constructor arguments (:func:`config_kwargs`: every
+``muon_<name>`` field to the argument ``<name>``, an unknown one an error), and per-parameter overrides
 (by default: non-matrix, embedding/output and ``use_muon = False`` parameters go to Adam). The
 entries have the same fields as Megatron-LM's registry, so :mod:`megatron_eopt.integrations.megatron`
 can put them into ``megatron.core.optimizer``; nothing here imports megatron-core.
@@ -23,7 +24,7 @@ import inspect
 import threading
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -34,6 +35,7 @@ __all__ = [
     "get_configured_optimizer_cls",
     "get_optimizer_cls",
     "get_optimizer_name_list",
+    "constructor_only_arguments",
     "init_optimizer_state",
     "is_muon_excluded",
     "is_nonlinear_or_embedding",
@@ -129,40 +131,128 @@ class EmergingOptimizerEntry:
         default_param_overrides: ``{rule: overrides}`` applied to every parameter the rule
             matches; a rule is a :class:`ParamRule` (or a Megatron ``ParamKey``, passed through
             as is). ``{"optimizer": "adam"}`` sends matching parameters to Adam.
+        constructor_only_kwargs: constructor arguments that configure the whole optimizer and so
+            cannot be set per parameter group (the field of the same name that Megatron-LM's
+            optimizer-recipe proposal, #5925, adds to its entry; handed to a megatron-core whose entry
+            has it). Empty: no such argument declared.
     """
 
     optimizer_cls: type
     init_state_fn: Callable[..., None] = init_optimizer_state
     config_to_kwargs: Callable[[Any, Any, Any], dict[str, Any]] | None = None
     default_param_overrides: dict[Any, dict[str, Any]] = field(default_factory=_route_nonlinear_to_adam)
+    constructor_only_kwargs: frozenset[str] = field(default_factory=frozenset)
+
+
+def constructor_only_arguments(optimizer_cls: type, per_group: Sequence[str]) -> frozenset[str]:
+    """The keyword arguments of ``optimizer_cls``'s constructor other than ``params`` and the
+    ``per_group`` values (those kept in each param group, e.g. lr, momentum, weight_decay)."""
+    return frozenset(n for n, p in inspect.signature(optimizer_cls).parameters.items()
+                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and n != "params" and n not in per_group)
 
 
 # ------------------------------------------------------------------ Megatron config mapping
-# (constructor argument, OptimizerConfig field). Only fields the config has are used, so older
-# configs fall back to the class defaults. Megatron-LM maps the same fields by name; like it,
-# weight decay is always decoupled (OptimizerConfig.decoupled_weight_decay is Adam's switch).
-_MUON_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
-    ("lr", "lr"),
-    ("momentum", "muon_momentum"),
-    ("nesterov", "muon_nesterov"),
-    ("weight_decay", "weight_decay"),
-    ("split_qkv", "muon_split_qkv"),
-    ("fp32_matmul_prec", "muon_fp32_matmul_prec"),
-    ("coefficient_type", "muon_coefficient_type"),
-    ("num_ns_steps", "muon_num_ns_steps"),
-    ("scale_mode", "muon_scale_mode"),
-    ("extra_scale_factor", "muon_extra_scale_factor"),
-    ("tp_mode", "muon_tp_mode"),
-    ("use_syrk", "muon_use_syrk"),  # Megatron-LM main: symmetric products
-    # Megatron-LM's layer-sharded Muon (--muon-ns-batch-size, --muon-expert-tp-mode)
-    ("ns_batch_size", "muon_ns_batch_size"),
-    ("expert_tp_mode", "muon_expert_tp_mode"),
-)
-_ADAPTIVE_MUON_CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
-    ("moment2_method", "adaptive_muon_moment2_method"),
-    ("beta2", "adaptive_muon_beta2"),
-    ("eps", "adaptive_muon_eps"),
-)
+# Megatron-LM's rule (megatron/core/optimizer/emerging_optimizers.py, 0.18 to main): a constructor
+# argument ``<name>`` takes the config's ``<prefix>_<name>``, else its unprefixed ``<name>`` (lr,
+# weight_decay); the prefix is "muon" for Muon, "muon" then "adaptive_muon" for AdaptiveMuon, the
+# entry's name for the others. Ours is the same rule run from the config's side as well: every
+# ``<prefix>_*`` field (dataclass fields and attributes set on the config) must reach a constructor
+# argument of that name or be one of the fields below, else config_to_kwargs raises naming it, so a
+# field of a newer Megatron-LM is never silently dropped. Like Megatron-LM, weight decay is always
+# decoupled (OptimizerConfig.decoupled_weight_decay is Adam's switch).
+
+# ``<prefix>_*`` fields that are not constructor arguments, and what reads them instead.
+CONSUMED_CONFIG_FIELDS: dict[str, str] = {
+    # Megatron-LM's factory: the optimizer of the parameters Muon does not take (adam or lion).
+    "muon_scalar_optimizer": "Megatron-LM's factory (the scalar parameters' optimizer)",
+    # megatron_eopt.integrations.megatron_clipping: how the chained optimizer clips (ours only).
+    "muon_clip_policy": "megatron_eopt.integrations.megatron_clipping (the chained optimizer's clip)",
+}
+
+# Older spellings of a field, mapped to the argument they meant (Megatron-LM before 0.18 called
+# muon_nesterov muon_use_nesterov).
+RENAMED_CONFIG_FIELDS: dict[str, str] = {
+    "muon_use_nesterov": "nesterov",
+}
+
+# Arguments the entries compute themselves (from the model and the process groups), never from a field.
+_DERIVED_ARGUMENTS = frozenset({"params", "is_qkv_fn", "qkv_split_shapes", "pg_collection"})
+
+
+def _config_field_names(config: Any) -> list[str]:
+    """The config's dataclass fields and the attributes set on it, in that order, without repeats."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(config)] if dataclasses.is_dataclass(config) else []
+    names += [n for n in getattr(config, "__dict__", {}) if n not in names]
+    return names
+
+
+def _megatron_core_label() -> str:
+    from ._megatron_version import megatron_core_version  # reads metadata; does not import megatron
+
+    version = megatron_core_version()
+    return "megatron-core " + (".".join(map(str, version)) if version else "(not installed)")
+
+
+def _strip_prefix(field_name: str, prefixes: Sequence[str]) -> str:
+    """``field_name`` without the longest of ``prefixes`` (+ "_") it starts with."""
+    matching = [p for p in prefixes if field_name.startswith(p + "_")]
+    return field_name[len(max(matching, key=len)) + 1:] if matching else field_name
+
+
+class UnknownConfigFieldError(ValueError):
+    """A config field with an entry's prefix that neither the constructor nor megatron-eopt knows."""
+
+
+def config_kwargs(optimizer_cls: type, config: Any, prefixes: Sequence[str], *,
+                  tolerated: Callable[[str], bool] | None = None, entry_name: str | None = None,
+                  arguments: Sequence[str] | None = None) -> dict[str, Any]:
+    """Constructor keyword arguments of ``optimizer_cls`` from a Megatron-LM ``OptimizerConfig``.
+
+    Megatron-LM's rule: argument ``<name>`` takes ``config.<prefix>_<name>`` (a later prefix winning),
+    else ``config.<name>``. Every config field starting with one of ``prefixes`` + "_" must map to an
+    argument (directly, or through :data:`RENAMED_CONFIG_FIELDS`), be in
+    :data:`CONSUMED_CONFIG_FIELDS`, or pass ``tolerated``; any other raises
+    :class:`UnknownConfigFieldError` (a ValueError) naming the field and the megatron-core version.
+    ``arguments`` replaces the constructor's own argument names (a class taking ``**kwargs``).
+    """
+    if arguments is None:
+        arguments = [n for n, p in inspect.signature(optimizer_cls).parameters.items()
+                     if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    accepted = [n for n in arguments if n not in _DERIVED_ARGUMENTS]
+    kwargs: dict[str, Any] = {}
+    for name in accepted:  # Megatron-LM's direction: each argument looks for its field
+        for prefix in reversed(prefixes):
+            if hasattr(config, f"{prefix}_{name}"):
+                kwargs[name] = getattr(config, f"{prefix}_{name}")
+                break
+        else:
+            if hasattr(config, name):
+                kwargs[name] = getattr(config, name)
+    unknown = []
+    for field_name in _config_field_names(config):  # ours also: each field must find its argument
+        stripped = [field_name[len(p) + 1:] for p in prefixes if field_name.startswith(p + "_")]
+        if not stripped or any(s in accepted for s in stripped) or field_name in CONSUMED_CONFIG_FIELDS:
+            continue
+        renamed = RENAMED_CONFIG_FIELDS.get(field_name)
+        if renamed is not None and renamed in accepted:
+            if not any(hasattr(config, f"{p}_{renamed}") for p in prefixes):
+                kwargs[renamed] = getattr(config, field_name)
+            continue
+        if tolerated is not None and tolerated(field_name):
+            continue
+        unknown.append(field_name)
+    if unknown:
+        what = f"optimizer {entry_name!r} ({optimizer_cls.__name__})" if entry_name else optimizer_cls.__name__
+        described = ", ".join(f"{f!r} (argument {_strip_prefix(f, prefixes)!r})" for f in unknown)
+        raise UnknownConfigFieldError(
+            f"OptimizerConfig field{'s' if len(unknown) > 1 else ''} {described} of {_megatron_core_label()}: "
+            f"{what} has no such constructor argument and megatron-eopt does not read the field otherwise "
+            f"(fields read: {', '.join(p + '_*' for p in prefixes)}); remove it from the config or use a "
+            "megatron-eopt release that supports it"
+        )
+    return kwargs
 
 
 def qkv_split_shapes_from_model_config(model_config: Any) -> list[int]:
@@ -185,13 +275,26 @@ def _is_tagged_qkv(param: torch.Tensor) -> bool:
     return bool(getattr(param, "is_qkv", False))
 
 
-def _fields_from_config(config: Any, table: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    return {kwarg: getattr(config, name) for kwarg, name in table if hasattr(config, name)}
-
-
 def muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
-    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelMuon` keyword arguments."""
-    kwargs = _fields_from_config(config, _MUON_CONFIG_FIELDS)
+    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelMuon` keyword arguments (every
+    ``muon_*`` field; see :func:`config_kwargs`)."""
+    from .optim import TensorParallelMuon
+
+    return _with_model_and_groups(config_kwargs(TensorParallelMuon, config, ("muon",), entry_name="muon"),
+                                  model_chunks, pg_collection)
+
+
+def adaptive_muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
+    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelAdaptiveMuon` keyword arguments (every
+    ``muon_*`` and ``adaptive_muon_*`` field, the latter winning; see :func:`config_kwargs`)."""
+    from .optim import TensorParallelAdaptiveMuon
+
+    kwargs = config_kwargs(TensorParallelAdaptiveMuon, config, ("muon", "adaptive_muon"), entry_name="adaptive_muon")
+    return _with_model_and_groups(kwargs, model_chunks, pg_collection)
+
+
+def _with_model_and_groups(kwargs: dict[str, Any], model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
+    """``kwargs`` plus what Megatron-LM's entries derive: the QKV test and split, the process groups."""
     kwargs["is_qkv_fn"] = _is_tagged_qkv
     model_config = getattr(model_chunks[0], "config", None) if model_chunks else None
     kwargs["qkv_split_shapes"] = (
@@ -203,27 +306,35 @@ def muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) ->
     return kwargs
 
 
-def adaptive_muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
-    """Megatron-LM ``OptimizerConfig`` → :class:`TensorParallelAdaptiveMuon` keyword arguments."""
-    kwargs = muon_config_to_kwargs(config, model_chunks, pg_collection)
-    kwargs.update(_fields_from_config(config, _ADAPTIVE_MUON_CONFIG_FIELDS))
-    return kwargs
+def _tensor_parallel_muon_option(field_name: str) -> bool:
+    """Whether ``field_name`` is ``muon_<argument of TensorParallelMuon>`` (or an older spelling of one)."""
+    from .optim import TensorParallelMuon
+
+    return field_name.startswith("muon_") and (
+        field_name[len("muon_"):] in inspect.signature(TensorParallelMuon).parameters
+        or field_name in RENAMED_CONFIG_FIELDS
+    )
 
 
-def family_config_to_kwargs(optimizer_cls: type) -> Callable[[Any, Any, Any], dict[str, Any]]:
-    """Megatron-LM ``OptimizerConfig`` → keyword arguments of an EO 0.4 family class: the ``muon_*``
-    fields (and lr, weight_decay) its constructor takes. MuonHyperball also needs
-    ``config.muon_hyperball_radius`` (Megatron-LM has no such field: set it on the config)."""
-    accepted = set(inspect.signature(optimizer_cls).parameters)
+def family_config_to_kwargs(optimizer_cls: type, name: str | None = None) -> Callable[[Any, Any, Any], dict[str, Any]]:
+    """Megatron-LM ``OptimizerConfig`` → keyword arguments of an EO 0.4 family class registered as
+    ``name``: its ``<name>_*`` fields (Megatron-LM's prefix for such entries) and the ``muon_*`` fields
+    its constructor takes (and lr, weight_decay). A ``muon_*`` option of Megatron-LM's Muon the class
+    has no use for (``muon_split_qkv``, ``muon_tp_mode``...) is left out; any other unknown field of
+    either prefix raises. MuonHyperball also needs ``config.muon_hyperball_radius`` (Megatron-LM has no
+    such field: set it on the config)."""
+    prefixes = ("muon",) if name is None or name == "muon" else ("muon", name)
 
     def config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
-        kwargs = {k: v for k, v in _fields_from_config(config, _MUON_CONFIG_FIELDS).items() if k in accepted}
+        arguments = None
+        if optimizer_cls.__name__ == "MuonHyperball":  # Muon's arguments (through **kwargs) and its own
+            arguments = [n for n, p in inspect.signature(optimizer_cls).parameters.items() if p.kind == p.KEYWORD_ONLY]
+            arguments += list(inspect.signature(_muon_cls()).parameters)
+        kwargs = config_kwargs(optimizer_cls, config, prefixes, tolerated=_tensor_parallel_muon_option,
+                               entry_name=name, arguments=arguments)
         if optimizer_cls.__name__ == "MuonHyperball":
-            radius = getattr(config, "muon_hyperball_radius", None)
-            if radius is None:
+            if kwargs.get("hyperball_radius") is None:
                 raise ValueError("muon_hyperball needs config.muon_hyperball_radius (the weights' Frobenius norm)")
-            kwargs.update({k: v for k, v in _fields_from_config(config, _MUON_CONFIG_FIELDS).items()
-                           if k in inspect.signature(_muon_cls()).parameters}, hyperball_radius=radius)
         return kwargs
 
     return config_to_kwargs
@@ -251,15 +362,21 @@ def _load_builtins() -> None:
             return
         from . import optim
 
+        # The per-group values of the tensor-parallel classes: the rest is optimizer-wide.
+        muon_groups, adaptive_groups = ("lr", "momentum", "weight_decay"), ("lr", "momentum", "weight_decay", "beta2", "eps")
         builtins = {
-            "muon": EmergingOptimizerEntry(optim.TensorParallelMuon, config_to_kwargs=muon_config_to_kwargs),
+            "muon": EmergingOptimizerEntry(
+                optim.TensorParallelMuon, config_to_kwargs=muon_config_to_kwargs,
+                constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelMuon, muon_groups),
+            ),
             "adaptive_muon": EmergingOptimizerEntry(
-                optim.TensorParallelAdaptiveMuon, config_to_kwargs=adaptive_muon_config_to_kwargs
+                optim.TensorParallelAdaptiveMuon, config_to_kwargs=adaptive_muon_config_to_kwargs,
+                constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelAdaptiveMuon, adaptive_groups),
             ),
         }
         for name, cls in (("scion", optim.Scion), ("mop", optim.MOP), ("polargrad", optim.PolarGrad),
                           ("spel", optim.Spel), ("muown", optim.Muown), ("muon_hyperball", optim.MuonHyperball)):
-            builtins[name] = EmergingOptimizerEntry(cls, config_to_kwargs=family_config_to_kwargs(cls))
+            builtins[name] = EmergingOptimizerEntry(cls, config_to_kwargs=family_config_to_kwargs(cls, name))
         for name, entry in builtins.items():
             _ENTRIES.setdefault(name, entry)  # a user registration made earlier wins
         _BUILTINS_LOADED = True

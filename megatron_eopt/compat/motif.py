@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.optim.adam import adam as adam_functional
 
-from ..optim.multirank.sharded import is_dtensor
+from ..optim.multirank.dtensor_layout import is_dtensor
 from ..optim.hybrid import HybridMuon
 from ..optim.muon import Muon as FusedMuon
 from ._deprecation import _warn_once
@@ -107,7 +107,7 @@ def _check_muon_params(groups: list[dict], expert_keys) -> None:
 
 
 # block scales (state_dtype int8 / fp8), the rounding seed and the format version: checked on load by
-# the Muon side (megatron_eopt.optim.step.low_memory)
+# the Muon side (megatron_eopt.optim.step.state_dtype)
 _LOW_MEMORY_KEYS = ("momentum_buffer_scales", "moment2_buffer_scales", "state_seed", "state_format")
 
 

@@ -43,9 +43,9 @@ from ..optim._closure import closure_loss
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from ..optim._config import OrthogonalizationConfig, check_matmul_precision, make_config
 from ..optim.matrix_view import check_nd_mode, not_a_matrix
-from ..optim.step.plan import DEFAULT_WORKSPACE_MIB, Plan
+from ..optim.step.grouping import DEFAULT_WORKSPACE_MIB, Plan
 from ..optim.orthogonalized import OrthogonalizedOptimizer, _plan_matches
-from ..newton_schulz import NS_ALGORITHMS
+from ..coefficients import NS_ALGORITHMS
 
 # torch.optim.Muon's defaults (Keller Jordan's constants).
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

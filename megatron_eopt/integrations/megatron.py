@@ -3,7 +3,9 @@
 After :func:`install`, ``megatron.core.optimizer.get_megatron_optimizer`` with
 ``OptimizerConfig(optimizer="muon")`` (or ``"adaptive_muon"``, or any name registered in
 :mod:`megatron_eopt.registry`) builds megatron-eopt's classes from the usual ``muon_*`` /
-``adaptive_muon_*`` config fields. Megatron's own parameter routing stays in charge: its factory
+``adaptive_muon_*`` config fields, each reaching the constructor argument of its name; a field of
+that prefix which neither the constructor nor megatron-eopt knows stops the build with a ValueError
+naming it (:func:`megatron_eopt.registry.config_kwargs`). Megatron's own parameter routing stays in charge: its factory
 tags fused QKV weights, applies the entry's ``default_param_overrides`` and wraps the result in
 its mixed-precision / chained / layer-wise optimizers. For a name Megatron-LM registers itself
 ("muon", "adaptive_muon") and an entry with the built-in routing rule, the installed entry keeps
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import re
 import sys
 import threading
 from typing import Any
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 from .. import registry
+from .._megatron_version import megatron_core_version
 from . import megatron_clipping
 from ._megatron_patches import installed, is_ours, restore_globals, set_global
 from .megatron_fsdp2 import FSDP2_CKPT_FORMAT, allow_torch_fsdp2, guard_torch_dist_under_fsdp2  # noqa: F401 (re-exported)
@@ -79,52 +81,6 @@ class _LionNeedsEmergingOptimizers:
             "the Lion optimizer (muon_scalar_optimizer='lion' or optimizer='lion') needs the "
             "emerging-optimizers package: pip install emerging-optimizers"
         )
-
-
-def _parse_version(text: str) -> tuple[int, ...]:
-    """'0.19.2' -> (0, 19, 2); '0.18.0rc1+abc' -> (0, 18, 0)."""
-    match = re.match(r"(\d+)(?:\.(\d+))?(?:\.(\d+))?", text.strip())
-    if match is None:
-        return ()
-    return tuple(int(g) for g in match.groups() if g is not None)
-
-
-def megatron_core_version() -> tuple[int, ...] | None:
-    """The version of the megatron-core that ``import megatron.core`` loads, as a tuple, or None
-    when there is none: a Megatron-LM checkout ahead of an installed release on ``sys.path`` is the
-    one reported (its ``package_info.py``, read without importing ``megatron.core``), then the
-    installed distribution's metadata."""
-    from importlib import metadata
-
-    info = sys.modules.get("megatron.core.package_info")
-    if info is not None and hasattr(info, "__version__"):
-        return _parse_version(info.__version__)
-    source = _package_info_source()
-    if source is not None:
-        parts = [re.search(rf"^{name}\s*=\s*(\d+)", source, re.MULTILINE) for name in ("MAJOR", "MINOR", "PATCH")]
-        if all(parts):
-            return tuple(int(m.group(1)) for m in parts)
-    try:
-        return _parse_version(metadata.version("megatron-core"))
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _package_info_source() -> str | None:
-    """The text of megatron/core/package_info.py where ``import megatron.core`` would find it."""
-    import importlib.util
-    import os
-
-    try:
-        spec = importlib.util.find_spec("megatron.core")
-    except (ImportError, ValueError):
-        return None
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        path = os.path.join(folder, "package_info.py")
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    return None
 
 
 def _megatron_modules() -> tuple[Any, Any]:
@@ -286,6 +242,9 @@ def _to_megatron_entry(
         # Megatron-LM's layer-sharded Muon picks a class per tp mode (config_to_cls); ours runs every
         # mode (tp_mode, expert_tp_mode, ns_batch_size) itself, so the entry's class is the answer.
         extra["config_to_cls"] = _always(entry.optimizer_cls)
+    if "constructor_only_kwargs" in getattr(emerging.EmergingOptimizerEntry, "__dataclass_fields__", {}):
+        # Megatron-LM's optimizer recipes (#5925) refuse these per parameter group.
+        extra["constructor_only_kwargs"] = frozenset(entry.constructor_only_kwargs)
     megatron_entry = emerging.EmergingOptimizerEntry(
         optimizer_cls=entry.optimizer_cls,
         init_state_fn=entry.init_state_fn,
@@ -435,7 +394,7 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
 def _check_step_options(options: dict[str, Any]) -> None:
     """Refuses a bad memory option at install() rather than at the first optimizer build."""
     from .. import low_memory_state as lms
-    from ..optim.step.plan import check_workspace_mib
+    from ..optim.step.grouping import check_workspace_mib
 
     if "state_dtype" in options:
         lms.validate_state_dtype(options["state_dtype"])

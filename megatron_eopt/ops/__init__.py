@@ -14,7 +14,7 @@ from the ones listed above it:
   tensor-parallel entry;
 * ``_foreach``: momentum and update over lists of tensors;
 * ``_second_moment``: the AdaMuon / NorMuon / NAMO normalizations;
-* ``_low_memory_state``: the low-memory state formats and their ops (:mod:`megatron_eopt.low_memory_state`);
+* ``_quantized_state``: the low-memory state formats and their ops (:mod:`megatron_eopt.low_memory_state`);
 * ``_qk_clip``: QK-clip.
 """
 
@@ -27,12 +27,12 @@ from ._checks import ScalarArg
 from ._newton_schulz import newton_schulz, newton_schulz_list, newton_schulz_split, newton_schulz_tp
 from ._foreach import foreach_momentum_, foreach_update_
 from ._second_moment import adamuon_normalize_, namo_normalize_, new_moment2_buffer, normuon_normalize_
-from ._low_memory_state import adamuon_normalize_quantized_, foreach_momentum_quantized_
+from ._quantized_state import adamuon_normalize_quantized_, foreach_momentum_quantized_
 from ._qk_clip import qk_clip_
 
 # The names this module offered beside its ops, from the modules that define them.
 from .._errors import call_op
-from ..newton_schulz import MuonScaleT, NSAlgorithmT, NSCoeffT, PrecisionT, NS_ALGORITHMS, NS_EPS
-from ..newton_schulz import check_steps, coefficient_table, resolve_precision, validate_algorithm, validate_precision
+from ..coefficients import MuonScaleT, NSAlgorithmT, NSCoeffT, PrecisionT, NS_ALGORITHMS, NS_EPS
+from ..coefficients import check_steps, coefficient_table, resolve_precision, validate_algorithm, validate_precision
 from ..second_moment import Moment2MethodT, moment2_shape, validate_moment2_method
 

@@ -1,7 +1,7 @@
 """Names and dtypes the ops accept, defined once for the wrappers, the fake kernels and the optimizers.
 
 The scale modes (``SCALE_MODES``) and the second-moment methods (``MOMENT2_METHODS``) are defined
-beside their rules, in :mod:`megatron_eopt.newton_schulz` and :mod:`megatron_eopt.second_moment`:
+beside their rules, in :mod:`megatron_eopt.coefficients` and :mod:`megatron_eopt.second_moment`:
 those plain-Python modules (no compiled code) sit below this package.
 """
 

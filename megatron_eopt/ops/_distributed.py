@@ -25,7 +25,7 @@ from .. import _collectives as collectives
 from .._library import ns_plan
 from .._precision import products_precision
 from ..step_stats import count_newton_schulz
-from ..newton_schulz import coefficient_table, get_coefficients
+from ..coefficients import coefficient_table, get_coefficients
 
 
 @functools.lru_cache(maxsize=256)

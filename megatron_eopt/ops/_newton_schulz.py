@@ -11,7 +11,7 @@ import torch
 from .. import _collectives as collectives
 from .._errors import call_op
 from ..step_stats import count_newton_schulz, count_split_newton_schulz
-from ..newton_schulz import (
+from ..coefficients import (
     MuonScaleT,
     NSAlgorithmT,
     NSCoeffT,

@@ -15,7 +15,7 @@ from .orthogonalized import OrthogonalizedOptimizer
 from .polargrad import PolarGrad
 from .scion import Scion
 from .spel import Spel
-from .step.low_memory import dequantize_state_dict, state_bytes
+from .step.state_dtype import dequantize_state_dict, state_bytes
 from .tensor_parallel import TensorParallelAdaptiveMuon, TensorParallelMuon
 from .weight_update_hooks import HyperballHook, NoOpWeightUpdateHook, RadialBrakeHook, RelativeUpdateHook
 

@@ -16,7 +16,7 @@ import torch
 
 from .._errors import call_op
 from ._recipe import NSRecipe, polar_express_rows
-from ..newton_schulz import (
+from ..coefficients import (
     NS_ALGORITHMS,
     NS_EPS,
     SCALE_MODES,
@@ -293,6 +293,30 @@ class ConfigSetting:
         if self.check is not None:
             self.check(value)
         obj._use_config(dataclasses.replace(config, **{self.field: value}))
+
+
+class ReadOnlySetting:
+    """An Emerging-Optimizers ``Muon`` property that reads the fused configuration and cannot be set
+    (EO main's ``num_ns_steps``, ``coefficient_type``, ``use_syrk``): assigning raises
+    ``AttributeError("Cannot set `<name>` post-initialization.")``, as EO does, even the same value.
+    ``read`` maps the configuration to the value (default: its field ``field``)."""
+
+    def __init__(self, field: str | None = None, read=None) -> None:
+        self.field, self.read = field, read
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        config = obj.__dict__.get("_config")
+        if config is None:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute {self.name!r} before its configuration")
+        return self.read(config) if self.read is not None else getattr(config, self.field)
+
+    def __set__(self, obj, value) -> None:
+        raise AttributeError(f"Cannot set `{self.name}` post-initialization.")
 
 
 def config_setting_names(cls) -> list[str]:

@@ -7,10 +7,10 @@ from typing import Sequence
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS, get_muon_scale_factor
+from ..coefficients import NS_EPS, get_muon_scale_factor
 from ._config import fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
-from .step.plan import DEFAULT_WORKSPACE_MIB
+from .step.grouping import DEFAULT_WORKSPACE_MIB
 from .orthogonalized import OrthogonalizedOptimizer
 
 

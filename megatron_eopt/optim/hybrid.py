@@ -20,10 +20,10 @@ from ..step_stats import StepStatsReporter, records_step_stats
 from ._closure import closure_loss
 from .step.offload import StateOffload
 from .step.state_check import check_loaded_state, like_param
-from .step import low_memory as _low_memory
+from .step import state_dtype as _low_memory
 from .adaptive_muon import AdaptiveMuon
 from .muon import Muon
-from .multirank.sharded import is_dtensor
+from .multirank.dtensor_layout import is_dtensor
 from .qk_clip import ClipConfig, ClipTarget, parse_target, plan_clip, scale_row_blocks_
 
 # Keys that belong to the AdamW side of a group; the Muon side ignores them.
@@ -230,7 +230,7 @@ class HybridMuon(StepStatsReporter, torch.optim.Optimizer):
         self._offload.refuse("load_state_dict()")
         held = {}
         muon = self._muon
-        if muon is not None and muon._config is not None:  # the Muon side's state_dtype (see step.low_memory)
+        if muon is not None and muon._config is not None:  # the Muon side's state_dtype (see step.state_dtype)
             mine = {id(q) for g in muon.param_groups for q in g["params"]}
             state_dict, held = _low_memory.split_state_dict(
                 self, state_dict, lambda p: muon._low_memory_target(p) if id(p) in mine else None)

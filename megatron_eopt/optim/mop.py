@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import SCALE_MODES, get_muon_scale_factor
+from ..coefficients import SCALE_MODES, get_muon_scale_factor
 from .orthogonalized import OrthogonalizedOptimizer
 
 __all__ = ["MOP", "polar_via_svd"]

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+import types
+from typing import Any, Sequence
 
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS
-from ._config import fused_config
+from ..coefficients import NS_EPS
+from ._config import ReadOnlySetting, fused_config
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.block_periodic import check_block_period
-from .step.plan import DEFAULT_WORKSPACE_MIB
+from .step.grouping import DEFAULT_WORKSPACE_MIB
 from .weight_update_hooks import WeightUpdateHook
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -99,7 +100,24 @@ class Muon(OrthogonalizedOptimizer):
     params, grads and state is bounded by the budget (or by the largest matrix, stepped alone), not by
     the size of the model; small matrices still share one batched call. ``None``: no bound (every
     same-shape matrix in one call). Also a settable attribute, ``opt.workspace_mib``.
+
+    Read-only properties (Emerging-Optimizers main): ``num_ns_steps``, ``coefficient_type`` and
+    ``use_syrk`` (whether the Newton–Schulz ops run with symmetric products); assigning one raises
+    AttributeError. ``scale_mode`` and ``extra_scale_factor`` stay settable, as in
+    Emerging-Optimizers 0.4 (main makes them read-only too). ``Muon[HookState]`` subscripts the class
+    by its weight-update hook's state type, as EO main's generic ``Muon`` (``Muon[None](params)``
+    builds a Muon).
     """
+
+    num_ns_steps = ReadOnlySetting("num_ns_steps")
+    coefficient_type = ReadOnlySetting("coefficient_type")
+    use_syrk = ReadOnlySetting(read=lambda config: config.products == "symmetric")
+
+    def __class_getitem__(cls, item: Any) -> types.GenericAlias:
+        """``Muon[T]``: the class parametrized by the weight-update hook's state type (one argument)."""
+        if isinstance(item, tuple) and len(item) != 1:
+            raise TypeError(f"Too many arguments for {cls.__name__}; actual {len(item)}, expected 1")
+        return types.GenericAlias(cls, item)
 
     def __init__(
         self,

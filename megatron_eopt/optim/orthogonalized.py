@@ -63,12 +63,12 @@ from .multirank.agreement import agree, meshes_of, plan_digest
 from .multirank.replica_work import resolve_replica_work
 from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
                                 uneven_splits)
-from .multirank.tensor_parallel import GTPLayout, TPLayout
-from .step import low_memory as _low_memory
+from .multirank.tp_modes import GTPLayout, TPLayout
+from .step import state_dtype as _low_memory
 from .step.fused import FusedStep
 from .step.layout import cached_step_layouts, step_layouts
 from .step.overlap import BackwardOverlap
-from .step.plan import (
+from .step.grouping import (
     DEFAULT_WORKSPACE_MIB,
     Plan,
     build_plan,

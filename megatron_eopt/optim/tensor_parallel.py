@@ -10,7 +10,7 @@ sharded dimension is ``p.partition_dim`` (-1 or missing: not sharded). tp_mode:
 - distributed: Newton–Schulz on the shards with all-reduced norm and Gram matrices; scale from the
   global shape. Meant for parameters sharded along their long side; one sharded along its short
   side is orthogonalized as in duplicated mode instead (same result, far less communication).
-- layer_sharded (Megatron-LM's layer-sharded Muon): each matrix is gathered whole onto one rank of
+- layer_sharded (ours, after Megatron-LM's layer-sharded Muon proposal, PR #6683): each matrix is gathered whole onto one rank of
   the group, its home (the least loaded by Newton–Schulz FLOPs), orthogonalized there in batches of
   ``ns_batch_size`` same-shape matrices, and its shards are sent back: one all-to-all each way per
   chunk of matrices, every matrix orthogonalized once in the group. Results equal duplicated mode.
@@ -25,18 +25,19 @@ Fused QKV projections (``split_qkv`` and ``is_qkv_fn(p)``) are orthogonalized pe
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
-from ..newton_schulz import NS_EPS_EO_030
+from ..coefficients import NS_EPS, NS_EPS_EO_030
 from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
-from .step.plan import DEFAULT_WORKSPACE_MIB
-from .multirank.tensor_parallel import GTPLayout, TPLayout
+from .step.grouping import DEFAULT_WORKSPACE_MIB
+from .multirank.tp_modes import GTPLayout, TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -138,6 +139,13 @@ class _TensorParallelRouting:
         return list(sizes)
 
 
+def megatron_ns_eps(use_syrk: bool) -> float:
+    """The Newton–Schulz normalization floor of Megatron-LM's tensor-parallel classes: 1e-7 (the
+    Emerging-Optimizers 0.2.0 / 0.3.0 that megatron-core 0.18, 0.19 and main pin), 1e-15 with
+    ``use_syrk=True`` (main refuses it below Emerging-Optimizers 0.4.0, whose floor that is)."""
+    return NS_EPS if use_syrk is True else NS_EPS_EO_030
+
+
 class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     """Megatron-LM's ``TensorParallelMuon`` (same constructor and defaults: nesterov on, decoupled decay).
 
@@ -150,8 +158,13 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     ``use_syrk`` (Megatron-LM main's switch for its SYRK kernel): True runs the Newton–Schulz ops
     with symmetric products (the symmetric kernel or lower block panels), False lets them choose by
     measurement (``ns_products="full"``, an extension, forces one GEMM each); the results agree to
-    float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (Megatron-LM's layer-sharded
-    Muon, ``--muon-ns-batch-size`` / ``--muon-expert-tp-mode``): see the module docstring.
+    float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (extensions: the layer-sharded mode's batch
+    and the mode of expert parameters): see the module docstring.
+
+    ``ns_eps`` (an extension; None: as Megatron-LM, :func:`megatron_ns_eps`) is the Frobenius
+    normalization floor of Newton–Schulz: 1e-7, the Emerging-Optimizers release Megatron-LM pins, or
+    1e-15 with ``use_syrk=True``, which Megatron-LM main runs only on Emerging-Optimizers >= 0.4.
+    The floor matters only for updates of norm below it (shrunk instead of orthogonalized).
     """
 
     # Megatron-LM's classes: arguments and params are checked at construction, as before.
@@ -189,6 +202,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         ns_eps_mode: str = "clamp",
         ns_norm_divisor: float = 1.0,
         overlap_backward: bool = False,
+        ns_eps: float | None = None,
     ) -> None:
         self._init_tensor_parallel(locals(), moment2=None)
 
@@ -197,10 +211,12 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         (moment2_method, beta2, eps) for the adaptive class, None for Muon."""
         a = arguments
         weight_decay_method = "decoupled" if a["use_decoupled_weight_decay"] else "l2"
-        # Megatron-LM's classes run Emerging-Optimizers 0.3.0's newton_schulz (eps 1e-7) and refuse bad
-        # values at construction
+        # Megatron-LM's classes refuse bad values at construction, and run Emerging-Optimizers'
+        # newton_schulz_tp with its default eps: megatron-core 0.18 / 0.19 pin EO 0.2.0, main 0.3.0,
+        # both 1e-7; main's use_syrk=True needs EO >= 0.4, whose eps is 1e-15.
+        ns_eps = a["ns_eps"] if a["ns_eps"] is not None else megatron_ns_eps(a["use_syrk"])
         config, _ = fused_config(a, defer=False, weight_decay_method=weight_decay_method,
-                                 moment2_method=None if moment2 is None else moment2[0], ns_eps=NS_EPS_EO_030)
+                                 moment2_method=None if moment2 is None else moment2[0], ns_eps=ns_eps)
         if "distributed" in (a["tp_mode"], a["expert_tp_mode"]) and config.recipe.op_arguments != NSRecipe().op_arguments:
             raise ValueError("row_equilibration, frobenius_renorm, ns_eps_mode and ns_norm_divisor do not apply with "
                              "tp_mode='distributed'")
@@ -214,6 +230,116 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
                          overlap_backward=a["overlap_backward"])
 
 
+def _adaptive_arguments(
+    self,
+    params: ParamsT,
+    lr: float = 3e-4,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    weight_decay: float = 0.01,
+    use_decoupled_weight_decay: bool = True,
+    split_qkv: bool = False,
+    is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
+    qkv_split_shapes: list[int] | None = None,
+    fp32_matmul_prec: str = "medium",
+    coefficient_type: str = "quintic",
+    num_ns_steps: int = 5,
+    scale_mode: str = "spectral",
+    extra_scale_factor: float = 1.0,
+    pg_collection: Any | None = None,
+    tp_mode: str = "duplicated",
+    use_syrk: bool = False,
+    moment2_method: str = "adamuon",
+    beta2: float = 0.95,
+    eps: float = 1e-8,
+    *,
+    ns_batch_size: int = 1,
+    expert_tp_mode: str | None = None,
+    ns_products: str = "auto",
+    custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
+    state_dtype: str = "fp32",
+    state_block_size: int = DEFAULT_BLOCK_SIZE,
+    workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
+    row_equilibration: bool = False,
+    frobenius_renorm: bool = False,
+    ns_eps_mode: str = "clamp",
+    ns_norm_divisor: float = 1.0,
+    overlap_backward: bool = False,
+    ns_eps: float | None = None,
+) -> None:
+    """TensorParallelAdaptiveMuon's arguments, in Megatron-LM main's positional order."""
+
+
+# The positional arguments after tp_mode: Megatron-LM main's order (use_syrk, #6381, then the second
+# moment's); megatron-core 0.18 / 0.19 have no use_syrk and take moment2_method right after tp_mode.
+ADAPTIVE_TAIL_MAIN = ("use_syrk", "moment2_method", "beta2", "eps")
+
+
+def _megatron_emerging_source() -> str | None:
+    """The text of megatron/core/optimizer/emerging_optimizers.py where ``import megatron.core`` would
+    find it (``megatron`` is a namespace package: the first ``megatron/core`` package on its path), read
+    without importing megatron."""
+    import importlib.machinery
+    import os
+
+    spec = importlib.machinery.PathFinder.find_spec("megatron")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.isfile(os.path.join(folder, "core", "__init__.py")):
+            path = os.path.join(folder, "core", "optimizer", "emerging_optimizers.py")
+            if not os.path.isfile(path):
+                return None
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    return None
+
+
+def positional_tail(names: Sequence[str]) -> tuple[str, ...] | None:
+    """The names after ``tp_mode`` in a positional argument list; None without ``tp_mode``."""
+    names = list(names)
+    return tuple(names[names.index("tp_mode") + 1:]) if "tp_mode" in names else None
+
+
+def installed_adaptive_tail() -> tuple[str, ...] | None:
+    """The positional arguments after ``tp_mode`` of the installed megatron-core's
+    ``TensorParallelAdaptiveMuon`` (its imported class if megatron-core's module is loaded, else its
+    source, parsed), or None where there is no megatron-core or no such class."""
+    import ast
+    import inspect
+    import sys
+
+    module = sys.modules.get("megatron.core.optimizer.emerging_optimizers")
+    cls = getattr(module, "TensorParallelAdaptiveMuon", None)
+    if cls is not None and not issubclass(cls, _TensorParallelRouting):
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        return positional_tail(n for n, p in inspect.signature(cls).parameters.items() if p.kind in kinds)
+    try:
+        source = _megatron_emerging_source()
+        tree = ast.parse(source) if source is not None else None
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == "TensorParallelAdaptiveMuon":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    return positional_tail(a.arg for a in item.args.posonlyargs + item.args.args)
+    return None
+
+
+def adaptive_signature(tail: Sequence[str] | None) -> inspect.Signature:
+    """TensorParallelAdaptiveMuon's signature with ``tail`` (names of :data:`ADAPTIVE_TAIL_MAIN`) the
+    positional arguments after ``tp_mode``, the others of that tuple keyword-only. None, or a tail with
+    a name ours does not know: main's order."""
+    if tail is None or not set(tail) <= set(ADAPTIVE_TAIL_MAIN) or len(set(tail)) != len(tail):
+        tail = ADAPTIVE_TAIL_MAIN
+    parameters = list(inspect.signature(_adaptive_arguments).parameters.values())
+    by_name = {p.name: p for p in parameters}
+    head = [p for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in ADAPTIVE_TAIL_MAIN]
+    positional = [by_name[n] for n in tail]
+    keyword = [by_name[n].replace(kind=inspect.Parameter.KEYWORD_ONLY) for n in ADAPTIVE_TAIL_MAIN if n not in tail]
+    keyword += [p for p in parameters if p.kind is p.KEYWORD_ONLY]
+    return inspect.Signature(head + positional + keyword, return_annotation=None)
+
+
 class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
     """Megatron-LM's ``TensorParallelAdaptiveMuon``: TensorParallelMuon with AdaptiveMuon's second moment.
 
@@ -223,42 +349,22 @@ class TensorParallelAdaptiveMuon(TensorParallelMuon, AdaptiveMuon):
     reduced buffer (its averaged dimension is chosen from the global shape). ``moment2_method``
     also accepts "namo" (not with ``use_decoupled_weight_decay=False``). State:
     ``momentum_buffer``, ``moment2_buffer``.
+
+    Positional arguments follow the installed megatron-core's class: after ``tp_mode``, Megatron-LM
+    main takes ``use_syrk, moment2_method, beta2, eps``, megatron-core 0.18 / 0.19 ``moment2_method,
+    beta2, eps`` (``use_syrk`` then keyword-only); without megatron-core, main's order.
+    ``inspect.signature`` shows the order in force (:data:`POSITIONAL_TAIL`).
     """
 
-    def __init__(
-        self,
-        params: ParamsT,
-        lr: float = 3e-4,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.01,
-        use_decoupled_weight_decay: bool = True,
-        split_qkv: bool = False,
-        is_qkv_fn: Callable[[torch.Tensor], bool] | None = None,
-        qkv_split_shapes: list[int] | None = None,
-        fp32_matmul_prec: str = "medium",
-        coefficient_type: str = "quintic",
-        num_ns_steps: int = 5,
-        scale_mode: str = "spectral",
-        extra_scale_factor: float = 1.0,
-        pg_collection: Any | None = None,
-        tp_mode: str = "duplicated",
-        moment2_method: str = "adamuon",
-        beta2: float = 0.95,
-        eps: float = 1e-8,
-        *,
-        use_syrk: bool = False,
-        ns_batch_size: int = 1,
-        expert_tp_mode: str | None = None,
-        ns_products: str = "auto",
-        custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
-        state_dtype: str = "fp32",
-        state_block_size: int = DEFAULT_BLOCK_SIZE,
-        workspace_mib: float | str | None = DEFAULT_WORKSPACE_MIB,
-        row_equilibration: bool = False,
-        frobenius_renorm: bool = False,
-        ns_eps_mode: str = "clamp",
-        ns_norm_divisor: float = 1.0,
-        overlap_backward: bool = False,
-    ) -> None:
-        self._init_tensor_parallel(locals(), moment2=(moment2_method, beta2, eps))
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _ADAPTIVE_SIGNATURE.bind(self, *args, **kwargs)  # TypeError as Python gives for a def
+        bound.apply_defaults()
+        a = bound.arguments
+        self._init_tensor_parallel(dict(a), moment2=(a["moment2_method"], a["beta2"], a["eps"]))
+
+
+_ADAPTIVE_SIGNATURE = adaptive_signature(installed_adaptive_tail())
+TensorParallelAdaptiveMuon.__init__.__signature__ = _ADAPTIVE_SIGNATURE
+# The positional arguments after tp_mode in force (the installed megatron-core's order, else main's).
+TensorParallelAdaptiveMuon.POSITIONAL_TAIL = positional_tail(
+    n for n, p in _ADAPTIVE_SIGNATURE.parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD)

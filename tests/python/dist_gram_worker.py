@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import megatron_eopt as me  # noqa: E402
 from megatron_eopt.optim._config import make_config  # noqa: E402
-from megatron_eopt.optim.multirank.tensor_parallel import _gram_restarts, distributed_newton_schulz  # noqa: E402
-from megatron_eopt.optim.multirank.tensor_parallel import TPLayout  # noqa: E402
+from megatron_eopt.optim.multirank.tp_modes import _gram_restarts, distributed_newton_schulz  # noqa: E402
+from megatron_eopt.optim.multirank.tp_modes import TPLayout  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
 from dist_harness import gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402

@@ -383,9 +383,9 @@ def _run_plain(cls, params, grads, kwargs):
 
 
 def _stock_agrees(stock, tp_mode: str, pad: int) -> bool:
-    """Where Megatron-LM's own class computes what we do. Main (which strips the padding) differs only
-    in distributed mode on a padded matrix, which it scales by its padded shape (its stated
-    limitation); megatron-core 0.19.2 gathers the GTP shards in every mode (blockwise too) and
+    """Where Megatron-LM's own class computes what we do. Main (which strips the padding) differed
+    only in distributed mode on a padded matrix, which it scaled by its padded shape until #7236
+    (that case is left out for every main); megatron-core 0.19.2 gathers the GTP shards in every mode (blockwise too) and
     orthogonalizes the padding rows with the matrix."""
     if hasattr(stock, "_strip_pad"):
         return pad == 0 or tp_mode != "distributed"

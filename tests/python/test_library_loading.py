@@ -1,8 +1,11 @@
 """The op library loads on any build of its torch; the CUDA kernels (a second library) load only
-when torch has CUDA of the major version they were built for, with one warning saying why not."""
+when torch has CUDA of the major version they were built for, with one warning saying why not. A
+checkout without a library of its own loads the installed package's, and says when the two were
+built from different C++ sources."""
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -74,7 +77,7 @@ _TORCH_CXX_PREFIXES = ("_ZN3c10", "_ZNK3c10", "_ZN2at", "_ZNK2at", "_ZN5torch", 
 
 @pytest.mark.skipif(shutil.which("nm") is None or shutil.which("readelf") is None, reason="needs binutils")
 def test_libraries_use_only_the_stable_abi():
-    libraries = glob.glob(os.path.join(os.path.dirname(me.__file__), "_C*.so"))
+    libraries = glob.glob(os.path.join(_library.LIBRARY_DIR, "_C*.so"))
     assert libraries
     for path in libraries:
         undefined = subprocess.run(["nm", "-D", "--undefined-only", path], capture_output=True, text=True,
@@ -113,3 +116,106 @@ def test_call_op_raises_the_checks_python_type():
 
     with pytest.raises(RuntimeError, match="^CUDA error: out of memory$"):  # other errors pass unchanged
         call_op(failing)
+
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+HAS_SOURCES = os.path.isfile(os.path.join(ROOT, "cmake", "SourceManifest.cmake"))
+
+
+def _manifest_text(manifest: dict[str, str]) -> str:
+    return "".join(f"{digest}  {path}\n" for path, digest in manifest.items())
+
+
+@pytest.mark.skipif(not HAS_SOURCES or shutil.which("cmake") is None, reason="needs the checkout's sources and cmake")
+def test_cmake_and_python_list_the_same_sources(tmp_path):
+    out = tmp_path / "sources.sha256"
+    subprocess.run(["cmake", f"-DROOT={ROOT}", f"-DOUT={out}", "-P", os.path.join(ROOT, "cmake", "SourceManifest.cmake")],
+                   check=True, capture_output=True, timeout=60)
+    manifest = _library.source_manifest(ROOT)
+    assert "CMakeLists.txt" in manifest and "csrc/ops/registration.cpp" in manifest
+    assert out.read_text() == _manifest_text(manifest)
+
+
+def _fake_checkout(tmp_path, sources: dict[str, str]):
+    """A checkout whose package has no library (``<tmp>/checkout``) and an installed package with a
+    placeholder one (``<tmp>/site``), recording ``sources`` as the checkout's."""
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    (checkout / "megatron_eopt").mkdir(parents=True)
+    (checkout / "csrc").mkdir()
+    (checkout / "CMakeLists.txt").write_text("project(x)\n")
+    (checkout / "csrc" / "a.cpp").write_text("int a;\n")
+    (site / "megatron_eopt").mkdir(parents=True)
+    (site / "megatron_eopt" / "_C.so").write_bytes(b"")
+    (site / "megatron_eopt" / "_C_sources.sha256").write_text(_manifest_text(sources))
+    return checkout, site
+
+
+def test_a_checkout_without_a_library_finds_the_installed_one(tmp_path, monkeypatch, recwarn):
+    checkout, site = _fake_checkout(tmp_path, {})
+    monkeypatch.setattr(_library, "_HERE", str(checkout / "megatron_eopt"))
+    monkeypatch.setattr(sys, "path", [str(checkout), str(site)])
+    (site / "megatron_eopt" / "_C_sources.sha256").write_text(_manifest_text(_library.source_manifest(str(checkout))))
+    assert _library._find_library() == str(site / "megatron_eopt" / "_C.so")
+    assert not [w for w in recwarn if "megatron_eopt" in str(w.message)]
+    (site / "megatron_eopt" / "_C_sources.sha256").unlink()  # a build that does not record its sources
+    assert _library._find_library() == str(site / "megatron_eopt" / "_C.so")
+    assert not [w for w in recwarn if "megatron_eopt" in str(w.message)]
+
+
+def test_other_sources_than_the_installed_librarys_are_named(tmp_path, monkeypatch):
+    checkout, site = _fake_checkout(tmp_path, {})
+    monkeypatch.setattr(_library, "_HERE", str(checkout / "megatron_eopt"))
+    monkeypatch.setattr(sys, "path", [str(checkout), str(site)])
+    built_from = _library.source_manifest(str(checkout))
+    built_from["csrc/a.cpp"] = "0" * 64  # edited since
+    built_from["csrc/gone.cpp"] = "1" * 64  # deleted since
+    (site / "megatron_eopt" / "_C_sources.sha256").write_text(_manifest_text(built_from))
+    (checkout / "csrc" / "new.cu").write_text("")  # added since
+    with pytest.warns(RuntimeWarning, match=re.escape("built from other C++ sources (csrc/a.cpp, csrc/gone.cpp, "
+                                                      "csrc/new.cu differ)")):
+        assert _library._find_library() == str(site / "megatron_eopt" / "_C.so")
+    (checkout / "csrc" / "new.cu").unlink()
+    del built_from["csrc/gone.cpp"]
+    (site / "megatron_eopt" / "_C_sources.sha256").write_text(_manifest_text(built_from))
+    with pytest.warns(RuntimeWarning, match=re.escape("built from other C++ sources (csrc/a.cpp differs)")):
+        _library._find_library()
+
+
+def test_no_library_anywhere_says_how_to_build_one(tmp_path, monkeypatch):
+    checkout, _ = _fake_checkout(tmp_path, {})
+    monkeypatch.setattr(_library, "_HERE", str(checkout / "megatron_eopt"))
+    monkeypatch.setattr(sys, "path", [str(checkout)])
+    with pytest.raises(ImportError, match="no installed megatron_eopt on sys.path has one; install the package"):
+        _library._find_library()
+
+
+def test_a_checkout_run_from_its_directory_uses_the_installed_library(tmp_path):
+    """End to end: Python started in a checkout without a library (its package first on sys.path)
+    loads the installed libraries, runs an op, and warns once where the C++ sources differ."""
+    checkout, site = tmp_path / "checkout", tmp_path / "site"
+    shutil.copytree(os.path.dirname(me.__file__), checkout / "megatron_eopt",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__", "_C_sources.sha256"))
+    (checkout / "csrc").mkdir()
+    (checkout / "csrc" / "a.cpp").write_text("int a;\n")
+    (checkout / "CMakeLists.txt").write_text("project(x)\n")
+    (site / "megatron_eopt").mkdir(parents=True)
+    for path in glob.glob(os.path.join(_library.LIBRARY_DIR, "_C*.so")):
+        os.symlink(path, site / "megatron_eopt" / os.path.basename(path))
+    (site / "megatron_eopt" / "_C_sources.sha256").write_text("0" * 64 + "  csrc/a.cpp\n")
+    code = (
+        "import warnings\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import megatron_eopt as me, torch\n"
+        "stale = [str(x.message) for x in w if 'other C++ sources' in str(x.message)]\n"
+        "print(me.__file__); print(me.LIBRARY_PATH); print(len(stale))\n"
+        "print(tuple(me.newton_schulz(torch.randn(8, 5), precision='highest').shape))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    package, library, stale, shape = proc.stdout.splitlines()[-4:]
+    assert package == str(checkout / "megatron_eopt" / "__init__.py")
+    assert library == str(site / "megatron_eopt" / "_C.so")
+    assert stale == "1" and shape == "(8, 5)"

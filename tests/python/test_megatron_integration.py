@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import megatron_eopt
+from megatron_eopt import _megatron_version
 from megatron_eopt.integrations import megatron as integration
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon
 
@@ -106,6 +107,33 @@ def test_install_fills_config_to_cls_where_megatron_has_it(stock_registry, monke
         for name, cls in (("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)):
             config = types.SimpleNamespace(muon_tp_mode="layer_sharded", muon_expert_tp_mode="duplicated")
             assert stock_registry[name].config_to_cls(config) is cls
+    finally:
+        integration.uninstall()
+
+
+@needs_megatron
+def test_install_fills_constructor_only_kwargs_where_megatron_has_it(stock_registry, monkeypatch):
+    """Megatron-LM's optimizer recipes (#5925) refuse an entry's ``constructor_only_kwargs`` per
+    parameter group: where its entry has that field, install() hands ours on, every optimizer-wide
+    argument (the #5925 list for its own classes among them), the per-group values left out."""
+    emerging = mcore_optimizer.emerging_optimizers
+
+    @dataclasses.dataclass
+    class EntryWithConstructorOnly(emerging.EmergingOptimizerEntry):
+        constructor_only_kwargs: frozenset = frozenset()
+
+    monkeypatch.setattr(emerging, "EmergingOptimizerEntry", EntryWithConstructorOnly)
+    integration.install()
+    try:
+        proposal = {"split_qkv", "is_qkv_fn", "qkv_split_shapes", "fp32_matmul_prec", "coefficient_type",
+                    "num_ns_steps", "scale_mode", "extra_scale_factor", "use_decoupled_weight_decay",
+                    "pg_collection", "tp_mode"}
+        for name, per_group in (("muon", {"lr", "momentum", "weight_decay"}),
+                                ("adaptive_muon", {"lr", "momentum", "weight_decay", "beta2", "eps"})):
+            only = stock_registry[name].constructor_only_kwargs
+            assert only == megatron_eopt.registry.get(name).constructor_only_kwargs
+            assert proposal | {"use_syrk", "tp_mode", "state_dtype"} <= only and not per_group & only
+            assert name == "muon" or "moment2_method" in only
     finally:
         integration.uninstall()
 
@@ -274,6 +302,65 @@ def test_init_state_fn_through_megatron_wrapper(stock_registry, megatron_env, na
             state = wrapper.optimizer.state[p]
             assert state["momentum_buffer"].shape == p.shape
             assert ("moment2_buffer" in state) == (method is not None)
+
+
+def _mapped_or_consumed(fields, cls, prefixes):
+    """The fields among ``fields`` with one of ``prefixes`` that are neither a constructor argument of
+    ``cls`` (prefix stripped) nor read elsewhere (registry.CONSUMED_CONFIG_FIELDS / RENAMED_CONFIG_FIELDS)."""
+    import inspect
+
+    registry = megatron_eopt.registry
+    arguments = set(inspect.signature(cls).parameters)
+    return [f for f in fields if any(f.startswith(p + "_") for p in prefixes)
+            and f not in registry.CONSUMED_CONFIG_FIELDS and f not in registry.RENAMED_CONFIG_FIELDS
+            and registry._strip_prefix(f, prefixes) not in arguments]
+
+
+@needs_megatron
+@pytest.mark.parametrize("name, cls, prefixes", [("muon", TensorParallelMuon, ("muon",)),
+                                                  ("adaptive_muon", TensorParallelAdaptiveMuon, ("muon", "adaptive_muon"))])
+def test_every_muon_field_of_megatrons_config_is_mapped_or_consumed(name, cls, prefixes):
+    """Each muon_* / adaptive_muon_* field of this megatron-core's OptimizerConfig reaches the
+    constructor argument of its name, or is one the integration lists as read elsewhere; a field a
+    newer megatron-core adds makes this test name it."""
+    registry = megatron_eopt.registry
+    fields = [f.name for f in dataclasses.fields(mcore_optimizer.OptimizerConfig)]
+    version = ".".join(map(str, integration.megatron_core_version() or ()))
+    unknown = _mapped_or_consumed(fields, cls, prefixes)
+    assert not unknown, f"megatron-core {version}: OptimizerConfig fields neither mapped nor consumed: {unknown}"
+    config = _config(name)
+    chunk = types.SimpleNamespace(config=types.SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=8))
+    kwargs = registry.get(name).config_to_kwargs(config, [chunk], None)
+    for field in fields:
+        if not any(field.startswith(p + "_") for p in prefixes) or field in registry.CONSUMED_CONFIG_FIELDS:
+            continue
+        argument = registry._strip_prefix(field, prefixes)
+        if field.startswith("muon_") and hasattr(config, "adaptive_muon_" + argument) and "adaptive_muon" in prefixes:
+            continue  # the adaptive field wins, as in Megatron-LM
+        assert argument in kwargs and kwargs[argument] == getattr(config, field), field
+    assert kwargs["lr"] == config.lr and kwargs["weight_decay"] == config.weight_decay
+    # the consumed fields are real fields of this config, or ours (set as attributes)
+    assert set(registry.CONSUMED_CONFIG_FIELDS) - set(fields) <= {"muon_clip_policy"}
+
+
+@needs_megatron
+@pytest.mark.parametrize("name", ["muon", "adaptive_muon"])
+def test_unknown_muon_field_stops_get_megatron_optimizer(stock_registry, megatron_env, name):
+    """A config of a newer Megatron-LM carrying a muon_* field megatron-eopt does not know stops
+    get_megatron_optimizer with an error naming the field and the megatron-core version."""
+
+    @dataclasses.dataclass
+    class NewerOptimizerConfig(mcore_optimizer.OptimizerConfig):
+        muon_split_glu: bool = True
+
+    base = dataclasses.asdict(_config(name))
+    config = NewerOptimizerConfig(**{k: v for k, v in base.items() if k in {f.name for f in dataclasses.fields(_config(name)) if f.init}})
+    model = megatron_env.build_gpt(seed=1)
+    integration.install()
+    version = r"\.".join(map(str, integration.megatron_core_version()))
+    with megatron_env.megatron_optimizer_on_cpu(), pytest.raises(
+            ValueError, match=rf"'muon_split_glu' \(argument 'split_glu'\) of megatron-core {version}"):
+        mcore_optimizer.get_megatron_optimizer(config, [model])
 
 
 @needs_megatron
@@ -557,9 +644,9 @@ def test_version_is_the_imported_packages(tmp_path):
 
 
 def test_version_parsing():
-    assert integration._parse_version("0.19.2") == (0, 19, 2)
-    assert integration._parse_version("0.18.0rc1+abc123") == (0, 18, 0)
-    assert integration._parse_version("1.0") == (1, 0)
+    assert _megatron_version._parse_version("0.19.2") == (0, 19, 2)
+    assert _megatron_version._parse_version("0.18.0rc1+abc123") == (0, 18, 0)
+    assert _megatron_version._parse_version("1.0") == (1, 0)
 
 
 _WITHOUT_EO = textwrap.dedent(

@@ -1,8 +1,13 @@
+import importlib
+import subprocess
+import sys
+import types
+
 import pytest
 import torch
 
 import megatron_eopt as me
-from megatron_eopt.newton_schulz import COEFFICIENT_SETS, FIXED_LENGTH_TYPES, get_coefficients
+from megatron_eopt.coefficients import COEFFICIENT_SETS, FIXED_LENGTH_TYPES, get_coefficients
 from reference import (TOLERANCE, bf16_input_tolerance, newton_schulz_ref, ns_tolerance, on_a_side_stream, op_raises,
                        rel_err)
 
@@ -312,3 +317,29 @@ def test_cpu_results_do_not_depend_on_earlier_calls(precision, algorithm, gen):
     me.newton_schulz(torch.full((3, 48, 80), float("nan")), precision=precision, algorithm=algorithm)
     again = me.newton_schulz(x, precision=precision, algorithm=algorithm)
     assert torch.equal(first, again)
+
+
+def test_the_coefficients_module_and_the_function_both_import():
+    import megatron_eopt.coefficients as ns
+    import megatron_eopt.newton_schulz as fn  # the package attribute: the function
+
+    assert isinstance(ns, types.ModuleType) and ns.get_coefficients is get_coefficients
+    assert fn is me.newton_schulz and fn.__module__ == "megatron_eopt.ops._newton_schulz"
+    # The module's old name is an alias of the same module object.
+    assert importlib.import_module("megatron_eopt.newton_schulz") is ns is sys.modules["megatron_eopt.newton_schulz"]
+    from megatron_eopt.newton_schulz import coefficient_table
+
+    assert coefficient_table is ns.coefficient_table
+    x = torch.randn(8, 5)
+    torch.testing.assert_close(me.newton_schulz(x, precision="highest"), fn(x, precision="highest"))
+
+
+def test_importing_the_old_module_name_first_leaves_the_function_in_place():
+    code = ("from megatron_eopt.newton_schulz import get_coefficients\n"
+            "import megatron_eopt as me, megatron_eopt.coefficients as ns, torch\n"
+            "assert get_coefficients is ns.get_coefficients and me.coefficients is ns\n"
+            "assert callable(me.newton_schulz) and not isinstance(me.newton_schulz, type(ns)), me.newton_schulz\n"
+            "print(tuple(me.newton_schulz(torch.randn(6, 4), precision='highest').shape))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "(6, 4)"

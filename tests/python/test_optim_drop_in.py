@@ -390,3 +390,30 @@ def test_settings_survive_a_pickle_round_trip(gen):
     copied = pickle.loads(pickle.dumps(opt))
     assert copied.nesterov is True and copied._config.nesterov is True
     assert "_nesterov" not in copied.__dict__
+
+
+def test_muon_read_only_properties_and_subscript():
+    """Emerging-Optimizers main's Muon: read-only num_ns_steps, coefficient_type, use_syrk (assigning,
+    even the same value, is an AttributeError); Muon[...] subscripts the generic class and builds a
+    Muon; the properties survive a copy. Megatron-FSDP's FsdpMuon reads inner.num_ns_steps."""
+    import copy
+
+    from megatron_eopt.optim import Muon, MuonHyperball
+
+    params = [torch.nn.Parameter(torch.randn(6, 4))]
+    opt = Muon(params, num_ns_steps=7, coefficient_type="polar_express", use_syrk=True)
+    assert (opt.num_ns_steps, opt.coefficient_type, opt.use_syrk) == (7, "polar_express", True)
+    plain = Muon[None](params)
+    assert type(plain) is Muon and (plain.num_ns_steps, plain.coefficient_type, plain.use_syrk) == (5, "quintic", False)
+    for name in ("num_ns_steps", "coefficient_type", "use_syrk"):
+        with pytest.raises(AttributeError, match=f"Cannot set `{name}` post-initialization"):
+            setattr(opt, name, getattr(opt, name))
+    assert (opt.num_ns_steps, opt.coefficient_type) == (7, "polar_express")
+    clone = copy.deepcopy(opt)
+    assert (clone.num_ns_steps, clone.coefficient_type, clone.use_syrk) == (7, "polar_express", True)
+    assert Muon[dict].__origin__ is Muon and Muon[dict].__args__ == (dict,)
+    with pytest.raises(TypeError, match="Too many arguments"):
+        Muon[int, str]
+    sphere = [torch.nn.Parameter(torch.nn.functional.normalize(torch.randn(6, 4), dim=(0, 1)))]
+    hyperball = MuonHyperball(sphere, hyperball_radius=1.0, num_ns_steps=3)
+    assert hyperball.num_ns_steps == 3

@@ -111,6 +111,7 @@ def test_constructor_signatures_match_megatron():
     megatron = _megatron()
     ours = inspect.signature(TensorParallelAdaptiveMuon.__init__).parameters
     ref = inspect.signature(megatron.TensorParallelAdaptiveMuon.__init__).parameters
+    assert list(ours)[: len(ref)] == list(ref)  # the installed megatron-core's positional order
     for name, param in ref.items():
         assert name in ours and ours[name].default == param.default, name
     ours = inspect.signature(TensorParallelMuon.__init__).parameters
@@ -157,3 +158,124 @@ def test_use_syrk_selects_symmetric_products_with_the_same_results(precision):
         TensorParallelMuon([torch.nn.Parameter(torch.randn(8, 4))], use_syrk="yes")
     config = types.SimpleNamespace(lr=0.01, muon_use_syrk=True)
     assert muon_config_to_kwargs(config, [], None)["use_syrk"] is True
+
+
+_POSITIONAL_VALUES = dict(
+    lr=0.03, momentum=0.8, nesterov=False, weight_decay=0.2, use_decoupled_weight_decay=False, split_qkv=False,
+    is_qkv_fn=None, qkv_split_shapes=[4, 2, 2], fp32_matmul_prec="highest", coefficient_type="aol", num_ns_steps=4,
+    scale_mode="shape_scaling", extra_scale_factor=0.5, pg_collection=None, tp_mode="blockwise", use_syrk=True,
+    moment2_method="normuon", beta2=0.9, eps=1e-6,
+)
+
+
+def _check_positional_construction(cls, names):
+    """Builds ``cls`` with ``_POSITIONAL_VALUES`` passed positionally in the order ``names`` and checks
+    each landed in its argument."""
+    import torch
+
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    opt = cls([p], *[_POSITIONAL_VALUES[n] for n in names])
+    group = opt.param_groups[0]
+    got = dict(lr=group["lr"], momentum=group["momentum"], weight_decay=group["weight_decay"],
+               nesterov=opt.nesterov, use_decoupled_weight_decay=opt.weight_decay_method == "decoupled",
+               qkv_split_shapes=opt.qkv_split_shapes, fp32_matmul_prec=opt.fp32_matmul_prec,
+               coefficient_type=opt._config.coefficient_type, num_ns_steps=opt._config.num_ns_steps,
+               scale_mode=opt.scale_mode, extra_scale_factor=opt.extra_scale_factor, tp_mode=opt.tp_mode,
+               use_syrk=opt._config.products == "symmetric", moment2_method=getattr(opt, "moment2_method", None),
+               beta2=group.get("beta2"), eps=group.get("eps"), split_qkv=opt.split_qkv, pg_collection=opt.pg_collection,
+               is_qkv_fn=opt.is_qkv_fn)
+    for name in names:
+        assert got[name] == _POSITIONAL_VALUES[name], name
+
+
+def test_adaptive_positional_order_is_the_installed_megatron_cores():
+    """TensorParallelAdaptiveMuon takes its positional arguments in the order of the installed
+    megatron-core's class (0.19.2: moment2_method right after tp_mode; main: use_syrk first)."""
+    import inspect
+
+    megatron = _megatron()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ref = [n for n, p in inspect.signature(megatron.TensorParallelAdaptiveMuon).parameters.items()
+           if p.kind in kinds and n != "params"]
+    assert TensorParallelAdaptiveMuon.POSITIONAL_TAIL == tuple(ref[ref.index("tp_mode") + 1:])
+    _check_positional_construction(TensorParallelAdaptiveMuon, ref)
+    ref_muon = [n for n, p in inspect.signature(megatron.TensorParallelMuon).parameters.items()
+                if p.kind in kinds and n != "params"]
+    _check_positional_construction(TensorParallelMuon, ref_muon)
+
+
+def test_adaptive_positional_order_of_main(monkeypatch):
+    """With Megatron-LM main's order in force, use_syrk is the positional argument after tp_mode; an
+    argument given twice, or one too many, is the TypeError a def gives."""
+    import inspect
+
+    from megatron_eopt.optim import tensor_parallel as tp
+
+    main = tp.adaptive_signature(tp.ADAPTIVE_TAIL_MAIN)
+    monkeypatch.setattr(tp, "_ADAPTIVE_SIGNATURE", main)
+    names = [n for n, p in main.parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD][2:]
+    assert names[names.index("tp_mode") + 1:] == ["use_syrk", "moment2_method", "beta2", "eps"]
+    _check_positional_construction(TensorParallelAdaptiveMuon, names)
+    import torch
+
+    p = [torch.nn.Parameter(torch.randn(6, 4))]
+    with pytest.raises(TypeError, match="multiple values for argument 'lr'"):
+        TensorParallelAdaptiveMuon(p, 0.1, lr=0.2)
+    with pytest.raises(TypeError, match="too many positional"):
+        TensorParallelAdaptiveMuon(p, *[_POSITIONAL_VALUES[n] for n in names], 1)
+    with pytest.raises(TypeError, match="no_such"):
+        TensorParallelAdaptiveMuon(p, no_such=1)
+    # 0.19's order: use_syrk keyword-only
+    old = tp.adaptive_signature(("moment2_method", "beta2", "eps"))
+    assert old.parameters["use_syrk"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert list(old.parameters)[list(old.parameters).index("tp_mode") + 1] == "moment2_method"
+    assert tp.adaptive_signature(("moment2_method", "new_arg")) == main  # unknown names: main's
+
+
+def test_adaptive_order_read_from_megatron_source_without_importing(tmp_path, monkeypatch):
+    """Without megatron-core's module loaded, the order comes from the source of the megatron-core
+    that ``import megatron.core`` would load (first on sys.path), parsed, not imported."""
+    import sys
+
+    from megatron_eopt.optim import tensor_parallel as tp
+
+    folder = tmp_path / "megatron" / "core" / "optimizer"
+    folder.mkdir(parents=True)
+    (tmp_path / "megatron" / "core" / "__init__.py").write_text("raise ImportError('must not be imported')\n")
+    (folder / "emerging_optimizers.py").write_text(
+        "class TensorParallelAdaptiveMuon(Base):\n"
+        "    def __init__(self, params, lr=1.0, tp_mode='duplicated', use_syrk=False, moment2_method='adamuon',\n"
+        "                 beta2=0.95, eps=1e-8):\n"
+        "        pass\n"
+    )
+    monkeypatch.delitem(sys.modules, "megatron.core.optimizer.emerging_optimizers", raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert tp.installed_adaptive_tail() == ("use_syrk", "moment2_method", "beta2", "eps")
+    (folder / "emerging_optimizers.py").write_text("x = 1\n")
+    assert tp.installed_adaptive_tail() is None
+
+
+def test_newton_schulz_floor_follows_megatron():
+    """Megatron-LM's classes normalize with Emerging-Optimizers' default eps: 1e-7 in the release
+    Megatron-LM pins (0.2.0 / 0.3.0), 1e-15 with use_syrk=True (main needs EO >= 0.4 for it); ns_eps
+    chooses it. A gradient of norm 1e-12 shows it: the 1e-7 floor shrinks it, 1e-15 orthogonalizes it."""
+    import torch
+
+    from megatron_eopt.newton_schulz import NS_EPS, NS_EPS_EO_030
+
+    for cls in (TensorParallelMuon, TensorParallelAdaptiveMuon):
+        p = [torch.nn.Parameter(torch.zeros(8, 8))]
+        assert cls(p)._config.ns_eps == NS_EPS_EO_030 == 1e-7
+        assert cls(p, use_syrk=True)._config.ns_eps == NS_EPS == 1e-15
+        assert cls(p, use_syrk=True, ns_eps=1e-7)._config.ns_eps == 1e-7
+        assert cls(p, ns_eps=1e-10)._config.recipe.eps == 1e-10
+        with pytest.raises(ValueError, match="ns_eps"):
+            cls(p, ns_eps=0.0)
+    steps = {}
+    for options in (dict(), dict(ns_eps=1e-15)):
+        p = torch.nn.Parameter(torch.zeros(8, 8))
+        opt = TensorParallelMuon([p], lr=1.0, momentum=0.0, weight_decay=0.0, fp32_matmul_prec="highest", **options)
+        p.grad = torch.eye(8) * 1e-12 / 8 ** 0.5  # Frobenius norm 1e-12
+        opt.step()
+        steps[options.get("ns_eps", 1e-7)] = -p.detach()
+    assert steps[1e-7].abs().max() < 1e-2 * steps[1e-15].abs().max()

@@ -182,8 +182,9 @@ def test_init_state_fn_uses_emerging_optimizers_style_init_group():
 
 
 def test_layer_sharded_fields_reach_the_class():
-    """Megatron-LM's layer-sharded Muon flags (--muon-tp-mode layer_sharded, --muon-ns-batch-size,
-    --muon-expert-tp-mode) map to the class, which refuses bad values naming them."""
+    """The layer-sharded mode's config attributes (muon_tp_mode="layer_sharded", muon_ns_batch_size,
+    muon_expert_tp_mode; set from Python, no Megatron-LM flags) map to the class, which refuses bad
+    values naming them."""
     config = _megatron_like_config(muon_tp_mode="layer_sharded", muon_ns_batch_size=32,
                                    muon_expert_tp_mode="layer_sharded")
     kwargs = registry.get("muon").config_to_kwargs(config, [_model_chunk()], None)
@@ -196,3 +197,71 @@ def test_layer_sharded_fields_reach_the_class():
                                                               [_model_chunk()], None)
         with pytest.raises(ValueError, match=field.removeprefix("muon_")):
             registry.get("adaptive_muon").optimizer_cls([torch.nn.Parameter(torch.randn(4, 3))], **bad)
+
+
+def test_every_prefixed_field_reaches_the_argument_of_its_name():
+    """Megatron-LM's rule from the config's side: any ``muon_<name>`` field, not only a fixed table,
+    reaches the argument ``<name>``; ``adaptive_muon_<name>`` wins over ``muon_<name>`` for AdaMuon."""
+    config = _megatron_like_config(muon_use_syrk=False, muon_ns_products="full", muon_row_equilibration=True,
+                                   muon_momentum=0.8, adaptive_muon_momentum=0.7)
+    kwargs = registry.get("muon").config_to_kwargs(config, [_model_chunk()], None)
+    assert (kwargs["use_syrk"], kwargs["ns_products"], kwargs["row_equilibration"]) == (False, "full", True)
+    assert kwargs["momentum"] == 0.8
+    adaptive = registry.get("adaptive_muon").config_to_kwargs(config, [_model_chunk()], None)
+    assert adaptive["momentum"] == 0.7 and adaptive["ns_products"] == "full"
+    TensorParallelAdaptiveMuon([torch.nn.Parameter(torch.randn(4, 3))], **adaptive)
+
+
+@pytest.mark.parametrize("name", ["muon", "adaptive_muon"])
+def test_unknown_prefixed_field_is_an_error_naming_it(name):
+    """A ``muon_*`` field neither the constructor nor megatron-eopt knows is refused, never dropped:
+    a dataclass field or an attribute set on the config alike."""
+    config = _megatron_like_config(muon_split_glu=True)
+    with pytest.raises(registry.UnknownConfigFieldError, match=r"'muon_split_glu' \(argument 'split_glu'\).*megatron-core"):
+        registry.get(name).config_to_kwargs(config, [_model_chunk()], None)
+    config = _megatron_like_config()
+    config.muon_split_glu = False
+    config.muon_no_such_option = 1
+    with pytest.raises(ValueError, match="'muon_split_glu'.*'muon_no_such_option'"):
+        registry.get(name).config_to_kwargs(config, [_model_chunk()], None)
+    if name == "adaptive_muon":
+        with pytest.raises(ValueError, match=r"'adaptive_muon_beta3' \(argument 'beta3'\)"):
+            registry.get(name).config_to_kwargs(_megatron_like_config(adaptive_muon_beta3=0.9), [_model_chunk()], None)
+    else:  # the adaptive fields are not Muon's: left alone, as Megatron-LM does
+        registry.get(name).config_to_kwargs(_megatron_like_config(adaptive_muon_beta3=0.9), [_model_chunk()], None)
+
+
+def test_consumed_and_renamed_fields():
+    """Fields read elsewhere (Megatron-LM's scalar optimizer, our clip policy) are not constructor
+    arguments; an older spelling (muon_use_nesterov) reaches its argument unless the new one is there."""
+    assert set(registry.CONSUMED_CONFIG_FIELDS) >= {"muon_scalar_optimizer", "muon_clip_policy"}
+    config = _megatron_like_config(muon_scalar_optimizer="lion", muon_clip_policy="separate")
+    kwargs = registry.get("muon").config_to_kwargs(config, [_model_chunk()], None)
+    assert not {"scalar_optimizer", "clip_policy"} & set(kwargs)
+    old = _megatron_like_config(muon_use_nesterov=False)
+    del old.muon_nesterov
+    assert registry.get("muon").config_to_kwargs(old, [_model_chunk()], None)["nesterov"] is False
+    both = _megatron_like_config(muon_use_nesterov=False)  # muon_nesterov=True wins
+    assert registry.get("muon").config_to_kwargs(both, [_model_chunk()], None)["nesterov"] is True
+
+
+def test_family_entries_read_their_own_prefix_and_the_muon_fields_they_take():
+    """Megatron-LM reads ``<entry name>_*`` fields for the other optimizers; ours also the ``muon_*``
+    fields the class takes. Megatron Muon's options a class has no use for are left out; anything
+    else unknown under either prefix raises."""
+    from megatron_eopt.optim import Scion
+
+    config = _megatron_like_config(scion_spectral_radius=30.0, muon_use_syrk=True)
+    kwargs = registry.get("scion").config_to_kwargs(config, [_model_chunk()], None)
+    assert kwargs["spectral_radius"] == 30.0 and kwargs["num_ns_steps"] == 7 and kwargs["momentum"] == 0.9
+    assert "split_qkv" not in kwargs and "tp_mode" not in kwargs and "use_syrk" not in kwargs
+    Scion([torch.nn.Parameter(torch.randn(4, 3))], **kwargs)
+    with pytest.raises(ValueError, match="'scion_radius'"):
+        registry.get("scion").config_to_kwargs(_megatron_like_config(scion_radius=1.0), [_model_chunk()], None)
+    with pytest.raises(ValueError, match="'muon_split_glu'"):
+        registry.get("scion").config_to_kwargs(_megatron_like_config(muon_split_glu=True), [_model_chunk()], None)
+    hyperball = registry.get("muon_hyperball").config_to_kwargs(
+        _megatron_like_config(muon_hyperball_radius=2.0, muon_ns_eps=1e-7), [_model_chunk()], None)
+    assert (hyperball["hyperball_radius"], hyperball["ns_eps"], hyperball["num_ns_steps"]) == (2.0, 1e-7, 7)
+    with pytest.raises(ValueError, match="muon_hyperball_radius"):
+        registry.get("muon_hyperball").config_to_kwargs(_megatron_like_config(), [_model_chunk()], None)

@@ -24,7 +24,7 @@ from megatron_eopt.optim import (
     TensorParallelAdaptiveMuon,
     TensorParallelMuon,
 )
-from megatron_eopt.optim.step.plan import (
+from megatron_eopt.optim.step.grouping import (
     AUTO_WORKSPACE_MIB_CPU,
     AUTO_WORKSPACE_MIB_GPU,
     DEFAULT_WORKSPACE_MIB,
@@ -120,7 +120,7 @@ def _fewest_runs_then_smallest_largest(sizes, budget):
 
 @pytest.mark.parametrize("seed", range(60))
 def test_a_stack_is_cut_into_the_fewest_pieces_with_the_smallest_largest_piece(seed):
-    from megatron_eopt.optim.step.plan import _even_pieces
+    from megatron_eopt.optim.step.grouping import _even_pieces
 
     rng = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 11, (1,), generator=rng))

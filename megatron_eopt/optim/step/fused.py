@@ -18,7 +18,7 @@ from ... import ops
 from ..._errors import call_op
 from ...second_moment import moment2_view
 from .._config import check_step_value
-from ..multirank.tensor_parallel import (
+from ..multirank.tp_modes import (
     distributed_orthogonalize,
     gather_shards,
     gtp_orthogonalize,
@@ -28,8 +28,9 @@ from ..multirank.tensor_parallel import (
     tp_normuon_normalize_,
 )
 from ..matrix_view import QKVSplit, split_newton_schulz
-from .plan import Plan, Stack
-from ..multirank.sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
+from .grouping import Plan, Stack
+from ..multirank.dtensor_layout import is_dtensor, local
+from ..multirank.sharded_statistics import sharded_namo_, sharded_normuon_
 from .block_periodic import block_orthogonalize, block_scale
 from .layout import ChunkLayout, buffer_floats
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..multirank.sharded import is_dtensor
-from .plan import Plan  # the plan holds this module's cache
+from ..multirank.dtensor_layout import is_dtensor
+from .grouping import Plan  # the plan holds this module's cache
 
 # Each stack's NS input starts this many floats (256 bytes) into the flat buffer after the previous
 # one, as a tensor of its own would be aligned: vectorized kernels and cuBLASLt see the same

@@ -55,7 +55,7 @@ import torch
 from ...step_stats import StepStats, merge_into_recording, recording_into
 from ..multirank.sharded import local
 from .layout import chunk_layout
-from .plan import Plan
+from .grouping import Plan
 
 # What the momentum phase reads from a param group (lr and the rest are read by step()).
 MOMENTUM_PHASE_KEYS = ("momentum", "weight_decay")

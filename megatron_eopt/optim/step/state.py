@@ -4,7 +4,7 @@ the checks before it is created, saving, loading and pickling.
 A mixin of :class:`~megatron_eopt.optim.orthogonalized.OrthogonalizedOptimizer`: it reads the
 optimizer's configuration (``_config``), plan (``_current_plan``) and state settings
 (``state_dtype``, ``state_block_size``), and writes ``self.state``. The formats themselves are
-``low_memory``'s; what a loaded checkpoint must look like is ``state_check``'s.
+``state_dtype``'s; what a loaded checkpoint must look like is ``state_check``'s.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import torch
 
 from ... import low_memory_state as lms
 from ...second_moment import moment2_state_shape
-from . import low_memory as _low_memory
+from . import state_dtype as _low_memory
 from .._config import config_setting_names
 from .._eo_hooks import EOExtensionPoints
-from .plan import Plan
-from ..multirank.sharded import ShardedOrthogonalizer, zeros_state
+from .grouping import Plan
+from ..multirank.dtensor_layout import zeros_state
+from ..multirank.sharded import ShardedOrthogonalizer
 from .overlap import BackwardOverlap
 from .state_check import check_loaded_state
 
@@ -136,7 +137,7 @@ class FusedState:
 
     def state_dict(self) -> dict[str, Any]:
         # Low-memory state also saves the stochastic rounding's seed and its format version (see
-        # low_memory): a resumed run draws what the uninterrupted one would have.
+        # state_dtype): a resumed run draws what the uninterrupted one would have.
         state_dict = super().state_dict()
         if self._config is not None and self._low_memory_state:
             state_dict = _low_memory.add_resume_entries(state_dict, self.param_groups, self._state_seeds)

@@ -1,7 +1,11 @@
-"""Low-memory optimizer state: the formats, the fused ops that step them, and conversions.
+"""The quantized-state op family (``foreach_momentum_quantized_``, ``adamuon_normalize_quantized_``):
+the low-memory state's formats, quantize / dequantize, the stochastic rounding's draw layout, the
+ops' wrappers and their fake kernels (the Python side of csrc's ``quantized_state_*``).
 
 The formats (``state_dtype`` "bf16", "int8", "fp8"), their block scales and the state keys are
-described in :mod:`megatron_eopt.low_memory_state`, the public module of these names.
+described in :mod:`megatron_eopt.low_memory_state`, the public module of these names; the
+optimizers' use of them (creating the state, converting checkpoints) is
+:mod:`megatron_eopt.optim.step.state_dtype`'s.
 """
 
 from __future__ import annotations
