@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import env_info  # noqa: E402
 import report  # noqa: E402
 
-from megatron_eopt.compat.nanochat import NANOCHAT_POLAR_EXPRESS  # noqa: E402
+from megatron_eopt.compat.nanochat_stacked import NANOCHAT_POLAR_EXPRESS  # noqa: E402
 from megatron_eopt.nanochat import MuonAdamW  # noqa: E402
 
 

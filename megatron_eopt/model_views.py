@@ -28,7 +28,8 @@ would orthogonalize or scale the wrong thing:
 Detection is by module class and its attributes (transformers' ``use_experts_implementation``
 flags ``is_transposed`` / ``is_concatenated`` / ``has_gate``, the attention modules' head
 counts), not by parameter name alone. :func:`model_matrix_views` returns the view of every
-parameter it recognizes; :func:`megatron_eopt.route_parameters` applies them.
+parameter it recognizes; :func:`megatron_eopt.route_parameters` applies them where the traced
+forward (:mod:`megatron_eopt.param_use`) has not read the weight's use, or agrees.
 """
 
 from __future__ import annotations
@@ -88,7 +89,9 @@ class MatrixView:
     def describe(self, shape: tuple[int, ...]) -> str:
         count, parts = self.matrices(shape)
         body = " + ".join(f"{o}x{i}" for o, i in parts)
-        if len(parts) > 1:
+        if len(parts) > 3 and len(set(parts)) == 1:  # a 2-D stack of per-expert matrices
+            body = f"[{len(parts)} parts of {parts[0][0]}x{parts[0][1]}]"
+        elif len(parts) > 1:
             body = f"[{body}]"
         return f"{count} x {body}" if count > 1 or self.nd_mode != "error" else body
 

@@ -1,10 +1,14 @@
 """Split a model's parameters between Muon and AdamW, and say why for each one.
 
 Muon orthogonalizes hidden matrices; embeddings, output heads, norms, biases, scalars and
-unrecognized N-D tensors belong to AdamW. Given a model, the routing also reads its modules
-(:mod:`megatron_eopt.model_views`): a ``Conv1D`` weight is an (out, in) matrix stored transposed,
-a fused QKV or gate/up projection is split into its matrices, a transformers MoE experts
-parameter is one matrix per expert, a router goes to AdamW. :func:`build_optimizers` applies these
+unrecognized N-D tensors belong to AdamW. Given a model and ``example_inputs`` (a transformers model
+without them: its dummy inputs), the routing first reads how one forward pass uses each weight
+(:mod:`megatron_eopt.param_use`): multiplied as (out, in) or (in, out), per expert, its output split
+into fused blocks, a router, an output head, a lookup table, elementwise only. It also reads the
+model's modules (:mod:`megatron_eopt.model_views`): a ``Conv1D`` weight is an (out, in) matrix
+stored transposed, a fused QKV or gate/up projection is split into its matrices, a transformers MoE
+experts parameter is one matrix per expert, a router goes to AdamW; where the two disagree the use
+wins, with a warning. :func:`build_optimizers` applies these
 rules and returns the two optimizers with a :class:`RoutingTable` listing every parameter, where it
 went, its matrix view and scale, and why, so a misrouted parameter shows up in the table instead
 of silently training with the wrong method.
@@ -24,6 +28,7 @@ from torch import nn
 from .model_views import MatrixView, check_view_options, check_view_overrides, model_matrix_views
 from .coefficients import get_muon_scale_factor
 from .optim.matrix_view import check_nd_mode
+from .param_use import ParameterUses, ParamUse, _is_transformers_model, trace_parameter_uses
 
 __all__ = [
     "DEFAULT_EMBEDDING_PATTERNS",
@@ -63,6 +68,7 @@ class Route:
     view: str = ""  # the Muon matrices, e.g. "96x32" or "4 x [24x32 + 24x32]"
     scale: str = ""  # their shape-dependent Muon scale(s)
     group_keys: tuple[tuple[str, Any], ...] = ()  # the Muon param-group keys of its view
+    source: str = ""  # what the decision was read from: "use", "table", "shape" or "override"
 
     @property
     def name(self) -> str:
@@ -109,14 +115,14 @@ class RoutingTable:
         return out
 
     def format(self) -> str:
-        rows = [("parameter", "shape", "optimizer", "wd", "muon view (out x in)", "scale", "reason")]
+        rows = [("parameter", "shape", "optimizer", "wd", "muon view (out x in)", "scale", "from", "reason")]
         for r in self.routes:
             name = r.name if len(r.names) == 1 else f"{r.name} (= {', '.join(r.names[1:])})"
             wd = "-" if r.weight_decay is None else f"{r.weight_decay:g}"
             rows.append((name, "x".join(map(str, r.shape)) or "scalar", r.optimizer, wd, r.view or "-",
-                         r.scale or "-", r.reason))
-        widths = [max(len(row[i]) for row in rows) for i in range(6)]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:6], widths)) + "  " + row[6] for row in rows]
+                         r.scale or "-", r.source or "-", r.reason))
+        widths = [max(len(row[i]) for row in rows) for i in range(7)]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:7], widths)) + "  " + row[7] for row in rows]
         totals = ", ".join(f"{opt}: {n} tensors / {numel:,} elements" for opt, (n, numel) in self.summary().items())
         return "\n".join(lines + [totals])
 
@@ -171,6 +177,96 @@ def _matches(patterns: Sequence[re.Pattern], names: Sequence[str]) -> str | None
     return None
 
 
+def _by_shape(p: torch.Tensor, names: Sequence[str], nd_mode: str) -> tuple[str, str]:
+    """The shape rules: scalars, biases, norms and vectors to AdamW; 2-D to Muon; N-D by ``nd_mode``."""
+    if p.dim() == 0:
+        return ADAMW, "scalar"
+    if p.dim() == 1:
+        leaf = names[0].rsplit(".", 1)[-1]
+        if leaf == "bias" or names[0].endswith("_bias"):
+            return ADAMW, "bias"
+        if _matches([_NORM_PATTERN], names) is not None:
+            return ADAMW, "norm"
+        return ADAMW, "1-D vector"
+    if p.dim() == 2:
+        return MUON, "2-D hidden matrix"
+    if nd_mode != "error":
+        return MUON, f"{p.dim()}-D tensor (nd_mode={nd_mode!r})"
+    return ADAMW, f"{p.dim()}-D tensor of an unrecognized module (not given to Muon)"
+
+
+# The uses that decide a route; "unused" and "unknown" leave it to the tables and the shape.
+_DECIDED = ("matrix", "router", "head", "embedding", "tied", "not_matrix", "unsupported")
+
+
+def _by_use(use: ParamUse, table_view: MatrixView | None, table_optimizer: str):
+    """(optimizer, reason, view, no weight decay) read from the traced use; None where the use and
+    the table both say AdamW (the table's reason and weight decay are the more specific)."""
+    what = f"use: {use.seen}"
+    if use.kind == "matrix":
+        view = use.view
+        if table_view is not None and table_view.kind == "mla" and view.matrix_layout == table_view.matrix_layout \
+                and view.nd_mode == table_view.nd_mode:
+            return MUON, table_view.what, table_view, False  # MLA's factors whole: a recipe choice
+        return MUON, view.what, view, False
+    if use.kind == "router":
+        return (MUON if use.view.optimizer == MUON else ADAMW), f"MoE router ({what})", use.view, False
+    if table_optimizer == ADAMW and (table_view is None or table_view.kind != "router"):
+        return None
+    if use.kind == "unsupported":
+        return ADAMW, f"matrices Muon cannot be given ({what})", None, False
+    if use.kind == "head":
+        return ADAMW, f"output head ({what})", None, False
+    if use.kind in ("embedding", "tied"):
+        return ADAMW, f"embedding ({what})", None, False
+    return ADAMW, f"not a matrix ({what})", None, True
+
+
+def _differs(decided, optimizer: str, view: MatrixView | None) -> bool:
+    new_optimizer, _, new_view, _ = decided
+    if new_optimizer != optimizer:
+        return True
+    if optimizer != MUON:
+        return False
+    old_keys = (view or MatrixView("linear", "")).group_keys()
+    return (new_view or MatrixView("linear", "")).group_keys() != old_keys
+
+
+def _trace(model: Any, example_inputs: Any, fused_gate_up: str, routers: str) -> ParameterUses | None:
+    """The traced uses of ``model``'s parameters, or None where nothing is traced: ``example_inputs``
+    False, no module, or None for a model that is not a transformers model or whose parameters are
+    sharded (DTensor: route before sharding, or give tables / views)."""
+    if example_inputs is False:
+        return None
+    if not isinstance(model, nn.Module):
+        if example_inputs is not None:
+            raise TypeError("example_inputs needs the model as an nn.Module (a forward to run), got "
+                            f"{type(model).__name__}")
+        return None
+    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
+    if example_inputs is None and (sharded or not _is_transformers_model(model)):
+        return None
+    if sharded:
+        warnings.warn("example_inputs: the model's parameters are DTensors (sharded); their uses are not traced "
+                      "(route the unsharded model, or rely on the tables and views=)", stacklevel=4)
+        return None
+    try:
+        uses = trace_parameter_uses(model, example_inputs, fused_gate_up=fused_gate_up, routers=routers)
+    except TypeError as exc:
+        if example_inputs is not None:
+            raise
+        uses = ParameterUses({}, error=f"its dummy inputs: {exc}")  # a transformers model's own inputs
+    if uses.error is not None and example_inputs is not None:
+        import inspect
+
+        try:
+            signature = str(inspect.signature(model.forward))
+        except (TypeError, ValueError):
+            signature = "(...)"
+        raise ValueError(f"example_inputs: {type(model).__name__}.forward{signature} failed on them: {uses.error}")
+    return uses
+
+
 def route_parameters(
     model_or_named_params: Any,
     *,
@@ -184,14 +280,22 @@ def route_parameters(
     routers: str = "adamw",
     views: Mapping[str, Any] | None = None,
     scale_mode: str = "shape_scaling",
+    example_inputs: Any = None,
 ) -> tuple[RoutingTable, dict[str, list]]:
     """The routing of :func:`build_optimizers` without building anything.
 
     Returns the table and ``{"muon": [...], "adamw_decay": [...], "adamw_no_decay": [...]}``.
     The table's ``muon_groups`` are the Muon side as param-group dicts, one per matrix view, with
     its ``nd_mode`` / ``matrix_layout`` / ``split_shapes`` keys.
+    ``example_inputs``: one forward call's inputs (a tuple of args, a dict of kwargs or a tensor) on
+    which the forward is traced (:func:`megatron_eopt.param_use.trace_parameter_uses`, on meta
+    tensors where it can run there); the use it shows decides each weight of two or more dims before
+    the rules below (docs/compatibility.md, "How routing decides"). None: a transformers model is
+    traced on its ``dummy_inputs``, another model not; False: no trace. Inputs that do not bind to
+    ``forward`` are a TypeError, a forward that fails on them a ValueError, both naming its
+    signature; weights the trace could not read are named in a warning.
     Rules, first match wins: frozen (``requires_grad=False``) → none; ``adamw_patterns`` →
-    AdamW; an ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, a Megatron
+    AdamW; ``views`` → that view; the traced use; an ``nn.Embedding`` / ``nn.EmbeddingBag`` weight, a Megatron
     ``is_embedding_or_output_parameter`` tag, or an embedding name → AdamW; an output-head
     name → AdamW; sharing storage with an embedding (tied head) → AdamW; a parameter of a module
     :func:`megatron_eopt.model_views.model_matrix_views` recognizes (``Conv1D``, fused QKV and
@@ -222,14 +326,20 @@ def route_parameters(
         model_views = {i: v for i, (_, v) in model_matrix_views(model_or_named_params, fused_gate_up=fused_gate_up,
                                                                    routers=routers).items()}
     overrides = check_view_overrides(views, all_names)
+    overridden: set[int] = set()
     for p, names in params:
         for name in names:
             if name in overrides:
+                overridden.add(id(p))
                 if overrides[name] is None:
                     model_views.pop(id(p), None)
                 else:
                     model_views[id(p)] = overrides[name]
     unrecognized: list[str] = []
+    uses = _trace(model_or_named_params, example_inputs, fused_gate_up, routers)
+    disagree: list[str] = []
+    shape_only: list[str] = []
+    not_understood: list[str] = []
 
     # First pass: embeddings, whose storage marks tied heads in the second pass.
     embedding_reason: dict[int, str] = {}
@@ -256,7 +366,7 @@ def route_parameters(
         else:
             tied = ""
         if not p.requires_grad:
-            routes.append(Route(tuple(names), tuple(p.shape), FROZEN, "requires_grad=False", None))
+            routes.append(Route(tuple(names), tuple(p.shape), FROZEN, "requires_grad=False", None, source="override"))
             continue
         if key is not None and key in seen_storage and id(p) not in embedding_reason:
             if key not in embedding_storage:
@@ -269,35 +379,52 @@ def route_parameters(
             seen_storage.setdefault(key, names[0])
 
         view = None
+        no_decay = False
+        source = "table"
         if (hit := _matches(force_re, names)) is not None:
-            optimizer, reason = ADAMW, f"adamw_patterns (name {hit!r})"
-        elif id(p) in embedding_reason:
-            optimizer, reason = ADAMW, embedding_reason[id(p)]
-        elif (hit := _matches(head_re, names)) is not None:
-            optimizer, reason = ADAMW, f"output head (name {hit!r})"
-        elif key is not None and key in embedding_storage:
-            optimizer, reason = ADAMW, f"output head (shares storage with embedding {embedding_storage[key]!r})"
-        elif (view := model_views.get(id(p))) is not None:
-            optimizer, reason = (MUON if view.optimizer == "muon" else ADAMW), view.what
-        elif p.dim() == 0:
-            optimizer, reason = ADAMW, "scalar"
-        elif p.dim() == 1:
-            leaf = names[0].rsplit(".", 1)[-1]
-            if leaf == "bias" or names[0].endswith("_bias"):
-                reason = "bias"
-            elif _matches([_NORM_PATTERN], names) is not None:
-                reason = "norm"
+            optimizer, reason, source = ADAMW, f"adamw_patterns (name {hit!r})", "override"
+        elif id(p) in overridden:
+            view = model_views.get(id(p))
+            if view is not None:
+                optimizer, reason = (MUON if view.optimizer == "muon" else ADAMW), view.what
             else:
-                reason = "1-D vector"
-            optimizer = ADAMW
-        elif p.dim() == 2:
-            optimizer, reason = MUON, "2-D hidden matrix"
-        elif nd_mode != "error":
-            optimizer, reason = MUON, f"{p.dim()}-D tensor (nd_mode={nd_mode!r})"
-            view = MatrixView("nd", reason, nd_mode=nd_mode)
+                optimizer, reason = _by_shape(p, names, nd_mode)
+            source = "override"
+        elif getattr(p, "is_embedding_or_output_parameter", False):
+            optimizer, reason = ADAMW, embedding_reason[id(p)]
         else:
-            optimizer, reason = ADAMW, f"{p.dim()}-D tensor of an unrecognized module (not given to Muon)"
-            unrecognized.append(names[0])
+            if id(p) in embedding_reason:
+                optimizer, reason = ADAMW, embedding_reason[id(p)]
+            elif (hit := _matches(head_re, names)) is not None:
+                optimizer, reason = ADAMW, f"output head (name {hit!r})"
+            elif key is not None and key in embedding_storage:
+                optimizer, reason = ADAMW, f"output head (shares storage with embedding {embedding_storage[key]!r})"
+            elif (view := model_views.get(id(p))) is not None:
+                optimizer, reason = (MUON if view.optimizer == "muon" else ADAMW), view.what
+            else:
+                optimizer, reason = _by_shape(p, names, nd_mode)
+                source = "shape"
+                if optimizer == MUON and p.dim() > 2:
+                    view = MatrixView("nd", reason, nd_mode=nd_mode)
+            use = uses.uses.get(id(p)) if uses is not None and p.dim() >= 2 else None
+            if use is not None and use.kind in _DECIDED:
+                decided = _by_use(use, view, optimizer)
+                if decided is None:  # the use agrees with the table on AdamW: its reason and decay stay
+                    source = "use + table"
+                else:
+                    if source != "shape" and _differs(decided, optimizer, view):
+                        disagree.append(f"{names[0]} ({reason} -> {decided[1]})")
+                    (optimizer, reason, view, no_decay), source = decided, "use"
+                    if use.kind == "unsupported":
+                        not_understood.append(f"{names[0]}: {use.seen} (given to AdamW)")
+            elif use is not None and use.kind == "unknown":
+                reason += f" (use not read: {use.seen})"
+                if source == "shape" or optimizer == MUON:  # a table sending it to AdamW needs no warning
+                    not_understood.append(f"{names[0]}: {use.seen} (routed by {source})")
+            elif uses is not None and source == "shape" and p.dim() >= 2:
+                shape_only.append(names[0])
+            if source == "shape" and optimizer == ADAMW and p.dim() > 2:
+                unrecognized.append(names[0])
 
         view_text = scale_text = ""
         keys: tuple = ()
@@ -311,7 +438,7 @@ def route_parameters(
             view_text = view.describe(tuple(p.shape))
             scales = [get_muon_scale_factor(o, i, scale_mode) for o, i in view.matrices(tuple(p.shape))[1]]
             scale_text = " / ".join(f"{x:.3g}" for x in scales)
-        elif view is not None and view.kind == "expert_bias":
+        elif no_decay or (view is not None and view.kind == "expert_bias"):
             wd = 0.0
             groups["adamw_no_decay"].append(p)
         elif p.dim() >= 2:
@@ -320,13 +447,33 @@ def route_parameters(
         else:
             wd = 0.0
             groups["adamw_no_decay"].append(p)
-        routes.append(Route(tuple(names), tuple(p.shape), optimizer, reason + tied, wd, view_text, scale_text, keys))
+        routes.append(Route(tuple(names), tuple(p.shape), optimizer, reason + tied, wd, view_text, scale_text, keys,
+                            source))
     if unrecognized:
         warnings.warn(
             f"{len(unrecognized)} parameter(s) of more than two dims belong to modules the routing does not know, "
             f"so they go to AdamW: {unrecognized[:5]}{' ...' if len(unrecognized) > 5 else ''}. Give them to Muon "
             "with nd_mode='batch' (stacked matrices) or 'flatten' (convolutions), or with views={name: ...}; "
             "adamw_patterns keeps them on AdamW without this warning",
+            stacklevel=3,
+        )
+    if disagree:
+        warnings.warn(
+            f"the forward's use of {len(disagree)} parameter(s) disagrees with the routing tables; the use wins: "
+            f"{disagree[:5]}{' ...' if len(disagree) > 5 else ''}",
+            stacklevel=3,
+        )
+    if not_understood:
+        warnings.warn(
+            f"the traced forward did not say what matrices {len(not_understood)} parameter(s) hold: "
+            f"{not_understood[:5]}{' ...' if len(not_understood) > 5 else ''}; views= or adamw_patterns= decide them",
+            stacklevel=3,
+        )
+    if shape_only:
+        why = f"could not be traced ({uses.error})" if uses is not None and uses.error else "was traced"
+        warnings.warn(
+            f"the model {why}, and {len(shape_only)} parameter(s) were routed by their shape alone (no use seen, no "
+            f"table): {shape_only[:5]}{' ...' if len(shape_only) > 5 else ''}; views= or adamw_patterns= decide them",
             stacklevel=3,
         )
     param_groups = [
@@ -356,6 +503,7 @@ def build_optimizers(
     routers: str = "adamw",
     views: Mapping[str, Any] | None = None,
     verbose: bool = False,
+    example_inputs: Any = None,
 ) -> tuple[list[torch.optim.Optimizer], RoutingTable]:
     """Muon for 2-D hidden matrices, ``torch.optim.AdamW`` for everything else.
 
@@ -372,7 +520,7 @@ def build_optimizers(
     experts: ``fused_gate_up``, ``routers`` and ``views`` as in :func:`route_parameters`) get Muon
     param groups of their own with the view's keys, which a ``muon_cls`` of ``megatron_eopt.optim``
     takes; another ``muon_cls`` is refused for such a model (ValueError) rather than given weights
-    it would orthogonalize as stored.
+    it would orthogonalize as stored. ``example_inputs``: see :func:`route_parameters`.
     """
     kwargs: dict[str, Any] = {"scale_mode": "shape_scaling"}
     kwargs.update(muon_kwargs or {})
@@ -387,6 +535,7 @@ def build_optimizers(
         routers=routers,
         views=views,
         scale_mode=kwargs["scale_mode"] if isinstance(kwargs["scale_mode"], str) else "shape_scaling",
+        example_inputs=example_inputs,
     )
     optimizers: list[torch.optim.Optimizer] = []
     if groups["muon"]:
@@ -433,6 +582,7 @@ def muon_param_groups(
     routers: str = "adamw",
     views: Mapping[str, Any] | bool | None = None,
     as_groups: bool = False,
+    example_inputs: Any = None,
 ) -> tuple[list, list[torch.Tensor]]:
     """``(muon_params, other_params)``: the parameters a Muon optimizer takes and the rest, for AdamW.
 
@@ -449,7 +599,7 @@ def muon_param_groups(
     keys a flat list cannot carry: ``as_groups=True`` returns the Muon side as param-group dicts
     with those keys, for ``megatron_eopt.optim.Muon`` or ``megatron_eopt.torch_optim.Muon``.
     Without it, such 2-D weights stay in the flat Muon list and 3-D experts go to the other list,
-    with a warning naming them.
+    with a warning naming them. ``example_inputs``: see :func:`route_parameters`.
     """
     if not isinstance(model_or_named_params, (nn.Module, Mapping)):
         model_or_named_params = list(model_or_named_params)  # read twice below
@@ -462,6 +612,7 @@ def muon_param_groups(
         fused_gate_up=fused_gate_up,
         routers=routers,
         views=views,
+        example_inputs=example_inputs,
     )
     if verbose:
         table.print()

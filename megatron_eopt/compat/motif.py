@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import Replicate
 from torch.optim.adam import adam as adam_functional
 
-from ..optim.multirank.sharded import is_dtensor
+from ..optim.multirank.dtensor_layout import is_dtensor
 from ..optim.hybrid import HybridMuon
 from ..optim.muon import Muon as FusedMuon
 from ._deprecation import _warn_once

@@ -37,7 +37,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from ..optim.multirank.sharded import is_dtensor
+from ..optim.multirank.dtensor_layout import is_dtensor
 from ..optim.qk_clip import check_row_layout, scale_row_blocks_
 
 # Second-to-last name part -> (query or key, MLA).

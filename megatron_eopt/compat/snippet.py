@@ -343,7 +343,7 @@ class Muon(StepStatsReporter, torch.optim.Optimizer):
 
 
 def _is_dtensor(t) -> bool:
-    from ..optim.multirank.sharded import is_dtensor
+    from ..optim.multirank.dtensor_layout import is_dtensor
 
     return is_dtensor(t)
 
@@ -428,7 +428,7 @@ class DistMuon(Muon):
         moves one buffer. Deterministic from the parameter list, so every rank agrees.
         """
         if self._exchanges is None:
-            from ..optim.multirank.sharded import ITEMS_PER_RANK, OwnerRoute, assign_owners, ns_flops
+            from ..optim.multirank.owner_exchange import ITEMS_PER_RANK, OwnerRoute, assign_owners, ns_flops
 
             group = self._pg if self._pg is not None else dist.group.WORLD
             size = dist.get_world_size(group)
@@ -533,7 +533,7 @@ class DistMuon(Muon):
 
     def _exchange(self, route, items, chunks, owners) -> None:
         """Grads to the owners, the owners' fused step, new values back (one dtype and device)."""
-        from ..optim.multirank.sharded import OwnerExchange
+        from ..optim.multirank.owner_exchange import OwnerExchange
 
         handles = [self._handles[i][1] for i in items]
         grads = [self._handles[i][0].grad for i in items]

@@ -10,7 +10,8 @@ the instance with the model and the keyword arguments. :class:`MuonAdamWFactory`
                       optimizer_cls_and_kwargs=(MuonAdamWFactory, dict(lr=0.02, adamw_lr=3e-4)))
 
 It routes the model's parameters with :func:`megatron_eopt.route_parameters` (hidden matrices to
-Muon, each seen as the (out, in) matrices its module multiplies by: ``Conv1D`` weights stored (in,
+Muon, each seen as the (out, in) matrices its forward multiplies by, read from one traced forward
+on the model's dummy inputs or ``example_inputs`` and from its module classes: ``Conv1D`` weights stored (in,
 out), fused QKV and gate/up projections split, MoE experts one matrix per expert, see
 :mod:`megatron_eopt.model_views`; embeddings, output heads, norms, biases and routers to AdamW)
 and returns one
@@ -61,6 +62,7 @@ def build_muon_adamw(
     routers: str = "adamw",
     views: Mapping[str, Any] | None = None,
     verbose: bool = False,
+    example_inputs: Any = None,
     **muon_kwargs: Any,
 ) -> HybridMuon:
     """One :class:`HybridMuon` for ``model``: Muon (``lr``, ``momentum``, ``nesterov``,
@@ -70,8 +72,9 @@ def build_muon_adamw(
     on 0-D / 1-D tensors) on the rest. ``verbose=True`` prints the routing table (each parameter's
     optimizer, matrix view and scale). ``fused_gate_up`` (``"split"``: gate and up of a fused
     projection orthogonalized apart, as separate ``nn.Linear`` would be; ``"whole"``: together, as
-    Megatron-LM's ``linear_fc1``), ``routers`` (``"adamw"`` or ``"muon"``) and ``views`` are those
-    of :func:`megatron_eopt.route_parameters`.
+    Megatron-LM's ``linear_fc1``), ``routers`` (``"adamw"`` or ``"muon"``), ``views`` and
+    ``example_inputs`` (the forward traced to read each weight's use; None: the model's
+    ``dummy_inputs``; False: no trace) are those of :func:`megatron_eopt.route_parameters`.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -79,7 +82,7 @@ def build_muon_adamw(
         model, weight_decay=weight_decay, adamw_weight_decay=adamw_weight_decay,
         embedding_patterns=embedding_patterns, head_patterns=head_patterns, adamw_patterns=adamw_patterns,
         fused_gate_up=fused_gate_up, routers=routers, views=views,
-        scale_mode=scale_mode if isinstance(scale_mode, str) else "shape_scaling",
+        scale_mode=scale_mode if isinstance(scale_mode, str) else "shape_scaling", example_inputs=example_inputs,
     )
     adamw_wd = weight_decay if adamw_weight_decay is None else adamw_weight_decay
     groups = [

@@ -23,7 +23,7 @@ from .step.state_check import check_loaded_state, like_param
 from .step import state_dtype as _low_memory
 from .adaptive_muon import AdaptiveMuon
 from .muon import Muon
-from .multirank.sharded import is_dtensor
+from .multirank.dtensor_layout import is_dtensor
 from .qk_clip import ClipConfig, ClipTarget, parse_target, plan_clip, scale_row_blocks_
 
 # Keys that belong to the AdamW side of a group; the Muon side ignores them.

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .. import ops
-from .multirank.sharded import is_dtensor
+from .multirank.dtensor_layout import is_dtensor
 
 # Parameter names: the layer index, and whether the weight is a query, key or fused QKV projection.
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")

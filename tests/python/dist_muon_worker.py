@@ -157,7 +157,7 @@ def cross_checkpoints(seed, case, rank, world, DistMuon, zeropower):
 def main():
     rank, world, seed, out, case = init_from_argv()
     from megatron_eopt.muon import DistMuon, zeropower_via_newtonschulz5
-    from megatron_eopt.optim.multirank.sharded import ns_flops
+    from megatron_eopt.optim.multirank.owner_exchange import ns_flops
 
     params = initial_params(seed, case)
     nanochat = initial_params(seed, case)

@@ -392,7 +392,7 @@ def _run_dist_muon(tmp_path, world, seed, case):
 def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, gen, world, case):
     sys.path.insert(0, HERE)
     import dist_muon_worker as worker
-    from megatron_eopt.optim.multirank.sharded import ns_flops
+    from megatron_eopt.optim.multirank.owner_exchange import ns_flops
 
     seed = gen.initial_seed() % (2**31)
     results = _run_dist_muon(tmp_path, world, seed, case)
@@ -463,7 +463,7 @@ def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, g
 
 
 def test_owner_assignment_balances_flops_and_keeps_chunks():
-    from megatron_eopt.optim.multirank.sharded import assign_owners
+    from megatron_eopt.optim.multirank.owner_exchange import assign_owners
 
     costs = [9.0, 1.0, 1.0, 1.0, 5.0, 5.0, 4.0]
     chunks, owners = assign_owners(costs, 2, 4)

@@ -1,9 +1,11 @@
 """The orthogonalized optimizers' work across ranks.
 
-``sharded``: DTensor parameters (FSDP2, HSDP, tensor-parallel meshes): each matrix's layout, the
-owner mode (one rank orthogonalizes each matrix, its shards exchanged by all-to-all) and the gather
-mode, and statistics reduced over shards. ``tp_modes``: Megatron's tensor-parallel modes
-("duplicated": shards gathered; "distributed": Newton–Schulz on the shards). ``agreement``: every
-rank of a mesh builds the same plan or raises the same error. The fused step
+DTensor parameters (FSDP2, HSDP, tensor-parallel meshes): ``dtensor_layout`` (where each rank's
+shard of a matrix lies, and the placements of its statistics), ``owner_exchange`` (one owner rank
+per matrix, balanced by FLOPs, the pieces moved by pipelined all-to-alls), ``sharded`` (the
+orthogonalizer: owner mode over the owner exchange, gather mode over DTensor's all-gather) and
+``sharded_statistics`` (NorMuon's and NAMO's statistics reduced over shards). ``tp_modes``:
+Megatron's tensor-parallel modes ("duplicated": shards gathered; "distributed": Newton–Schulz on
+the shards). ``agreement``: every rank of a mesh builds the same plan or raises the same error. The fused step
 (:mod:`megatron_eopt.optim.step`) calls these; they import nothing of it.
 """

@@ -26,7 +26,7 @@ from ... import _collectives as collectives
 from ...ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
 from .._config import OrthogonalizationConfig
 from ..matrix_view import QKVSplit, split_newton_schulz
-from .sharded import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
+from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from ..multirank.tp_modes import (
 )
 from ..matrix_view import QKVSplit, split_newton_schulz
 from .grouping import Plan, Stack
-from ..multirank.sharded import is_dtensor, local, sharded_namo_, sharded_normuon_
+from ..multirank.dtensor_layout import is_dtensor, local
+from ..multirank.sharded_statistics import sharded_namo_, sharded_normuon_
 from .block_periodic import block_orthogonalize, block_scale
 from .layout import ChunkLayout, buffer_floats
 

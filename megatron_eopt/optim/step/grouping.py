@@ -20,7 +20,7 @@ import torch
 from ...ops._quantized_state import draw_layout
 from .._config import OrthogonalizationConfig
 from ..matrix_view import QKVSplit, group_matrix_view, matrix_view, not_a_matrix, qkv_split
-from ..multirank.sharded import ShardLayout, describe, is_dtensor, local
+from ..multirank.dtensor_layout import ShardLayout, describe, is_dtensor, local
 from ..multirank.tp_modes import GTPLayout, TPLayout
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..multirank.sharded import is_dtensor
+from ..multirank.dtensor_layout import is_dtensor
 from .grouping import Plan  # the plan holds this module's cache
 
 # Each stack's NS input starts this many floats (256 bytes) into the flat buffer after the previous

@@ -19,7 +19,8 @@ from . import state_dtype as _low_memory
 from .._config import config_setting_names
 from .._eo_hooks import EOExtensionPoints
 from .grouping import Plan
-from ..multirank.sharded import ShardedOrthogonalizer, zeros_state
+from ..multirank.dtensor_layout import zeros_state
+from ..multirank.sharded import ShardedOrthogonalizer
 from .overlap import BackwardOverlap
 from .state_check import check_loaded_state
 

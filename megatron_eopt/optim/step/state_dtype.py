@@ -42,7 +42,7 @@ from typing import Any, Mapping
 import torch
 
 from ... import low_memory_state as lms
-from ..multirank.sharded import is_dtensor, local
+from ..multirank.dtensor_layout import is_dtensor, local
 
 MOMENTUM = "momentum_buffer"
 MOMENT2 = "moment2_buffer"
@@ -117,7 +117,7 @@ def check_sharding(p: torch.Tensor, state_dtype: str, block_size: int, where: st
     blocks and the blocks are those of the unsharded parameter."""
     if state_dtype not in ("int8", "fp8") or not is_dtensor(p):
         return
-    from ..multirank.sharded import _box, _is_shard
+    from ..multirank.dtensor_layout import _box, _is_shard
 
     last = p.ndim - 1
     cut = [pl for pl in p.placements if _is_shard(pl) and pl.dim % p.ndim == last]
