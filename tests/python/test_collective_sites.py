@@ -82,7 +82,7 @@ def documented() -> set[tuple[str, str]]:
 def test_every_collective_call_site_is_documented():
     sites = call_sites()
     assert len(sites) >= 15, sites  # the scan finds the sites it should (the sharded step's among them)
-    assert ("megatron_eopt/optim/multirank/sharded.py", "_Transfer._start_hop") in sites
+    assert ("megatron_eopt/optim/multirank/owner_exchange.py", "_Transfer._start_hop") in sites
     missing = sorted(sites - documented())
     assert not missing, ("collective call sites not in docs/limits.md 'Collectives, and what keeps the ranks "
                          f"together' (say what keeps the ranks together there): {missing}")

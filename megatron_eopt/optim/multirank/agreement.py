@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ... import _collectives as collectives
 from ...step_stats import count_agreement
-from .sharded import is_dtensor
+from .dtensor_layout import is_dtensor
 
 # Exception types a refusal is re-raised as on the ranks that did not see it (others: ValueError).
 _TYPES = {t.__name__: t for t in (ValueError, TypeError, RuntimeError)}
