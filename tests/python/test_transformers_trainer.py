@@ -152,3 +152,152 @@ def test_muon_clip_trainer_clips_adamw_only_and_logs_the_total_norm(tmp_path, mo
             after_total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in after]))
             assert after_total.item() == pytest.approx(0.05, rel=1e-4)
     assert trainer.grad_norm_parts.total.item() == pytest.approx(logged[-1], rel=1e-5)
+
+
+# --- resuming a model whose checkpoint names differ from its parameters (MoE experts) ---------------------------
+# transformers 5 saves Qwen3-MoE's fused experts (E, 2I, H) gate_up_proj / (E, H, I) down_proj one gate_proj /
+# up_proj / down_proj per expert, and Trainer's resume_from_checkpoint loads the file without converting them back.
+
+
+def tiny_qwen3_moe():
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=SEQ, decoder_sparse_step=1, mlp_only_layers=[],
+    )
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+EXPERTS = [f"model.layers.{i}.mlp.experts.{w}" for i in range(2) for w in ("gate_up_proj", "down_proj")]
+
+
+def moe_trainer(cls, model, tmp_path, max_steps, eval_dataset=None, **kwargs):
+    kwargs.setdefault("save_strategy", "no")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=16, max_steps=max_steps, use_cpu=True, report_to=[],
+        logging_steps=1, disable_tqdm=True, seed=0, lr_scheduler_type="constant", **kwargs,
+    )
+    return cls(model=model, args=args, train_dataset=Tokens(), eval_dataset=eval_dataset,
+               optimizer_cls_and_kwargs=(MuonAdamWFactory, dict(lr=0.02, adamw_lr=3e-3)))
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    """An uninterrupted 4-step run and a checkpoint of the same run after 2 steps (stock Trainer)."""
+    tmp = tmp_path_factory.mktemp("moe")
+    full = moe_trainer(transformers.Trainer, tiny_qwen3_moe(), tmp / "full", 4)
+    full.train()
+    reference = {n: p.detach().clone() for n, p in full.model.named_parameters()}
+    moe_trainer(transformers.Trainer, tiny_qwen3_moe(), tmp / "run", 2, save_strategy="steps", save_steps=2).train()
+    return reference, tmp / "run" / "checkpoint-2"
+
+
+def differing(model, reference):
+    return [n for n, p in model.named_parameters() if not torch.equal(p.detach(), reference[n])]
+
+
+def test_stock_trainer_resume_restarts_the_experts(moe_runs, tmp_path):
+    # what the mixin fixes: the checkpoint holds the experts per expert, the stock resume leaves them as built
+    from safetensors import safe_open
+
+    reference, checkpoint = moe_runs
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert not keys & set(EXPERTS)
+    assert {f"model.layers.1.mlp.experts.3.{w}.weight" for w in ("gate_proj", "up_proj", "down_proj")} <= keys
+    resumed = moe_trainer(transformers.Trainer, tiny_qwen3_moe(), tmp_path, 4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert set(EXPERTS) <= set(differing(resumed.model, reference))
+
+
+def test_muon_clip_trainer_resumes_the_experts_exactly(moe_runs, tmp_path):
+    from megatron_eopt.integrations.transformers import MuonClipTrainer, ResumeConversionMixin
+
+    reference, checkpoint = moe_runs
+    assert issubclass(MuonClipTrainer, ResumeConversionMixin)
+    resumed = moe_trainer(MuonClipTrainer, tiny_qwen3_moe(), tmp_path, 4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert differing(resumed.model, reference) == []  # bitwise equal to the uninterrupted run
+
+
+def test_stock_trainer_resumes_exactly_after_load_converted_weights(moe_runs, tmp_path):
+    from megatron_eopt.integrations.transformers import load_converted_weights
+
+    reference, checkpoint = moe_runs
+    model = tiny_qwen3_moe()
+    loaded, used = load_converted_weights(model, checkpoint)
+    assert sorted(loaded) == sorted(EXPERTS) and len(used) == 2 * 4 * 3
+    resumed = moe_trainer(transformers.Trainer, model, tmp_path, 4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert differing(resumed.model, reference) == []
+    # the documented workaround, from_pretrained before resuming, is exact as well
+    resumed = moe_trainer(transformers.Trainer, transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint)),
+                          tmp_path, 4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert differing(resumed.model, reference) == []
+
+
+def test_load_converted_weights_reads_the_experts_back_from_shards(tmp_path):
+    from megatron_eopt.integrations.transformers import load_converted_weights
+
+    trained = tiny_qwen3_moe()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.normal_()
+    trained.save_pretrained(str(tmp_path), max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    model = tiny_qwen3_moe()
+    loaded, _ = load_converted_weights(model, tmp_path)
+    assert sorted(loaded) == sorted(EXPERTS)
+    expected = dict(trained.named_parameters())
+    for name in EXPERTS:
+        assert torch.equal(model.get_parameter(name), expected[name]), name
+    # a dense model's checkpoint holds every weight under its own name: nothing to convert
+    gpt2 = tiny_gpt2()
+    gpt2.save_pretrained(str(tmp_path / "gpt2"))
+    assert load_converted_weights(tiny_gpt2(), tmp_path / "gpt2") == ([], [])
+    with pytest.raises(ValueError, match="checkpoint"):
+        load_converted_weights(model, tmp_path / "absent")
+    with pytest.raises(TypeError, match="model"):
+        load_converted_weights("model", tmp_path)
+
+
+def test_resume_refuses_a_checkpoint_without_the_saved_experts(moe_runs, tmp_path):
+    # experts saved under names that this model's conversion does not produce: refuse, do not restart them
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from megatron_eopt.integrations.transformers import MuonClipTrainer
+
+    _, checkpoint = moe_runs
+    broken = tmp_path / "checkpoint-2"
+    shutil.copytree(checkpoint, broken)
+    state = load_file(str(broken / "model.safetensors"))
+    state = {k.replace("experts.2.", "experts.two."): v for k, v in state.items()}
+    save_file(state, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    resumed = moe_trainer(MuonClipTrainer, tiny_qwen3_moe(), tmp_path, 4)
+    with pytest.raises(RuntimeError, match="#48805") as err:
+        resumed.train(resume_from_checkpoint=str(broken))
+    assert "from_pretrained" in str(err.value) and "experts.2." in str(err.value)
+    assert resumed.state.global_step == 0
+
+
+def test_load_best_model_at_end_converts_the_experts(tmp_path):
+    from safetensors import safe_open
+
+    from megatron_eopt.integrations.transformers import MuonClipTrainer
+
+    trainer = moe_trainer(MuonClipTrainer, tiny_qwen3_moe(), tmp_path, 4, eval_dataset=Tokens(16, seed=1),
+                          save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2,
+                          load_best_model_at_end=True, metric_for_best_model="loss",
+                          greater_is_better=True)  # the worse (first) checkpoint
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
+    with safe_open(str(tmp_path / "checkpoint-2" / "model.safetensors"), framework="pt") as f:
+        gate = f.get_tensor("model.layers.1.mlp.experts.3.gate_proj.weight")
+        down = f.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight")
+    experts = trainer.model.model.layers[1].mlp.experts
+    assert torch.equal(experts.gate_up_proj[3, :16], gate) and torch.equal(experts.down_proj[3], down)
