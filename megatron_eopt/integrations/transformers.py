@@ -30,9 +30,10 @@ gradients before clipping.
 
 Resuming: transformers 5 saves some weights under other names than the model's (its checkpoint
 conversion mapping: MoE experts stored fused, ``(E, 2I, H)`` ``gate_up_proj``, are saved one
-``gate_proj`` / ``up_proj`` / ``down_proj`` per expert), and Trainer's ``resume_from_checkpoint``
-loads the checkpoint without converting them back (transformers issue #48805): those weights keep
-their initial values while the optimizer's state is restored. :class:`ResumeConversionMixin` (part
+``gate_proj`` / ``up_proj`` / ``down_proj`` per expert; GPT-NeoX's ``lm_head`` is saved as
+``embed_out``), and Trainer's ``resume_from_checkpoint`` loads the checkpoint without converting them
+back (transformers issue #48805): those weights keep their initial values while the optimizer's
+state is restored. :class:`ResumeConversionMixin` (part
 of :class:`MuonClipMixin` and ``MuonClipTrainer``) loads them converted back, and
 :func:`load_converted_weights` does it for a stock Trainer's model.
 """

@@ -301,3 +301,30 @@ def test_load_best_model_at_end_converts_the_experts(tmp_path):
         down = f.get_tensor("model.layers.1.mlp.experts.3.down_proj.weight")
     experts = trainer.model.model.layers[1].mlp.experts
     assert torch.equal(experts.gate_up_proj[3, :16], gate) and torch.equal(experts.down_proj[3], down)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_neox"])
+def test_load_converted_weights_restores_renamed_weights(arch, tmp_path):
+    # the mapping also renames: Mixtral's experts and router (block_sparse_moe), GPT-NeoX's output head (embed_out)
+    from megatron_eopt.integrations.transformers import load_converted_weights
+
+    T = transformers
+    config = T.MixtralConfig(hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, vocab_size=VOCAB, num_local_experts=4,
+                             num_experts_per_tok=2) if arch == "mixtral" else \
+        T.GPTNeoXConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                        vocab_size=VOCAB)
+    torch.manual_seed(0)
+    trained = T.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.normal_()
+    trained.save_pretrained(str(tmp_path))
+    model = T.AutoModelForCausalLM.from_config(config)
+    loaded, _ = load_converted_weights(model, tmp_path)
+    expected = {"mixtral": {f"model.layers.{i}.mlp.{w}" for i in range(2)
+                            for w in ("gate.weight", "experts.gate_up_proj", "experts.down_proj")},
+                "gpt_neox": {"lm_head.weight"}}[arch]
+    assert set(loaded) == expected
+    for name in expected:
+        assert torch.equal(model.get_parameter(name), trained.get_parameter(name)), name
