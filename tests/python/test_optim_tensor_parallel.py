@@ -15,3 +15,10 @@ def test_tensor_parallel_modes_match_single_device_at_tp2_and_tp4(tmp_path, gen)
     # Megatron's TensorParallelMuon on the same shards.
     seed = gen.initial_seed() % (2**31)
     mp.spawn(optim_tp_worker.worker, args=(4, os.path.join(tmp_path, "rendezvous"), seed), nprocs=4, join=True)
+
+
+@pytest.mark.distributed
+def test_tp_mode_auto_equals_the_mode_it_picks(tmp_path, gen):
+    # 2 ranks: auto against duplicated and distributed, bit for bit per parameter; experts duplicated.
+    seed = gen.initial_seed() % (2**31)
+    mp.spawn(optim_tp_worker.auto_worker, args=(2, os.path.join(tmp_path, "rendezvous"), seed), nprocs=2, join=True)
