@@ -537,6 +537,9 @@ def worker(rank, world_size, init_file, seed):
                       dict(moment2_method="adamuon"), seed)
             check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], tp_mode, TensorParallelMuon, {}, seed,
                       stock=None if tp_mode == "layer_sharded" else stock, layout=GTP_QKV_LAYOUT, qkv_index=0)
+        # tp_mode "auto" on GTP-sharded weights: priced on the tensor-parallel matrix without its padding
+        check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], "auto", TensorParallelMuon,
+                  dict(tp_mode_hardware=FREE_LINKS), seed)
         check_gtp_refusals(tp_pairs[rank // 2], gtp_pairs[rank % 2])
         singles = [dist.new_group([r]) for r in range(world_size)]
         for tp_mode in ("duplicated", "blockwise"):
