@@ -100,10 +100,22 @@ def chunk_extent(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(full, size - start))
 
 
+def placement_kind(pl) -> str:
+    """What a DTensor placement does, in one place for every reader: ``"strided"`` (FSDP2's
+    _StridedShard over tensor parallelism: a Shard subclass in some torch versions, not in others),
+    ``"shard"`` (Shard), ``"replicate"``, or ``"other"`` (Partial, ...)."""
+    if type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"):
+        return "strided"
+    if Shard is not None and isinstance(pl, Shard):
+        return "shard"
+    if Replicate is not None and isinstance(pl, Replicate):
+        return "replicate"
+    return "other"
+
+
 def _is_shard(pl) -> bool:
-    # Shard, and FSDP2's _StridedShard over tensor parallelism (not a Shard subclass in every
-    # torch version); both split a tensor dim `pl.dim` over a mesh dim.
-    return isinstance(pl, Shard) or (type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"))
+    # Shard and _StridedShard both split a tensor dim `pl.dim` over a mesh dim.
+    return placement_kind(pl) in ("shard", "strided")
 
 
 def _box(shape, placements, coordinate, mesh_shape, uneven=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
