@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from .optim.multirank.agreement import AGREEMENT_BYTES
+from .optim.multirank.dtensor_layout import chunk_extent
 from .optim.multirank.hardware import HARDWARE, Hardware, ns_seconds
 from .optim.multirank.sharded import ITEMS_PER_RANK, assign_owners, ns_flops
 from .optim.step.grouping import chunk_entries
@@ -119,9 +120,8 @@ class RankCounts(StepStats):
 
 
 def _chunk(size: int, parts: int, index: int) -> int:
-    full = -(-size // parts) if size else 0
-    start = min(index * full, size)
-    return max(0, min(full, size - start))
+    """The length of part ``index`` of ``size`` split as DTensor's Shard does (the step's own rule)."""
+    return chunk_extent(size, parts, index)[1]
 
 
 def _sharding(m: Matrix, mesh: Mesh) -> dict[int, int]:

@@ -344,7 +344,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
                               self.sharded_mode, self._group_configs(), self._gtp_layout, self._replica_work_in_use,
                               uneven)
-            if self.block_period is not None and any(e.stack_index < 0 and e.qkv is not None for e in plan.entries):
+            if self.block_period is not None and any(e.spans_ranks and e.qkv is not None for e in plan.entries):
                 raise ValueError(
                     f"block_period={self.block_period} (MuonBP) orthogonalizes a shard as one matrix, which a fused "
                     "projection split into parts (split_shapes) sharded across ranks is not: use block_period=None")
@@ -546,7 +546,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         would receive the shard)."""
         if self._config is None:
             return None
-        spanning = next((e for e in self._current_plan().entries if e.stack_index < 0), None)
+        spanning = next((e for e in self._current_plan().entries if e.spans_ranks), None)
         if spanning is None:
             return None
         where = f"the {tuple(spanning.param.shape)} matrix sharded across ranks"
@@ -596,7 +596,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             out = self._config.newton_schulz(grad.to(torch.float32).unsqueeze(0))[0]
             return out if self._config.moment2_method is not None else out * self._config.scale(*grad.shape)
         x = grad.to(torch.float32)
-        if entry.stack_index < 0:
+        if entry.spans_ranks:
             # A matrix spanning ranks: a collective, so every rank of its mesh must call this.
             out = self._sharded.run([entry.sharding], [x.contiguous()], plan.configs[entry.group_index],
                                     [entry.qkv])[0]

@@ -30,7 +30,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .. import ops
-from .multirank.dtensor_layout import is_dtensor
+from .multirank.dtensor_layout import is_dtensor, placement_kind
 
 # Parameter names: the layer index, and whether the weight is a query, key or fused QKV projection.
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
@@ -218,7 +218,7 @@ def check_row_layout(weight: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: QK-clip scales rows of 2-D weights, got shape {tuple(weight.shape)}")
     if is_dtensor(weight):
         for pl in weight.placements:
-            if type(pl).__name__ == "_StridedShard" and getattr(pl, "dim", None) == 0:
+            if placement_kind(pl) == "strided" and pl.dim == 0:
                 raise ValueError(f"{name}: rows strided-sharded ({pl}) hold no contiguous range of heads; "
                                  "QK-clip needs Shard(0), Shard(1) or Replicate placements")
 

@@ -15,6 +15,13 @@ sharded dimension is ``p.partition_dim`` (-1 or missing: not sharded). tp_mode:
   ``ns_batch_size`` same-shape matrices, and its shards are sent back: one all-to-all each way per
   chunk of matrices, every matrix orthogonalized once in the group. Results equal duplicated mode.
 
+- auto (Megatron-LM PR #6664): per dense weight, duplicated or distributed, whichever a cost model
+  of the step (:func:`~megatron_eopt.optim.multirank.tp_modes.auto_tp_mode_seconds`: Newton–Schulz
+  FLOPs, halved Gram products with ``use_syrk``, the all-gather against the per-iteration Gram
+  all-reduces, on the device's hardware profile or ``tp_mode_hardware``) finds faster; expert
+  parameters always duplicated, as Megatron-LM's rule has it. ``tp_modes()`` tells what each
+  parameter got.
+
 ``expert_tp_mode`` (None: ``tp_mode``) is the mode of ``expert_tp`` parameters, e.g. layer-sharded
 experts beside duplicated dense weights. Parameters not sharded over their group are orthogonalized
 on every rank in every mode.
@@ -37,11 +44,12 @@ from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.grouping import DEFAULT_WORKSPACE_MIB
-from .multirank.tp_modes import GTPLayout, TPLayout
+from .multirank.hardware import HARDWARE, Hardware, hardware_of
+from .multirank.tp_modes import AUTO_CANDIDATES, GTPLayout, TPLayout, auto_tp_mode
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
-TP_MODES = ("blockwise", "duplicated", "distributed", "layer_sharded")
+TP_MODES = ("blockwise", "duplicated", "distributed", "layer_sharded", "auto")
 
 
 class _TensorParallelRouting:
@@ -54,7 +62,8 @@ class _TensorParallelRouting:
     qkv_split_shapes: list[int] | None
 
     def _set_routing(self, split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode, expert_tp_mode=None,
-                     ns_batch_size=1) -> None:
+                     ns_batch_size=1, auto=None) -> None:
+        """``auto``: (num_ns_steps, use_syrk, precision, candidates, hardware or None) for tp_mode "auto"."""
         if tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be one of {list(TP_MODES)}, got {tp_mode!r}")
         if expert_tp_mode is not None and expert_tp_mode not in TP_MODES:
@@ -68,6 +77,7 @@ class _TensorParallelRouting:
         self.tp_mode = tp_mode
         self.expert_tp_mode = expert_tp_mode
         self.ns_batch_size = ns_batch_size
+        self._auto = auto if auto is not None else (5, False, "medium", AUTO_CANDIDATES, None)
         self.split_qkv = bool(split_qkv)
         self.is_qkv_fn = is_qkv_fn
         self.qkv_split_shapes = None if qkv_split_shapes is None else list(qkv_split_shapes)
@@ -80,8 +90,54 @@ class _TensorParallelRouting:
 
     def _tp_mode_of(self, p: torch.Tensor) -> str:
         if getattr(p, "expert_tp", False) and self.expert_tp_mode is not None:
-            return self.expert_tp_mode
-        return self.tp_mode
+            mode = self.expert_tp_mode
+        else:
+            mode = self.tp_mode
+        return self._auto_mode(p) if mode == "auto" else mode
+
+    def _auto_mode(self, p: torch.Tensor) -> str:
+        """tp_mode "auto" for p: experts duplicated (Megatron-LM's rule is for dense weights), a dense
+        weight sharded over its group by :func:`auto_tp_mode`. The choice depends only on the global
+        shape, the group's size, the step's settings and the hardware profile (all alike on every rank
+        of the group; the device's profile too unless a group mixes GPU models), so every rank makes the
+        same one; the ranks also agree at construction on the plan's digest, which holds each entry's
+        mode, and refuse to step otherwise."""
+        if getattr(p, "expert_tp", False):
+            return "duplicated"
+        partition_dim = getattr(p, "partition_dim", None)
+        group = self._tp_group(p)
+        if partition_dim not in (0, 1) or p.dim() != 2 or group is None:
+            return "duplicated"  # not sharded over a group: orthogonalized whole, the mode unused
+        size = dist.get_world_size(group)
+        if size <= 1:
+            return "duplicated"
+        shape = list(p.shape)
+        pg = self.pg_collection
+        gtp_group = getattr(pg, "gtp_remat", None) if getattr(p, "is_gtp_weight_remat", False) else None
+        if gtp_group is not None and dist.get_world_size(gtp_group) > 1:  # the tensor-parallel local rows
+            shape[0] = shape[0] * dist.get_world_size(gtp_group) - int(getattr(p, "pad_length", 0))
+        num_ns_steps, use_syrk, precision, candidates, hw = self._auto
+        return auto_tp_mode(shape[partition_dim] * size, shape[1 - partition_dim], size, num_ns_steps, use_syrk,
+                            p.element_size(), hw if hw is not None else hardware_of(p.device), precision, candidates)
+
+    def tp_modes(self) -> dict[int, str]:
+        """{index of the parameter in ``param_groups`` order: the tensor-parallel mode its update runs
+        in}: "duplicated", "distributed", "layer_sharded" or "blockwise" for a parameter sharded over
+        its group (with tp_mode "auto", the mode chosen for it; a parameter distributed mode runs as
+        duplicated, being sharded along its short side, is "duplicated"), "replicated" for one
+        orthogonalized whole on every rank (not sharded, or a group of one rank)."""
+        modes = {}
+        params = (p for group in self.param_groups for p in group["params"])
+        for index, p in enumerate(params):
+            layout = self._tp_layout(p)
+            if layout is not None:
+                modes[index] = layout.mode
+            elif (self._tp_mode_of(p) == "blockwise" and getattr(p, "partition_dim", None) in (0, 1)
+                  and self._tp_group(p) is not None and dist.get_world_size(self._tp_group(p)) > 1):
+                modes[index] = "blockwise"
+            else:
+                modes[index] = "replicated"
+        return modes
 
     def _tp_layout(self, p: torch.Tensor) -> TPLayout | None:
         mode = self._tp_mode_of(p)
@@ -159,7 +215,9 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     with symmetric products (the symmetric kernel or lower block panels), False lets them choose by
     measurement (``ns_products="full"``, an extension, forces one GEMM each); the results agree to
     float rounding. ``ns_batch_size`` and ``expert_tp_mode`` (extensions: the layer-sharded mode's batch
-    and the mode of expert parameters): see the module docstring.
+    and the mode of expert parameters): see the module docstring. ``tp_mode_hardware`` (an extension):
+    the hardware profile tp_mode "auto" prices the modes on, a :class:`~megatron_eopt.optim.multirank.
+    hardware.Hardware` or a name of ``HARDWARE`` ("H100", "H200", "B200", "CPU"); None: the device's.
 
     ``ns_eps`` (an extension; None: as Megatron-LM, :func:`megatron_ns_eps`) is the Frobenius
     normalization floor of Newton–Schulz: 1e-7, the Emerging-Optimizers release Megatron-LM pins, or
@@ -192,6 +250,7 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         *,
         ns_batch_size: int = 1,
         expert_tp_mode: str | None = None,
+        tp_mode_hardware: Hardware | str | None = None,
         ns_products: str = "auto",
         custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
         state_dtype: str = "fp32",
@@ -217,11 +276,24 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         ns_eps = a["ns_eps"] if a["ns_eps"] is not None else megatron_ns_eps(a["use_syrk"])
         config, _ = fused_config(a, defer=False, weight_decay_method=weight_decay_method,
                                  moment2_method=None if moment2 is None else moment2[0], ns_eps=ns_eps)
-        if "distributed" in (a["tp_mode"], a["expert_tp_mode"]) and config.recipe.op_arguments != NSRecipe().op_arguments:
+        plain_recipe = config.recipe.op_arguments == NSRecipe().op_arguments
+        if "distributed" in (a["tp_mode"], a["expert_tp_mode"]) and not plain_recipe:
             raise ValueError("row_equilibration, frobenius_renorm, ns_eps_mode and ns_norm_divisor do not apply with "
                              "tp_mode='distributed'")
+        hardware = a["tp_mode_hardware"]
+        if isinstance(hardware, str):
+            if hardware not in HARDWARE:
+                raise ValueError(f"tp_mode_hardware must be None, a Hardware or one of {sorted(HARDWARE)}, "
+                                 f"got {hardware!r}")
+            hardware = HARDWARE[hardware]
+        elif hardware is not None and not isinstance(hardware, Hardware):
+            raise ValueError(f"tp_mode_hardware must be None, a Hardware or one of {sorted(HARDWARE)}, "
+                             f"got {hardware!r}")
+        # tp_mode "auto" with the recipe's extensions (which distributed mode has not) chooses duplicated.
+        candidates = AUTO_CANDIDATES if plain_recipe else ("duplicated",)
+        auto = (config.num_ns_steps, a["use_syrk"] is True, config.precision, candidates, hardware)
         self._set_routing(a["split_qkv"], a["is_qkv_fn"], a["qkv_split_shapes"], a["pg_collection"], a["tp_mode"],
-                          a["expert_tp_mode"], a["ns_batch_size"])
+                          a["expert_tp_mode"], a["ns_batch_size"], auto)
         defaults = dict(lr=a["lr"], momentum=a["momentum"], weight_decay=a["weight_decay"])
         if moment2 is not None:
             defaults.update(beta2=moment2[1], eps=moment2[2])
@@ -255,6 +327,7 @@ def _adaptive_arguments(
     *,
     ns_batch_size: int = 1,
     expert_tp_mode: str | None = None,
+    tp_mode_hardware: Hardware | str | None = None,
     ns_products: str = "auto",
     custom_coefficient_sets: Sequence[Sequence[float]] | None = None,
     state_dtype: str = "fp32",

@@ -23,6 +23,7 @@ if not hasattr(typing, "override"):  # Megatron / Emerging-Optimizers import it 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
+from megatron_eopt.optim.multirank.hardware import Hardware  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
 from dist_harness import counted_collectives, gloo_world  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
@@ -284,6 +285,94 @@ def check_step_stats(group, seed):
             assert calls["all_to_all_single"] == 4  # one chunk per stack, one all-to-all each way
 
 
+# tp_mode "auto": (global shape, partition_dim, is_qkv, expert) and the mode it picks on a profile of
+# free communication (the Newton–Schulz FLOPs decide): a weight sharded along its long side gets
+# distributed (its shard's Gram matrix is smaller), along its short side duplicated, an expert
+# duplicated whatever its shape.
+AUTO_LAYOUT = [
+    (((32, 16), 0, False, False), "distributed"),
+    (((16, 32), 1, False, False), "distributed"),
+    (((16, 32), 0, False, False), "duplicated"),
+    (((32, 16), 0, False, True), "duplicated"),
+    (((24, 16), 0, False, False), "distributed"),
+    (((12, 12), -1, False, False), "replicated"),
+    (((4 * 8, 16), 0, True, False), "distributed"),
+]
+FREE_LINKS = Hardware("FLOPs only", {"medium": 1.0, "high": 1.0, "highest": 1.0}, 0.0, 1e12, 1e12, 0.0)
+
+
+def check_auto(group, seed):
+    """tp_mode "auto" (and expert_tp_mode "auto") equals, parameter by parameter and bit for bit, the
+    mode it picks; both modes are picked; experts get duplicated; every rank picks alike; the CPU's
+    profile (gloo's latency) picks duplicated for these small matrices; the collectives are the
+    chosen mode's plus the ranks' agreement."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    layout = [entry for entry, _ in AUTO_LAYOUT]
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, *_ in layout]
+    grads = [[torch.randn(shape, generator=gen) for shape, *_ in layout] for _ in range(STEPS)]
+    pg = SimpleNamespace(tp=group, expt_tp=group)
+    base = dict(lr=0.02, momentum=0.9, weight_decay=0.1, split_qkv=True, is_qkv_fn=lambda p: p.is_qkv,
+                qkv_split_shapes=QKV_SPLIT, fp32_matmul_prec="highest", pg_collection=pg)
+
+    def run(cls, **kwargs):
+        params = [_tag(torch.nn.Parameter(_shard(t, pd, rank, size).clone()), pd, q, e)
+                  for t, (_, pd, q, e) in zip(full, layout)]
+        opt = cls(params, **base, **kwargs)
+        for step_grads in grads:
+            for p, g, (_, pd, _, _) in zip(params, step_grads, layout):
+                p.grad = _shard(g, pd, rank, size).clone()
+            opt.step()
+        return params, opt
+
+    for cls, extra in ((TensorParallelMuon, {}), (TensorParallelAdaptiveMuon, dict(moment2_method="normuon"))):
+        fixed = {mode: run(cls, tp_mode=mode, **extra)[0] for mode in ("duplicated", "distributed")}
+        fixed["replicated"] = fixed["duplicated"]
+        # the two modes round differently, so matching one bit for bit tells which ran
+        assert any(not torch.equal(fixed["distributed"][i], fixed["duplicated"][i])
+                   for i, (_, mode) in enumerate(AUTO_LAYOUT) if mode == "distributed"), cls.__name__
+        for kwargs in (dict(tp_mode="auto"), dict(tp_mode="auto", expert_tp_mode="auto")):
+            got, opt = run(cls, tp_mode_hardware=FREE_LINKS, **kwargs, **extra)
+            modes = opt.tp_modes()
+            assert modes == {i: mode for i, (_, mode) in enumerate(AUTO_LAYOUT)}, (cls.__name__, kwargs, modes)
+            for i, p in enumerate(got):
+                assert torch.equal(p, fixed[modes[i]][i]), f"auto {cls.__name__} {kwargs} param {i}: not {modes[i]}"
+            codes = torch.tensor([TP_MODE_CODES[modes[i]] for i in range(len(layout))])
+            everyone = [torch.zeros_like(codes) for _ in range(size)]
+            dist.all_gather(everyone, codes, group=group)
+            assert all(torch.equal(c, codes) for c in everyone), f"auto: ranks chose differently {everyone}"
+        got, opt = run(cls, tp_mode="auto", **extra)  # the device's (CPU) profile
+        assert set(opt.tp_modes().values()) == {"duplicated", "replicated"}, opt.tp_modes()
+        for i, p in enumerate(got):
+            assert torch.equal(p, fixed["duplicated"][i]), f"auto (CPU profile) {cls.__name__} param {i}"
+
+    collective_layout = [((32, 16), 0), ((32, 16), 0), ((16, 32), 1)]  # two stacks, sharded along the long side
+    for hardware, expected in ((FREE_LINKS, {"all_reduce": 1 + 2 * (1 + 5), "all_gather": 0}),
+                               (None, {"all_reduce": 1, "all_gather": 2})):
+        params = [_tag(torch.nn.Parameter(_shard(torch.randn(shape, generator=gen), pd, rank, size).clone()),
+                       pd, False, False) for shape, pd in collective_layout]
+        opt = TensorParallelMuon(params, lr=0.02, num_ns_steps=5, pg_collection=pg, tp_mode="auto",
+                                 tp_mode_hardware=hardware)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        with counted_collectives(("all_reduce", "all_gather")) as calls:
+            opt.step()
+        assert calls == expected, f"auto on {hardware}: {calls} collectives, expected {expected}"
+    with pytest_raises(ValueError, "tp_mode_hardware"):
+        TensorParallelMuon([torch.nn.Parameter(torch.zeros(4, 4))], tp_mode="auto", tp_mode_hardware="TPU")
+    with pytest_raises(ValueError, "tp_mode"):
+        TensorParallelMuon([torch.nn.Parameter(torch.zeros(4, 4))], tp_mode="automatic")
+
+
+TP_MODE_CODES = {"replicated": 0, "blockwise": 1, "duplicated": 2, "distributed": 3, "layer_sharded": 4}
+
+
+@exits_without_teardown
+def auto_worker(rank, world_size, init_file, seed):
+    with gloo_world(rank, world_size, init_file):
+        check_auto(dist.group.WORLD, seed)
+
+
 # GTP weight rematerialization on 4 ranks: TP groups {0, 1}, {2, 3}; GTP groups {0, 2}, {1, 3}.
 # (TP-global shape, partition_dim, pad_length): padded and unpadded, row- and column-sharded and
 # replicated over TP, a shard that is partly padding and one that is all padding.
@@ -448,6 +537,9 @@ def worker(rank, world_size, init_file, seed):
                       dict(moment2_method="adamuon"), seed)
             check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], tp_mode, TensorParallelMuon, {}, seed,
                       stock=None if tp_mode == "layer_sharded" else stock, layout=GTP_QKV_LAYOUT, qkv_index=0)
+        # tp_mode "auto" on GTP-sharded weights: priced on the tensor-parallel matrix without its padding
+        check_gtp(tp_pairs[rank // 2], gtp_pairs[rank % 2], "auto", TensorParallelMuon,
+                  dict(tp_mode_hardware=FREE_LINKS), seed)
         check_gtp_refusals(tp_pairs[rank // 2], gtp_pairs[rank % 2])
         singles = [dist.new_group([r]) for r in range(world_size)]
         for tp_mode in ("duplicated", "blockwise"):

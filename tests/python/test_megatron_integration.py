@@ -112,6 +112,26 @@ def test_install_fills_config_to_cls_where_megatron_has_it(stock_registry, monke
 
 
 @needs_megatron
+@pytest.mark.parametrize("name, cls", [("muon", TensorParallelMuon), ("adaptive_muon", TensorParallelAdaptiveMuon)])
+def test_factory_builds_tp_mode_auto(stock_registry, megatron_env, name, cls):
+    """``--muon-tp-mode auto`` (Megatron-LM PR #6664) builds ours and steps; at TP 1 nothing is sharded,
+    so every weight reports "replicated"."""
+    model = megatron_env.build_gpt(seed=1)
+    integration.install()
+    config = _config(name, muon_tp_mode="auto")
+    config.muon_expert_tp_mode = "auto"
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(config, [model])
+        ours = [w.optimizer for w in chained.chained_optimizers if isinstance(w.optimizer, cls)]
+        assert ours and all(opt.tp_mode == "auto" and opt.expert_tp_mode == "auto" for opt in ours)
+        assert all(set(opt.tp_modes().values()) == {"replicated"} for opt in ours)
+        before = [p.detach().clone() for p in model.parameters()]
+        megatron_env.forward_backward(model, seed=0)
+        assert chained.step()[0]
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@needs_megatron
 def test_install_fills_constructor_only_kwargs_where_megatron_has_it(stock_registry, monkeypatch):
     """Megatron-LM's optimizer recipes (#5925) refuse an entry's ``constructor_only_kwargs`` per
     parameter group: where its entry has that field, install() hands ours on, every optimizer-wide

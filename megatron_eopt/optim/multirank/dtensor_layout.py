@@ -93,17 +93,29 @@ class ShardLayout:
         return tuple(sorted({i for d in (nd - 2, nd - 1) for i in self.shard_dims.get(d, ())}))
 
 
-def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+def chunk_extent(size: int, parts: int, index: int) -> tuple[int, int]:
     """(offset, length) of part `index` of `size` split as torch.chunk / DTensor's Shard do."""
     full = -(-size // parts) if size else 0
     start = min(index * full, size)
     return start, max(0, min(full, size - start))
 
 
+def placement_kind(pl) -> str:
+    """What a DTensor placement does, in one place for every reader: ``"strided"`` (FSDP2's
+    _StridedShard over tensor parallelism: a Shard subclass in some torch versions, not in others),
+    ``"shard"`` (Shard), ``"replicate"``, or ``"other"`` (Partial, ...)."""
+    if type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"):
+        return "strided"
+    if Shard is not None and isinstance(pl, Shard):
+        return "shard"
+    if Replicate is not None and isinstance(pl, Replicate):
+        return "replicate"
+    return "other"
+
+
 def _is_shard(pl) -> bool:
-    # Shard, and FSDP2's _StridedShard over tensor parallelism (not a Shard subclass in every
-    # torch version); both split a tensor dim `pl.dim` over a mesh dim.
-    return isinstance(pl, Shard) or (type(pl).__name__ == "_StridedShard" and hasattr(pl, "dim"))
+    # Shard and _StridedShard both split a tensor dim `pl.dim` over a mesh dim.
+    return placement_kind(pl) in ("shard", "strided")
 
 
 def _box(shape, placements, coordinate, mesh_shape, uneven=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -117,7 +129,7 @@ def _box(shape, placements, coordinate, mesh_shape, uneven=None) -> tuple[tuple[
                 sizes = uneven[1]
                 start, n = sum(sizes[: coordinate[i]]), sizes[coordinate[i]]
             else:
-                start, n = _chunk(length[d], mesh_shape[i], coordinate[i])
+                start, n = chunk_extent(length[d], mesh_shape[i], coordinate[i])
             offset[d] += start
             length[d] = n
     return tuple(offset), tuple(length)
@@ -147,7 +159,7 @@ def uneven_splits(params) -> list[tuple[int, tuple[int, ...]] | None]:
         collectives.all_gather_object(gathered, [int(p.to_local().shape[d]) for _, p, d in members], group=group)
         for k, (index, p, d) in enumerate(members):
             sizes = tuple(int(g[k]) for g in gathered)
-            rule = tuple(_chunk(p.shape[d], len(sizes), c)[1] for c in range(len(sizes)))
+            rule = tuple(chunk_extent(p.shape[d], len(sizes), c)[1] for c in range(len(sizes)))
             if sizes != rule and sum(sizes) == p.shape[d]:
                 out[index] = (i, sizes)
     return out

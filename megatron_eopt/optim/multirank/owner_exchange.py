@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _collectives as collectives
+from ...step_stats import newton_schulz_flops
 
 # Matrices per rank and chunk in owner mode: two keeps every rank busy while the next chunk's
 # shards travel, and same-shape matrices of a chunk still batch into one Newton–Schulz call.
@@ -133,8 +134,7 @@ def _relay_route(mesh, mesh_dims: tuple[int, ...]) -> OwnerRoute:
 def ns_flops(shape) -> float:
     """Newton–Schulz FLOPs of one iteration over a (..., m, n) matrix view (the owners' cost)."""
     *lead, m, n = shape
-    s, l = min(m, n), max(m, n)
-    return math.prod(lead) * s * s * (4 * l + 2 * s)
+    return math.prod(lead) * newton_schulz_flops(m, n, 1)  # the one FLOP model (step_stats)
 
 
 def assign_owners(costs: list[float], size: int, per_chunk: int,

@@ -26,6 +26,7 @@ import torch
 
 from ...step_stats import newton_schulz_flops
 from ..matrix_view import matrix_view, not_a_matrix
+from .dtensor_layout import placement_kind
 from .hardware import Hardware, hardware_of, ns_seconds
 
 
@@ -40,10 +41,11 @@ def _replicas_of(p, nd_mode: str) -> tuple[int, int, int] | None:
     batch_split = 1
     for i, pl in enumerate(placements):
         size = mesh.size(i)
-        if type(pl).__name__ == "Replicate":
+        kind = placement_kind(pl)
+        if kind == "replicate":
             replicas *= size
-        elif hasattr(pl, "dim"):
-            if type(pl).__name__ != "Shard" or pl.dim < 0:
+        elif kind in ("shard", "strided"):
+            if kind == "strided" or pl.dim < 0:
                 return None  # describe() refuses "split" for such placements, even on a dim of one rank
             if size == 1:
                 continue

@@ -244,7 +244,7 @@ class FusedStep:
         updates: dict[int, torch.Tensor] = {}
         by_config: dict[int, list[int]] = {}  # sharded matrices: groups with their own settings run apart
         for i in members:
-            if entries[i].stack_index < 0:
+            if entries[i].spans_ranks:
                 by_config.setdefault(id(plan.configs[entries[i].group_index]), []).append(i)
         # MuonBP: shards orthogonalized where they are (step.block_periodic)
         block = self.block_period is not None and bool(by_config) and self._block_step_now()

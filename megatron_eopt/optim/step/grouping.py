@@ -38,7 +38,7 @@ class ParamEntry:
     update_scale: float
     part_scales: tuple[tuple[int, int, float], ...] = ()  # (row offset, rows, scale) per part
     normuon_dim: int = -1  # dim NorMuon averages over, from the global shape
-    stack_index: int = -1  # -1: a sharded matrix (orthogonalized by multirank.sharded), not in a stack
+    stack_index: int = -1  # -1: a matrix sharded across ranks (spans_ranks), not in a stack
     bucket_index: int = -1
     sharding: ShardLayout | None = None  # DTensor params
     # The parameter's position in the param groups (all params counted): a stable id, the same on
@@ -47,6 +47,12 @@ class ParamEntry:
     # The low-memory ops' ``draws`` entry of the local matrix view (_draws_of), made with the plan.
     draws: tuple[int, ...] = ()
     gtp: GTPLayout | None = None  # Megatron-LM's GTP row sharding (on top of tp)
+
+    @property
+    def spans_ranks(self) -> bool:
+        """A matrix sharded across ranks: orthogonalized whole by ``multirank.sharded`` (an owner or
+        every rank after a gather), not in a stack of local matrices."""
+        return self.stack_index < 0
 
     @property
     def batch(self) -> int:

@@ -441,7 +441,7 @@ class BackwardOverlap:
 
 def _communicates(plan: Plan, members) -> bool:
     """Whether the work of the chunk with these entries calls collectives."""
-    return any(plan.entries[i].stack_index < 0 or plan.stacks[plan.entries[i].stack_index].tp is not None
+    return any(plan.entries[i].spans_ranks or plan.stacks[plan.entries[i].stack_index].tp is not None
                or plan.stacks[plan.entries[i].stack_index].gtp is not None for i in members)
 
 
