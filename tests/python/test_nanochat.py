@@ -39,9 +39,17 @@ def _run(opt, params, grads, schedule=None):
         opt.step()
 
 
-def _delta_err(params, refs, start):
-    return max(rel_err(p.detach().double() - s.double(), r.detach().double() - s.double())
-               for p, r, s in zip(params, refs, start))
+def _delta_err(params, refs, start, storage_steps=0):
+    """The largest relative difference of the parameters' updates. ``storage_steps``: steps after
+    which both runs round the parameters to fp32 storage, so that they may differ by an ulp of the
+    parameter per step whatever the size of the update (an update that nearly cancels over the steps,
+    as a one-element AdamW parameter's can: 1.7e-3 over four steps of lr 0.01, apart by one ulp)."""
+    errors = []
+    for p, r, s in zip(params, refs, start):
+        p, r, s = p.detach().double(), r.detach().double(), s.double()
+        floor = storage_steps * torch.finfo(torch.float32).eps * float(r.norm()) / TOLERANCE["highest"]
+        errors.append(float((p - r).norm()) / max(float((r - s).norm()), floor, 1e-300))
+    return float("inf") if any(e != e for e in errors) else max(errors)  # NaN never passes
 
 
 def _warmup(opt, t):
@@ -462,7 +470,7 @@ def test_muonadamw_compiled_step_matches_eager(lr_kind, init_state, gen):
         assert graphs == [1] + [2] * (len(graphs) - 1), graphs
     elif init_state:
         _assert_float_schedule_graphs(graphs)
-    assert _delta_err(params, refs, start) <= TOLERANCE["highest"]
+    assert _delta_err(params, refs, start, storage_steps=len(graphs)) <= TOLERANCE["highest"]
     _assert_same_stacks(ours, eager, TOLERANCE["highest"])
     _assert_same_layout(ours, eager)
     assert all(ours.state[p]["step"] == 4 for p in params[:3])
