@@ -11,7 +11,7 @@ function(megatron_eopt_source_manifest root out)
   set(patterns "")
   foreach(dir csrc cmake)
     foreach(ext cpp h cu cuh cmake)
-      list(APPEND patterns "${dir}/*.${ext}")
+      list(APPEND patterns "${root}/${dir}/*.${ext}")  # absolute: a script runs from any folder
     endforeach()
   endforeach()
   file(GLOB_RECURSE files RELATIVE "${root}" ${patterns})
