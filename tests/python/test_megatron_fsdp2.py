@@ -56,8 +56,9 @@ def test_fsdp2_matches_megatron_ddp_on_four_ranks(tmp_path, gen):
 
 
 def test_communication_benchmark_ours_moves_each_matrix_once_per_direction(tmp_path):
-    """benchmarks/megatron_fsdp2_comm.py on 2 ranks: our Muon member's step communicates only in
-    all-to-alls, one there and one back per chunk of matrices, and all ranks together send at most
+    """benchmarks/megatron_fsdp2_comm.py on 2 ranks: our Muon member's step communicates in
+    all-to-alls, one there and one back per chunk of matrices (besides the ranks' agreement before
+    the step, one all-reduce of 40 bytes), and all ranks together send at most
     twice the Muon matrices' bytes (on 2 ranks exactly once: each matrix's other half goes to its
     owner and comes back)."""
     import json
@@ -78,7 +79,9 @@ def test_communication_benchmark_ours_moves_each_matrix_once_per_direction(tmp_p
     ours = report["impls"]["ours"]
     assert ours["class"].startswith("megatron_eopt."), ours["class"]
     muon = ours["per_step"]["muon"]
-    assert set(muon) == {"all_to_all"}, muon
+    # the all-to-alls, and the ranks' agreement before the step: one all-reduce of five int64
+    assert set(muon) == {"all_to_all", "all_reduce"}, muon
+    assert muon["all_reduce"]["count"] == 1 and muon["all_reduce"]["input_bytes"] == 40, muon
     assert muon["all_to_all"]["count"] % 2 == 0, muon
     sent_by_all = muon["all_to_all"]["sent_bytes"] * report["ranks"]
     assert sent_by_all == ours["muon_matrix_bytes"], (sent_by_all, ours["muon_matrix_bytes"])
