@@ -273,7 +273,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             error = exc
         try:
             # (the fields too: a group added on some ranks only pairs with the others' next agreement)
-            agree(meshes, error, what=type(self).__name__, fields=self._agreement_fields())
+            agree(meshes, error, what=type(self).__name__, fields=self._agreement_fields() if meshes else ())
             if self._constructed:
                 self._rebuild_plan()
         except Exception:

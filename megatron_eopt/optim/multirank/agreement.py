@@ -291,7 +291,7 @@ class RankAgreement:
         communicates, with the grads of its members, and once more when step() finishes)."""
         block_step = getattr(self, "block_period", None) is not None and self._block_step_now()
         if (torch.compiler.is_compiling() or self.rank_checks != "every_step" or not step_meshes(plan)
-                or _capturing(plan) or block_step):  # (MuonBP's block steps communicate nothing)
+                or capturing_cuda_graph(plan) or block_step):  # (MuonBP's block steps communicate nothing)
             if error is not None:
                 raise error
             return
@@ -350,6 +350,7 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _NO_HOOK = ("NoneType", "NoOpWeightUpdateHook")  # no weight-update hook, either way
 
 
-def _capturing(plan) -> bool:
-    """A CUDA graph capture is under way on a device of ``plan`` (no host values can be read)."""
+def capturing_cuda_graph(plan) -> bool:
+    """A CUDA graph capture is under way on a device of ``plan`` (no host values can be read: the
+    agreement is skipped, and a step refuses a host learning rate)."""
     return any(b.device.type == "cuda" for b in plan.buckets) and torch.cuda.is_current_stream_capturing()

@@ -29,6 +29,7 @@ from ..multirank.tp_modes import (
 )
 from ..matrix_view import QKVSplit, split_newton_schulz
 from .grouping import Plan, Stack
+from ..multirank.agreement import capturing_cuda_graph
 from ..multirank.dtensor_layout import is_dtensor, local
 from ..multirank.sharded_statistics import sharded_namo_, sharded_normuon_
 from .block_periodic import block_orthogonalize, block_scale
@@ -96,7 +97,7 @@ class FusedStep:
             group = self.param_groups[gi]
             for key in keys:
                 check_step_value(key, group[key], f"param_groups[{gi}]", self._momentum_below_one)
-        if not torch.compiler.is_compiling() and _capturing_cuda_graph(plan):
+        if not torch.compiler.is_compiling() and capturing_cuda_graph(plan):
             # A host value (Python number or CPU tensor) is written into the graph as a constant.
             # That is what a constant momentum or weight decay wants, but a learning rate is
             # scheduled: a captured host lr would replay its capture-time value forever.
@@ -514,10 +515,6 @@ def _first_row(entry) -> int:
     if sharding is None or sharding.kind == "local":
         return 0
     return sharding.local_box[0][-1 if entry.qkv.columns else -2]
-
-
-def _capturing_cuda_graph(plan: Plan) -> bool:
-    return any(b.device.type == "cuda" for b in plan.buckets) and torch.cuda.is_current_stream_capturing()
 
 
 def _host_value(value) -> float | None:
