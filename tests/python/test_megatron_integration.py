@@ -371,7 +371,7 @@ def test_unknown_muon_field_stops_get_megatron_optimizer(stock_registry, megatro
 
     @dataclasses.dataclass
     class NewerOptimizerConfig(mcore_optimizer.OptimizerConfig):
-        muon_split_glu: bool = True
+        muon_split_mlp: bool = True
 
     base = dataclasses.asdict(_config(name))
     config = NewerOptimizerConfig(**{k: v for k, v in base.items() if k in {f.name for f in dataclasses.fields(_config(name)) if f.init}})
@@ -379,7 +379,7 @@ def test_unknown_muon_field_stops_get_megatron_optimizer(stock_registry, megatro
     integration.install()
     version = r"\.".join(map(str, integration.megatron_core_version()))
     with megatron_env.megatron_optimizer_on_cpu(), pytest.raises(
-            ValueError, match=rf"'muon_split_glu' \(argument 'split_glu'\) of megatron-core {version}"):
+            ValueError, match=rf"'muon_split_mlp' \(argument 'split_mlp'\) of megatron-core {version}"):
         mcore_optimizer.get_megatron_optimizer(config, [model])
 
 

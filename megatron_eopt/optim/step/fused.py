@@ -510,11 +510,17 @@ class FusedStep:
 
 def _first_row(entry) -> int:
     """The projection row (a stored column for ``matrix_layout="in_out"``) of a sharded entry's first
-    local one (0 where the rows are whole)."""
+    local one (0 where the rows are whole): a DTensor's, or a tensor-parallel row shard's (with GTP,
+    its shard of the tensor-parallel rows)."""
     sharding = entry.sharding
-    if sharding is None or sharding.kind == "local":
-        return 0
-    return sharding.local_box[0][-1 if entry.split.columns else -2]
+    if sharding is not None and sharding.kind != "local":
+        return sharding.local_box[0][-1 if entry.split.columns else -2]
+    row = 0
+    if entry.gtp is not None and not entry.gtp.blockwise:
+        row += entry.gtp.rank * entry.local_shape[-2]
+    if entry.tp is not None and entry.tp.partition_dim == 0:
+        row += entry.tp.rank * (entry.global_shape[0] // entry.tp.size)
+    return row
 
 
 def _host_value(value) -> float | None:

@@ -251,6 +251,15 @@ def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
     return draw_layout(entry.key, entry.local_shape, s.view_shape, s.local_box[0])
 
 
+def _split_basis(local_shape, global_shape, spans: bool, tp: TPLayout | None, gtp: GTPLayout | None):
+    """The shape of the matrix a parameter's split is applied to (see build_plan)."""
+    if spans or (tp is not None and tp.mode in ("duplicated", "layer_sharded")):
+        return global_shape
+    if gtp is not None:  # the tensor-parallel local matrix: GTP's real rows (blockwise: this shard's)
+        return (*local_shape[:-2], gtp.real_rows(local_shape[-2]), local_shape[-1])
+    return local_shape
+
+
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
                sharded_mode: str = "owner", group_configs=None, gtp_fn=None, replica_work: str = "repeat",
                uneven: list | None = None) -> Plan:
@@ -323,7 +332,10 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 )
             # (out, in): the matrix the Muon scale, the split and NorMuon's statistic are defined on.
             oriented = global_shape[::-1] if view.transposed else global_shape
-            sizes = qkv_fn(p)
+            try:
+                sizes = qkv_fn(p)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
             if view.split_shapes is not None:
                 if sizes is not None and tuple(int(x) for x in sizes) != view.split_shapes:
                     raise ValueError(
@@ -331,13 +343,11 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                         f"own split of this parameter ({list(sizes)}: split_qkv / split_heads) disagree: set one"
                     )
                 sizes = view.split_shapes
-            # A shard's rows need not hold whole query groups: the split is checked on the matrix.
-            split = None if sizes is None else matrix_split(sizes, global_shape if spans else local_shape, global_shape,
-                                                         where, view.transposed)
-            if split is not None and gtp is not None and gtp.pad_rows:
-                raise ValueError(f"{where}: a fused QKV projection sharded by GTP weight rematerialization cannot "
-                                 f"be split with padding rows (pad_length={gtp.pad_rows}): its query groups would "
-                                 "not start on a shard")
+            # The split is checked on the matrix it is applied to: a shard's rows need not hold whole
+            # query groups where the shards are gathered first (a sharded DTensor; tp_mode duplicated or
+            # layer_sharded; GTP's rows, their padding left out).
+            split = None if sizes is None else matrix_split(sizes, _split_basis(local_shape, global_shape, spans, tp, gtp),
+                                                         global_shape, where, view.transposed)
             if split is not None and spans and adaptive and sharding.local_box is None:
                 raise ValueError(
                     f"{where}: QKV split of an adaptive optimizer on a DTensor with placements "
