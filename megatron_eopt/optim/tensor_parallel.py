@@ -48,7 +48,7 @@ from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.grouping import DEFAULT_WORKSPACE_MIB
 from .multirank.hardware import HARDWARE, Hardware, hardware_of
 from .multirank.tp_modes import AUTO_CANDIDATES, GTPLayout, TPLayout, auto_tp_mode
-from .projection_splits import LOCAL, WHOLE, ProjectionSplits, megatron_default
+from .projection_splits import LOCAL, WHOLE, ProjectionSplits, megatron_default, projection_shapes
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -183,9 +183,18 @@ class _TensorParallelRouting(ProjectionSplits):
         pad = getattr(p, "pad_length", 0)
         if isinstance(pad, bool) or not isinstance(pad, int):
             raise ValueError(f"pad_length of a GTP-sharded parameter must be an int, got {pad!r}")
-        # A gated FC1's gate and up, and heads, are split on the gathered rows in every mode (PR #6688).
-        blockwise = self._tp_mode_of(p) == "blockwise" and self._split_kind(p) not in ("glu", "per_head")
-        return GTPLayout(group, dist.get_world_size(group), dist.get_rank(group), pad, blockwise)
+        # A gated FC1's gate and up, and heads, are split on the gathered rows in every mode (PR #6688);
+        # so is a QKV whose query groups a GTP shard cuts.
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        kind = self._split_kind(p)
+        blockwise = self._tp_mode_of(p) == "blockwise" and kind not in ("glu", "per_head")
+        if blockwise and kind == "qkv":
+            try:
+                total = sum(projection_shapes(p, self.qkv_split_shapes))
+            except (ValueError, TypeError):
+                total = 0  # the plan's own call raises, naming p
+            blockwise = total <= 0 or GTPLayout(group, size, rank, pad, True).real_rows(int(p.shape[0])) % total == 0
+        return GTPLayout(group, size, rank, pad, blockwise)
 
     def _tp_rows(self, p: torch.Tensor) -> tuple[int, int, int]:
         """(rows of p's tensor-parallel local matrix, without GTP padding; the ranks sharing its rows;

@@ -185,19 +185,26 @@ def _from_reference_parts(case, parts):
     return torch.cat(parts) if per_head else from_parts(parts, split)
 
 
-def check_qkv(tp_group, tp_mode, cls, extra, seed, case):
+def check_qkv(tp_group, tp_mode, cls, extra, seed, case, gtp_group=None, pad=0):
+    """A fused QKV / MLA up-projection ``case`` (GTP shards of its tensor-parallel rows with ``pad``
+    padding rows) against its parts stepped by hand."""
     rank, size = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    gtp = (0, 1) if gtp_group is None else (dist.get_rank(gtp_group), dist.get_world_size(gtp_group))
     rows, cols, per_head, given, split = QKV_CASES[case]
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(rows, cols, generator=gen) * 0.1
     grads = [torch.randn(rows, cols, generator=gen) for _ in range(STEPS)]
-    shard = lambda t: t.chunk(size)[rank].clone()  # noqa: E731
+    tp_rows = lambda t: t.chunk(size)[rank].clone()  # noqa: E731
+    shard = lambda t: gtp_shard(tp_rows(t), *gtp, pad)  # noqa: E731
     p = torch.nn.Parameter(shard(full))
     p.partition_dim, p.is_qkv = 0, True
+    if gtp_group is not None:
+        p.is_gtp_weight_remat, p.pad_length = True, pad
     kwargs = dict(HP, **extra)
     opt_kwargs = dict(kwargs, split_qkv=True, is_qkv_fn=lambda t: getattr(t, "is_qkv", False),
-                      split_qkv_per_head=per_head, pg_collection=SimpleNamespace(tp=tp_group, expt_tp=tp_group),
-                      tp_mode=tp_mode)
+                      split_qkv_per_head=per_head, tp_mode=tp_mode,
+                      pg_collection=SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group,
+                                                    expt_gtp_remat=gtp_group))
     if "qkv_split_shapes" in given:
         opt_kwargs["qkv_split_shapes"] = given["qkv_split_shapes"]
     if "qkv_split_shapes_global" in given:
@@ -213,18 +220,20 @@ def check_qkv(tp_group, tp_mode, cls, extra, seed, case):
     local_rows = rows // size
     whole_parts = (per_head and all(k * local_rows in _boundaries(_heads(case)) for k in range(size + 1))) or (
         not per_head and local_rows % sum(split) == 0)
-    if tp_mode == "blockwise" and whole_parts and not per_head:
-        ref = [torch.nn.Parameter(t.clone()) for t in parts_of(start, split)]
-        _run(cls, ref, [parts_of(shard(g), split) for g in grads], kwargs)
-        expected = from_parts([r.detach() for r in ref], split)
+    if tp_mode == "blockwise" and whole_parts and not per_head:  # the rank's tensor-parallel rows
+        ref = [torch.nn.Parameter(t.clone()) for t in parts_of(tp_rows(full), split)]
+        _run(cls, ref, [parts_of(tp_rows(g), split) for g in grads], kwargs)
+        expected = gtp_shard(from_parts([r.detach() for r in ref], split), *gtp, pad)
     else:
         ref = [torch.nn.Parameter(t.clone()) for t in _reference_parts(case, full)]
         _run(cls, ref, [_reference_parts(case, g) for g in grads], kwargs)
         expected = shard(_from_reference_parts(case, [r.detach() for r in ref]))
-    _check(p.detach(), start, expected, f"QKV {case} {tp_mode} {cls.__name__} {extra} TP {size}",
+    _check(p.detach(), start, expected, f"QKV {case} {tp_mode} {cls.__name__} {extra} TP {size} GTP {gtp} pad {pad}",
            _tolerance(tp_mode, extra))
     mode = opt.tp_modes()[0]
-    if per_head and whole_parts:
+    if gtp_group is not None:
+        pass  # heads under GTP: split on the gathered matrix
+    elif per_head and whole_parts:
         assert mode == "blockwise", (case, tp_mode, mode)  # each rank its own heads: no communication
     elif not whole_parts:
         assert mode in ("duplicated", "layer_sharded"), (case, tp_mode, mode)  # cut parts: gathered
@@ -293,6 +302,8 @@ def worker(rank, world_size, init_file, seed):
                 check_glu(pairs[rank // 2], tp_mode, cls, extra, seed, gtp_group=gtp_pairs[rank % 2], pad=2)
                 check_glu(pairs[rank // 2], tp_mode, cls, extra, seed, interleave=2, gtp_group=gtp_pairs[rank % 2],
                           pad=2)
+                for case in ("groups", "uneven_heads"):  # a GTP shard of 5 rows cuts a query group, heads
+                    check_qkv(pairs[rank // 2], tp_mode, cls, extra, seed, case, gtp_group=gtp_pairs[rank % 2], pad=2)
         singles = [dist.new_group([r]) for r in range(world_size)]
         for tp_mode in ("duplicated", "blockwise"):  # GTP 4 alone (TP groups of one rank), no padding
             check_glu(singles[rank], tp_mode, TensorParallelMuon, {}, seed, gtp_group=dist.group.WORLD)
