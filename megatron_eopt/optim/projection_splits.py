@@ -30,6 +30,7 @@ does for a gated FC1.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from typing import Any, Callable, Sequence
 
@@ -56,20 +57,27 @@ def megatron_default(name: str) -> bool:
         return parameter is not None and parameter.default is True
     try:
         source = megatron_emerging_source()
-        tree = ast.parse(source) if source is not None else None
-    except (OSError, SyntaxError, ValueError):
+    except OSError:
         return False
-    for node in tree.body if tree is not None else ():
+    return source is not None and _source_defaults(source).get(name) is True
+
+
+@functools.lru_cache(maxsize=4)
+def _source_defaults(source: str) -> dict[str, Any]:
+    """{argument: constant default} of ``TensorParallelMuon.__init__`` in emerging_optimizers.py's text."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return {}
+    for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == "TensorParallelMuon":
             for item in node.body:
                 if isinstance(item, ast.FunctionDef) and item.name == "__init__":
                     args = item.args.posonlyargs + item.args.args
-                    defaults = dict(zip([a.arg for a in args][len(args) - len(item.args.defaults):],
-                                        item.args.defaults))
-                    defaults.update({a.arg: d for a, d in zip(item.args.kwonlyargs, item.args.kw_defaults)})
-                    value = defaults.get(name)
-                    return isinstance(value, ast.Constant) and value.value is True
-    return False
+                    pairs = list(zip([a.arg for a in args][len(args) - len(item.args.defaults):], item.args.defaults))
+                    pairs += [(a.arg, d) for a, d in zip(item.args.kwonlyargs, item.args.kw_defaults)]
+                    return {n: d.value for n, d in pairs if isinstance(d, ast.Constant)}
+    return {}
 
 
 def glu_split_shapes(rows: int, interleave: Any = None) -> tuple[int, int]:
@@ -181,6 +189,10 @@ class ProjectionSplits:
     def _tp_rows(self, p: torch.Tensor) -> tuple[int, int, int]:
         raise NotImplementedError
 
+    def _gtp_size(self, p: torch.Tensor) -> int:
+        """Ranks of the GTP group p's rows are sharded over (1: none)."""
+        raise NotImplementedError
+
     def _split_kind(self, p: torch.Tensor) -> str | None:
         """"qkv", "per_head", "glu" or None: which split p takes."""
         if self.split_qkv and self.is_qkv_fn(p):
@@ -219,6 +231,11 @@ class ProjectionSplits:
             return projection_shapes(p, self.qkv_split_shapes)
         rows, ranks, rank = self._tp_rows(p)
         if kind == "glu":
+            # PR #6688 tags a GTP-sharded gated FC1 with the size of its GTP group: the rows to gather
+            expected = getattr(p, "gtp_remat_size", None) if getattr(p, "is_gtp_weight_remat", False) else None
+            if expected is not None and expected != self._gtp_size(p):
+                raise ValueError(f"GLU split: gtp_remat_size={expected!r} of the gated linear_fc1, but its GTP group "
+                                 f"(pg_collection.gtp_remat / expt_gtp_remat) has {self._gtp_size(p)} rank(s)")
             return list(glu_split_shapes(rows, getattr(p, "glu_interleave_size", None)))
         heads = per_head_shapes(p, self.qkv_split_shapes)
         if sum(heads) != rows * ranks:

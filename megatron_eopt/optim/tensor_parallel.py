@@ -196,6 +196,10 @@ class _TensorParallelRouting(ProjectionSplits):
             blockwise = total <= 0 or GTPLayout(group, size, rank, pad, True).real_rows(int(p.shape[0])) % total == 0
         return GTPLayout(group, size, rank, pad, blockwise)
 
+    def _gtp_size(self, p: torch.Tensor) -> int:
+        gtp = self._gtp_layout(p)
+        return 1 if gtp is None else gtp.size
+
     def _tp_rows(self, p: torch.Tensor) -> tuple[int, int, int]:
         """(rows of p's tensor-parallel local matrix, without GTP padding; the ranks sharing its rows;
         this rank's index among them)."""

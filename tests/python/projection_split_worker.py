@@ -101,8 +101,8 @@ def check_glu(tp_group, tp_mode, cls, extra, seed, interleave=None, gtp_group=No
         p.partition_dim, p.is_glu = 0, True
         if interleave is not None:
             p.glu_interleave_size = interleave
-        if gtp_group is not None:
-            p.is_gtp_weight_remat, p.pad_length = True, pad
+        if gtp_group is not None:  # as PR #6688's factory tags it
+            p.is_gtp_weight_remat, p.pad_length, p.gtp_remat_size = True, pad, gtp[1]
         params.append(p)
     start = [p.detach().clone() for p in params]
     pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group)

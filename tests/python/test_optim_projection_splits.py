@@ -77,6 +77,9 @@ def test_bad_splits_are_refused_naming_the_parameter():
         TensorParallelMuon([ok, build((12, 4), is_glu=True, glu_interleave_size=4)], split_glu=True)
     with pytest.raises(ValueError, match=where + r".*glu_interleave_size must be a positive int"):
         TensorParallelMuon([ok, build((12, 4), is_glu=True, glu_interleave_size=0)], split_glu=True)
+    with pytest.raises(ValueError, match=where + r".*gtp_remat_size=2 .* has 1 rank"):  # no GTP group to gather
+        TensorParallelMuon([ok, build((12, 4), is_glu=True, is_gtp_weight_remat=True, gtp_remat_size=2)],
+                           split_glu=True)
     qkv = dict(split_qkv=True, is_qkv_fn=lambda p: getattr(p, "is_qkv", False))
     with pytest.raises(ValueError, match=where + r".*head sizes sum to 6 rows, the fused matrix has 8"):
         TensorParallelMuon([ok, build((8, 4), is_qkv=True)], qkv_split_shapes=[2, 2, 2], split_qkv_per_head=True,
