@@ -46,13 +46,12 @@ from types import SimpleNamespace
 
 from .optim.multirank.agreement import AGREEMENT_BYTES
 from .optim.multirank.cost_model import (
-    COST_FIELDS, MeshShape, Placed, add_costs, charge_collective, charge_newton_schulz, owner_step,
+    COST_FIELDS, MeshShape, Placed, RankCost, add_costs, charge_collective, charge_newton_schulz, owner_step,
 )
 from .optim.multirank.dtensor_layout import chunk_extent
 from .optim.multirank.hardware import HARDWARE, Hardware
 from .optim.multirank.owner_exchange import assign_owners, ns_flops
 from .optim.step.grouping import chunk_entries
-from .step_stats import StepStats
 
 NS_STEPS = 5
 LAYOUTS = ("owner", "split", "gather", "megatron_layer_wise", "torchtitan_dist_muon")
@@ -117,13 +116,7 @@ PRESETS = {
 
 
 # ------------------------------------------------------------------ the counts of our layouts
-@dataclass(eq=False)
-class RankCounts(StepStats):
-    """A rank's step as ``step_stats()`` counts it, and the modelled seconds of its communication
-    (collectives' latency and bytes over their links) and Newton–Schulz."""
-
-    comm_s: float = 0.0
-    compute_s: float = 0.0
+RankCounts = RankCost  # a rank's step as step_stats() counts it, and its modelled seconds
 
 
 def _sharding(m: Matrix, mesh: Mesh) -> dict[int, int]:

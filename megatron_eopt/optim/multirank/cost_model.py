@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ...step_stats import newton_schulz_flops
+from ...step_stats import StepStats, newton_schulz_flops
 from .dtensor_layout import chunk_extent
 from .hardware import Hardware
 from .owner_exchange import ITEMS_PER_RANK, assign_owners, ns_flops
@@ -122,14 +122,10 @@ class Placed:
 
 
 @dataclass(eq=False)
-class RankCost:
-    """A rank's modelled step: what ``step_stats()`` counts of it, and the seconds of its
-    communication and Newton–Schulz."""
+class RankCost(StepStats):
+    """A rank's modelled step: what ``step_stats()`` counts of it, and the modelled seconds of its
+    communication (collectives' latency and bytes over their links) and Newton–Schulz."""
 
-    ns_matrices: int = 0
-    ns_flops: float = 0.0
-    bytes_sent: int = 0
-    collectives: int = 0
     comm_s: float = 0.0
     compute_s: float = 0.0
 

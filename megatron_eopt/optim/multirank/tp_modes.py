@@ -26,7 +26,7 @@ from ... import _collectives as collectives
 from ...ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
 from .._config import OrthogonalizationConfig
 from ..matrix_view import QKVSplit, split_newton_schulz
-from .cost_model import AUTO_CANDIDATES, auto_tp_mode, auto_tp_mode_seconds  # noqa: F401  (their first home)
+from .cost_model import AUTO_CANDIDATES, auto_tp_mode, auto_tp_mode_seconds
 from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
 
@@ -276,6 +276,9 @@ def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2, ep
 
 
 __all__ = [
+    "AUTO_CANDIDATES",  # tp_mode "auto": the cost model's (multirank.cost_model), importable here as before
+    "auto_tp_mode",
+    "auto_tp_mode_seconds",
     "distributed_newton_schulz",
     "distributed_orthogonalize",
     "GTPLayout",
