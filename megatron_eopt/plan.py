@@ -30,11 +30,14 @@ shards gathered on every TP rank, updated parameters all-gathered over data para
 ``torchtitan_dist_muon``: owners within each shard group of replica 0 only, results broadcast to the
 other replicas, no tensor parallelism).
 
-Time model (stated, not measured here; the profiles are ``optim.multirank.hardware``'s, ``CPU``
-one core per rank over gloo as the suite runs it): Newton–Schulz at the profile's TFLOP/s, reduced for small
-matrices by a half-efficiency size fitted to our H100 measurements (benchmarks/RESULTS.md); each
-collective costs its latency plus its bytes over NVLink when its ranks share a node, else over the
-network; compute and communication are added (no overlap assumed).
+Time model (stated, not measured here): the cost model of ``optim.multirank.cost_model``, the one
+``replica_work="auto"`` and tp_mode "auto" decide by, on its hardware profiles
+(``optim.multirank.hardware``; ``CPU`` one core per rank over gloo as the suite runs it):
+Newton–Schulz at the profile's TFLOP/s, reduced for small matrices by a half-efficiency size fitted
+to our H100 measurements (benchmarks/RESULTS.md); each collective costs its latency plus its bytes
+over NVLink when the ranks it spans (by the mesh's strides) share a node, else over the network;
+compute and communication are added (no overlap assumed). Our owner layouts are the model's owner
+step (``cost_model.owner_step``) over the step's workspace chunks.
 """
 
 from __future__ import annotations
