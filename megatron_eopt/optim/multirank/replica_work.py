@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ..matrix_view import matrix_view, not_a_matrix
+from ..matrix_view import batched_matrix_shape, not_a_matrix
 from .cost_model import MeshShape, Placed, busiest_seconds, mesh_shape_of, owner_step
 from .dtensor_layout import _view_dim, chunk_extent, placement_kind
 from .hardware import Hardware, hardware_of
@@ -34,7 +34,7 @@ def placed_of(p, nd_mode: str) -> Placed | None:
     dim shards, other placements: describe() refuses "split" for them, even on a dim of one rank)."""
     mesh, placements = p.device_mesh, tuple(p.placements)
     shape = list(p.shape)
-    view = list(matrix_view(tuple(shape), nd_mode))
+    view = list(batched_matrix_shape(tuple(shape), nd_mode))
     shards, replicas = [], []
     for i, pl in enumerate(placements):
         size, kind = mesh.size(i), placement_kind(pl)
