@@ -132,7 +132,8 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
             parts.append(length * atom[1])
             at += length
         if roles.get(atom) != "out" or at != atom[2] or len(parts) < 2:
-            return ParamUse(name, "unknown", f"multiplied in slices {spans} of its dim {atom[0]}")
+            side = ", its input side (no param-group keys split a matrix's columns)" if roles.get(atom) == "in" else ""
+            return ParamUse(name, "unknown", f"multiplied in slices {spans} of its dim {atom[0]}{side}")
         split, glu = tuple(parts), False
     seen = []
     sizes = split
