@@ -148,6 +148,10 @@ def run(name: str, ranks, quick: bool) -> dict:
     return {"name": name, "description": WORKLOADS[name][0], "quick": quick, "results": results}
 
 
+def _g(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def markdown(entries: list[dict], environment: dict) -> str:
     """The RESULTS.md section of a routing-cost run."""
     cpu = environment["device_name"].split(",")[0]
@@ -176,7 +180,7 @@ def markdown(entries: list[dict], environment: dict) -> str:
     for e in entries:
         for r in e["results"].values():
             lines.append(
-                f"| {r['model']} | {r['layers']} | {r['params'] / 1e9:.3g} B | {r['param_bytes'] / (1 << 30):.3g} | "
+                f"| {r['model']} | {r['layers']} | {_g(r['params'] / 1e9)} B | {_g(r['param_bytes'] / (1 << 30))} | "
                 f"{r['muon_tensors']} of {r['param_tensors']} | {r['traced']} | {r['first_s']:.2f} / "
                 f"{r['median_s']:.2f} | {r['build_muon_adamw_s']:.2f} | {r['rss_growth_mib']:.1f} | "
                 f"{r['tracemalloc_peak_mib']:.1f} |")
