@@ -5,7 +5,8 @@ Cases: ``fsdp``: FSDP2 (``fully_shard`` on every block, then the model) on a han
 bare fused per-head QKV, a chunked gate/up, (in, out) expert stacks through ``bmm``, a router) and on
 tiny GPT-2 and Qwen3-MoE (their dummy inputs); ``dtensor``: the same hand-written model with its
 parameters made ``Shard(0)`` / ``Shard(1)`` DTensors by hand; ``tp``: a tensor-parallel MLP
-(``parallelize_module``), which the trace refuses by name. Each rank saves its route table rows,
+(``parallelize_module``), which the trace refuses by name, and a tensor-parallel Llama routed without
+example inputs (by the tables and shapes, with a warning). Each rank saves its route table rows,
 whether the routing ran a collective, and the errors and warnings met.
 """
 
@@ -150,6 +151,16 @@ def main():
             saved[("tp", what)] = None
         except ValueError as exc:
             saved[("tp", what)] = str(exc)
+    # a transformers model without example_inputs: not traced, said in a warning, routed by tables and shapes
+    import transformers as T
+
+    torch.manual_seed(0)
+    llama = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=4, vocab_size=64))
+    parallelize_module(llama.model.layers[0].self_attn, mesh, {"q_proj": ColwiseParallel(),
+                                                               "o_proj": RowwiseParallel()})
+    table_rows, seen = rows(llama, None)
+    saved[("tp", "llama")] = ({r[0][0]: (r[2], r[-1]) for r in table_rows}, seen)
     torch.save(saved, out)
     torch.distributed.destroy_process_group()
 

@@ -58,3 +58,12 @@ def test_tensor_parallel_model_is_refused_by_name(ranks):
             assert message is not None, what
             assert "'0.weight'" in message and "tensor parallelism" in message, message
             assert "Shard(dim=0)" in message and "example_inputs=False" in message, message
+
+
+def test_tensor_parallel_transformers_model_without_inputs_is_routed_without_a_trace(ranks):
+    for saved in ranks:
+        routes, seen = saved[("tp", "llama")]
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert routes[q] == ("muon", "shape") and routes["model.layers.0.mlp.up_proj.weight"] == ("muon", "shape")
+        assert routes["model.embed_tokens.weight"][0] == "adamw" and routes["lm_head.weight"][0] == "adamw"
+        assert any("the forward is not traced" in m and repr(q) in m for m in seen), seen
