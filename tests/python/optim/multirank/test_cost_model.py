@@ -1,6 +1,7 @@
 """The cost model (megatron_eopt.optim.multirank.cost_model): the FLOP formula's options, the link a
 group's mesh stride spans, and the owner step counted by hand on a small mesh. That replica_work
-"auto" and the planner agree through it: test_plan.py; tp_mode "auto": test_optim_tensor_parallel.py."""
+"auto" and the planner agree through it: tests/python/test_plan.py; tp_mode "auto":
+optim/test_optim_tensor_parallel.py."""
 
 from __future__ import annotations
 
