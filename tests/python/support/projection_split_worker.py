@@ -30,7 +30,7 @@ from worker_exit import exits_without_teardown  # noqa: E402
 TOL = 1e-6  # fp32 at "highest": the same matrices orthogonalized by the same op, sharded or by hand
 STEPS = 2
 HP = dict(lr=0.02, momentum=0.9, weight_decay=0.1, fp32_matmul_prec="highest")
-MODES = ("duplicated", "distributed", "layer_sharded", "blockwise")
+MODES = ("duplicated", "distributed", "layer_sharded", "blockwise", "auto")
 # (class, extra arguments): Muon and AdaMuon (elementwise) against the parts stepped by hand
 BY_HAND = [(TensorParallelMuon, {}), (TensorParallelAdaptiveMuon, dict(moment2_method="adamuon"))]
 
@@ -48,7 +48,7 @@ def _tolerance(tp_mode, extra):
     """TOL; distributed mode runs another iteration (Gram matrices all-reduced, in plain PyTorch), equal
     to rounding (reference.TOLERANCE), which AdaMuon's elementwise division magnifies where an entry of
     the update is near zero (as test_optim_tensor_parallel has it)."""
-    if tp_mode != "distributed":
+    if tp_mode not in ("distributed", "auto"):  # auto: duplicated or distributed, per weight
         return TOL
     return TOLERANCE["high" if extra.get("moment2_method") == "adamuon" else "highest"]
 
