@@ -114,6 +114,17 @@ def check_refusals(tp_group):
         else:
             raise AssertionError(f"no error for {kwargs}")
         assert torch.equal(p.detach(), before)
+    # Megatron's muon_hyperball (per-shard norms) under a TP group of two ranks: refused, pointing to muon_ht
+    from megatron_eopt import registry
+
+    config = SimpleNamespace(lr=0.1, weight_decay=0.0, muon_hyperball_radius=RADIUS)
+    try:
+        registry.get("muon_hyperball").config_to_kwargs(config, [], SimpleNamespace(tp=tp_group))
+    except ValueError as e:
+        assert "muon_ht" in str(e) and "tp" in str(e), str(e)
+    else:
+        raise AssertionError("muon_hyperball built under a TP group of two ranks")
+    assert registry.get("muon_hyperball").config_to_kwargs(config, [], SimpleNamespace(tp=None))["hyperball_radius"] == RADIUS
 
 
 @exits_without_teardown
