@@ -236,6 +236,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         """Megatron-LM's GTP row sharding of p (None: its rows are whole on this rank)."""
         return None
 
+    def _home_domain(self, p: torch.Tensor):
+        """The layer-sharded home domain of p (``multirank.layer_homes``; None: none)."""
+        return None
+
     # ------------------------------------------------------------------ param groups and plan
     @torch._disable_dynamo
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -343,7 +347,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
                 self._config.num_ns_steps)
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
                               self.sharded_mode, self._group_configs(), self._gtp_layout, self._replica_work_in_use,
-                              uneven)
+                              uneven, home_fn=self._home_domain)
             if self.block_period is not None and any(e.spans_ranks and e.qkv is not None for e in plan.entries):
                 raise ValueError(
                     f"block_period={self.block_period} (MuonBP) orthogonalizes a shard as one matrix, which a fused "
