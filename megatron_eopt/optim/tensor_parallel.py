@@ -212,7 +212,7 @@ class _TensorParallelRouting:
                           0 if gtp_group is None else dist.get_rank(gtp_group), None if gtp is None else gtp.pad_rows,
                           self.ns_batch_size)
 
-    def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
+    def _split_shapes_of(self, p: torch.Tensor) -> list[int] | None:
         if not self.split_qkv or not self.is_qkv_fn(p):
             return None
         sizes = getattr(p, "qkv_split_shapes", None)

@@ -75,12 +75,12 @@ class HomeDomain:
                           member_at={c: m for m, c in enumerate(grid)})
 
 
-def home_orthogonalize(x: torch.Tensor, domain: HomeDomain, route: OwnerRoute, qkv, config, scaled: bool,
+def home_orthogonalize(x: torch.Tensor, domain: HomeDomain, route: OwnerRoute, split, config, scaled: bool,
                        load: list[float]) -> list[torch.Tensor]:
     """Layer-sharded Newton–Schulz of a stack of k local pieces (k, rows, cols) over ``domain``:
     every matrix orthogonalized once, on its home (least loaded by FLOPs, ``load`` carried over the
     step's stacks), in batches of ``ns_batch_size``; returns this rank's k pieces of the results
-    (raw, or QKV parts scaled when ``scaled``, as the other modes return them). Only distinct pieces
+    (raw, or the parts of a split matrix scaled when ``scaled``, as the other modes return them). Only distinct pieces
     travel: of a matrix replicated over TP (or GTP), the copies on the home's TP (GTP) line."""
     k, rows, cols = x.shape
     pd, pad, G, T = domain.partition_dim, domain.gtp_pad, domain.gtp_size, domain.tp_size
@@ -115,7 +115,7 @@ def home_orthogonalize(x: torch.Tensor, domain: HomeDomain, route: OwnerRoute, q
         results = []
         for start in range(0, len(owned), domain.ns_batch_size):
             batch = full[start : start + domain.ns_batch_size]
-            out = config.newton_schulz(batch) if qkv is None else split_newton_schulz(config, batch, qkv, scaled)
+            out = config.newton_schulz(batch) if split is None else split_newton_schulz(config, batch, split, scaled)
             results.extend(out.unbind(0))
         return results
 
