@@ -1,11 +1,13 @@
 """Our Muon as the inner optimizer of Megatron-LM's FsdpMuon (Megatron-FSDP v2), and install()'s
 answer to Megatron-FSDP v2's own Muon path."""
 
+import importlib
 import os
 import sys
 import types
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 import megatron_cpu
@@ -63,11 +65,6 @@ def fake_megatron_fsdp(tmp_path, monkeypatch):
     yield importlib.import_module("fake_mfsdp.experimental.orthogonal").FsdpMuon
     for name in [n for n in sys.modules if n.startswith("fake_mfsdp")]:
         del sys.modules[name]
-
-
-import importlib  # noqa: E402
-
-import torch  # noqa: E402
 
 
 def test_install_makes_fsdp_muon_refuse_an_inner_muon_that_is_not_ours(fake_megatron_fsdp):
