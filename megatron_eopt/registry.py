@@ -357,6 +357,7 @@ def muon_ht_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any)
     "muon": the class refuses anything but 0."""
     from .optim import TensorParallelMuon, TensorParallelMuonHT
 
+    check_newer_config_fields(config)
     arguments = list(inspect.signature(TensorParallelMuon).parameters) + list(MUON_HT_FIELDS.values())
     kwargs = config_kwargs(TensorParallelMuonHT, config, ("muon",), tolerated=lambda f: f in MUON_HT_FIELDS,
                            entry_name="muon_ht", arguments=arguments)

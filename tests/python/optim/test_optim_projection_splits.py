@@ -146,7 +146,7 @@ def test_an_option_the_megatron_core_lacks_is_refused_naming_its_version():
         muon_split_glu: bool = True
         muon_split_qkv_per_head: bool = False
 
-    for name in ("muon", "adaptive_muon"):
+    for name in ("muon", "adaptive_muon", "muon_ht"):
         entry = registry.get(name)
         for field in ("muon_split_glu", "muon_split_qkv_per_head"):
             config = OldConfig()
