@@ -109,7 +109,13 @@ def _experts_flags(module: nn.Module) -> tuple[bool, bool] | None:
     if hasattr(module, "is_transposed") and hasattr(module, "has_gate"):
         return bool(module.is_transposed), bool(getattr(module, "is_concatenated", True))
     if _kind(module).endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False)):
-        return False, True  # transformers' default layout: (E, out, in), gate and up concatenated
+        # transformers' default layout is (E, out, in), gate and up concatenated; a module without
+        # the flags whose gate_up_proj is (E, hidden, 2I) stores (E, in, out) (Llama 4's experts)
+        hidden = getattr(module, "hidden_size", None)
+        gate_up = getattr(module, "gate_up_proj", None)
+        transposed = isinstance(hidden, int) and isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and \
+            gate_up.shape[1] == hidden != gate_up.shape[2]
+        return transposed, True
     return None
 
 

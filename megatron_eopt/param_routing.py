@@ -45,7 +45,8 @@ ADAMW = "adamw"
 FROZEN = "frozen"
 
 # Regular expressions searched in the full dotted parameter name (case-insensitive).
-DEFAULT_EMBEDDING_PATTERNS: tuple[str, ...] = (r"embed", r"(^|\.)(wte|wpe)(\.|$)")
+# "unembed" is not an embedding (Gemma-3n's altup_unembed_projections are hidden matrices).
+DEFAULT_EMBEDDING_PATTERNS: tuple[str, ...] = (r"(?<!un)embed", r"(^|\.)(wte|wpe)(\.|$)")
 # Output heads: these module names anywhere, plus the generic names `output`, `head` and
 # `score` only as top-level modules (`attention.output.dense` in BERT is a hidden matrix).
 DEFAULT_HEAD_PATTERNS: tuple[str, ...] = (

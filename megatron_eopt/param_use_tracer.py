@@ -31,6 +31,9 @@ _SAME = {aten.clone, aten._to_copy, aten.detach, aten.alias, aten.lift_fresh, at
          aten._conj, aten.to, aten.type_as}
 _PRODUCTS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm, aten.mv, aten.addmv, aten.linear}
 _TOPK = {aten.topk, aten.argmax, aten.sort, aten.argsort}
+# max / min over one dim give the index of the largest entry as well: a top-1 where the dim is a
+# product's output features (Phi-MoE's sparsemixer), a pooling where it is not
+_ARGMAX_DIM = {aten.max, aten.min}
 _LOSS = {aten._log_softmax, aten.nll_loss_forward, aten.nll_loss, aten.nll_loss2d_forward,
          aten.cross_entropy_loss, aten.binary_cross_entropy_with_logits}
 _SOFTMAX = {aten._softmax, aten.softmax}
@@ -113,6 +116,13 @@ class _Root:
     pieces: dict = field(default_factory=dict)
     rejoined: set = field(default_factory=set)
     glu: set = field(default_factory=set)
+    same_as: "_Root | None" = None  # one output with another product's (concatenated with it)
+
+    def resolved(self) -> "_Root":
+        root = self
+        while root.same_as is not None:
+            root = root.same_as
+        return root
 
 
 @dataclass
@@ -244,7 +254,7 @@ class _Tracer(TorchDispatchMode):
         if first is not None and self._structural(packet, args, kwargs, first, out):
             return
         if packet in (aten.cat, aten.stack):
-            return self._concat(args[0], out)
+            return self._concat(packet, args, kwargs, out)
         if packet in _LOOKUPS:
             d = self._get(args[0])
             if d is not None and (rec := self._record(d)) is not None:
@@ -252,6 +262,12 @@ class _Tracer(TorchDispatchMode):
             return
         if packet is aten.index and first is not None:
             return self._index(args, first, out)
+        if packet in _ARGMAX_DIM and first is not None and self._record(first) is None and len(args) > 1 \
+                and isinstance(args[1], int):
+            atoms = first.dims[args[1] % max(args[0].dim(), 1)]
+            if any(a[0] == first.root.out_dim for a in atoms):
+                first.root.router = True
+            return
         if packet in _TOPK or packet in _LOSS:
             for _, _, d in tracked:
                 if self._record(d) is None:
@@ -265,6 +281,8 @@ class _Tracer(TorchDispatchMode):
             return
         if torch.Tag.pointwise in func.tags:
             return self._pointwise(packet, flat, tracked, out)
+        if packet is aten.convolution and self._depthwise(args, out):
+            return
         results = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         for _, a, d in tracked:
             if (rec := self._record(d)) is not None:
@@ -340,6 +358,26 @@ class _Tracer(TorchDispatchMode):
             self._take(d, dim, [(start % x.shape[dim], length)], [out])
         else:
             return False
+        return True
+
+    def _depthwise(self, args, out) -> bool:
+        """A depthwise convolution (one filter per channel: Mamba's and Qwen3-Next's conv1d) is
+        elementwise across channels: its weight is not a matrix, and a product's output keeps its
+        features through it. True when handled."""
+        x, weight, groups = args[0], args[1], int(args[8])
+        if weight.dim() < 2 or weight.shape[1] != 1 or groups != weight.shape[0] or x.dim() < 2 \
+                or x.shape[1] != groups or not isinstance(out, torch.Tensor) or out.shape[1] != groups:
+            return False
+        w = self._get(weight)
+        if w is not None and (rec := self._record(w)) is not None:
+            rec.elementwise.add("convolution (depthwise)")
+        for extra in args[2:3]:
+            b = self._get(extra)
+            if b is not None and (rec := self._record(b)) is not None:
+                rec.elementwise.add("convolution (bias)")
+        d = self._get(x)
+        if d is not None and self._record(d) is None:
+            self._track(out, self._like(d, d.dims[:2] + [((-1, 0, int(s)),) if s > 1 else () for s in out.shape[2:]]))
         return True
 
     def _lost(self, d: _Derived, what: str) -> None:
@@ -418,6 +456,9 @@ class _Tracer(TorchDispatchMode):
     def _product(self, packet, args, out) -> None:
         if packet in (aten.addmm, aten.baddbmm, aten.addmv):
             a, b = args[1], args[2]
+            added = self._get(args[0])  # the term added to the product (RecurrentGemma's 2-D gate biases)
+            if added is not None and (rec := self._record(added)) is not None:
+                rec.elementwise.add(f"{packet.__name__} (added)")
         elif packet is aten.linear:  # where a backend keeps F.linear whole: x @ W.T
             a, b = args[0], args[1]
             d = self._get(b)
@@ -474,24 +515,52 @@ class _Tracer(TorchDispatchMode):
         rec.products.append(_ProductUse(found, product, d.partial))
         self._track(out, _Derived(product, [((i, 1, s),) if s != 1 else () for i, s in enumerate(out.shape)]))
 
-    def _concat(self, tensors, out) -> None:
+    def _concat(self, packet, args, kwargs, out) -> None:
         """Pieces of one split concatenated back (rotary halves): not a fused projection. A piece
-        concatenated with parts of itself (``rotate_half``) stays that piece."""
+        concatenated with parts of itself (``rotate_half``) stays that piece. The outputs of one
+        weight's products concatenated along another dim than their features (per-expert outputs
+        put back in token order) are followed as one output."""
+        tensors = args[0]
         ds = [self._get(t) for t in tensors]
         for d in ds:
             if d is not None and self._record(d) is not None:  # weights concatenated before their use
                 self._lost(d, "cat / stack with other tensors")
+        if not tensors or not isinstance(out, torch.Tensor):
+            return
+        dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % out.dim()
+        size = int(out.shape[dim])
+        new_dim = ((-1, 0, size),) if size > 1 else ()
+
+        def dims_of(d: _Derived) -> list:
+            if packet is aten.stack:
+                return d.dims[:dim] + [new_dim] + d.dims[dim:]
+            return d.dims[:dim] + [new_dim] + d.dims[dim + 1:]
+
         carried = [d for d in ds if d is not None and d.pieces]
         if not carried:
+            products = [d for d in ds if d is not None and self._record(d) is None]
+            if len(products) != len(ds) or len({d.root.param for d in products}) != 1:
+                return
+            first = products[0]
+            if any(a[0] == first.root.out_dim for a in (first.dims[dim] if packet is aten.cat else ())):
+                return  # outputs joined along their features: not one output
+            root = first.root.resolved()
+            for d in products[1:]:
+                if d.root.resolved() is not root:
+                    d.root.resolved().same_as = root
+            self._track(out, self._like(first, dims_of(first), root=root))
             return
         roots = {id(d.root) for d in carried}
         union = frozenset().union(*(d.pieces for d in carried))
         for d in carried:
             for atom, _ in d.pieces:
-                if len({start for a, start in union if a == atom}) > 1:
+                starts = {start for a, start in union if a == atom}
+                # re-joined: every piece of the split back in one tensor (rotary halves); some of
+                # them only (Qwen3-Next's q, k, v without z, through one convolution) stay apart
+                if len(starts) > 1 and starts == {start for start, _ in d.root.pieces.get(atom, ())}:
                     d.root.rejoined.add(atom)
         if len(roots) == 1 and len(carried) == len(ds):
-            self._track(out, self._like(carried[0], carried[0].dims, pieces=union))
+            self._track(out, self._like(carried[0], dims_of(carried[0]), pieces=union))
 
     def _pointwise(self, packet, flat, tracked, out) -> None:
         if not isinstance(out, torch.Tensor):
@@ -513,6 +582,18 @@ class _Tracer(TorchDispatchMode):
                     isinstance(o, torch.Tensor) and o.numel() >= out.numel() and self._get(o) is None for o in flat):
                 self._track(out, self._like(carried[0], carried[0].dims, pieces=union))
             return
+        if len(full) > 1:
+            # a sum of products' outputs (a projection plus its low-rank adapter, Zamba2's
+            # gate_up_proj): one output, whose later split is each product's
+            products = [d for _, d in full if self._record(d) is None]
+            if packet in (aten.add, aten.sub) and len(products) == len(full) == len(tracked) and \
+                    len({d.root.out_dim for d in products}) == 1 and \
+                    all(d.dims == products[0].dims and not d.removed for d in products):
+                root = products[0].root.resolved()
+                for d in products[1:]:
+                    if d.root.resolved() is not root:
+                        d.root.resolved().same_as = root
+                self._track(out, self._like(products[0], products[0].dims, root=root))
         if len(full) != 1:
             return
         a, d = full[0]
