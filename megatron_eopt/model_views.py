@@ -77,6 +77,11 @@ class MatrixView:
     def matrices(self, shape: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]]:
         """(count, [(out, in) of each part]) for a parameter of ``shape``: ``count`` matrices (experts)
         each made of those parts."""
+        if self.nd_mode == "flatten" and len(shape) > 2:  # one matrix (size(0), -1), as the optimizers view it
+            rest = 1
+            for s in shape[1:]:
+                rest *= s
+            shape = (shape[0], rest)
         count = 1
         for s in shape[:-2]:
             count *= s
@@ -93,7 +98,7 @@ class MatrixView:
             body = f"[{len(parts)} parts of {parts[0][0]}x{parts[0][1]}]"
         elif len(parts) > 1:
             body = f"[{body}]"
-        return f"{count} x {body}" if count > 1 or self.nd_mode != "error" else body
+        return f"{count} x {body}" if count > 1 or self.nd_mode == "batch" else body
 
 
 def _kind(module: nn.Module) -> str:
