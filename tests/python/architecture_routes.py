@@ -151,7 +151,8 @@ ARCH_ROUTES["zamba2"].update({r"feed_forward\.gate_up_proj\.weight": GATE_UP(I),
 # Zamba: in_proj(x).view(b, -1, 2, t).chunk(2, 2): x and gate interleaved; x_proj_weight (heads, dt+2N, d)
 # per head, split [dt; B; C]; dt_proj_weight per head; dt_proj_bias, A_log elementwise.
 ARCH_ROUTES["zamba"] = {r"mamba\.in_proj\.weight": M(split=(1, 1)), r"x_proj_weight": M("batch", split=(4, 16, 16)),
-                        r"dt_proj_weight": EXPERTS, r"dt_proj_bias": A("not a matrix"), r"A_log": A(""), r"conv1d\.weight": A(""), r"\.D$": A("")}
+                        r"dt_proj_weight": EXPERTS, r"dt_proj_bias": A("not a matrix"), r"A_log": A(""),
+                        r"conv1d\.weight": A(""), r"\.D$": A("")}
 # RecurrentGemma: rg_lru gate weights (heads, d, d) used through baddbmm(bias, x, W): per-head (in, out);
 # their (heads, d) biases only added (2-D non-matrices -> AdamW); conv_1d depthwise.
 ARCH_ROUTES["recurrent_gemma"] = {r"gate_weight$": EXPERTS_IN_OUT, r"gate_bias$": A("not a matrix"),
