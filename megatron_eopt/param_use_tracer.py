@@ -115,6 +115,7 @@ class _Root:
     # pieces: {(atom, piece key)}; per atom the (start, length) pieces seen, and their fate
     pieces: dict = field(default_factory=dict)
     rejoined: set = field(default_factory=set)
+    parents: dict = field(default_factory=dict)  # {(atom, start)}: the piece a refined part came from
     glu: set = field(default_factory=set)
     same_as: "_Root | None" = None  # one output with another product's (concatenated with it)
 
@@ -398,6 +399,8 @@ class _Tracer(TorchDispatchMode):
                     self._lost(d, "a slice across merged dims")
             return
         new_dims = d.dims[:dim] + d.dims[dim + 1:] if drop else d.dims
+        if not drop and self._refine(d, dim, pieces, outs):
+            return
         if d.pieces or len(atoms) != 1 or atoms[0][0] != d.root.out_dim:
             for (_, length), o in zip(pieces, outs):  # not along the output features, or a piece of a piece
                 if not drop:
@@ -411,6 +414,46 @@ class _Tracer(TorchDispatchMode):
             if not drop:
                 new_dims = d.dims[:dim] + [((atom[0], atom[1], length),)] + d.dims[dim + 1:]
             self._track(o, self._like(d, new_dims, pieces=frozenset({(atom, start)})))
+
+    def _refine(self, d: _Derived, dim: int, pieces, outs) -> bool:
+        """One piece of a split, whole along its features, split again into parts that cover it
+        (Mamba2's xBC, split into x, B and C after its convolution): the parts become pieces of the
+        first split. True when handled; a later concatenation of all the parts undoes it."""
+        if len(d.pieces) != 1 or len(pieces) < 2 or len(d.dims[dim]) != 1:
+            return False
+        ((atom, s0),) = tuple(d.pieces)
+        seen = d.root.pieces.get(atom, set())
+        length = next((n for start, n in seen if start == s0), None)
+        if length is None or d.dims[dim][0] != (atom[0], atom[1], length) or pieces[0][0] != 0 \
+                or sum(n for _, n in pieces) != length:
+            return False
+        seen.discard((s0, length))
+        for (start, n), o in zip(pieces, outs):
+            seen.add((s0 + start, n))
+            d.root.parents[(atom, s0 + start)] = (s0, length)
+            new_dims = d.dims[:dim] + [((atom[0], atom[1], n),) if n != 1 else ()] + d.dims[dim + 1:]
+            self._track(o, self._like(d, new_dims, pieces=frozenset({(atom, s0 + start)})))
+        return True
+
+    def _unrefine(self, root: _Root, union: frozenset) -> frozenset:
+        """All the parts of a refined piece together again (rotary halves of a one-head piece): the piece."""
+        for atom in {a for a, _ in union}:
+            starts = {start for a, start in union if a == atom}
+            parents = {root.parents.get((atom, start)) for start in starts}
+            if len(parents) != 1 or None in parents:
+                continue
+            parent = parents.pop()
+            children = {start for (a, start), p in root.parents.items() if a == atom and p == parent}
+            if starts != children:
+                continue
+            seen = root.pieces.get(atom, set())
+            for start, n in list(seen):
+                if start in children:
+                    seen.discard((start, n))
+                    del root.parents[(atom, start)]
+            seen.add(parent)
+            union = frozenset(p for p in union if p[0] != atom or p[1] not in children) | {(atom, parent[0])}
+        return union
 
     def _strided(self, d: _Derived, dim: int, start: int, end: int, step: int, out) -> None:
         """x[..., start::step]: x.view(..., n // step, step)[..., start]."""
@@ -552,6 +595,8 @@ class _Tracer(TorchDispatchMode):
             return
         roots = {id(d.root) for d in carried}
         union = frozenset().union(*(d.pieces for d in carried))
+        if len(roots) == 1:
+            union = self._unrefine(carried[0].root, union)
         for d in carried:
             for atom, _ in d.pieces:
                 starts = {start for a, start in union if a == atom}

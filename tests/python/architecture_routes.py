@@ -137,13 +137,11 @@ ARCH_ROUTES["mamba"] = ARCH_ROUTES["falcon_mamba"] = {
     **_MAMBA, r"mixer\.in_proj\.weight": M(split=(48, 48)), r"x_proj\.weight": M(split=(2, 16, 16))}
 ARCH_ROUTES["jamba"].update({r"mamba\.in_proj\.weight": M(split=(64, 64)), r"x_proj\.weight": M(split=(4, 16, 16)),
                              r"A_log": A("not a matrix"), r"conv1d\.weight": A(""), r"mamba\.D$": A("")})
-# Mamba2 / Bamba / Falcon-H1 / Zamba2: in_proj(x).split([I, conv_dim, heads]) [z; xBC; dt]. xBC is split
-# again into x, B, C after the depthwise convolution: a split of a split part, which the trace does not
-# read (one matrix here).
-for _name, _sizes in (("mamba2", (64, 96, 8)), ("bamba", (64, 576, 8)), ("falcon_h1", (64, 576, 8)),
-                      ("zamba2", (64, 192, 8))):
-    ARCH_ROUTES.setdefault(_name, {}).update({r"in_proj\.weight": M(split=_sizes), r"A_log": A(""),
-                                              r"conv1d\.weight": A(""), r"\.D$": A("")})
+# Mamba2 / Bamba / Falcon-H1 / Zamba2: in_proj(x).split([I, conv_dim, heads]) [z; xBC; dt], xBC split
+# again after the depthwise convolution into [x (I); B (groups·N); C (groups·N)]: five matrices.
+for _name, _state in (("mamba2", 16), ("bamba", 256), ("falcon_h1", 256), ("zamba2", 64)):
+    ARCH_ROUTES.setdefault(_name, {}).update({r"in_proj\.weight": M(split=(64, 64, _state, _state, 8)),
+                                              r"A_log": A(""), r"conv1d\.weight": A(""), r"\.D$": A("")})
 # Zamba2's shared MLP: (gate_up_proj(x) + adapter(x)).chunk(2): both [gate; up] (the adapter's
 # second factor too); its first factor (rank 4, H) is plain.
 ARCH_ROUTES["zamba2"].update({r"feed_forward\.gate_up_proj\.weight": GATE_UP(I),

@@ -107,7 +107,7 @@ def blocks(t, keys):
 
 # One weight of each layout: fused [Q; K; V] blocks (GQA sizes), per head, multi-query, Conv1D columns,
 # gate/up blocks and interleaved, experts (E, out, in) and (E, in, out), a projection grouped per key
-# head, a 2-D stack of experts, an einsum weight of three dims.
+# head, a 2-D stack of experts, an einsum weight of three dims, a split part split again (Mamba2's xBC).
 SAMPLES = {
     "phi3": "model.layers.0.self_attn.qkv_proj.weight",
     "gpt_neox": "gpt_neox.layers.0.attention.query_key_value.weight",
@@ -122,6 +122,7 @@ SAMPLES = {
     "dbrx": "transformer.blocks.0.ffn.experts.mlp.w1",
     "xlnet": "transformer.layer.0.rel_attn.q",
     "jetmoe": "model.layers.0.mlp.input_linear.weight",
+    "mamba2": "backbone.layers.0.mixer.in_proj.weight",
 }
 
 

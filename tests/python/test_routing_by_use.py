@@ -620,3 +620,29 @@ def test_hf_fused_qkv_no_table_names_bloom_and_mpt():
         table, said = _routes(model)
         assert not said and dict(table[name].group_keys) == {"split_shapes": sizes}, type(model).__name__
         assert table[name].source == "use"
+
+
+class SplitAgain(nn.Module):
+    """A part of a split split again (Mamba2's in_proj [z; xBC; dt], xBC into x, B, C after an
+    activation), and a multi-query [Q; k; v] whose one-head k is chunked and re-joined by a rotary."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 4 + 12 + 2, bias=False)
+        self.mqa = nn.Linear(8, 8 + 2 + 2, bias=False)
+
+    def forward(self, x):
+        z, xbc, dt = self.inp(x).split([4, 12, 2], dim=-1)
+        xs, b, c = F.silu(xbc).split([6, 3, 3], dim=-1)
+        q, k, v = self.mqa(x).split([8, 2, 2], dim=-1)
+        k = k * 0.5 + rotate_half(k) * 0.25  # rotate_half chunks k in two and concatenates them back
+        return (z.sum(-1) + xs.sum(-1) * b.sum(-1) * c.sum(-1) + dt.sum(-1) + (q.sum(-1) * k.sum(-1) * v.sum(-1))).sum()
+
+
+def test_a_split_part_split_again_and_a_rotated_one_head_part():
+    model = SplitAgain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table, _ = route_parameters(model, example_inputs=(torch.randn(2, 3, 8),), **NO_NAMES)
+    _check(table, "inp.weight", "muon", {"split_shapes": (4, 6, 3, 3, 2)}, "output split [4 + 6 + 3 + 3 + 2]")
+    _check(table, "mqa.weight", "muon", {"split_shapes": (8, 2, 2)}, "output split [8 + 2 + 2]")
