@@ -51,7 +51,8 @@ class MatrixView:
     """How one parameter is seen as Muon matrices: the param-group keys of
     :mod:`megatron_eopt.optim` (``nd_mode``, ``matrix_layout``, ``split_shapes``) and what it is."""
 
-    kind: str  # "linear", "conv1d", "fused_qkv", "fused_gate_up", "experts", "mla", "router", "expert_bias"
+    kind: str  # "linear", "conv1d", "fused_qkv", "fused_gate_up", "experts", "mla", "router", "expert_bias",
+    # "not_matrix", "nd"
     what: str  # said in the routing table
     nd_mode: str = "error"
     matrix_layout: str = "out_in"
@@ -211,6 +212,37 @@ def _is_router(module: nn.Module, parent: nn.Module | None, attr: str) -> bool:
     return False
 
 
+# Weights of two or more dims in transformers modules whose forward uses them elementwise or as a
+# lookup (AdamW without a trace too), or as matrices their stored shape does not say.
+_NOT_MATRICES = (
+    ("Mixer", ("A_log", "D", "dt_bias", "dt_proj_bias")),  # Mamba's mixers: A = -exp(A_log), (d, N) or (heads, d, N)
+    ("XLNetRelativeAttention", ("r_w_bias", "r_r_bias", "r_s_bias", "seg_embed")),  # added / a lookup
+    ("RecurrentGemmaRglru", ("input_gate_bias", "recurrent_gate_bias")),  # added in baddbmm
+    ("", ("relative_position_bias_table",)),  # Swin, Donut, ...: indexed by relative position
+)
+
+
+def _known_parameters(module: nn.Module, own: Mapping[str, torch.Tensor]) -> dict[str, MatrixView]:
+    kind = _kind(module)
+    views: dict[str, MatrixView] = {}
+    for suffix, names in _NOT_MATRICES:
+        if kind.endswith(suffix):
+            for name in names:
+                if name in own and own[name].dim() >= 2:
+                    views[name] = MatrixView("not_matrix", f"not a matrix ({kind}.{name}: elementwise or a lookup)",
+                                             optimizer="adamw")
+    if kind == "XLNetRelativeAttention":  # einsum("ibh,hnd->ibnd", x, q): one (in, out) matrix (d, heads·hd)
+        for name in ("q", "k", "v", "r", "o"):
+            if name in own and own[name].dim() == 3:
+                views[name] = MatrixView("nd", f"one matrix d_model x heads·head_dim ({kind}, einsum)", "flatten",
+                                         "out_in" if name == "o" else "in_out")
+    if kind == "RecurrentGemmaRglru":  # baddbmm(bias, x, W[h]): one (in, out) matrix per head
+        for name in ("input_gate_weight", "recurrent_gate_weight"):
+            if name in own and own[name].dim() == 3:
+                views[name] = MatrixView("experts", f"one matrix per head, (heads, in, out) ({kind})", "batch", "in_out")
+    return views
+
+
 def check_view_options(fused_gate_up: str, routers: str) -> None:
     """ValueError naming the option unless ``fused_gate_up`` and ``routers`` are known values."""
     if fused_gate_up not in FUSED_GATE_UP_MODES:
@@ -240,6 +272,9 @@ def model_matrix_views(model: nn.Module, *, fused_gate_up: str = "split",
             for name, view in _experts_views(module, fused_gate_up).items():
                 put(prefix, name, own[name], view)
             continue
+        if _from_transformers(module):
+            for name, view in _known_parameters(module, own).items():
+                put(prefix, name, own[name], view)
         weight = own.get("weight")
         if weight is None or weight.dim() != 2:
             continue

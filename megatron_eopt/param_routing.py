@@ -439,7 +439,7 @@ def route_parameters(
             view_text = view.describe(tuple(p.shape))
             scales = [get_muon_scale_factor(o, i, scale_mode) for o, i in view.matrices(tuple(p.shape))[1]]
             scale_text = " / ".join(f"{x:.3g}" for x in scales)
-        elif no_decay or (view is not None and view.kind == "expert_bias"):
+        elif no_decay or (view is not None and view.kind in ("expert_bias", "not_matrix")):
             wd = 0.0
             groups["adamw_no_decay"].append(p)
         elif p.dim() >= 2:

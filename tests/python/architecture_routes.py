@@ -184,7 +184,7 @@ ARCH_ROUTES["xlnet"] = {r"rel_attn\.(q|k|v|r)$": M("flatten", "in_out"), r"rel_a
 # Vision: patch embeddings are convolutions (AdamW), cls token and position embeddings AdamW;
 # Swin's relative_position_bias_table (window², heads) an index lookup (AdamW).
 ARCH_ROUTES["vit"] = {r"cls_token|patch_embeddings": A("")}
-ARCH_ROUTES["swin"] = {r"relative_position_bias_table": A("embedding"), r"patch_embeddings": A("")}
+ARCH_ROUTES["swin"] = {r"relative_position_bias_table": A("lookup"), r"patch_embeddings": A("")}
 # CLIP: text / visual projections give the model's outputs (AdamW, output heads); class_embedding.
 ARCH_ROUTES["clip"] = {r"(text|visual)_projection\.weight": A("output head"), r"class_embedding|patch_embedding": A(""),
                        r"logit_scale": A("scalar")}

@@ -161,3 +161,20 @@ def test_updates_equal_per_block_muon(arch):
             torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+@pytest.mark.parametrize("arch, pattern", [("mamba", r"A_log"), ("jamba", r"A_log"), ("zamba", r"A_log|\.D$|dt_proj_bias"),
+                                           ("swin", r"relative_position_bias_table"), ("xlnet", r"r_\w_bias|seg_embed"),
+                                           ("recurrent_gemma", r"gate_bias")])
+def test_tables_alone_keep_non_matrices_of_two_dims_off_muon(arch, pattern):
+    """Without a trace (example_inputs=False: sharded models, a forward that cannot run), the module
+    tables still send these weights of two or more dims, used elementwise or as a lookup, to AdamW."""
+    import re
+
+    model, _ = build(arch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        table, _ = route_parameters(model, example_inputs=False)
+    hits = [r for r in table if re.search(pattern, r.name) and len(r.shape) >= 2]
+    assert hits and all(r.optimizer == "adamw" and r.source == "table" for r in hits), [
+        (r.name, r.optimizer, r.reason) for r in hits]
