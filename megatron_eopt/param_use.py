@@ -44,6 +44,7 @@ from torch import nn
 
 from .model_views import MatrixView, check_view_options
 
+from .param_use_sharded import fsdp_hooks_set_aside, is_sharded, sharded_trace_problem
 from .param_use_tracer import _PRODUCT_LIKE, ParameterUses, ParamUse, _ParamRecord, _Root, _Tracer
 
 __all__ = ["ParamUse", "ParameterUses", "example_forward_inputs", "trace_parameter_uses"]
@@ -131,7 +132,8 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
             parts.append(length * atom[1])
             at += length
         if roles.get(atom) != "out" or at != atom[2] or len(parts) < 2:
-            return ParamUse(name, "unknown", f"multiplied in slices {spans} of its dim {atom[0]}")
+            side = ", its input side (no param-group keys split a matrix's columns)" if roles.get(atom) == "in" else ""
+            return ParamUse(name, "unknown", f"multiplied in slices {spans} of its dim {atom[0]}{side}")
         split, glu = tuple(parts), False
     seen = []
     sizes = split
@@ -294,7 +296,7 @@ def _run(model, params, args, kwargs, meta: bool):
         back = {id(replacement[k]): k for k in params}
         state = _module_tensors(model)
         try:
-            with torch.no_grad(), tracer:
+            with torch.no_grad(), fsdp_hooks_set_aside(model), tracer:  # DTensors: param_use_sharded.py
                 result = torch.func.functional_call(model, tensors, _to(args, "meta"), _to(kwargs, "meta"),
                                                     tie_weights=True, strict=False)
         finally:
@@ -322,10 +324,16 @@ def trace_parameter_uses(model: nn.Module, example_inputs: Any = None, *, fused_
     ``routers`` are those of :func:`megatron_eopt.route_parameters`. The forward runs on meta
     tensors; where it cannot, on the real parameters (``real_fallback``). A forward that fails both
     ways gives ``error`` and no uses; bad ``example_inputs`` are a TypeError naming the forward's
-    signature."""
+    signature. DTensor parameters are traced at their global shapes, FSDP2's hooks set aside, on
+    meta only; under other forward hooks (tensor parallelism) a ValueError names the parameter
+    (:mod:`megatron_eopt.param_use_sharded`)."""
     check_view_options(fused_gate_up, routers)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_sharded(model):
+        if (problem := sharded_trace_problem(model)) is not None:
+            raise ValueError(f"example_inputs: {problem}")
+        real_fallback = False  # a forward on the shards would gather them
     args, kwargs = example_forward_inputs(model, example_inputs)
     params = _param_names(model)
     errors = []

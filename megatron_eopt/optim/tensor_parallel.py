@@ -44,8 +44,9 @@ from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.grouping import DEFAULT_WORKSPACE_MIB
+from .multirank.cost_model import AUTO_CANDIDATES, auto_tp_mode, group_span
 from .multirank.hardware import HARDWARE, Hardware, hardware_of
-from .multirank.tp_modes import AUTO_CANDIDATES, GTPLayout, TPLayout, auto_tp_mode
+from .multirank.tp_modes import GTPLayout, TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
@@ -118,7 +119,8 @@ class _TensorParallelRouting:
             shape[0] = shape[0] * dist.get_world_size(gtp_group) - int(getattr(p, "pad_length", 0))
         num_ns_steps, use_syrk, precision, candidates, hw = self._auto
         return auto_tp_mode(shape[partition_dim] * size, shape[1 - partition_dim], size, num_ns_steps, use_syrk,
-                            p.element_size(), hw if hw is not None else hardware_of(p.device), precision, candidates)
+                            p.element_size(), hw if hw is not None else hardware_of(p.device), precision, candidates,
+                            span=group_span(dist.get_process_group_ranks(group)))
 
     def tp_modes(self) -> dict[int, str]:
         """{index of the parameter in ``param_groups`` order: the tensor-parallel mode its update runs
