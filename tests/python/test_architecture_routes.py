@@ -1,7 +1,8 @@
-"""Every architecture of transformers 5.24 that builds tiny on CPU (tests/python/architecture_configs.py),
-routed by build_optimizers' rules with its forward traced: each parameter's optimizer, param-group
-keys, (out, in) matrices and scale against tests/python/architecture_routes.py, a table written from
-the modeling code; and Muon updates equal to per-block Muon on a sample of each layout."""
+"""Every architecture of transformers 5.24 that builds tiny on CPU
+(tests/python/support/architecture_configs.py), routed by build_optimizers' rules with its forward
+traced: each parameter's optimizer, param-group keys, (out, in) matrices and scale against
+tests/python/support/architecture_routes.py, a table written from the modeling code; and Muon
+updates equal to per-block Muon on a sample of each layout."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The route of every parameter kind of each transformers 5.24 architecture of
-tests/python/architecture_configs.py, written from its modeling_*.py (what its forward does with the
+tests/python/support/architecture_configs.py, written from its modeling_*.py (what its forward does with the
 weight), at the sizes there: H=32, 4 heads of 8 (2 KV heads), intermediate 48, 4 experts of 24.
 
 A row: a regular expression searched in the parameter name -> its route. The first matching row of

@@ -1,4 +1,4 @@
-"""Tiny configs of the transformers 5.24 architectures that tests/python/architecture_routes.py audits:
+"""Tiny configs of the transformers 5.24 architectures that tests/python/support/architecture_routes.py audits:
 hidden 32, 4 heads of 8 (2 KV heads), intermediate 48, 2 layers (a hybrid model: one layer of each kind),
 4 experts of 24, vocabulary 64; each built on CPU from its config alone, no weights downloaded."""
 
