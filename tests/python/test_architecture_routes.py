@@ -170,7 +170,7 @@ def test_updates_equal_per_block_muon(arch):
                                            ("swin", r"relative_position_bias_table"), ("xlnet", r"r_\w_bias|seg_embed"),
                                            ("recurrent_gemma", r"gate_bias")])
 def test_tables_alone_keep_non_matrices_of_two_dims_off_muon(arch, pattern):
-    """Without a trace (example_inputs=False: sharded models, a forward that cannot run), the module
+    """Without a trace (example_inputs=False, or a forward that cannot run), the module
     tables still send these weights of two or more dims, used elementwise or as a lookup, to AdamW."""
     import re
 
