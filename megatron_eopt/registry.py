@@ -11,7 +11,8 @@ can put them into ``megatron.core.optimizer``; nothing here imports megatron-cor
 Built-in entries: ``"muon"`` (:class:`~megatron_eopt.optim.TensorParallelMuon`),
 ``"adaptive_muon"`` (:class:`~megatron_eopt.optim.TensorParallelAdaptiveMuon`), and the rest of
 Emerging-Optimizers 0.4's family: ``"scion"``, ``"mop"``, ``"polargrad"``, ``"spel"``, ``"muown"``,
-``"muon_hyperball"`` (its radius from the config's ``muon_hyperball_radius``).
+``"muon_hyperball"`` (its radius from the config's ``muon_hyperball_radius``); ``"muon_ht"``
+(:class:`~megatron_eopt.optim.TensorParallelMuonHT`, Megatron-LM PR #6422's tensor-parallel hyperball).
 
 Emerging-Optimizers' own class registry is here too: :func:`register_optimizer`,
 :func:`get_optimizer_cls`, :func:`get_optimizer_name_list`, :func:`validate_optimizer_args`,
@@ -306,6 +307,42 @@ def _with_model_and_groups(kwargs: dict[str, Any], model_chunks: Any, pg_collect
     return kwargs
 
 
+# Megatron-LM's muon_ht fields (PR #6422: --muon-ht-radius, --muon-ht-eps, on the optimizer's config
+# or the model's TransformerConfig) and the constructor arguments they reach.
+MUON_HT_FIELDS = {"muon_ht_radius": "hyperball_radius", "muon_ht_eps": "hyperball_eps"}
+
+
+def muon_ht_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
+    """Megatron-LM ``OptimizerConfig`` → :class:`~megatron_eopt.optim.TensorParallelMuonHT` keyword
+    arguments: those of "muon" (every ``muon_*`` field), and ``muon_ht_radius`` / ``muon_ht_eps`` from
+    the optimizer's config, else from the model's config. ``weight_decay`` comes from the config as for
+    "muon": the class refuses anything but 0."""
+    from .optim import TensorParallelMuon, TensorParallelMuonHT
+
+    arguments = list(inspect.signature(TensorParallelMuon).parameters) + list(MUON_HT_FIELDS.values())
+    kwargs = config_kwargs(TensorParallelMuonHT, config, ("muon",), tolerated=lambda f: f in MUON_HT_FIELDS,
+                           entry_name="muon_ht", arguments=arguments)
+    model_config = getattr(model_chunks[0], "config", None) if model_chunks else None
+    for field_name, argument in MUON_HT_FIELDS.items():
+        for source in (config, model_config):
+            if source is not None and getattr(source, field_name, None) is not None:
+                kwargs[argument] = getattr(source, field_name)
+                break
+    return _with_model_and_groups(kwargs, model_chunks, pg_collection)
+
+
+def _sharding_groups(pg_collection: Any) -> list[str]:
+    """The names of ``pg_collection``'s tensor-parallel / GTP groups of more than one rank."""
+    import torch.distributed as dist
+
+    names = []
+    for name in ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat"):
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            names.append(name)
+    return names
+
+
 def _tensor_parallel_muon_option(field_name: str) -> bool:
     """Whether ``field_name`` is ``muon_<argument of TensorParallelMuon>`` (or an older spelling of one)."""
     from .optim import TensorParallelMuon
@@ -335,6 +372,12 @@ def family_config_to_kwargs(optimizer_cls: type, name: str | None = None) -> Cal
         if optimizer_cls.__name__ == "MuonHyperball":
             if kwargs.get("hyperball_radius") is None:
                 raise ValueError("muon_hyperball needs config.muon_hyperball_radius (the weights' Frobenius norm)")
+            sharding = _sharding_groups(pg_collection)
+            if sharding:  # its norms (and Newton–Schulz) would be each shard's, not the matrix's
+                raise ValueError(
+                    f"muon_hyperball takes the norms of each rank's shard, and pg_collection shards the weights over "
+                    f"{', '.join(sharding)}: use optimizer='muon_ht' (TensorParallelMuonHT), whose norms are the "
+                    "whole matrices'")
         return kwargs
 
     return config_to_kwargs
@@ -374,6 +417,11 @@ def _load_builtins() -> None:
                 constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelAdaptiveMuon, adaptive_groups),
             ),
         }
+        builtins["muon_ht"] = EmergingOptimizerEntry(
+            optim.TensorParallelMuonHT, config_to_kwargs=muon_ht_config_to_kwargs,
+            constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelMuon, muon_groups)
+            | {"hyperball_radius", "hyperball_eps"},
+        )
         for name, cls in (("scion", optim.Scion), ("mop", optim.MOP), ("polargrad", optim.PolarGrad),
                           ("spel", optim.Spel), ("muown", optim.Muown), ("muon_hyperball", optim.MuonHyperball)):
             builtins[name] = EmergingOptimizerEntry(cls, config_to_kwargs=family_config_to_kwargs(cls, name))

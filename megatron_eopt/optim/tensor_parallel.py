@@ -46,6 +46,7 @@ from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.grouping import DEFAULT_WORKSPACE_MIB
 from .multirank.cost_model import AUTO_CANDIDATES, auto_tp_mode, group_span
 from .multirank.hardware import HARDWARE, Hardware, hardware_of
+from .multirank.layer_homes import HomeDomain
 from .multirank.tp_modes import GTPLayout, TPLayout
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
@@ -126,14 +127,17 @@ class _TensorParallelRouting:
         """{index of the parameter in ``param_groups`` order: the tensor-parallel mode its update runs
         in}: "duplicated", "distributed", "layer_sharded" or "blockwise" for a parameter sharded over
         its group (with tp_mode "auto", the mode chosen for it; a parameter distributed mode runs as
-        duplicated, being sharded along its short side, is "duplicated"), "replicated" for one
-        orthogonalized whole on every rank (not sharded, or a group of one rank)."""
+        duplicated, being sharded along its short side, is "duplicated"; with "layer_sharded" also a
+        matrix replicated over its TP group, which gets one home), "replicated" for one orthogonalized
+        whole on every rank (not sharded, or a group of one rank)."""
         modes = {}
         params = (p for group in self.param_groups for p in group["params"])
         for index, p in enumerate(params):
             layout = self._tp_layout(p)
             if layout is not None:
                 modes[index] = layout.mode
+            elif self._home_domain(p) is not None:  # replicated over TP (or GTP rows only): one home
+                modes[index] = "layer_sharded"
             elif (self._tp_mode_of(p) == "blockwise" and getattr(p, "partition_dim", None) in (0, 1)
                   and self._tp_group(p) is not None and dist.get_world_size(self._tp_group(p)) > 1):
                 modes[index] = "blockwise"
@@ -185,6 +189,30 @@ class _TensorParallelRouting:
             raise ValueError(f"pad_length of a GTP-sharded parameter must be an int, got {pad!r}")
         return GTPLayout(group, dist.get_world_size(group), dist.get_rank(group), pad,
                          self._tp_mode_of(p) == "blockwise")
+
+    def _home_domain(self, p: torch.Tensor) -> HomeDomain | None:
+        """tp_mode "layer_sharded" over Megatron-LM's GTP x TP domain (PR #6683's homes): where the
+        parameter's GTP group (``gtp_remat``, ``expt_gtp_remat`` for experts) has several ranks, or it is
+        a 2-D matrix replicated over a TP group of several ranks (MLA down-projections, a router), each
+        matrix gets one home among the TP x GTP ranks (multirank.layer_homes); None where the TP group's
+        own homes decide (TP shards, no GTP group) or in the other modes."""
+        if self._tp_mode_of(p) != "layer_sharded" or p.dim() != 2:
+            return None
+        group = self._tp_group(p)
+        tp_size = 1 if group is None else dist.get_world_size(group)
+        tp_sharded = getattr(p, "partition_dim", None) in (0, 1) and tp_size > 1
+        pg = self.pg_collection
+        gtp_group = getattr(pg, "expt_gtp_remat" if getattr(p, "expert_tp", False) else "gtp_remat", None) if pg else None
+        if gtp_group is not None and dist.get_world_size(gtp_group) <= 1:
+            gtp_group = None
+        if gtp_group is None and (tp_sharded or tp_size <= 1):
+            return None
+        gtp = self._gtp_layout(p)  # the rows split over GTP, or None: replicated over it
+        return HomeDomain(group if tp_size > 1 else None, tp_size, dist.get_rank(group) if tp_size > 1 else 0,
+                          int(p.partition_dim) if tp_sharded else -1, gtp_group,
+                          1 if gtp_group is None else dist.get_world_size(gtp_group),
+                          0 if gtp_group is None else dist.get_rank(gtp_group), None if gtp is None else gtp.pad_rows,
+                          self.ns_batch_size)
 
     def _split_shapes_of(self, p: torch.Tensor) -> list[int] | None:
         if not self.split_qkv or not self.is_qkv_fn(p):

@@ -76,8 +76,9 @@ def gtp_orthogonalize(x: torch.Tensor, gtp: GTPLayout, orthogonalize) -> list[to
     the GTP group (blockwise: not), the padding rows left out, ``orthogonalize`` (the tensor-parallel
     mode's work on (k, rows, n), returning k results) run on the real rows, and this rank's rows of
     the results returned, zero where they are padding (Megatron-LM's
-    ``scaled_orthogonalize_fn_with_gtp_remat``; its distributed mode's scale of the padded shape is
-    not followed: the scale is the real matrix's)."""
+    ``scaled_orthogonalize_fn_with_gtp_remat``). The Muon scale is the real matrix's (rows less
+    ``pad_length``) in every mode, as in Megatron-LM since #7236. tp_mode "layer_sharded" does not
+    come here: its matrices get one home in the GTP x TP domain (:mod:`.layer_homes`)."""
     k, rows, cols = x.shape
     full = x if gtp.blockwise else gather_rows(x, gtp)
     real = gtp.real_rows(rows)

@@ -29,6 +29,7 @@ from ..multirank.tp_modes import (
 )
 from ..matrix_view import MatrixSplit, split_newton_schulz
 from .grouping import Plan, Stack
+from ..multirank.layer_homes import home_orthogonalize
 from ..multirank.agreement import capturing_cuda_graph
 from ..multirank.dtensor_layout import is_dtensor, local
 from ..multirank.sharded_statistics import sharded_namo_, sharded_normuon_
@@ -405,6 +406,10 @@ class FusedStep:
         for Muon (the split op fuses it) and raw for AdaptiveMuon (scaled after normalization).
         ``in_place``: ``x`` is the step's own buffer, which plain matrices' results may overwrite.
         """
+        if stack.home is not None:  # layer_sharded over GTP x TP, or TP-replicated: once per matrix, on a home
+            load = self._sharded.loads.setdefault(stack.home.key, [0.0] * stack.home.size)
+            return home_orthogonalize(x, stack.home, stack.home.route(), stack.split, stack.config,
+                                      stack.config.moment2_method is None, load)
         if stack.gtp is not None:  # the tensor-parallel mode's work on the gathered, unpadded rows
             return gtp_orthogonalize(x, stack.gtp, lambda rows: self._orthogonalize_tensor_parallel(stack, rows))
         return self._orthogonalize_tensor_parallel(stack, x, in_place)

@@ -77,6 +77,8 @@ class Stack:
     config: OrthogonalizationConfig  # how its matrices are orthogonalized (their param groups')
     members: list[int] = field(default_factory=list)  # entry indices
     gtp: GTPLayout | None = None  # GTP row shards: gathered (and unpadded) around the tp mode's work
+    # layer_sharded over a GTP x TP domain, or a TP-replicated matrix: one home per matrix (multirank.layer_homes)
+    home: Any = None
 
 
 @dataclass
@@ -253,7 +255,7 @@ def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
 
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
                sharded_mode: str = "owner", group_configs=None, gtp_fn=None, replica_work: str = "repeat",
-               uneven: list | None = None) -> Plan:
+               uneven: list | None = None, home_fn=None) -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
 
     ``group_configs[gi]`` is how param group gi is orthogonalized (None: ``config`` for every
@@ -265,6 +267,8 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
     DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack; params
     that are not real floating-point matrices (:func:`not_a_matrix`) in ``rejected``, without an entry.
     ``uneven[k]``: the k-th param's shards where they are off DTensor's chunking rule (``uneven_splits``).
+    home_fn(p) -> HomeDomain | None: the domain whose ranks share p's matrix in tp_mode "layer_sharded"
+    where it spans more than the TP group's shards (GTP) or is replicated over TP (multirank.layer_homes).
     """
     entries: list[ParamEntry] = []
     stacks: list[Stack] = []
@@ -386,12 +390,14 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 sharded.append(ei)
                 continue
 
+            home = None if home_fn is None or len(local_shape) != 2 else home_fn(p)
             skey = (local_shape[-2:], p.device, None if tp is None else tp.key,
                     None if split is None else (split.sizes, split.columns), id(group_config),
-                    None if gtp is None else gtp.key)
+                    None if gtp is None else gtp.key, None if home is None else home.key)
             if skey not in stack_of:
                 stack_of[skey] = len(stacks)
-                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, split, group_config, gtp=gtp))
+                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, split, group_config, gtp=gtp,
+                                    home=home))
             entry.stack_index = stack_of[skey]
             stacks[entry.stack_index].members.append(ei)
     return Plan(
