@@ -46,7 +46,8 @@ ADAMW = "adamw"
 FROZEN = "frozen"
 
 # Regular expressions searched in the full dotted parameter name (case-insensitive).
-DEFAULT_EMBEDDING_PATTERNS: tuple[str, ...] = (r"embed", r"(^|\.)(wte|wpe)(\.|$)")
+# "unembed" is not an embedding (Gemma-3n's altup_unembed_projections are hidden matrices).
+DEFAULT_EMBEDDING_PATTERNS: tuple[str, ...] = (r"(?<!un)embed", r"(^|\.)(wte|wpe)(\.|$)")
 # Output heads: these module names anywhere, plus the generic names `output`, `head` and
 # `score` only as top-level modules (`attention.output.dense` in BERT is a hidden matrix).
 DEFAULT_HEAD_PATTERNS: tuple[str, ...] = (
@@ -437,7 +438,7 @@ def route_parameters(
             view_text = view.describe(tuple(p.shape))
             scales = [get_muon_scale_factor(o, i, scale_mode) for o, i in view.matrices(tuple(p.shape))[1]]
             scale_text = " / ".join(f"{x:.3g}" for x in scales)
-        elif no_decay or (view is not None and view.kind == "expert_bias"):
+        elif no_decay or (view is not None and view.kind in ("expert_bias", "not_matrix")):
             wd = 0.0
             groups["adamw_no_decay"].append(p)
         elif p.dim() >= 2:
