@@ -46,24 +46,6 @@ WORKLOADS = {
 RANKED = False  # one run, not one per --ranks count
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise OSError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> bool:
-    """The kernel's resident peak (VmHWM) set back to the resident size; False where it cannot be."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return _status_kib("VmHWM") <= _status_kib("VmRSS") + 1024
-
-
 def measure_child(model_name: str, quick: bool) -> dict:
     """In this (fresh) process: build ``model_name`` on meta, route it, report time and memory."""
     import gc
@@ -75,6 +57,7 @@ def measure_child(model_name: str, quick: bool) -> dict:
 
     import megatron_eopt
     from megatron_eopt.integrations.transformers import build_muon_adamw
+    from step_memory import hwm_bytes, reset_peak_rss, rss_bytes  # (after the checkout is first on the path)
 
     torch.set_num_threads(1)
     config_class, full, tiny = MODELS[model_name]
@@ -88,8 +71,9 @@ def measure_child(model_name: str, quick: bool) -> dict:
     assert all(p.device.type == "meta" for p in params)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     gc.collect()
-    rss_before = _status_kib("VmRSS") * 1024
-    peak_method = "VmHWM" if _reset_peak() else "ru_maxrss (not reset: includes the imports and the build)"
+    rss_before = rss_bytes()
+    peak_reset = reset_peak_rss() and hwm_bytes() <= rss_bytes() + 1024 * 1024
+    peak_method = "VmHWM" if peak_reset else "ru_maxrss (not reset: includes the imports and the build)"
     caught = []
     times = []
     repeats = 2 if quick else 4
@@ -100,7 +84,7 @@ def measure_child(model_name: str, quick: bool) -> dict:
             table, _ = megatron_eopt.route_parameters(model)
             times.append(time.perf_counter() - started)
         caught = [str(w.message) for w in seen]
-    rss_peak = _status_kib("VmHWM") * 1024
+    rss_peak = hwm_bytes()
     tracemalloc.start()
     megatron_eopt.route_parameters(model)
     _, traced_peak = tracemalloc.get_traced_memory()

@@ -127,3 +127,15 @@ def split_newton_schulz(config, x: torch.Tensor, split,
         xt = x.mT.contiguous()
         return config.newton_schulz_split(xt, split.sizes, xt.shape[-2] // split.total, scaled=scaled).mT.contiguous()
     return config.newton_schulz_split(x, split.sizes, x.shape[-2] // split.total, scaled=scaled)
+
+
+def newton_schulz_in_batches(config, stack: torch.Tensor, batch_size: int, split, scaled: bool) -> list[torch.Tensor]:
+    """The Newton–Schulz results of a (k, m, n) stack, ``batch_size`` matrices per call (a home rank's
+    whole matrices in tp_mode "layer_sharded"); split part by part when ``split`` (see
+    :func:`split_newton_schulz`)."""
+    results: list[torch.Tensor] = []
+    for start in range(0, stack.shape[0], batch_size):
+        batch = stack[start : start + batch_size]
+        out = config.newton_schulz(batch) if split is None else split_newton_schulz(config, batch, split, scaled)
+        results.extend(out.unbind(0))
+    return results

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..matrix_view import split_newton_schulz
+from ..matrix_view import newton_schulz_in_batches
 from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
 
@@ -111,13 +111,7 @@ def home_orthogonalize(x: torch.Tensor, domain: HomeDomain, route: OwnerRoute, s
                 mats.append(tp_local(parts, th, gh))
             else:
                 mats.append(torch.cat([tp_local(parts, t, gh) for t in range(T)], dim=pd))
-        full = torch.stack(mats)
-        results = []
-        for start in range(0, len(owned), domain.ns_batch_size):
-            batch = full[start : start + domain.ns_batch_size]
-            out = config.newton_schulz(batch) if split is None else split_newton_schulz(config, batch, split, scaled)
-            results.extend(out.unbind(0))
-        return results
+        return newton_schulz_in_batches(config, torch.stack(mats), domain.ns_batch_size, split, scaled)
 
     def back(i, result, s):
         t, g = domain.coordinates(s)

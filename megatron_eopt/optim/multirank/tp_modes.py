@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ... import _collectives as collectives
 from ...ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
 from .._config import OrthogonalizationConfig
-from ..matrix_view import MatrixSplit, split_newton_schulz
+from ..matrix_view import MatrixSplit, newton_schulz_in_batches
 from .cost_model import AUTO_CANDIDATES, auto_tp_mode, auto_tp_mode_seconds
 from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
@@ -182,12 +182,7 @@ def layer_sharded_orthogonalize(
         if not owned:
             return []
         full = torch.stack([torch.cat([piece.view(rows, cols) for piece in parts], dim=d) for parts in pieces])
-        results = []
-        for start in range(0, len(owned), tp.ns_batch_size):
-            batch = full[start : start + tp.ns_batch_size]
-            out = config.newton_schulz(batch) if split is None else split_newton_schulz(config, batch, split, scaled)
-            results.extend(out.unbind(0))
-        return results
+        return newton_schulz_in_batches(config, full, tp.ns_batch_size, split, scaled)
 
     def deliver(i, piece):
         outs[i] = piece.view(rows, cols)
