@@ -139,6 +139,7 @@ class StepRun:
         self.plan = plan
         self.chunks = plan.chunks  # the chunks the step began with (workspace_mib may change the plan's)
         self.started: dict[int, ChunkWork] = {}  # chunk index -> its work, started ahead of step()
+        self._agreed: set[int] = set()  # the chunks whose start the ranks agreed on (agree_chunk)
         seeds = opt._state_seeds
         self._seeds = {device: seed.clone() for device, seed in seeds.items()} if revertible else None
         for seed in seeds.values():  # new draws for the stochastic rounding of this step
@@ -147,6 +148,27 @@ class StepRun:
         opt._reset_ns_inputs_below_eps(plan)
         self._loads = chunk_start_loads(plan, self.chunks, cache=not torch.compiler.is_compiling())
 
+    # ------------------------------------------------------------------ the ranks' agreement
+    # A step begun during backward agrees once per chunk whose work communicates, before it starts
+    # (the ranks must enter its collectives with the same grads), wherever it starts: in backward, or
+    # in step() for a chunk that did not start there (its grads came last, or one is missing on some
+    # rank). Every rank thus makes the same agreements in the same order, whichever chunks started
+    # where, and one more in step(). (The plain step agrees once, before begin: it has every grad.)
+    def agree_chunk(self, k: int, members, error: Exception | None = None) -> None:
+        """The ranks agree on chunk ``k``'s start, with the grads of ``members`` (once per chunk)."""
+        self._agreed.add(k)
+        self.engine.agree(self.plan, members, error, chunk=k)
+
+    def agree_finish(self, error: Exception | None) -> None:
+        """In step(): every communicating chunk not agreed on yet agrees, then the step once more (a
+        refusal seen here by some ranks only must not leave the others updating alone)."""
+        engine = self.engine
+        for k, chunk in enumerate(self.chunks):
+            if k not in self._agreed and engine.communicates(self.plan, chunk):
+                self.agree_chunk(k, chunk, error)
+        engine.agree(self.plan, None, error, chunk=-1)
+
+    # ------------------------------------------------------------------ the chunks
     def _chunk_loads(self, k: int) -> dict:
         """Chunk k's starting owner loads (a copy: the chunk's balancing updates it)."""
         if self._loads is None:

@@ -18,9 +18,13 @@ caller's thread); a chunk with collectives (sharded matrices, tensor-parallel st
 hook itself, so that every rank issues its collectives in the same order, the order in which
 backward finalizes the gradients (the same on every rank of an SPMD model).
 
-The results are bitwise those of the same optimizer without overlap: the same chunks run the same
-ops on the same inputs, and the update phase runs in ``step()`` in chunk order. What cannot be
-reproduced is refused:
+The results are bitwise those of the same optimizer without overlap, by construction: both steps
+are the one engine's (``step.engine``; this module uses nothing of the optimizer but the engine):
+the plain step begins and runs every chunk in plan order in ``step()``, the overlapped one begins
+when the first gradient is final, starts chunks (momentum, Newton–Schulz) as their gradients come,
+in any order, and runs the rest in ``step()`` the same way. A chunk's owners (sharded matrices,
+layer-sharded homes) are balanced from loads the plan decides (``step.balance``), not from the
+order chunks start. What cannot be reproduced is refused:
 
 - a gradient changed after its chunk started (a clip that scales it, GradScaler's unscale, a
   second micro-batch accumulated into it) raises at ``step()`` (before any update is applied; the
@@ -256,7 +260,7 @@ class BackwardOverlap:
             agreed = StepStats()
             try:
                 with recording_into(agreed):  # counted with the step's work
-                    engine.agree(plan, members, None, chunk=c)
+                    work.run.agree_chunk(c, members)
             except BaseException as exc:
                 work.error = exc
                 raise
@@ -365,12 +369,8 @@ class BackwardOverlap:
             error = exc
         try:
             # The chunks backward did not start, whose work communicates, agree as they would have
-            # there (a parameter without a grad on this rank only is named), then the step once more:
-            # a refusal seen here by some ranks only must not leave the others updating alone.
-            for c, chunk in enumerate(work.chunks):
-                if c not in work.started and engine.communicates(work.plan, chunk):
-                    engine.agree(work.plan, chunk, error, chunk=c)
-            engine.agree(work.plan, None, error, chunk=-1)
+            # there (a parameter without a grad on this rank only is named), then the step once more.
+            run.agree_finish(error)
         except BaseException:
             run.cancel()
             raise
