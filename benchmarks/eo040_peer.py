@@ -3,7 +3,7 @@
 0.4.0 is not on the package index and is not installed (0.3.0 is, from the index). The family
 workloads time megatron-eopt's classes alone and list this peer as skipped, with the reason
 below; 0.4.0's numerics are compared through the float64 re-expressions in
-``tests/python/eo040_reference.py``.
+``tests/python/support/eo040_reference.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 UNAVAILABLE = ("Emerging-Optimizers 0.4.0 is not on the package index and is not installed; its behaviour "
-               "is compared through float64 re-expressions in the tests (tests/python/eo040_reference.py)")
+               "is compared through float64 re-expressions in the tests (tests/python/support/eo040_reference.py)")
 
 
 def load() -> tuple[SimpleNamespace | None, str | None]:

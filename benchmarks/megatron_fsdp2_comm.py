@@ -4,7 +4,7 @@
     python benchmarks/megatron_fsdp2_comm.py [--ranks 2 4] [--steps 3] [--optimizer muon] [--no-split-qkv]
                                              [--out FILE.json]
 
-A GPT (tests/python/megatron_cpu.build_gpt: 2 layers, hidden 64, GQA; 9 Muon matrices) in
+A GPT (tests/python/support/megatron_cpu.build_gpt: 2 layers, hidden 64, GQA; 9 Muon matrices) in
 megatron-core's ``TorchFullyShardedDataParallel`` (every parameter a ``Shard(0)`` DTensor over all
 ranks), its optimizer from ``get_megatron_optimizer(OptimizerConfig(optimizer=...))``: once with
 megatron-eopt's ``install()`` ("ours"), once without ("stock": Megatron's own TensorParallelMuon,
@@ -37,7 +37,7 @@ import typing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
-TESTS = os.path.join(REPO_ROOT, "tests", "python")  # megatron_cpu: megatron-core's GPT and wrappers on CPUs
+TESTS = os.path.join(REPO_ROOT, "tests", "python", "support")  # megatron_cpu: megatron-core's GPT and wrappers on CPUs
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 

@@ -12,7 +12,7 @@ fi
 # Linters of scripts/lint.sh (pinned: a new release may add rules or change the C++ layout).
 "$PY" -m pip install -q ruff==0.17.6 clang-format==23.1.5
 # Emerging-Optimizers 0.4.0 is not on the package index and is not installed: its behaviour is
-# re-expressed in float64 in tests/python/eo040_reference.py, which the 0.4 parity tests compare to.
+# re-expressed in float64 in tests/python/support/eo040_reference.py, which the 0.4 parity tests compare to.
 # Benchmark peer: Dao-AILab's gram-newton-schulz (its torch backend only; its GPU kernels' packages,
 # quack-kernels and nvidia-cutlass-dsl, are not needed for that).
 "$PY" -m pip install -q --no-deps gram-newton-schulz==0.1.6

@@ -17,9 +17,9 @@ trap 'rm -rf "$WORK"' EXIT
 bash scripts/build_wheel.sh "$WORK/dist"
 # The ops (eager, opcheck, torch.compile) and the optimizers on the CPU; the parity tests against
 # other packages stay in the main suite.
-TESTS=(test_library_loading.py test_foreach_ops.py test_newton_schulz.py test_newton_schulz_gram.py
-       test_newton_schulz_compile.py test_second_moment_ops.py test_split_newton_schulz.py test_optim_drop_in.py
-       test_optim_compile.py test_optim_state.py test_hybrid_muon.py)
+TESTS=(test_library_loading.py ops/test_foreach_ops.py ops/test_newton_schulz.py ops/test_newton_schulz_gram.py
+       ops/test_newton_schulz_compile.py ops/test_second_moment_ops.py ops/test_split_newton_schulz.py
+       optim/test_optim_drop_in.py optim/test_optim_compile.py optim/test_optim_state.py optim/test_hybrid_muon.py)
 
 run_in() {  # run_in VENV: install the wheel without touching torch, then the tests from outside the checkout
   local venv=$1

@@ -279,7 +279,7 @@ class Muon(OrthogonalizedOptimizer):
         self._layout_key = self._layout()
         super()._rebuild_plan(agree_ranks)
 
-    def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
+    def _split_shapes_of(self, p: torch.Tensor) -> list[int] | None:
         sizes = self._head_sizes.get(id(p))
         return None if sizes is None else list(sizes)
 

@@ -4,6 +4,7 @@ tensor-parallel entry; the wrappers, their argument checks and the fake kernels.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import torch
@@ -260,9 +261,21 @@ def newton_schulz_list(
 
 
 # ------------------------------------------------------------------ split orthogonalization
+def split_newton_schulz_op(x, split_shapes, num_groups: int, coefficients, steps: int, repeat_last: bool, eps: float,
+                           transpose, precision: str, scale_mode, extra_scale_factor: float, algorithm: str, recipe,
+                           products: str) -> torch.Tensor:
+    """The one place that calls ``torch.ops.megatron_eopt.newton_schulz_split`` (its argument order,
+    and the step statistics' count): :func:`newton_schulz_split` after its checks, and the optimizers'
+    configuration (``optim/_config.py``) with its resolved table. ``recipe``: the four recipe
+    arguments (:func:`recipe_arguments`); ``products``: resolved."""
+    count_split_newton_schulz(x.shape, split_shapes, num_groups, steps)
+    return call_op(_ops.newton_schulz_split, x, list(split_shapes), num_groups, coefficients, steps, repeat_last, eps,
+                   transpose, precision, scale_mode, extra_scale_factor, algorithm, *recipe, products)
+
+
 def newton_schulz_split(
     x: torch.Tensor,
-    split_sizes: Sequence[int],
+    split_shapes: Sequence[int] | None = None,
     num_groups: int | None = 1,
     *,
     steps: int = 5,
@@ -279,13 +292,14 @@ def newton_schulz_split(
     row_equilibration: bool = False,
     frobenius_renorm: bool = False,
     products: NSProductsT = "auto",
+    split_sizes: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Orthogonalizes the parts of a fused projection ``x`` (fp32, ``(rows, n)``, or a stack
     ``(batch, rows, n)`` of projections of one shape, all parts of one size in one batch) separately.
 
-    ``x`` is viewed as ``(num_groups, sum(split_sizes), n)`` and cut along the middle dimension;
-    part ``k`` is the ``(num_groups * split_sizes[k], n)`` matrix of its rows across the groups
-    (Megatron's QKV layout: ``num_groups`` query groups, ``split_sizes = [q, kv, kv]`` or
+    ``x`` is viewed as ``(num_groups, sum(split_shapes), n)`` and cut along the middle dimension;
+    part ``k`` is the ``(num_groups * split_shapes[k], n)`` matrix of its rows across the groups
+    (Megatron's QKV layout: ``num_groups`` query groups, ``split_shapes = [q, kv, kv]`` or
     ``[q, q, kv, kv]`` with an output gate; ``num_groups=1`` gives plain row splits, e.g. fused
     gate/up, or per-head splits with ``[head_dim] * heads``). ``num_groups=None`` infers it from
     ``rows`` as Megatron does. Each part goes through :func:`newton_schulz` (equal sizes as one
@@ -298,26 +312,34 @@ def newton_schulz_split(
     tensor like ``x``.
     """
     _check_matrix("x", x, (2, 3))
-    if isinstance(split_sizes, (int, torch.Tensor)) or not isinstance(split_sizes, Sequence):
-        raise TypeError(f"split_sizes must be a sequence of ints, got {type(split_sizes).__name__}")
-    sizes = [int(s) for s in split_sizes]
+    if split_sizes is not None:  # the name before 0.2: the op's schema keeps it
+        if split_shapes is not None:
+            raise TypeError("newton_schulz_split got both split_shapes and split_sizes (its old name): pass one")
+        warnings.warn("newton_schulz_split(split_sizes=...) is deprecated: the argument is split_shapes",
+                      DeprecationWarning, stacklevel=2)
+        split_shapes = split_sizes
+    if split_shapes is None:
+        raise TypeError("newton_schulz_split() missing required argument: 'split_shapes'")
+    if isinstance(split_shapes, (int, torch.Tensor)) or not isinstance(split_shapes, Sequence):
+        raise TypeError(f"split_shapes must be a sequence of ints, got {type(split_shapes).__name__}")
+    sizes = [int(s) for s in split_shapes]
     if not sizes:
-        raise ValueError("split_sizes must not be empty")
+        raise ValueError("split_shapes must not be empty")
     for k, s in enumerate(sizes):
         if s < 1:
-            raise ValueError(f"split_sizes[{k}] must be positive, got {s}")
+            raise ValueError(f"split_shapes[{k}] must be positive, got {s}")
     group_rows = sum(sizes)
     rows = x.shape[-2]
     if num_groups is None:
         if rows % group_rows != 0:
-            raise ValueError(f"x has {rows} rows, which is not a multiple of sum(split_sizes) = {group_rows}")
+            raise ValueError(f"x has {rows} rows, which is not a multiple of sum(split_shapes) = {group_rows}")
         num_groups = rows // group_rows
     num_groups = int(num_groups)
     if num_groups < 1:
         raise ValueError(f"num_groups must be positive, got {num_groups}")
     if rows != num_groups * group_rows:
         raise ValueError(
-            f"x has {rows} rows, which is not num_groups * sum(split_sizes) = {num_groups} * {group_rows}"
+            f"x has {rows} rows, which is not num_groups * sum(split_shapes) = {num_groups} * {group_rows}"
         )
     if scale_mode is not None and scale_mode not in SCALE_MODES:
         raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)} or None; got {scale_mode!r}")
@@ -333,11 +355,8 @@ def newton_schulz_split(
     coefficients, repeat_last = _ns_arguments(
         steps, coefficient_type, custom_coefficient_sets, eps, precision, algorithm
     )
-    count_split_newton_schulz(x.shape, sizes, num_groups, steps)
-    return call_op(_ops.newton_schulz_split,
-        x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision, scale_mode,
-        extra_scale_factor, algorithm, *recipe, resolve_products(products),
-    )
+    return split_newton_schulz_op(x, sizes, num_groups, coefficients, steps, repeat_last, eps, transpose, precision,
+                                  scale_mode, extra_scale_factor, algorithm, recipe, resolve_products(products))
 
 
 # ------------------------------------------------------------------ fake kernels

@@ -27,8 +27,8 @@ from ..coefficients import (
 )
 from ..ops._constants import WEIGHT_DECAY_METHODS
 from ..second_moment import MOMENT2_METHODS
-from ..step_stats import count_newton_schulz, count_split_newton_schulz
-from ..ops._newton_schulz import resolve_products
+from ..step_stats import count_newton_schulz
+from ..ops._newton_schulz import resolve_products, split_newton_schulz_op
 
 
 @dataclass(frozen=True)
@@ -80,12 +80,10 @@ class OrthogonalizationConfig:
     def newton_schulz_split(self, x: torch.Tensor, sizes, num_groups: int, scaled: bool) -> torch.Tensor:
         """Split Newton–Schulz of one fused (rows, n) projection; parts scaled for Muon when ``scaled``.
         Each part is its own matrix for the recipe (MuonEq's row norms, Muon+'s target)."""
-        count_split_newton_schulz(x.shape, sizes, num_groups, self.num_ns_steps)
-        return call_op(
-            torch.ops.megatron_eopt.newton_schulz_split, x, list(sizes), num_groups, self.table, self.num_ns_steps,
-            self.repeat_last, self.ns_eps, None, self.precision, self.scale_mode if scaled else None,
-            self.extra_scale_factor if scaled else 1.0, self.algorithm, *self.recipe.op_arguments, self.products,
-        )
+        return split_newton_schulz_op(x, sizes, num_groups, self.table, self.num_ns_steps, self.repeat_last, self.ns_eps,
+                                      None, self.precision, self.scale_mode if scaled else None,
+                                      self.extra_scale_factor if scaled else 1.0, self.algorithm,
+                                      self.recipe.op_arguments, self.products)
 
     def scale(self, rows: int, cols: int) -> float:
         """Muon's update scale of a (rows, cols) matrix, times ``extra_scale_factor``."""

@@ -31,7 +31,7 @@ MATRIX_LAYOUTS = ("out_in", "in_out")
 VIEW_KEYS = ("matrix_layout", "split_shapes")
 
 
-def matrix_view(shape: tuple[int, ...], nd_mode: str) -> tuple[int, ...]:
+def batched_matrix_shape(shape: tuple[int, ...], nd_mode: str) -> tuple[int, ...]:
     """The matrix view of a param shape: 2-D as is; more dims: (size(0), -1) for "flatten",
     (prod(leading), m, n) for "batch"."""
     shape = tuple(int(s) for s in shape)
@@ -54,8 +54,10 @@ def check_nd_mode(value: Any, where: str = "nd_mode") -> None:
 
 
 @dataclass
-class QKVSplit:
-    """A fused projection viewed as (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8).
+class MatrixSplit:
+    """A stored matrix holding several logical matrices: a fused projection viewed as
+    (num_groups, sum(sizes), cols), split along dim 1 (docs/design.md §4.8). ``sizes``: the group's
+    ``split_shapes`` (Megatron's ``qkv_split_shapes``).
 
     ``columns``: the projection is stored (in, out) (``matrix_layout="in_out"``: a Conv1D, a transposed
     expert), so its output rows are the stored matrix's columns and the split runs along them."""
@@ -70,7 +72,10 @@ class QKVSplit:
         return sum(self.sizes)
 
 
-def qkv_split(sizes, local_shape, global_shape, where: str, columns: bool = False) -> QKVSplit:
+def matrix_split(sizes, local_shape, global_shape, where: str, columns: bool = False) -> MatrixSplit:
+    """The checked :class:`MatrixSplit` of a matrix whose local and global views are given (the split
+    runs along the output rows: the columns when ``columns``). ValueError naming ``where`` when the
+    sizes are not positive or do not divide the rows. The messages keep Megatron's wording."""
     sizes = tuple(int(s) for s in sizes)
     if not sizes or any(s <= 0 for s in sizes):
         raise ValueError(f"{where}: qkv_split_shapes must be positive sizes, got {list(sizes)}")
@@ -82,23 +87,23 @@ def qkv_split(sizes, local_shape, global_shape, where: str, columns: bool = Fals
             f"{where}: QKV split shape mismatch: {what} {local_shape[axis]} of shape {tuple(local_shape)} are not a "
             f"multiple of sum(qkv_split_shapes) = {total} (split shapes {list(sizes)})"
         )
-    return QKVSplit(sizes, local_shape[axis] // total, global_shape[axis] // total, columns)
+    return MatrixSplit(sizes, local_shape[axis] // total, global_shape[axis] // total, columns)
 
 
 @dataclass(frozen=True)
-class GroupMatrixView:
+class GroupViewKeys:
     transposed: bool = False
     split_shapes: tuple[int, ...] | None = None
 
 
-def group_matrix_view(group: Mapping[str, Any]) -> GroupMatrixView:
+def group_view_keys(group: Mapping[str, Any]) -> GroupViewKeys:
     """The (checked) view keys of a param group."""
     layout = group.get("matrix_layout", "out_in")
     sizes = group.get("split_shapes")
-    return GroupMatrixView(layout == "in_out", None if sizes is None else tuple(int(s) for s in sizes))
+    return GroupViewKeys(layout == "in_out", None if sizes is None else tuple(int(s) for s in sizes))
 
 
-def check_matrix_view_keys(group: Mapping[str, Any], where: str) -> None:
+def check_view_keys(group: Mapping[str, Any], where: str) -> None:
     """ValueError naming the key when a group's ``matrix_layout`` or ``split_shapes`` is not one."""
     layout = group.get("matrix_layout", "out_in")
     if layout not in MATRIX_LAYOUTS:

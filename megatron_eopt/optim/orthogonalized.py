@@ -58,7 +58,7 @@ from ._config import (
     config_setting_names,
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
-from .matrix_view import check_matrix_view_keys, check_nd_mode, matrix_view, not_a_matrix
+from .matrix_view import check_view_keys, check_nd_mode, batched_matrix_shape, not_a_matrix
 from .multirank.agreement import GroupScope, RankAgreement, agree, meshes_of, plan_digest, step_meshes
 from .multirank.replica_work import resolve_replica_work
 from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
@@ -229,7 +229,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         """The tensor-parallel layout of p (None: orthogonalize the local tensor as it is)."""
         return None
 
-    def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
+    def _split_shapes_of(self, p: torch.Tensor) -> list[int] | None:
         """Split sizes when p is a fused QKV projection to orthogonalize per part."""
         return None
 
@@ -251,7 +251,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         try:
             nd_mode = group.get("nd_mode", self.nd_mode)
             check_nd_mode(nd_mode, f"param_groups[{gi}]['nd_mode']")
-            check_matrix_view_keys(group, f"param_groups[{gi}]")
+            check_view_keys(group, f"param_groups[{gi}]")
             mesh = None
             for pi, p in enumerate(group["params"]):
                 where = f"param_groups[{gi}]['params'][{pi}]"
@@ -305,7 +305,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             dims = range(t.ndim) if nd_mode == "flatten" else range(t.ndim - 2)
             # The matrix view must share the param's memory (the update is written through it).
             try:
-                t.view(matrix_view(tuple(t.shape), nd_mode))  # explicit sizes: an empty shard has no -1
+                t.view(batched_matrix_shape(tuple(t.shape), nd_mode))  # explicit sizes: an empty shard has no -1
             except RuntimeError:
                 raise ValueError(
                     f"{where} of shape {tuple(p.shape)} and strides {t.stride()} cannot be viewed as matrices with "
@@ -342,10 +342,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             self._replica_work_in_use = resolve_replica_work(
                 self.replica_work, self.sharded_mode, self.param_groups, self.nd_mode, self._config.precision,
                 self._config.num_ns_steps)
-            plan = build_plan(self.param_groups, self._config, self._tp_layout, self._qkv_split_sizes, self.nd_mode,
+            plan = build_plan(self.param_groups, self._config, self._tp_layout, self._split_shapes_of, self.nd_mode,
                               self.sharded_mode, self._group_configs(), self._gtp_layout, self._replica_work_in_use,
                               uneven)
-            if self.block_period is not None and any(e.spans_ranks and e.qkv is not None for e in plan.entries):
+            if self.block_period is not None and any(e.spans_ranks and e.split is not None for e in plan.entries):
                 raise ValueError(
                     f"block_period={self.block_period} (MuonBP) orthogonalizes a shard as one matrix, which a fused "
                     "projection split into parts (split_shapes) sharded across ranks is not: use block_period=None")
@@ -579,7 +579,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         if entry.spans_ranks:
             # A matrix spanning ranks: a collective, so every rank of its mesh must call this.
             out = self._sharded.run([entry.sharding], [x.contiguous()], plan.configs[entry.group_index],
-                                    [entry.qkv])[0]
+                                    [entry.split])[0]
         else:
             res = self._orthogonalize(plan.stacks[entry.stack_index], x if x.ndim == 3 else x.unsqueeze(0))
             out = res[0] if x.ndim == 2 else (res if isinstance(res, torch.Tensor) else torch.stack(res))

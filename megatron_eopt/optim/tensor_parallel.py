@@ -184,7 +184,7 @@ class _TensorParallelRouting:
         return GTPLayout(group, dist.get_world_size(group), dist.get_rank(group), pad,
                          self._tp_mode_of(p) == "blockwise")
 
-    def _qkv_split_sizes(self, p: torch.Tensor) -> list[int] | None:
+    def _split_shapes_of(self, p: torch.Tensor) -> list[int] | None:
         if not self.split_qkv or not self.is_qkv_fn(p):
             return None
         sizes = getattr(p, "qkv_split_shapes", None)

@@ -11,7 +11,7 @@ if not hasattr(typing, "override"):
 
     typing.override = typing_extensions.override
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "support"))
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -21,10 +21,10 @@ DOC_GLOBS = ("README.md", "docs/*.md", "examples/*.md")
 README_MAX_LINES = 250
 # Paths from the repository root; their first component names them as such.
 TOP_DIRS = ("megatron_eopt", "csrc", "tests", "benchmarks", "scripts", "examples", "docs", "cmake", ".ci")
-# Paths the design's layout writes relative to the package or the C++ tree (`optim/multirank/agreement.py`,
+# Paths written relative to the package, the C++ tree or the test folder (`optim/multirank/agreement.py`,
 # `kernels/qk_clip.cu`): their first component, and where they are looked up.
 INNER_DIRS = {"ops", "optim", "compat", "integrations", "step", "multirank", "cpu", "cuda", "include", "kernels"}
-INNER_BASES = ("megatron_eopt", "megatron_eopt/optim", "csrc", "csrc/cuda")
+INNER_BASES = ("megatron_eopt", "megatron_eopt/optim", "csrc", "csrc/cuda", "tests/python")
 _TOP_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./<>*{}$-]*)" % "|".join(re.escape(d) for d in TOP_DIRS))
 _INNER_PATH = re.compile(r"(?<![\w./-])((%s)/[\w./-]*\.\w+)" % "|".join(sorted(INNER_DIRS)))
 _PLACEHOLDER = re.compile(r"[<>*{}$]")  # `tests/python/<file>`, `megatron_eopt/_C*.so`: patterns, not paths

@@ -142,3 +142,30 @@ def test_no_package_file_is_too_long():
     assert len(lengths) > 50, lengths  # the package's modules were found
     too_long = {rel: n for rel, n in lengths.items() if n > MAX_LINES}
     assert too_long == {}, f"split these by job (at most {MAX_LINES} lines each): {too_long}"
+
+
+def test_tests_are_organised_like_the_package():
+    """A test file sits in tests/python/ (package-level modules) or in the folder named like the
+    subpackage it tests (tests/python/optim/step/ for megatron_eopt/optim/step/); shared helpers
+    (references, workers, the harness) sit in tests/python/support/ and hold no tests."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.abspath(PACKAGE)
+    misplaced = []
+    for dirpath, dirnames, files in os.walk(tests):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = os.path.relpath(dirpath, tests)
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            where = os.path.join(rel, f)
+            if rel == "support":
+                if f.startswith("test_"):
+                    misplaced.append(f"{where}: a test among the shared helpers")
+            elif rel == ".":
+                if f != "conftest.py" and not f.startswith("test_"):
+                    misplaced.append(f"{where}: a helper outside support/")
+            elif not os.path.isdir(os.path.join(package, rel)):
+                misplaced.append(f"{where}: megatron_eopt has no subpackage {rel}")
+            elif not f.startswith("test_"):
+                misplaced.append(f"{where}: a helper outside support/")
+    assert not misplaced, misplaced

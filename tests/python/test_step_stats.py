@@ -4,14 +4,12 @@ orthogonalizing optimizer; the multi-rank counts run on gloo ranks (step_stats_w
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import step_stats_worker  # noqa: E402
 from megatron_eopt.step_stats import newton_schulz_flops  # noqa: E402

@@ -200,14 +200,14 @@ def plan_digest(plan) -> bytes:
                 continue
             parts.append((ci, i, e.group_index, s.kind, s.view_shape, s.largest_view, tuple(map(str, s.placements)),
                           tuple(s.mesh.mesh.shape), s.mesh_dims_for_matrix, e.global_shape,
-                          None if e.qkv is None else (e.qkv.sizes, e.qkv.columns)))
+                          None if e.split is None else (e.split.sizes, e.split.columns)))
         for i in chunk:  # tensor-parallel shards: their mode, layout and local shape (no group id; with
             e = plan.entries[i]  # GTP "blockwise" each rank's real rows, and so its matrix, are its own)
             if e.tp is not None or e.gtp is not None:
                 tp = None if e.tp is None else (e.tp.size, e.tp.partition_dim, e.tp.mode, e.tp.ns_batch_size)
                 gtp = None if e.gtp is None else (e.gtp.size, e.gtp.pad_rows, e.gtp.blockwise)
                 parts.append((ci, i, e.group_index, "tp", tp, gtp, e.local_shape,
-                              None if e.qkv is None else (e.qkv.sizes, e.qkv.columns)))
+                              None if e.split is None else (e.split.sizes, e.split.columns)))
     return repr((len(plan.entries), parts)).encode()
 
 

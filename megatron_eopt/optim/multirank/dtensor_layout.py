@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ... import _collectives as collectives
-from ..matrix_view import matrix_view
+from ..matrix_view import batched_matrix_shape
 from .owner_exchange import OwnerRoute, _route_of
 
 try:  # torch.distributed.tensor is public from torch 2.4; guarded for builds without distributed
@@ -203,7 +203,7 @@ def describe(
                 shard_dims.setdefault(pl.dim % nd, []).append(i)
         elif not isinstance(pl, Replicate):
             raise ValueError(f"{where} has an unsupported placement {pl} on mesh dim {i}")
-    view = matrix_view(shape, nd_mode)
+    view = batched_matrix_shape(shape, nd_mode)
     if nd > 2 and nd_mode == "flatten":
         if any(d != 0 for d in shard_dims):
             raise ValueError(
@@ -217,7 +217,7 @@ def describe(
                 f"got shape {shape} and placements {list(placements)}"
             )
     layout = ShardLayout(mesh, placements, view, "local", {d: tuple(v) for d, v in shard_dims.items()},
-                         largest_view=matrix_view(_largest_shard(shape, placements, mesh, uneven), nd_mode),
+                         largest_view=batched_matrix_shape(_largest_shard(shape, placements, mesh, uneven), nd_mode),
                          uneven=uneven)
     if uneven is not None and sharded_mode != "owner":
         raise ValueError(
@@ -229,7 +229,7 @@ def describe(
     if exact and coordinate is not None and check_local:
         layout.local_box = _view_box(shape, view, placements, coordinate, tuple(mesh.mesh.shape), uneven)
         mine = layout.local_box[1]
-        if tuple(mine) != matrix_view(tuple(p.to_local().shape), nd_mode):
+        if tuple(mine) != batched_matrix_shape(tuple(p.to_local().shape), nd_mode):
             # Every rank must take the same path: a shard that is not where DTensor's chunking rule
             # puts it is refused (on every rank alike: the callers agree on refusals, multirank.agreement).
             raise ValueError(
@@ -284,7 +284,7 @@ def _largest_shard(shape, placements, mesh, uneven=None) -> tuple[int, ...]:
 
 
 def _view_dim(param_ndim: int, view_ndim: int, d: int) -> int:
-    """The matrix-view dim that param dim ``d`` lies in (merged dims: see matrix_view)."""
+    """The matrix-view dim that param dim ``d`` lies in (merged dims: see batched_matrix_shape)."""
     if param_ndim == view_ndim:
         return d
     if view_ndim == 2:  # flatten: (size(0), rest)

@@ -25,7 +25,7 @@ import math
 import torch
 
 from ...step_stats import newton_schulz_flops
-from ..matrix_view import matrix_view, not_a_matrix
+from ..matrix_view import batched_matrix_shape, not_a_matrix
 from .dtensor_layout import placement_kind
 from .hardware import Hardware, hardware_of, ns_seconds
 
@@ -75,7 +75,7 @@ def choose_replica_work(params_and_modes, precision: str, steps: int, hardware: 
         if replicas == 1 or shards == 1:
             continue
         hw = hardware or hardware_of(p.device)
-        view = matrix_view(tuple(p.shape), nd_mode)
+        view = batched_matrix_shape(tuple(p.shape), nd_mode)
         (m, n), batch = view[-2:], -(-math.prod(view[:-2]) // batch_split)
         # one owner per parameter: the matrices of its batch that one rank's slice holds (its EP experts)
         t = batch * ns_seconds(hw, newton_schulz_flops(m, n, steps), precision)

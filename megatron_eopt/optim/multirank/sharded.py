@@ -52,7 +52,7 @@ class ShardedOrthogonalizer:
 
     def _ns(self, full: list[torch.Tensor], config=None, splits=None) -> list[torch.Tensor]:
         """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors, with
-        ``config`` (None: the orthogonalizer's own). ``splits[k]``: the QKVSplit of a fused
+        ``config`` (None: the orthogonalizer's own). ``splits[k]``: the MatrixSplit of a fused
         projection, orthogonalized part by part as the unsharded step does (parts scaled for Muon,
         raw for the adaptive variants, which scale them after their normalization)."""
         config = self.config if config is None else config
@@ -83,7 +83,7 @@ class ShardedOrthogonalizer:
             splits=None, loads: dict | None = None) -> list[torch.Tensor]:
         """inputs: local fp32 NS inputs in view coordinates -> local fp32 NS outputs (raw, or QKV parts
         scaled as :meth:`_ns` says), orthogonalized with ``config`` (None: the orthogonalizer's own; a
-        param group's settings may differ from it); ``splits[k]``: input k's QKVSplit or None.
+        param group's settings may differ from it); ``splits[k]``: input k's MatrixSplit or None.
         ``loads``: each route's members' Newton–Schulz FLOPs so far (keyed by ``route.key``, updated
         in place; see :func:`charge_owner_loads`); None: every member starts at zero."""
         splits = [None] * len(inputs) if splits is None else splits

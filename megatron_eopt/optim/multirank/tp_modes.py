@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ... import _collectives as collectives
 from ...ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
 from .._config import OrthogonalizationConfig
-from ..matrix_view import QKVSplit, split_newton_schulz
+from ..matrix_view import MatrixSplit, split_newton_schulz
 from .hardware import Hardware, ns_seconds
 from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
@@ -131,24 +131,24 @@ def distributed_newton_schulz(
 def distributed_orthogonalize(
     x: torch.Tensor,
     tp: TPLayout,
-    qkv: QKVSplit | None,
+    split: MatrixSplit | None,
     global_shape: tuple[int, int],
     config: OrthogonalizationConfig,
     scaled: bool,
 ) -> torch.Tensor:
     """tp_mode "distributed" for one stack; QKV parts are orthogonalized (and scaled) one by one."""
-    if qkv is None:
+    if split is None:
         return distributed_newton_schulz(x, tp, config)
     k, rows, cols = x.shape
-    groups = rows // qkv.total  # this rank's query groups (of the gathered GTP rows too)
-    view = x.view(k, groups, qkv.total, cols)
+    groups = rows // split.total  # this rank's query groups (of the gathered GTP rows too)
+    view = x.view(k, groups, split.total, cols)
     out = torch.empty_like(view)
     offset = 0
-    for size in qkv.sizes:
+    for size in split.sizes:
         part = view[:, :, offset : offset + size, :].reshape(k, groups * size, cols)
         o = distributed_newton_schulz(part, tp, config)
         if scaled:
-            o = o * config.scale(qkv.global_groups * size, global_shape[1])
+            o = o * config.scale(split.global_groups * size, global_shape[1])
         out[:, :, offset : offset + size, :] = o.view(k, groups, size, cols)
         offset += size
     return out.view(k, rows, cols)
@@ -164,7 +164,7 @@ def layer_sharded_homes(k: int, global_shape, tp: TPLayout, load: list[float]):
 def layer_sharded_orthogonalize(
     x: torch.Tensor,
     tp: TPLayout,
-    qkv: QKVSplit | None,
+    split: MatrixSplit | None,
     config: OrthogonalizationConfig,
     scaled: bool,
     load: list[float],
@@ -190,7 +190,7 @@ def layer_sharded_orthogonalize(
         results = []
         for start in range(0, len(owned), tp.ns_batch_size):
             batch = full[start : start + tp.ns_batch_size]
-            out = config.newton_schulz(batch) if qkv is None else split_newton_schulz(config, batch, qkv, scaled)
+            out = config.newton_schulz(batch) if split is None else split_newton_schulz(config, batch, split, scaled)
             results.extend(out.unbind(0))
         return results
 

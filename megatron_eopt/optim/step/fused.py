@@ -27,7 +27,7 @@ from ..multirank.tp_modes import (
     tp_namo_normalize_,
     tp_normuon_normalize_,
 )
-from ..matrix_view import QKVSplit, split_newton_schulz
+from ..matrix_view import MatrixSplit, split_newton_schulz
 from .grouping import Plan, Stack
 from ..multirank.agreement import capturing_cuda_graph
 from ..multirank.dtensor_layout import is_dtensor, local
@@ -258,7 +258,7 @@ class FusedStep:
                 outs = block_orthogonalize(cfg, [ns_inputs[i] for i in sharded])
             else:
                 outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
-                                         cfg, [entries[i].qkv for i in sharded], loads)
+                                         cfg, [entries[i].split for i in sharded], loads)
             updates.update(zip(sharded, outs))
         # Nothing reads a Newton–Schulz input after its Newton–Schulz (but NAMO's normalization and
         # an orthogonalize() override), so the results may take the inputs' memory: a quarter of a
@@ -411,30 +411,31 @@ class FusedStep:
         ``loads``: the layer-sharded homes' loads (see :meth:`_orthogonalize_phase`).
         """
         if stack.gtp is not None:  # the tensor-parallel mode's work on the gathered, unpadded rows
-            return gtp_orthogonalize(x, stack.gtp, lambda rows: self._orthogonalize_sharded(stack, rows, loads=loads))
-        return self._orthogonalize_sharded(stack, x, in_place, loads)
+            return gtp_orthogonalize(x, stack.gtp, lambda rows: self._orthogonalize_tensor_parallel(stack, rows,
+                                                                                                   loads=loads))
+        return self._orthogonalize_tensor_parallel(stack, x, in_place, loads)
 
-    def _orthogonalize_sharded(self, stack: Stack, x: torch.Tensor, in_place: bool = False,
-                               loads: dict | None = None):
+    def _orthogonalize_tensor_parallel(self, stack: Stack, x: torch.Tensor, in_place: bool = False,
+                                       loads: dict | None = None):
         """:meth:`_orthogonalize` of the tensor-parallel local matrices (k, m, n) of a stack."""
         cfg = stack.config
         scale_parts = cfg.moment2_method is None
         tp = stack.tp
         if tp is not None and tp.mode == "distributed":
-            out = distributed_orthogonalize(x, tp, stack.qkv, stack.global_shape, cfg, scaled=scale_parts)
+            out = distributed_orthogonalize(x, tp, stack.split, stack.global_shape, cfg, scaled=scale_parts)
             return list(out.unbind(0))
         if tp is not None and tp.mode == "layer_sharded":
             # homes balanced over the step's stacks of this group, from the plan's loads (step.balance)
             load = ({} if loads is None else loads).setdefault(tp.key, [0.0] * tp.size)
-            return layer_sharded_orthogonalize(x, tp, stack.qkv, cfg, scale_parts, load)
+            return layer_sharded_orthogonalize(x, tp, stack.split, cfg, scale_parts, load)
         if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
             x = gather_shards(x, tp)
-        if stack.qkv is None:
+        if stack.split is None:
             if tp is None:  # indexed like a list of its k matrices
                 return cfg.newton_schulz_(x) if in_place else cfg.newton_schulz(x)
             outs = list(cfg.newton_schulz(x).unbind(0))
         else:  # every part of every projection of the stack: one batched NS per part size
-            out = split_newton_schulz(cfg, x, stack.qkv, scale_parts)
+            out = split_newton_schulz(cfg, x, stack.split, scale_parts)
             if tp is None:  # a tensor: an expert batch of a rank holding none of its experts is an empty slice
                 return out
             outs = list(out.unbind(0))
@@ -453,8 +454,8 @@ class FusedStep:
                 beta2=beta2, eps=eps, block_size=self.state_block_size, seed=self._state_seeds[updates[0].device],
                 found_inf=found_inf, draws=[entries[i].draws for i in members])
             for j, i in enumerate(members):
-                if entries[i].qkv is not None:
-                    _scale_parts_(updates[j], entries[i].qkv, entries[i].part_scales, _first_row(entries[i]))
+                if entries[i].split is not None:
+                    _scale_parts_(updates[j], entries[i].split, entries[i].part_scales, _first_row(entries[i]))
             return
         moment2 = []
         for j, i in enumerate(members):
@@ -510,8 +511,8 @@ class FusedStep:
                 )
         for j, i in enumerate(members):
             entry = entries[i]
-            if entry.qkv is not None:
-                _scale_parts_(updates[j], entry.qkv, entry.part_scales, _first_row(entry))
+            if entry.split is not None:
+                _scale_parts_(updates[j], entry.split, entry.part_scales, _first_row(entry))
 
 
 def _first_row(entry) -> int:
@@ -520,7 +521,7 @@ def _first_row(entry) -> int:
     sharding = entry.sharding
     if sharding is None or sharding.kind == "local":
         return 0
-    return sharding.local_box[0][-1 if entry.qkv.columns else -2]
+    return sharding.local_box[0][-1 if entry.split.columns else -2]
 
 
 def _host_value(value) -> float | None:
@@ -546,21 +547,21 @@ def _write_scalar(buf: torch.Tensor, value) -> None:
         buf.fill_(_host_value(value))
 
 
-def _scale_parts_(update: torch.Tensor, qkv: QKVSplit, part_scales, first_row: int = 0) -> None:
+def _scale_parts_(update: torch.Tensor, split: MatrixSplit, part_scales, first_row: int = 0) -> None:
     """Multiplies each QKV part of a (rows, cols) update (or an (E, rows, cols) batch of them) by its
     own Muon scale, in place. The update may be a shard of the projection's rows starting at matrix
     row ``first_row`` (a DTensor's local rows need not start or end on a query group). A projection
     stored (in, out) is split along its columns."""
-    if qkv.columns:
+    if split.columns:
         update = update.mT
     rows = update.shape[-2]
-    if first_row == 0 and rows % qkv.total == 0:
-        view = update.unflatten(-2, (rows // qkv.total, qkv.total))
+    if first_row == 0 and rows % split.total == 0:
+        view = update.unflatten(-2, (rows // split.total, split.total))
         for offset, size, scale in part_scales:
             view[..., offset : offset + size, :].mul_(scale)
         return
-    per_row = torch.empty(qkv.total, dtype=update.dtype)
+    per_row = torch.empty(split.total, dtype=update.dtype)
     for offset, size, scale in part_scales:
         per_row[offset : offset + size] = scale
-    index = (torch.arange(rows) + first_row) % qkv.total
+    index = (torch.arange(rows) + first_row) % split.total
     update.mul_(per_row[index].to(update.device).unsqueeze(1))

@@ -19,7 +19,7 @@ import torch
 
 from ...ops._quantized_state import draw_layout
 from .._config import OrthogonalizationConfig
-from ..matrix_view import QKVSplit, group_matrix_view, matrix_view, not_a_matrix, qkv_split
+from ..matrix_view import MatrixSplit, group_view_keys, batched_matrix_shape, not_a_matrix, matrix_split
 from ..multirank.dtensor_layout import ShardLayout, describe, is_dtensor, local
 from ..multirank.tp_modes import GTPLayout, TPLayout
 
@@ -31,7 +31,7 @@ class ParamEntry:
     local_shape: tuple[int, ...]  # the local matrix view: (m, n), or (E, m, n) for nd_mode "batch"
     global_shape: tuple[int, int]  # the global shape of one matrix
     tp: TPLayout | None
-    qkv: QKVSplit | None
+    split: MatrixSplit | None
     # Scale handed to foreach_update_. Plain matrices: Muon scale of the global shape. QKV:
     # Muon scales each part itself (inside newton_schulz_split), AdaptiveMuon after the
     # second-moment normalization (part_scales), so the update scale is 1 there.
@@ -73,7 +73,7 @@ class Stack:
     global_shape: tuple[int, int]
     device: torch.device
     tp: TPLayout | None
-    qkv: QKVSplit | None
+    split: MatrixSplit | None
     config: OrthogonalizationConfig  # how its matrices are orthogonalized (their param groups')
     members: list[int] = field(default_factory=list)  # entry indices
     gtp: GTPLayout | None = None  # GTP row shards: gathered (and unpadded) around the tp mode's work
@@ -298,7 +298,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                         "out by DTensor's chunking rule, which this parameter's shards do not follow (Megatron-FSDP's "
                         "uneven shards): use Muon or moment2_method='adamuon'"
                     )
-            local_shape = matrix_view(tuple(local(p).shape), mode)
+            local_shape = batched_matrix_shape(tuple(local(p).shape), mode)
             tp = layout_fn(p)
             gtp = None if gtp_fn is None else gtp_fn(p)
             global_shape = list(local_shape[-2:] if sharding is None else sharding.view_shape[-2:])
@@ -315,7 +315,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                     f"tensor-parallel layout ({tp.mode}, partition_dim {tp.partition_dim}): pass Megatron's plain "
                     "tensor-parallel shards, or a DTensor sharded over the tensor-parallel ranks without tp_mode"
                 )
-            view = group_matrix_view(group)
+            view = group_view_keys(group)
             if view.transposed and tp is not None:
                 raise ValueError(
                     f"{where}: matrix_layout='in_out' (weights stored (in, out)) cannot take a tensor-parallel "
@@ -332,28 +332,28 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                     )
                 sizes = view.split_shapes
             # A shard's rows need not hold whole query groups: the split is checked on the matrix.
-            qkv = None if sizes is None else qkv_split(sizes, global_shape if spans else local_shape, global_shape,
+            split = None if sizes is None else matrix_split(sizes, global_shape if spans else local_shape, global_shape,
                                                          where, view.transposed)
-            if qkv is not None and gtp is not None and gtp.pad_rows:
+            if split is not None and gtp is not None and gtp.pad_rows:
                 raise ValueError(f"{where}: a fused QKV projection sharded by GTP weight rematerialization cannot "
                                  f"be split with padding rows (pad_length={gtp.pad_rows}): its query groups would "
                                  "not start on a shard")
-            if qkv is not None and spans and adaptive and sharding.local_box is None:
+            if split is not None and spans and adaptive and sharding.local_box is None:
                 raise ValueError(
                     f"{where}: QKV split of an adaptive optimizer on a DTensor with placements "
                     f"{list(sharding.placements)}: its local rows are not one contiguous range of the projection, "
                     "so the per-part scales cannot be placed; use plain Shard / Replicate placements or split_qkv=False"
                 )
             part_scales: tuple = ()
-            if qkv is None:
+            if split is None:
                 update_scale = group_config.scale(*oriented)
             else:
                 update_scale = 1.0
                 if adaptive:
-                    offsets = [sum(qkv.sizes[:i]) for i in range(len(qkv.sizes))]
+                    offsets = [sum(split.sizes[:i]) for i in range(len(split.sizes))]
                     part_scales = tuple(
-                        (off, s, group_config.scale(qkv.global_groups * s, oriented[1]))
-                        for off, s in zip(offsets, qkv.sizes)
+                        (off, s, group_config.scale(split.global_groups * s, oriented[1]))
+                        for off, s in zip(offsets, split.sizes)
                     )
             # NorMuon keeps one statistic per row of the (out, in) matrix when out >= in, else per column.
             normuon_dim = -1 if oriented[0] >= oriented[1] else -2
@@ -365,7 +365,7 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 local_shape=local_shape,
                 global_shape=global_shape,
                 tp=tp,
-                qkv=qkv,
+                split=split,
                 update_scale=update_scale,
                 part_scales=part_scales,
                 normuon_dim=normuon_dim,
@@ -387,11 +387,11 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 continue
 
             skey = (local_shape[-2:], p.device, None if tp is None else tp.key,
-                    None if qkv is None else (qkv.sizes, qkv.columns), id(group_config),
+                    None if split is None else (split.sizes, split.columns), id(group_config),
                     None if gtp is None else gtp.key)
             if skey not in stack_of:
                 stack_of[skey] = len(stacks)
-                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, qkv, group_config, gtp=gtp))
+                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, split, group_config, gtp=gtp))
             entry.stack_index = stack_of[skey]
             stacks[entry.stack_index].members.append(ei)
     return Plan(

@@ -1,7 +1,5 @@
 import copy
 import math
-import os
-import sys
 import warnings
 
 import pytest
@@ -14,7 +12,6 @@ from megatron_eopt.optim import Muon as FusedMuon
 from dist_harness import computing_as_the_ranks, run_workers
 from reference import TOLERANCE, bf16_input_tolerance, newton_schulz_ref, rel_err
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SIMPLE = (3.4445, -4.7750, 2.0315)
 # Two independent bf16 Newton–Schulz steps of one small matrix (ours and nanochat's) apart, relative
 # to the update: about twice the bf16 tolerance typically (up to 1.3e-2 over 36 seeds), with a long
@@ -390,7 +387,6 @@ def _run_dist_muon(tmp_path, world, seed, case):
 @pytest.mark.parametrize("world, case", [(1, "basic"), (2, "basic"), (3, "basic"), (3, "many"), (2, "mixed"),
                                          (3, "many_balanced")])
 def test_dist_muon_over_gloo_equals_single_process_muon_and_nanochat(tmp_path, gen, world, case):
-    sys.path.insert(0, HERE)
     import dist_muon_worker as worker
     from megatron_eopt.optim.multirank.owner_exchange import ns_flops
 

@@ -15,8 +15,9 @@ import subprocess
 import sys
 
 import pytest
+from paths import BENCHMARKS
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path.insert(0, BENCHMARKS)
 
 import step_memory  # noqa: E402
 from megatron_eopt._library import cpu_symmetric_products  # noqa: E402
@@ -56,7 +57,7 @@ PATHS = ["panels"] + (["kernel"] if cpu_symmetric_products()["available"]["fp32"
 def test_square_fp32_scratch_is_one_iterate_and_one_product(symmetric):
     if not step_memory.peak_reset_works():
         pytest.skip("the resident-set peak cannot be reset here (/proc/self/clear_refs)")
-    benchmarks = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    benchmarks = BENCHMARKS
     # A fixed mmap threshold maps and unmaps every block above 64 KiB, so the resident peak
     # follows what the call holds at once (see test_step_memory.py).
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")

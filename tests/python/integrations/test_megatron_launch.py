@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+from paths import ROOT
 
 try:
     from megatron.training import arguments as mtraining_arguments
@@ -21,7 +22,6 @@ except ModuleNotFoundError:  # only a missing megatron-core skips; a broken one 
 
 pytestmark = pytest.mark.skipif(mtraining_arguments is None, reason="megatron-core is not installed")
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 DOC = os.path.join(ROOT, "examples", "megatron_muon.md")
 LAUNCH = os.path.join(ROOT, "examples", "megatron_launch.py")
 

@@ -5,13 +5,11 @@ Muon step on the P-th (step.block_periodic). The sharded cases run on 2 gloo ran
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import block_periodic_worker  # noqa: E402
 from megatron_eopt.optim import Muon  # noqa: E402

@@ -141,24 +141,24 @@ def test_matches_megatron_tensor_parallel_muon(gen):
 
 # ------------------------------------------------------------------ bad input
 BAD = [
-    (dict(split_sizes=[4, 2, 2], num_groups=3), ValueError, "num_groups \\* sum\\(split_sizes\\)"),
-    (dict(split_sizes=[4, 0, 4], num_groups=2), ValueError, "split_sizes\\[1\\] must be positive"),
-    (dict(split_sizes=[], num_groups=2), ValueError, "split_sizes must not be empty"),
-    (dict(split_sizes=[8], num_groups=0), ValueError, "num_groups must be positive"),
-    (dict(split_sizes=[4, 4], num_groups=2, scale_mode="rms"), ValueError, "scale_mode"),
-    (dict(split_sizes=[4, 4], num_groups=2, extra_scale_factor=float("nan")), ValueError, "extra_scale_factor"),
-    (dict(split_sizes=[4, 4], num_groups=2, scale_mode=None, extra_scale_factor=0.2), ValueError,
+    (dict(split_shapes=[4, 2, 2], num_groups=3), ValueError, "num_groups \\* sum\\(split_(shapes|sizes)\\)"),
+    (dict(split_shapes=[4, 0, 4], num_groups=2), ValueError, "split_(shapes|sizes)\\[1\\] must be positive"),
+    (dict(split_shapes=[], num_groups=2), ValueError, "split_(shapes|sizes) must not be empty"),
+    (dict(split_shapes=[8], num_groups=0), ValueError, "num_groups must be positive"),
+    (dict(split_shapes=[4, 4], num_groups=2, scale_mode="rms"), ValueError, "scale_mode"),
+    (dict(split_shapes=[4, 4], num_groups=2, extra_scale_factor=float("nan")), ValueError, "extra_scale_factor"),
+    (dict(split_shapes=[4, 4], num_groups=2, scale_mode=None, extra_scale_factor=0.2), ValueError,
      "extra_scale_factor"),
-    (dict(split_sizes=[4, 4], num_groups=2, precision="low"), ValueError, "precision"),
-    (dict(split_sizes=[4, 4], num_groups=2, steps=0), ValueError, "steps"),
-    (dict(split_sizes=[4, 4], num_groups=2, algorithm="fast"), ValueError, "algorithm must be one of"),
+    (dict(split_shapes=[4, 4], num_groups=2, precision="low"), ValueError, "precision"),
+    (dict(split_shapes=[4, 4], num_groups=2, steps=0), ValueError, "steps"),
+    (dict(split_shapes=[4, 4], num_groups=2, algorithm="fast"), ValueError, "algorithm must be one of"),
 ]
 
 
-def _direct(x, split_sizes, num_groups, scale_mode="spectral", extra_scale_factor=1.0, precision="medium", steps=5,
+def _direct(x, split_shapes, num_groups, scale_mode="spectral", extra_scale_factor=1.0, precision="medium", steps=5,
             algorithm="auto"):
     coeffs = [v for row in COEFFICIENT_SETS["quintic"] for v in row]
-    return torch.ops.megatron_eopt.newton_schulz_split(x, split_sizes, num_groups, coeffs, steps, False, 1e-7, None,
+    return torch.ops.megatron_eopt.newton_schulz_split(x, split_shapes, num_groups, coeffs, steps, False, 1e-7, None,
                                                        precision, scale_mode, extra_scale_factor, algorithm)
 
 
@@ -173,7 +173,7 @@ def test_bad_input(case, direct_op, gen):
         if direct_op:
             _direct(x, **kwargs)
         else:
-            me.newton_schulz_split(x, kwargs.pop("split_sizes"), kwargs.pop("num_groups"), **kwargs)
+            me.newton_schulz_split(x, kwargs.pop("split_shapes"), kwargs.pop("num_groups"), **kwargs)
     assert torch.equal(x, before)
 
 
@@ -188,8 +188,17 @@ def test_bad_tensor(direct_op):
                 me.newton_schulz_split(x, [4, 4], 1)
 
 
+def test_split_sizes_is_the_deprecated_name_of_split_shapes(gen):
+    x = torch.randn(12, 5, generator=gen)
+    with pytest.warns(DeprecationWarning, match="split_shapes"):
+        old = me.newton_schulz_split(x, split_sizes=[2, 1, 1], num_groups=3)
+    assert torch.equal(old, me.newton_schulz_split(x, split_shapes=[2, 1, 1], num_groups=3))
+    with pytest.raises(TypeError, match="both split_shapes and split_sizes"):
+        me.newton_schulz_split(x, [2, 1, 1], 3, split_sizes=[2, 1, 1])
+
+
 def test_inferred_num_groups_needs_divisible_rows(gen):
-    with pytest.raises(ValueError, match="not a multiple of sum\\(split_sizes\\)"):
+    with pytest.raises(ValueError, match="not a multiple of sum\\(split_shapes\\)"):
         me.newton_schulz_split(torch.randn(10, 4, generator=gen), [2, 1, 1], None)
 
 

@@ -8,12 +8,12 @@ chunks and the transient memory stays about the same from K = 4 to K = 16. Only 
 (a few MiB), so a loaded machine does not change the outcome.
 """
 
-import os
 import sys
 
 import pytest
+from paths import BENCHMARKS
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+sys.path.insert(0, BENCHMARKS)
 
 import step_memory  # noqa: E402
 

@@ -184,7 +184,7 @@ def check_sharded_path(optimizer, split_qkv, moment2_method, world, where):
     assert member._config.moment2_method == moment2_method, (where, member._config.moment2_method)
     ran = {mode: n for mode, n in member._sharded.matrices.items() if n}
     assert ran == {"owner": MUON_MATRICES * STEPS}, (where, ran)
-    qkv = [e.qkv is not None for e in member._plan.entries if getattr(e.param, "is_qkv", False)]
+    qkv = [e.split is not None for e in member._plan.entries if getattr(e.param, "is_qkv", False)]
     assert qkv == [split_qkv] * 2, (where, qkv)
     assert all(e.sharding.kind == "owner" and e.sharding.route.size == world for e in member._plan.entries), where
 

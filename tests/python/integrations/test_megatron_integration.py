@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from paths import SUPPORT
 
 import megatron_eopt
 from megatron_eopt import _megatron_version
@@ -31,7 +32,6 @@ import megatron_cpu  # noqa: E402
 mcore_optimizer = megatron_cpu.megatron_optimizer_module()
 
 needs_megatron = pytest.mark.skipif(mcore_optimizer is None, reason="megatron-core is not installed")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -725,7 +725,7 @@ _WITHOUT_EO = textwrap.dedent(
 def test_works_without_emerging_optimizers_installed():
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_eopt.__file__)))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([package_root, HERE, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([package_root, SUPPORT, env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_EO], capture_output=True, text=True, env=env, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]

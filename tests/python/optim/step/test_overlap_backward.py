@@ -8,14 +8,12 @@ from __future__ import annotations
 import copy
 import os
 import pickle
-import sys
 import warnings
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import overlap_worker  # noqa: E402
 from megatron_eopt import clipping  # noqa: E402

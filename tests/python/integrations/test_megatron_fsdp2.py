@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import megatron_cpu
+from paths import BENCHMARKS
 
 mcore_optimizer = megatron_cpu.megatron_optimizer_module()
 
@@ -65,7 +66,7 @@ def test_communication_benchmark_ours_moves_each_matrix_once_per_direction(tmp_p
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "megatron_fsdp2_comm.py")
+    script = os.path.join(BENCHMARKS, "megatron_fsdp2_comm.py")
     out = tmp_path / "comm.json"
     proc = subprocess.run(
         [sys.executable, script, "--ranks", "2", "--steps", "2", "--out", str(out)],

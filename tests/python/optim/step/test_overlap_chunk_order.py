@@ -6,14 +6,11 @@ from the order the chunks start; step.engine runs both steps). The ranks: overla
 from __future__ import annotations
 
 import os
-import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 import overlap_order_worker  # noqa: E402
 from megatron_eopt.optim.multirank.owner_exchange import ns_flops  # noqa: E402
