@@ -187,8 +187,8 @@ class StepRun:
         opt, plan = self.engine._opt, self.plan
         ns_inputs, stacked = opt._ns_input_views(plan, layout, inputs)
         launches = opt._momentum_phase(plan, layout, ns_inputs, self.scalers)
-        updates, scales = opt._orthogonalize_phase(plan, layout.members, ns_inputs, stacked,
-                                                   self._chunk_loads(layout.chunk))
+        loads = {} if self._loads is None else self._chunk_loads(layout.chunk)
+        updates, scales = opt._orthogonalize_phase(plan, layout.members, ns_inputs, stacked, loads)
         return ChunkWork(layout, launches, updates, scales, ns_inputs)
 
     def _apply(self, work: ChunkWork) -> None:
@@ -217,11 +217,10 @@ class StepRun:
                     layouts.append(chunk_layout(plan, members, k))
         inputs = self.engine._opt._ns_input_buffers(layouts)
         pending = {layout.chunk: layout for layout in layouts}
+        started = self.started
         for k in range(len(self.chunks)):
-            work = self.started.pop(k, None)
-            if work is not None:
-                self._apply(work)
-                work = None  # (its buffers go before the next chunk runs)
+            if k in started:
+                self._apply(started.pop(k))  # (its buffers go before the next chunk runs)
             elif k in pending:
                 self.run_chunk(pending[k], inputs)
 
