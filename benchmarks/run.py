@@ -22,7 +22,8 @@ sharded step with per-rank redundant computation; their table is its own RESULTS
 the ``tp_*`` workloads (workloads_tp.py): Megatron tensor-parallel shards, every ``tp_mode``, and
 the ``overlap_*`` workloads (workloads_overlap.py): training steps with and without ``overlap_backward``,
 and the ``agreement_*`` workloads (workloads_agreement.py): a sharded step with and without the ranks'
-agreement before it (``rank_checks``).
+agreement before it (``rank_checks``). ``routing_cost`` (workloads_routing.py), also only when named
+and in a table of its own, routes Llama-3 70B and DeepSeek-V3 built on the meta device: time and memory.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import workloads as catalogue_module  # noqa: E402
 import workloads_dist  # noqa: E402
 import workloads_agreement  # noqa: E402
 import workloads_overlap  # noqa: E402
+import workloads_routing  # noqa: E402
 import workloads_tp  # noqa: E402
 from timing import measure, plan_for  # noqa: E402
 
@@ -157,7 +159,8 @@ def publish(doc: dict, args) -> None:
 # The workloads that spawn ranks, by name: their module (run, markdown).
 _SPAWNED = {**{n: workloads_dist for n in workloads_dist.WORKLOADS}, **{n: workloads_tp for n in workloads_tp.WORKLOADS},
             **{n: workloads_overlap for n in workloads_overlap.WORKLOADS},
-            **{n: workloads_agreement for n in workloads_agreement.WORKLOADS}}
+            **{n: workloads_agreement for n in workloads_agreement.WORKLOADS},
+            **{n: workloads_routing for n in workloads_routing.WORKLOADS}}
 
 
 def run_dist(args, names, others) -> int:
@@ -166,13 +169,14 @@ def run_dist(args, names, others) -> int:
         raise SystemExit("run the dist_* / tp_* workloads on their own (they spawn processes and have their own table)")
     modules = {_SPAWNED[n] for n in names}
     if len(modules) > 1:
-        raise SystemExit("run the dist_*, tp_* and overlap_* workloads apart (each has its own table)")
+        raise SystemExit("run the dist_*, tp_*, overlap_*, agreement_* and routing_* workloads apart (each has its own "
+                         "table)")
     module = modules.pop()
     environment = env_info.collect(torch.device("cpu"))
     entries = []
     for name in names:
-        for ranks in args.ranks:
-            print(f"{name} on {ranks} ranks ...", file=sys.stderr, flush=True)
+        for ranks in args.ranks if getattr(module, "RANKED", True) else [None]:  # routing_cost: one process
+            print(f"{name}{f' on {ranks} ranks' if ranks else ''} ...", file=sys.stderr, flush=True)
             entry = module.run(name, ranks, args.quick)
             print("    " + ", ".join(f"{m} {r['median_ms']:.3g} ms" for m, r in entry["results"].items()),
                   file=sys.stderr, flush=True)
@@ -181,7 +185,7 @@ def run_dist(args, names, others) -> int:
     if args.remarks:
         body += "\n" + args.remarks + "\n"
     kind = {workloads_dist: "dist", workloads_tp: "tp", workloads_overlap: "overlap",
-            workloads_agreement: "agreement"}[module]
+            workloads_agreement: "agreement", workloads_routing: "routing"}[module]
     report.publish(body, args.results_md, f"{kind}: {environment['device_name'].split(',')[0]}")
     if args.out:
         with open(args.out, "w") as f:

@@ -53,3 +53,21 @@ def _package_info_source() -> str | None:
             with open(path, encoding="utf-8") as f:
                 return f.read()
     return None
+
+
+def megatron_emerging_source() -> str | None:
+    """The text of megatron/core/optimizer/emerging_optimizers.py where ``import megatron.core`` would
+    find it (``megatron`` is a namespace package: the first ``megatron/core`` package on its path), read
+    without importing megatron."""
+    import importlib.machinery
+    import os
+
+    spec = importlib.machinery.PathFinder.find_spec("megatron")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.isfile(os.path.join(folder, "core", "__init__.py")):
+            path = os.path.join(folder, "core", "optimizer", "emerging_optimizers.py")
+            if not os.path.isfile(path):
+                return None
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+    return None

@@ -51,7 +51,8 @@ class MatrixView:
     """How one parameter is seen as Muon matrices: the param-group keys of
     :mod:`megatron_eopt.optim` (``nd_mode``, ``matrix_layout``, ``split_shapes``) and what it is."""
 
-    kind: str  # "linear", "conv1d", "fused_qkv", "fused_gate_up", "experts", "mla", "router", "expert_bias"
+    kind: str  # "linear", "conv1d", "fused_qkv", "fused_gate_up", "experts", "mla", "router", "expert_bias",
+    # "not_matrix", "nd"
     what: str  # said in the routing table
     nd_mode: str = "error"
     matrix_layout: str = "out_in"
@@ -77,6 +78,11 @@ class MatrixView:
     def matrices(self, shape: tuple[int, ...]) -> tuple[int, list[tuple[int, int]]]:
         """(count, [(out, in) of each part]) for a parameter of ``shape``: ``count`` matrices (experts)
         each made of those parts."""
+        if self.nd_mode == "flatten" and len(shape) > 2:  # one matrix (size(0), -1), as the optimizers view it
+            rest = 1
+            for s in shape[1:]:
+                rest *= s
+            shape = (shape[0], rest)
         count = 1
         for s in shape[:-2]:
             count *= s
@@ -93,7 +99,7 @@ class MatrixView:
             body = f"[{len(parts)} parts of {parts[0][0]}x{parts[0][1]}]"
         elif len(parts) > 1:
             body = f"[{body}]"
-        return f"{count} x {body}" if count > 1 or self.nd_mode != "error" else body
+        return f"{count} x {body}" if count > 1 or self.nd_mode == "batch" else body
 
 
 def _kind(module: nn.Module) -> str:
@@ -109,7 +115,13 @@ def _experts_flags(module: nn.Module) -> tuple[bool, bool] | None:
     if hasattr(module, "is_transposed") and hasattr(module, "has_gate"):
         return bool(module.is_transposed), bool(getattr(module, "is_concatenated", True))
     if _kind(module).endswith("Experts") and any(p.dim() == 3 for p in module.parameters(recurse=False)):
-        return False, True  # transformers' default layout: (E, out, in), gate and up concatenated
+        # transformers' default layout is (E, out, in), gate and up concatenated; a module without
+        # the flags whose gate_up_proj is (E, hidden, 2I) stores (E, in, out) (Llama 4's experts)
+        hidden = getattr(module, "hidden_size", None)
+        gate_up = getattr(module, "gate_up_proj", None)
+        transposed = isinstance(hidden, int) and isinstance(gate_up, torch.Tensor) and gate_up.dim() == 3 and \
+            gate_up.shape[1] == hidden != gate_up.shape[2]
+        return transposed, True
     return None
 
 
@@ -200,6 +212,37 @@ def _is_router(module: nn.Module, parent: nn.Module | None, attr: str) -> bool:
     return False
 
 
+# Weights of two or more dims in transformers modules whose forward uses them elementwise or as a
+# lookup (AdamW without a trace too), or as matrices their stored shape does not say.
+_NOT_MATRICES = (
+    ("Mixer", ("A_log", "D", "dt_bias", "dt_proj_bias")),  # Mamba's mixers: A = -exp(A_log), (d, N) or (heads, d, N)
+    ("XLNetRelativeAttention", ("r_w_bias", "r_r_bias", "r_s_bias", "seg_embed")),  # added / a lookup
+    ("RecurrentGemmaRglru", ("input_gate_bias", "recurrent_gate_bias")),  # added in baddbmm
+    ("", ("relative_position_bias_table",)),  # Swin, Donut, ...: indexed by relative position
+)
+
+
+def _known_parameters(module: nn.Module, own: Mapping[str, torch.Tensor]) -> dict[str, MatrixView]:
+    kind = _kind(module)
+    views: dict[str, MatrixView] = {}
+    for suffix, names in _NOT_MATRICES:
+        if kind.endswith(suffix):
+            for name in names:
+                if name in own and own[name].dim() >= 2:
+                    views[name] = MatrixView("not_matrix", f"not a matrix ({kind}.{name}: elementwise or a lookup)",
+                                             optimizer="adamw")
+    if kind == "XLNetRelativeAttention":  # einsum("ibh,hnd->ibnd", x, q): one (in, out) matrix (d, heads·hd)
+        for name in ("q", "k", "v", "r", "o"):
+            if name in own and own[name].dim() == 3:
+                views[name] = MatrixView("nd", f"one matrix d_model x heads·head_dim ({kind}, einsum)", "flatten",
+                                         "out_in" if name == "o" else "in_out")
+    if kind == "RecurrentGemmaRglru":  # baddbmm(bias, x, W[h]): one (in, out) matrix per head
+        for name in ("input_gate_weight", "recurrent_gate_weight"):
+            if name in own and own[name].dim() == 3:
+                views[name] = MatrixView("experts", f"one matrix per head, (heads, in, out) ({kind})", "batch", "in_out")
+    return views
+
+
 def check_view_options(fused_gate_up: str, routers: str) -> None:
     """ValueError naming the option unless ``fused_gate_up`` and ``routers`` are known values."""
     if fused_gate_up not in FUSED_GATE_UP_MODES:
@@ -229,6 +272,9 @@ def model_matrix_views(model: nn.Module, *, fused_gate_up: str = "split",
             for name, view in _experts_views(module, fused_gate_up).items():
                 put(prefix, name, own[name], view)
             continue
+        if _from_transformers(module):
+            for name, view in _known_parameters(module, own).items():
+                put(prefix, name, own[name], view)
         weight = own.get("weight")
         if weight is None or weight.dim() != 2:
             continue

@@ -29,6 +29,7 @@ from .model_views import MatrixView, check_view_options, check_view_overrides, m
 from .coefficients import get_muon_scale_factor
 from .optim.matrix_view import check_nd_mode
 from .param_use import ParameterUses, ParamUse, _is_transformers_model, trace_parameter_uses
+from .param_use_sharded import is_sharded, sharded_trace_problem
 
 __all__ = [
     "DEFAULT_EMBEDDING_PATTERNS",
@@ -45,7 +46,8 @@ ADAMW = "adamw"
 FROZEN = "frozen"
 
 # Regular expressions searched in the full dotted parameter name (case-insensitive).
-DEFAULT_EMBEDDING_PATTERNS: tuple[str, ...] = (r"embed", r"(^|\.)(wte|wpe)(\.|$)")
+# "unembed" is not an embedding (Gemma-3n's altup_unembed_projections are hidden matrices).
+DEFAULT_EMBEDDING_PATTERNS: tuple[str, ...] = (r"(?<!un)embed", r"(^|\.)(wte|wpe)(\.|$)")
 # Output heads: these module names anywhere, plus the generic names `output`, `head` and
 # `score` only as top-level modules (`attention.output.dense` in BERT is a hidden matrix).
 DEFAULT_HEAD_PATTERNS: tuple[str, ...] = (
@@ -234,8 +236,8 @@ def _differs(decided, optimizer: str, view: MatrixView | None) -> bool:
 
 def _trace(model: Any, example_inputs: Any, fused_gate_up: str, routers: str) -> ParameterUses | None:
     """The traced uses of ``model``'s parameters, or None where nothing is traced: ``example_inputs``
-    False, no module, or None for a model that is not a transformers model or whose parameters are
-    sharded (DTensor: route before sharding, or give tables / views)."""
+    False, no module, or None for a model that is not a transformers model or whose DTensor
+    parameters the trace cannot read (tensor parallelism: a warning; with example_inputs, a ValueError)."""
     if example_inputs is False:
         return None
     if not isinstance(model, nn.Module):
@@ -243,12 +245,10 @@ def _trace(model: Any, example_inputs: Any, fused_gate_up: str, routers: str) ->
             raise TypeError("example_inputs needs the model as an nn.Module (a forward to run), got "
                             f"{type(model).__name__}")
         return None
-    sharded = any(hasattr(p, "device_mesh") for p in model.parameters())
-    if example_inputs is None and (sharded or not _is_transformers_model(model)):
+    if example_inputs is None and not _is_transformers_model(model):
         return None
-    if sharded:
-        warnings.warn("example_inputs: the model's parameters are DTensors (sharded); their uses are not traced "
-                      "(route the unsharded model, or rely on the tables and views=)", stacklevel=4)
+    if example_inputs is None and is_sharded(model) and (problem := sharded_trace_problem(model)) is not None:
+        warnings.warn(f"the forward is not traced (routed by the tables and shapes): {problem}", stacklevel=4)
         return None
     try:
         uses = trace_parameter_uses(model, example_inputs, fused_gate_up=fused_gate_up, routers=routers)
@@ -438,7 +438,7 @@ def route_parameters(
             view_text = view.describe(tuple(p.shape))
             scales = [get_muon_scale_factor(o, i, scale_mode) for o, i in view.matrices(tuple(p.shape))[1]]
             scale_text = " / ".join(f"{x:.3g}" for x in scales)
-        elif no_decay or (view is not None and view.kind == "expert_bias"):
+        elif no_decay or (view is not None and view.kind in ("expert_bias", "not_matrix")):
             wd = 0.0
             groups["adamw_no_decay"].append(p)
         elif p.dim() >= 2:

@@ -44,6 +44,7 @@ from torch import nn
 
 from .model_views import MatrixView, check_view_options
 
+from .param_use_sharded import fsdp_hooks_set_aside, is_sharded, sharded_trace_problem
 from .param_use_tracer import _PRODUCT_LIKE, ParameterUses, ParamUse, _ParamRecord, _Root, _Tracer
 
 __all__ = ["ParamUse", "ParameterUses", "example_forward_inputs", "trace_parameter_uses"]
@@ -88,8 +89,8 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
             ops = ", ".join(sorted(rec.elementwise | rec.other))
             return ParamUse(name, "not_matrix", f"no product, only elementwise / reducing ops ({ops})")
         return ParamUse(name, "unused", "not used by the traced forward")
-    routed = any(u.product.router for u in rec.products)
-    head = any(u.product.loss for u in rec.products)
+    routed = any(u.product.router or u.product.resolved().router for u in rec.products)
+    head = any(u.product.loss or u.product.resolved().loss for u in rec.products)
     if lookups:
         return ParamUse(name, "tied", f"index lookup ({lookups[0].what}) and product: tied embedding / head")
     if head and not routed:
@@ -110,7 +111,7 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
         known = per_dim[0] or per_dim[1]
         if known in (("out",), ("in",)):
             per_dim = [p or (("in",) if known == ("out",) else ("out",)) for p in per_dim]
-    splits = {_split_of(u.product) for u in rec.products}
+    splits = {_split_of(u.product.resolved()) for u in rec.products}
     problems = [p for _, _, p in splits if p]
     if problems:
         return ParamUse(name, "unknown", problems[0])
@@ -131,7 +132,8 @@ def _decide(rec: _ParamRecord, fused_gate_up: str, routers: str) -> ParamUse:
             parts.append(length * atom[1])
             at += length
         if roles.get(atom) != "out" or at != atom[2] or len(parts) < 2:
-            return ParamUse(name, "unknown", f"multiplied in slices {spans} of its dim {atom[0]}")
+            side = ", its input side (no param-group keys split a matrix's columns)" if roles.get(atom) == "in" else ""
+            return ParamUse(name, "unknown", f"multiplied in slices {spans} of its dim {atom[0]}{side}")
         split, glu = tuple(parts), False
     seen = []
     sizes = split
@@ -233,6 +235,13 @@ def example_forward_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple
     return args, kwargs
 
 
+def _takes(model: nn.Module, argument: str) -> bool:
+    try:
+        return argument in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 def _to(tree, device):
     if isinstance(tree, torch.Tensor):
         return tree.to(device)
@@ -287,7 +296,7 @@ def _run(model, params, args, kwargs, meta: bool):
         back = {id(replacement[k]): k for k in params}
         state = _module_tensors(model)
         try:
-            with torch.no_grad(), tracer:
+            with torch.no_grad(), fsdp_hooks_set_aside(model), tracer:  # DTensors: param_use_sharded.py
                 result = torch.func.functional_call(model, tensors, _to(args, "meta"), _to(kwargs, "meta"),
                                                     tie_weights=True, strict=False)
         finally:
@@ -315,27 +324,42 @@ def trace_parameter_uses(model: nn.Module, example_inputs: Any = None, *, fused_
     ``routers`` are those of :func:`megatron_eopt.route_parameters`. The forward runs on meta
     tensors; where it cannot, on the real parameters (``real_fallback``). A forward that fails both
     ways gives ``error`` and no uses; bad ``example_inputs`` are a TypeError naming the forward's
-    signature."""
+    signature. DTensor parameters are traced at their global shapes, FSDP2's hooks set aside, on
+    meta only; under other forward hooks (tensor parallelism) a ValueError names the parameter
+    (:mod:`megatron_eopt.param_use_sharded`)."""
     check_view_options(fused_gate_up, routers)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if is_sharded(model):
+        if (problem := sharded_trace_problem(model)) is not None:
+            raise ValueError(f"example_inputs: {problem}")
+        real_fallback = False  # a forward on the shards would gather them
     args, kwargs = example_forward_inputs(model, example_inputs)
     params = _param_names(model)
     errors = []
     tracer = back = None
     ran_on = ""
-    for meta in (True, False):
-        if not meta and (not real_fallback or any(p.device.type == "meta" for _, p in params.values())):
-            break
-        try:
-            tracer, back = _run(model, params, args, kwargs, meta)
-            ran_on = "meta" if meta else "real"
-            if not (meta and tracer.unreadable and real_fallback and
-                    all(p.device.type != "meta" for _, p in params.values())):
+    attempts = [kwargs]
+    if example_inputs is None and "use_cache" not in kwargs and _takes(model, "use_cache"):
+        # a transformers model's dummy inputs once more without a cache: the cache of a hybrid model
+        # (linear attention / SSM layers) may refuse a first call; the weights' use is the same
+        attempts.append(dict(kwargs, use_cache=False))
+    for call_kwargs in attempts:
+        tracer = None
+        for meta in (True, False):
+            if not meta and (not real_fallback or any(p.device.type == "meta" for _, p in params.values())):
                 break
-            errors.append("meta: an output split by an index only real tensors hold")
-        except Exception as exc:
-            errors.append(f"{'meta' if meta else 'real'}: {type(exc).__name__}: {str(exc)[:300]}")
+            try:
+                tracer, back = _run(model, params, args, call_kwargs, meta)
+                ran_on = "meta" if meta else "real"
+                if not (meta and tracer.unreadable and real_fallback and
+                        all(p.device.type != "meta" for _, p in params.values())):
+                    break
+                errors.append("meta: an output split by an index only real tensors hold")
+            except Exception as exc:
+                errors.append(f"{'meta' if meta else 'real'}: {type(exc).__name__}: {str(exc)[:300]}")
+        if tracer is not None:
+            break
     if tracer is None:
         return ParameterUses({}, error="; ".join(errors))
     uses: dict[int, ParamUse] = {}

@@ -8,29 +8,27 @@ from __future__ import annotations
 
 import re
 import weakref
-from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .model_views import MatrixView
+# the records the mode keeps (param_use_records); ParamUse and ParameterUses are re-exported
+from .param_use_records import ParameterUses, ParamUse, _Derived, _Lookup, _ParamRecord, _ProductUse, _reshape, _Root
 
 __all__ = ["ParamUse", "ParameterUses"]
 
 aten = torch.ops.aten
-
-# An atom: (root dim, stride, size): ``size`` consecutive indices of the root's dim ``root dim``,
-# ``stride`` apart. A tensor derived from a root maps each of its dims to atoms, outer to inner.
-# Root dim -1: not from the root (a broadcast or a new dim).
-Atom = tuple[int, int, int]
 
 _VIEWS = {aten.view, aten._unsafe_view, aten.reshape, aten._reshape_alias, aten.view_copy}
 _SAME = {aten.clone, aten._to_copy, aten.detach, aten.alias, aten.lift_fresh, aten.contiguous,
          aten._conj, aten.to, aten.type_as}
 _PRODUCTS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm, aten.mv, aten.addmv, aten.linear}
 _TOPK = {aten.topk, aten.argmax, aten.sort, aten.argsort}
+# max / min over one dim give the index of the largest entry as well: a top-1 where the dim is a
+# product's output features (Phi-MoE's sparsemixer), a pooling where it is not
+_ARGMAX_DIM = {aten.max, aten.min}
 _LOSS = {aten._log_softmax, aten.nll_loss_forward, aten.nll_loss, aten.nll_loss2d_forward,
          aten.cross_entropy_loss, aten.binary_cross_entropy_with_logits}
 _SOFTMAX = {aten._softmax, aten.softmax}
@@ -41,138 +39,6 @@ _PRODUCT_LIKE = re.compile(r"conv|mm|matmul|linear|attention|einsum|tensordot|ls
 _IGNORED = {aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_same_size,
             aten.empty_like, aten.zeros_like, aten.ones_like, aten.full_like, aten.new_empty, aten.new_zeros,
             aten.new_ones, aten.new_full, aten._local_scalar_dense, aten.copy_, aten.detach_}
-
-
-def _normalize(atoms) -> tuple[Atom, ...]:
-    """Size-1 atoms dropped, consecutive atoms of one root dim that tile merged."""
-    out: list[Atom] = []
-    for a in atoms:
-        if a[2] == 1:
-            continue
-        if out and out[-1][0] == a[0] and a[0] >= 0 and out[-1][1] == a[1] * a[2]:
-            d, _, n = out.pop()
-            out.append((d, a[1], n * a[2]))
-        else:
-            out.append(a)
-    return tuple(out)
-
-
-def _reshape(dims, shape, new_shape) -> list[tuple[Atom, ...]] | None:
-    """The atoms of a view of a tensor of ``shape`` (dims ``dims``) as ``new_shape``; None when an
-    atom would have to split unevenly."""
-    new_shape = list(new_shape)
-    if -1 in new_shape:
-        known = 1
-        for s in new_shape:
-            known *= s if s != -1 else 1
-        total = 1
-        for s in shape:
-            total *= s
-        new_shape[new_shape.index(-1)] = total // known if known else 0
-    queue = [a for d in dims for a in d if a[2] != 1]
-    out = []
-    for size in new_shape:
-        need, atoms = int(size), []
-        while need > 1:
-            if not queue:
-                return None
-            d, s, n = queue[0]
-            if n <= need:
-                if need % n:
-                    return None
-                atoms.append(queue.pop(0))
-                need //= n
-            else:
-                if n % need:
-                    return None
-                atoms.append((d, s * (n // need), need))
-                queue[0] = (d, s, n // need)
-                need = 1
-        out.append(_normalize(atoms))
-    return out if not queue else None
-
-
-class _Lookup:
-    """A parameter indexed by an integer tensor: a lookup table unless the rows reach a product."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.reached_product = False
-
-
-@dataclass
-class _Root:
-    """A parameter, or the output of a product with one."""
-
-    shape: tuple[int, ...]
-    param: str = ""  # the parameter (of a product: the one multiplied)
-    out_dim: int = -1  # a product's output-feature dim
-    router: bool = False
-    loss: bool = False
-    # pieces: {(atom, piece key)}; per atom the (start, length) pieces seen, and their fate
-    pieces: dict = field(default_factory=dict)
-    rejoined: set = field(default_factory=set)
-    glu: set = field(default_factory=set)
-
-
-@dataclass
-class _Derived:
-    root: _Root
-    dims: list
-    removed: tuple = ()  # atoms indexed away: one matrix per index
-    lookup: _Lookup | None = None
-    pieces: frozenset = frozenset()  # {(atom, start)}: the product-output pieces this tensor comes from
-    partial: tuple = ()  # (atom, start, length) slices of a parameter
-
-
-@dataclass
-class _ProductUse:
-    roles: dict  # {atom of the param: "out" | "in" | "batch"}
-    product: _Root
-    partial: tuple
-
-
-@dataclass
-class _ParamRecord:
-    name: str
-    root: _Root
-    products: list = field(default_factory=list)
-    lookups: list = field(default_factory=list)
-    elementwise: set = field(default_factory=set)
-    other: set = field(default_factory=set)  # other ops that read it (reductions, ...)
-    lost: set = field(default_factory=set)  # what the trace could not follow
-
-
-@dataclass(frozen=True)
-class ParamUse:
-    """What the traced forward did with one parameter.
-
-    ``kind``: ``"matrix"`` (multiplied: ``view`` holds its matrices), ``"router"``, ``"head"``,
-    ``"embedding"`` (an index lookup), ``"tied"`` (a lookup table also multiplied: a tied
-    embedding / output head), ``"not_matrix"`` (elementwise only), ``"unused"`` or ``"unknown"``
-    (seen, but not understood: ``seen`` says what)."""
-
-    name: str
-    kind: str
-    seen: str
-    view: MatrixView | None = None
-
-
-@dataclass
-class ParameterUses:
-    """The result of :func:`trace_parameter_uses`: ``uses[id(param)]``, how the forward ran
-    (``"meta"`` or ``"real"``), and the problems met (a failed forward sets ``error``)."""
-
-    uses: dict[int, ParamUse]
-    ran_on: str = ""
-    error: str | None = None
-    problems: list[str] = field(default_factory=list)
-
-    def __getitem__(self, name: str) -> ParamUse:
-        for use in self.uses.values():
-            if use.name == name:
-                return use
-        raise KeyError(f"no parameter named {name!r} in the trace")
 
 
 class _Tracer(TorchDispatchMode):
@@ -244,7 +110,7 @@ class _Tracer(TorchDispatchMode):
         if first is not None and self._structural(packet, args, kwargs, first, out):
             return
         if packet in (aten.cat, aten.stack):
-            return self._concat(args[0], out)
+            return self._concat(packet, args, kwargs, out)
         if packet in _LOOKUPS:
             d = self._get(args[0])
             if d is not None and (rec := self._record(d)) is not None:
@@ -252,6 +118,12 @@ class _Tracer(TorchDispatchMode):
             return
         if packet is aten.index and first is not None:
             return self._index(args, first, out)
+        if packet in _ARGMAX_DIM and first is not None and self._record(first) is None and len(args) > 1 \
+                and isinstance(args[1], int):
+            atoms = first.dims[args[1] % max(args[0].dim(), 1)]
+            if any(a[0] == first.root.out_dim for a in atoms):
+                first.root.router = True
+            return
         if packet in _TOPK or packet in _LOSS:
             for _, _, d in tracked:
                 if self._record(d) is None:
@@ -265,6 +137,8 @@ class _Tracer(TorchDispatchMode):
             return
         if torch.Tag.pointwise in func.tags:
             return self._pointwise(packet, flat, tracked, out)
+        if packet is aten.convolution and self._depthwise(args, out):
+            return
         results = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
         for _, a, d in tracked:
             if (rec := self._record(d)) is not None:
@@ -342,6 +216,26 @@ class _Tracer(TorchDispatchMode):
             return False
         return True
 
+    def _depthwise(self, args, out) -> bool:
+        """A depthwise convolution (one filter per channel: Mamba's and Qwen3-Next's conv1d) is
+        elementwise across channels: its weight is not a matrix, and a product's output keeps its
+        features through it. True when handled."""
+        x, weight, groups = args[0], args[1], int(args[8])
+        if weight.dim() < 2 or weight.shape[1] != 1 or groups != weight.shape[0] or x.dim() < 2 \
+                or x.shape[1] != groups or not isinstance(out, torch.Tensor) or out.shape[1] != groups:
+            return False
+        w = self._get(weight)
+        if w is not None and (rec := self._record(w)) is not None:
+            rec.elementwise.add("convolution (depthwise)")
+        for extra in args[2:3]:
+            b = self._get(extra)
+            if b is not None and (rec := self._record(b)) is not None:
+                rec.elementwise.add("convolution (bias)")
+        d = self._get(x)
+        if d is not None and self._record(d) is None:
+            self._track(out, self._like(d, d.dims[:2] + [((-1, 0, int(s)),) if s > 1 else () for s in out.shape[2:]]))
+        return True
+
     def _lost(self, d: _Derived, what: str) -> None:
         if (rec := self._record(d)) is not None:
             rec.lost.add(what)
@@ -360,6 +254,8 @@ class _Tracer(TorchDispatchMode):
                     self._lost(d, "a slice across merged dims")
             return
         new_dims = d.dims[:dim] + d.dims[dim + 1:] if drop else d.dims
+        if not drop and self._refine(d, dim, pieces, outs):
+            return
         if d.pieces or len(atoms) != 1 or atoms[0][0] != d.root.out_dim:
             for (_, length), o in zip(pieces, outs):  # not along the output features, or a piece of a piece
                 if not drop:
@@ -373,6 +269,46 @@ class _Tracer(TorchDispatchMode):
             if not drop:
                 new_dims = d.dims[:dim] + [((atom[0], atom[1], length),)] + d.dims[dim + 1:]
             self._track(o, self._like(d, new_dims, pieces=frozenset({(atom, start)})))
+
+    def _refine(self, d: _Derived, dim: int, pieces, outs) -> bool:
+        """One piece of a split, whole along its features, split again into parts that cover it
+        (Mamba2's xBC, split into x, B and C after its convolution): the parts become pieces of the
+        first split. True when handled; a later concatenation of all the parts undoes it."""
+        if len(d.pieces) != 1 or len(pieces) < 2 or len(d.dims[dim]) != 1:
+            return False
+        ((atom, s0),) = tuple(d.pieces)
+        seen = d.root.pieces.get(atom, set())
+        length = next((n for start, n in seen if start == s0), None)
+        if length is None or d.dims[dim][0] != (atom[0], atom[1], length) or pieces[0][0] != 0 \
+                or sum(n for _, n in pieces) != length:
+            return False
+        seen.discard((s0, length))
+        for (start, n), o in zip(pieces, outs):
+            seen.add((s0 + start, n))
+            d.root.parents[(atom, s0 + start)] = (s0, length)
+            new_dims = d.dims[:dim] + [((atom[0], atom[1], n),) if n != 1 else ()] + d.dims[dim + 1:]
+            self._track(o, self._like(d, new_dims, pieces=frozenset({(atom, s0 + start)})))
+        return True
+
+    def _unrefine(self, root: _Root, union: frozenset) -> frozenset:
+        """All the parts of a refined piece together again (rotary halves of a one-head piece): the piece."""
+        for atom in {a for a, _ in union}:
+            starts = {start for a, start in union if a == atom}
+            parents = {root.parents.get((atom, start)) for start in starts}
+            if len(parents) != 1 or None in parents:
+                continue
+            parent = parents.pop()
+            children = {start for (a, start), p in root.parents.items() if a == atom and p == parent}
+            if starts != children:
+                continue
+            seen = root.pieces.get(atom, set())
+            for start, n in list(seen):
+                if start in children:
+                    seen.discard((start, n))
+                    del root.parents[(atom, start)]
+            seen.add(parent)
+            union = frozenset(p for p in union if p[0] != atom or p[1] not in children) | {(atom, parent[0])}
+        return union
 
     def _strided(self, d: _Derived, dim: int, start: int, end: int, step: int, out) -> None:
         """x[..., start::step]: x.view(..., n // step, step)[..., start]."""
@@ -418,6 +354,9 @@ class _Tracer(TorchDispatchMode):
     def _product(self, packet, args, out) -> None:
         if packet in (aten.addmm, aten.baddbmm, aten.addmv):
             a, b = args[1], args[2]
+            added = self._get(args[0])  # the term added to the product (RecurrentGemma's 2-D gate biases)
+            if added is not None and (rec := self._record(added)) is not None:
+                rec.elementwise.add(f"{packet.__name__} (added)")
         elif packet is aten.linear:  # where a backend keeps F.linear whole: x @ W.T
             a, b = args[0], args[1]
             d = self._get(b)
@@ -474,24 +413,54 @@ class _Tracer(TorchDispatchMode):
         rec.products.append(_ProductUse(found, product, d.partial))
         self._track(out, _Derived(product, [((i, 1, s),) if s != 1 else () for i, s in enumerate(out.shape)]))
 
-    def _concat(self, tensors, out) -> None:
+    def _concat(self, packet, args, kwargs, out) -> None:
         """Pieces of one split concatenated back (rotary halves): not a fused projection. A piece
-        concatenated with parts of itself (``rotate_half``) stays that piece."""
+        concatenated with parts of itself (``rotate_half``) stays that piece. The outputs of one
+        weight's products concatenated along another dim than their features (per-expert outputs
+        put back in token order) are followed as one output."""
+        tensors = args[0]
         ds = [self._get(t) for t in tensors]
         for d in ds:
             if d is not None and self._record(d) is not None:  # weights concatenated before their use
                 self._lost(d, "cat / stack with other tensors")
+        if not tensors or not isinstance(out, torch.Tensor):
+            return
+        dim = int(args[1] if len(args) > 1 else kwargs.get("dim", 0)) % out.dim()
+        size = int(out.shape[dim])
+        new_dim = ((-1, 0, size),) if size > 1 else ()
+
+        def dims_of(d: _Derived) -> list:
+            if packet is aten.stack:
+                return d.dims[:dim] + [new_dim] + d.dims[dim:]
+            return d.dims[:dim] + [new_dim] + d.dims[dim + 1:]
+
         carried = [d for d in ds if d is not None and d.pieces]
         if not carried:
+            products = [d for d in ds if d is not None and self._record(d) is None]
+            if len(products) != len(ds) or len({d.root.param for d in products}) != 1:
+                return
+            first = products[0]
+            if any(a[0] == first.root.out_dim for a in (first.dims[dim] if packet is aten.cat else ())):
+                return  # outputs joined along their features: not one output
+            root = first.root.resolved()
+            for d in products[1:]:
+                if d.root.resolved() is not root:
+                    d.root.resolved().same_as = root
+            self._track(out, self._like(first, dims_of(first), root=root))
             return
         roots = {id(d.root) for d in carried}
         union = frozenset().union(*(d.pieces for d in carried))
+        if len(roots) == 1:
+            union = self._unrefine(carried[0].root, union)
         for d in carried:
             for atom, _ in d.pieces:
-                if len({start for a, start in union if a == atom}) > 1:
+                starts = {start for a, start in union if a == atom}
+                # re-joined: every piece of the split back in one tensor (rotary halves); some of
+                # them only (Qwen3-Next's q, k, v without z, through one convolution) stay apart
+                if len(starts) > 1 and starts == {start for start, _ in d.root.pieces.get(atom, ())}:
                     d.root.rejoined.add(atom)
         if len(roots) == 1 and len(carried) == len(ds):
-            self._track(out, self._like(carried[0], carried[0].dims, pieces=union))
+            self._track(out, self._like(carried[0], dims_of(carried[0]), pieces=union))
 
     def _pointwise(self, packet, flat, tracked, out) -> None:
         if not isinstance(out, torch.Tensor):
@@ -513,6 +482,18 @@ class _Tracer(TorchDispatchMode):
                     isinstance(o, torch.Tensor) and o.numel() >= out.numel() and self._get(o) is None for o in flat):
                 self._track(out, self._like(carried[0], carried[0].dims, pieces=union))
             return
+        if len(full) > 1:
+            # a sum of products' outputs (a projection plus its low-rank adapter, Zamba2's
+            # gate_up_proj): one output, whose later split is each product's
+            products = [d for _, d in full if self._record(d) is None]
+            if packet in (aten.add, aten.sub) and len(products) == len(full) == len(tracked) and \
+                    len({d.root.out_dim for d in products}) == 1 and \
+                    all(d.dims == products[0].dims and not d.removed for d in products):
+                root = products[0].root.resolved()
+                for d in products[1:]:
+                    if d.root.resolved() is not root:
+                        d.root.resolved().same_as = root
+                self._track(out, self._like(products[0], products[0].dims, root=root))
         if len(full) != 1:
             return
         a, d = full[0]

@@ -30,27 +30,31 @@ shards gathered on every TP rank, updated parameters all-gathered over data para
 ``torchtitan_dist_muon``: owners within each shard group of replica 0 only, results broadcast to the
 other replicas, no tensor parallelism).
 
-Time model (stated, not measured here; the profiles are ``optim.multirank.hardware``'s, ``CPU``
-one core per rank over gloo as the suite runs it): Newton–Schulz at the profile's TFLOP/s, reduced for small
-matrices by a half-efficiency size fitted to our H100 measurements (benchmarks/RESULTS.md); each
-collective costs its latency plus its bytes over NVLink when its ranks share a node, else over the
-network; compute and communication are added (no overlap assumed).
+Time model (stated, not measured here): the cost model of ``optim.multirank.cost_model``, the one
+``replica_work="auto"`` and tp_mode "auto" decide by, on its hardware profiles
+(``optim.multirank.hardware``; ``CPU`` one core per rank over gloo as the suite runs it):
+Newton–Schulz at the profile's TFLOP/s, reduced for small matrices by a half-efficiency size fitted
+to our H100 measurements (benchmarks/RESULTS.md); each collective costs its latency plus its bytes
+over NVLink when the ranks it spans (by the mesh's strides) share a node, else over the network;
+compute and communication are added (no overlap assumed). Our owner layouts are the model's owner
+step (``cost_model.owner_step``) over the step's workspace chunks.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from .optim.multirank.agreement import AGREEMENT_BYTES
+from .optim.multirank.cost_model import (
+    COST_FIELDS, MeshShape, Placed, RankCost, add_costs, charge_collective, charge_newton_schulz, owner_step,
+)
 from .optim.multirank.dtensor_layout import chunk_extent
-from .optim.multirank.hardware import HARDWARE, Hardware, ns_seconds
-from .optim.multirank.sharded import ITEMS_PER_RANK, assign_owners, ns_flops
+from .optim.multirank.hardware import HARDWARE, Hardware
+from .optim.multirank.owner_exchange import assign_owners, ns_flops
 from .optim.step.grouping import chunk_entries
-from .step_stats import StepStats, newton_schulz_flops
 
 NS_STEPS = 5
 LAYOUTS = ("owner", "split", "gather", "megatron_layer_wise", "torchtitan_dist_muon")
@@ -85,6 +89,11 @@ class Mesh:
     def world(self) -> int:
         return math.prod(self.dims)
 
+    @property
+    def shape(self) -> MeshShape:
+        """The cost model's mesh: these dims row-major over consecutive ranks, ``tp`` innermost."""
+        return MeshShape(self.dims)
+
 
 REPLICATE, SHARD, EP, TP = range(4)  # mesh dims, outermost first
 
@@ -110,18 +119,7 @@ PRESETS = {
 
 
 # ------------------------------------------------------------------ the counts of our layouts
-@dataclass(eq=False)
-class RankCounts(StepStats):
-    """A rank's step as ``step_stats()`` counts it, and the modelled seconds of its communication
-    (collectives' latency and bytes over their links) and Newton–Schulz."""
-
-    comm_s: float = 0.0
-    compute_s: float = 0.0
-
-
-def _chunk(size: int, parts: int, index: int) -> int:
-    """The length of part ``index`` of ``size`` split as DTensor's Shard does (the step's own rule)."""
-    return chunk_extent(size, parts, index)[1]
+RankCounts = RankCost  # a rank's step as step_stats() counts it, and its modelled seconds
 
 
 def _sharding(m: Matrix, mesh: Mesh) -> dict[int, int]:
@@ -137,33 +135,16 @@ def _sharding(m: Matrix, mesh: Mesh) -> dict[int, int]:
 
 def _local_view(m: Matrix, mesh: Mesh) -> tuple[int, ...]:
     """The view of one expert slice: the experts on one ep rank (the first, the largest)."""
-    return (_chunk(m.experts, mesh.ep, 0), *m.shape) if m.experts else tuple(m.shape)
+    return (chunk_extent(m.experts, mesh.ep, 0)[1], *m.shape) if m.experts else tuple(m.shape)
 
 
-def _link(mesh: Mesh, dims: tuple[int, ...], hw: Hardware) -> float:
-    """GB/s of a collective over the mesh dims ``dims``: NVLink when its ranks share a node."""
-    stride = 1
-    span = 1
-    for d in range(3, -1, -1):
-        if d in dims:
-            span = stride * mesh.dims[d]
-        stride *= mesh.dims[d]
-    return hw.nvlink_gbps if span <= hw.gpus_per_node else hw.network_gbps
-
-
-def _cost(rank: RankCounts, nbytes: int, gbps: float, hw: Hardware) -> None:
-    rank.collectives += 1
-    rank.bytes_sent += nbytes
-    rank.comm_s += hw.latency_us * 1e-6 + nbytes / (gbps * 1e9)
+def _cost(rank: RankCounts, nbytes: int, mesh: Mesh, dims: tuple[int, ...], hw: Hardware) -> None:
+    """One collective over the mesh ``dims`` (the cost model's: latency, bytes over the link they span)."""
+    charge_collective(rank, nbytes, mesh.shape.span(dims), hw)
 
 
 def _compute(rank: RankCounts, view: tuple[int, ...], hw: Hardware, precision: str) -> None:
-    batch = math.prod(view[:-2])
-    flops = batch * newton_schulz_flops(view[-2], view[-1], NS_STEPS)
-    rank.ns_matrices += batch
-    rank.ns_flops += flops
-    if flops:
-        rank.compute_s += batch * ns_seconds(hw, flops / batch, precision)
+    charge_newton_schulz(rank, view, NS_STEPS, hw, precision)
 
 
 def _step_chunks(entries: list[tuple[Matrix, tuple[int, ...], bool]], mesh: Mesh, workspace_mib) -> list[list[int]]:
@@ -175,7 +156,7 @@ def _step_chunks(entries: list[tuple[Matrix, tuple[int, ...], bool]], mesh: Mesh
     for i, (m, view, spans) in enumerate(entries):
         largest = list(view)
         for d, vd in _sharding(m, mesh).items():
-            largest[vd] = -(-largest[vd] // mesh.dims[d])
+            largest[vd] = chunk_extent(largest[vd], mesh.dims[d], 0)[1]
         fake.append(SimpleNamespace(local_shape=tuple(largest),
                                     sharding=SimpleNamespace(largest_view=tuple(largest)) if spans else None,
                                     global_shape=tuple(view[-2:])))
@@ -189,82 +170,27 @@ def _step_chunks(entries: list[tuple[Matrix, tuple[int, ...], bool]], mesh: Mesh
     return [list(c) for c in chunk_entries(plan, budget)]
 
 
+def _placed(m: Matrix, mesh: Mesh) -> Placed:
+    """The cost model's view of one matrix: the mesh dims that shard its matrix dims, and those that
+    replicate it (dp_replicate, ep for a dense weight, tp where it does not shard it)."""
+    sharded = _sharding(m, mesh)
+    replicas = tuple(d for d in (REPLICATE, EP, TP)
+                     if mesh.dims[d] > 1 and d not in sharded and not (d == EP and m.experts))
+    return Placed(_local_view(m, mesh), tuple(sorted(sharded.items())), replicas)
+
+
 def _owner_counts(matrices: list[Matrix], mesh: Mesh, split: bool, hw: Hardware, precision: str,
                   workspace_mib=256) -> list[RankCounts]:
-    """Owner mode (repeat or split), every rank of the mesh: per step chunk, one owner exchange per
-    route structure, as the step runs it (each route instance is alike, by symmetry)."""
+    """Owner mode (repeat or split), every rank of the mesh: the cost model's owner step
+    (``cost_model.owner_step``) over the step's chunks."""
     entries = [(m, _local_view(m, mesh), bool(_sharding(m, mesh))) for m in matrices for _ in range(m.count)]
-    coords_all = list(itertools.product(*(range(d) for d in mesh.dims)))
-    ranks = {c: RankCounts() for c in coords_all}
-    members: dict[tuple, dict[tuple, RankCounts]] = {}  # route dims -> member coordinates -> counts
-    loads: dict[tuple, list[float]] = {}  # route dims -> members' FLOPs so far in the step (as the step keeps them)
-    for step_chunk in _step_chunks(entries, mesh, workspace_mib):
-        routes: dict[tuple, list[int]] = {}
-        for i in step_chunk:
-            m, view, spans = entries[i]
-            if not spans:
-                continue
-            sharded = _sharding(m, mesh)
-            dims = set(sharded)
-            if split:  # every mesh dim that replicates the matrix (EP shards experts; TP may not shard it)
-                dims |= {d for d in (REPLICATE, EP, TP)
-                         if mesh.dims[d] > 1 and d not in sharded and not (d == EP and m.experts)}
-            routes.setdefault(tuple(sorted(dims)), []).append(i)
-        for dims, ks in routes.items():
-            coords = list(itertools.product(*(range(mesh.dims[d]) for d in dims)))
-            counts = members.setdefault(dims, {c: RankCounts() for c in coords})
-            _owner_exchange([entries[i] for i in ks], dims, coords, [counts[c] for c in coords], mesh, hw, precision,
-                            loads.setdefault(dims, [0.0] * len(coords)))
-    for c, r in ranks.items():
-        for dims, counts in members.items():
-            _add(r, counts[tuple(c[d] for d in dims)])
-        for m, view, spans in entries:  # replicated matrices, experts with whole matrix dims: where they live
-            if not spans:
-                _compute(r, view, hw, precision)
-    return list(ranks.values())
-
-
-def _owner_exchange(entries, dims, coords, ranks: list[RankCounts], mesh: Mesh, hw: Hardware, precision: str,
-                    load: list[float]) -> None:
-    """One ``ShardedOrthogonalizer._owner`` call over a route: its items sorted by shape, chunks of
-    ITEMS_PER_RANK per member with owners by FLOPs, two all-to-alls per chunk."""
-    size = len(coords)
-    items = []
-    for m, view, _ in entries:
-        sharded = _sharding(m, mesh)
-        boxes = []
-        for c in coords:
-            shape = list(view)
-            for d, vd in sorted(sharded.items()):  # placements in mesh-dim order
-                shape[vd] = _chunk(shape[vd], mesh.dims[d], c[dims.index(d)])
-            boxes.append(math.prod(shape))
-        replicas = [tuple(c[i] for i, d in enumerate(dims) if d not in sharded) for c in coords]
-        items.append((view, boxes, replicas))
-    order = sorted(range(len(items)), key=lambda k: (items[k][0][-2:], k))
-    items = [items[k] for k in order]
-    chunks, owners = assign_owners([ns_flops(v) for v, _, _ in items], size, ITEMS_PER_RANK * size, load)
-    gbps = _link(mesh, dims, hw)
-    for chunk in chunks:
-        out = [0] * size
-        back = [0] * size
-        for k in chunk:
-            view, boxes, replicas = items[k]
-            o = owners[k]
-            for s in range(size):
-                if s != o and replicas[s] == replicas[o]:
-                    out[s] += boxes[s] * 4
-                if s != o:
-                    back[o] += boxes[s] * 4
-            _compute(ranks[o], view, hw, precision)
-        for s in range(size):
-            _cost(ranks[s], out[s], gbps, hw)
-            _cost(ranks[s], back[s], gbps, hw)
+    placed = [_placed(m, mesh) for m in matrices for _ in range(m.count)]
+    return owner_step(placed, mesh.shape, split, hw, precision, NS_STEPS, _step_chunks(entries, mesh, workspace_mib),
+                      RankCounts)
 
 
 def _add(into: RankCounts, other: RankCounts) -> None:
-    for f in ("ns_matrices", "ns_flops", "bytes_sent", "collectives", "agreements", "agreement_bytes", "comm_s",
-              "compute_s"):
-        setattr(into, f, getattr(into, f) + getattr(other, f))
+    add_costs(into, other, COST_FIELDS + ("agreements", "agreement_bytes"))
 
 
 def _gather_counts(matrices: list[Matrix], mesh: Mesh, hw: Hardware, precision: str) -> list[RankCounts]:
@@ -283,11 +209,11 @@ def _gather_counts(matrices: list[Matrix], mesh: Mesh, hw: Hardware, precision: 
             sharded[EP] = 0
         local = list(view)
         for d, vd in sharded.items():
-            local[vd] = _chunk(local[vd], mesh.dims[d], 0)
+            local[vd] = chunk_extent(local[vd], mesh.dims[d], 0)[1]
         for _ in range(m.count):
             held = math.prod(local) * 4
             for d in sorted(sharded, reverse=True):
-                _cost(rank, (mesh.dims[d] - 1) * held, _link(mesh, (d,), hw), hw)
+                _cost(rank, (mesh.dims[d] - 1) * held, mesh, (d,), hw)
                 held *= mesh.dims[d]
             _compute(rank, view, hw, precision)
     return [rank]
@@ -314,13 +240,13 @@ def _megatron_layer_wise(matrices: list[Matrix], mesh: Mesh, hw: Hardware, preci
             tp = mesh.tp if m.tp_dim is not None else 1
             shard = math.prod(view) // tp
             if tp > 1:
-                _cost(r, (tp - 1) * shard * 4, _link(mesh, (TP,), hw), hw)
+                _cost(r, (tp - 1) * shard * 4, mesh, (TP,), hw)
             _compute(r, view, hw, precision)
             total_bytes[expert] += shard * 2
         dims = (REPLICATE, SHARD) + (() if expert else (EP,))
         for r in ranks[expert]:
             if size > 1:
-                _cost(r, (size - 1) * total_bytes[expert] // size, _link(mesh, dims, hw), hw)
+                _cost(r, (size - 1) * total_bytes[expert] // size, mesh, dims, hw)
     return _merged(ranks[False], ranks[True])
 
 
@@ -335,7 +261,7 @@ def _torchtitan_dist_muon(matrices: list[Matrix], mesh: Mesh, hw: Hardware, prec
     if mesh.dp_replicate > 1:
         shard_bytes = sum(math.prod(_local_view(m, mesh)) * 4 // mesh.dp_shard * m.count for m in matrices)
         for r in ranks:
-            _cost(r, shard_bytes, _link(mesh, (REPLICATE,), hw), hw)
+            _cost(r, shard_bytes, mesh, (REPLICATE,), hw)
     return ranks
 
 
@@ -359,7 +285,7 @@ def _with_rank_agreement(ranks: list[RankCounts], matrices: list[Matrix], mesh: 
             for d, size in enumerate(mesh.dims):
                 if size > 1:
                     nbytes = 2 * (size - 1) * AGREEMENT_BYTES // size
-                    _cost(r, nbytes, _link(mesh, (d,), hw), hw)
+                    _cost(r, nbytes, mesh, (d,), hw)
                     r.agreements += 1
                     r.agreement_bytes += nbytes
     return ranks

@@ -11,7 +11,8 @@ can put them into ``megatron.core.optimizer``; nothing here imports megatron-cor
 Built-in entries: ``"muon"`` (:class:`~megatron_eopt.optim.TensorParallelMuon`),
 ``"adaptive_muon"`` (:class:`~megatron_eopt.optim.TensorParallelAdaptiveMuon`), and the rest of
 Emerging-Optimizers 0.4's family: ``"scion"``, ``"mop"``, ``"polargrad"``, ``"spel"``, ``"muown"``,
-``"muon_hyperball"`` (its radius from the config's ``muon_hyperball_radius``).
+``"muon_hyperball"`` (its radius from the config's ``muon_hyperball_radius``); ``"muon_ht"``
+(:class:`~megatron_eopt.optim.TensorParallelMuonHT`, Megatron-LM PR #6422's tensor-parallel hyperball).
 
 Emerging-Optimizers' own class registry is here too: :func:`register_optimizer`,
 :func:`get_optimizer_cls`, :func:`get_optimizer_name_list`, :func:`validate_optimizer_args`,
@@ -255,8 +256,9 @@ def config_kwargs(optimizer_cls: type, config: Any, prefixes: Sequence[str], *,
     return kwargs
 
 
-def qkv_split_shapes_from_model_config(model_config: Any) -> list[int]:
-    """Rows of one query group of a fused QKV weight: [q, k, v] or [q, gate, k, v].
+def qkv_split_shapes_from_model_config(model_config: Any, per_head: bool = False) -> list[int]:
+    """Rows of one query group of a fused QKV weight: [q, k, v] or [q, gate, k, v]; with ``per_head``
+    (Megatron-LM PR #6326's ``split_qkv_per_head``) the rows of every head of the whole matrix, in order.
 
     Megatron-LM interleaves the projections per query group; q spans
     heads/groups · kv_channels rows, k and v kv_channels each.
@@ -264,10 +266,44 @@ def qkv_split_shapes_from_model_config(model_config: Any) -> list[int]:
     heads = model_config.num_attention_heads
     groups = model_config.num_query_groups or heads
     kv = model_config.kv_channels
+    gated = getattr(model_config, "attention_output_gate", False)
+    if per_head:
+        per_group = heads // groups
+        return ([kv] * per_group * (2 if gated else 1) + [kv, kv]) * groups
     q = heads // groups * kv
-    if getattr(model_config, "attention_output_gate", False):
+    if gated:
         return [q, q, kv, kv]
     return [q, kv, kv]
+
+
+# Options of Megatron-LM's Muon that megatron-core 0.19 has not: OptimizerConfig field -> (constructor
+# argument, what it is). Where the config's own class does not declare the field, that megatron-core's
+# factory does not tag the parameters the option splits, so a request for it set on the config stops
+# the build (naming the version) instead of running what that megatron-core does not.
+NEWER_CONFIG_FIELDS: dict[str, tuple[str, str]] = {
+    "muon_split_glu": ("split_glu", "gate and up of a gated linear_fc1 apart, Megatron-LM PR #6688"),
+    "muon_split_qkv_per_head": ("split_qkv_per_head", "every QKV head apart, Megatron-LM PR #6326 / #7085"),
+}
+
+
+def check_newer_config_fields(config: Any) -> None:
+    """ValueError naming the field and the megatron-core version when ``config`` (a Megatron-LM
+    ``OptimizerConfig``, a dataclass) asks for an option of :data:`NEWER_CONFIG_FIELDS` its class does
+    not declare (set as an attribute, to a value other than False)."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(config):
+        return
+    declared = {f.name for f in dataclasses.fields(config)}
+    for field_name, (argument, what) in NEWER_CONFIG_FIELDS.items():
+        value = getattr(config, field_name, False)
+        if field_name not in declared and value is not False:
+            raise ValueError(
+                f"OptimizerConfig.{field_name}={value!r} ({what}): {_megatron_core_label()} has no such option; its "
+                f"{type(config).__name__} does not declare the field, and its factory does not tag the parameters "
+                f"the option splits. Leave the field unset (as this megatron-core runs), use a megatron-core that "
+                f"has it, or pass {argument}= to the optimizer class yourself with the parameters tagged"
+            )
 
 
 def _is_tagged_qkv(param: torch.Tensor) -> bool:
@@ -280,6 +316,7 @@ def muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) ->
     ``muon_*`` field; see :func:`config_kwargs`)."""
     from .optim import TensorParallelMuon
 
+    check_newer_config_fields(config)
     return _with_model_and_groups(config_kwargs(TensorParallelMuon, config, ("muon",), entry_name="muon"),
                                   model_chunks, pg_collection)
 
@@ -289,6 +326,7 @@ def adaptive_muon_config_to_kwargs(config: Any, model_chunks: Any, pg_collection
     ``muon_*`` and ``adaptive_muon_*`` field, the latter winning; see :func:`config_kwargs`)."""
     from .optim import TensorParallelAdaptiveMuon
 
+    check_newer_config_fields(config)
     kwargs = config_kwargs(TensorParallelAdaptiveMuon, config, ("muon", "adaptive_muon"), entry_name="adaptive_muon")
     return _with_model_and_groups(kwargs, model_chunks, pg_collection)
 
@@ -297,13 +335,51 @@ def _with_model_and_groups(kwargs: dict[str, Any], model_chunks: Any, pg_collect
     """``kwargs`` plus what Megatron-LM's entries derive: the QKV test and split, the process groups."""
     kwargs["is_qkv_fn"] = _is_tagged_qkv
     model_config = getattr(model_chunks[0], "config", None) if model_chunks else None
+    per_head = bool(kwargs.get("split_qkv_per_head"))
     kwargs["qkv_split_shapes"] = (
-        qkv_split_shapes_from_model_config(model_config) if model_config is not None else None
+        qkv_split_shapes_from_model_config(model_config, per_head) if model_config is not None else None
     )
     if model_config is None:
         kwargs["split_qkv"] = False  # nothing to split by without the model's head layout
     kwargs["pg_collection"] = pg_collection
     return kwargs
+
+
+# Megatron-LM's muon_ht fields (PR #6422: --muon-ht-radius, --muon-ht-eps, on the optimizer's config
+# or the model's TransformerConfig) and the constructor arguments they reach.
+MUON_HT_FIELDS = {"muon_ht_radius": "hyperball_radius", "muon_ht_eps": "hyperball_eps"}
+
+
+def muon_ht_config_to_kwargs(config: Any, model_chunks: Any, pg_collection: Any) -> dict[str, Any]:
+    """Megatron-LM ``OptimizerConfig`` → :class:`~megatron_eopt.optim.TensorParallelMuonHT` keyword
+    arguments: those of "muon" (every ``muon_*`` field), and ``muon_ht_radius`` / ``muon_ht_eps`` from
+    the optimizer's config, else from the model's config. ``weight_decay`` comes from the config as for
+    "muon": the class refuses anything but 0."""
+    from .optim import TensorParallelMuon, TensorParallelMuonHT
+
+    check_newer_config_fields(config)
+    arguments = list(inspect.signature(TensorParallelMuon).parameters) + list(MUON_HT_FIELDS.values())
+    kwargs = config_kwargs(TensorParallelMuonHT, config, ("muon",), tolerated=lambda f: f in MUON_HT_FIELDS,
+                           entry_name="muon_ht", arguments=arguments)
+    model_config = getattr(model_chunks[0], "config", None) if model_chunks else None
+    for field_name, argument in MUON_HT_FIELDS.items():
+        for source in (config, model_config):
+            if source is not None and getattr(source, field_name, None) is not None:
+                kwargs[argument] = getattr(source, field_name)
+                break
+    return _with_model_and_groups(kwargs, model_chunks, pg_collection)
+
+
+def _sharding_groups(pg_collection: Any) -> list[str]:
+    """The names of ``pg_collection``'s tensor-parallel / GTP groups of more than one rank."""
+    import torch.distributed as dist
+
+    names = []
+    for name in ("tp", "expt_tp", "gtp_remat", "expt_gtp_remat"):
+        group = getattr(pg_collection, name, None) if pg_collection is not None else None
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            names.append(name)
+    return names
 
 
 def _tensor_parallel_muon_option(field_name: str) -> bool:
@@ -335,6 +411,12 @@ def family_config_to_kwargs(optimizer_cls: type, name: str | None = None) -> Cal
         if optimizer_cls.__name__ == "MuonHyperball":
             if kwargs.get("hyperball_radius") is None:
                 raise ValueError("muon_hyperball needs config.muon_hyperball_radius (the weights' Frobenius norm)")
+            sharding = _sharding_groups(pg_collection)
+            if sharding:  # its norms (and Newton–Schulz) would be each shard's, not the matrix's
+                raise ValueError(
+                    f"muon_hyperball takes the norms of each rank's shard, and pg_collection shards the weights over "
+                    f"{', '.join(sharding)}: use optimizer='muon_ht' (TensorParallelMuonHT), whose norms are the "
+                    "whole matrices'")
         return kwargs
 
     return config_to_kwargs
@@ -374,6 +456,11 @@ def _load_builtins() -> None:
                 constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelAdaptiveMuon, adaptive_groups),
             ),
         }
+        builtins["muon_ht"] = EmergingOptimizerEntry(
+            optim.TensorParallelMuonHT, config_to_kwargs=muon_ht_config_to_kwargs,
+            constructor_only_kwargs=constructor_only_arguments(optim.TensorParallelMuon, muon_groups)
+            | {"hyperball_radius", "hyperball_eps"},
+        )
         for name, cls in (("scion", optim.Scion), ("mop", optim.MOP), ("polargrad", optim.PolarGrad),
                           ("spel", optim.Spel), ("muown", optim.Muown), ("muon_hyperball", optim.MuonHyperball)):
             builtins[name] = EmergingOptimizerEntry(cls, config_to_kwargs=family_config_to_kwargs(cls, name))

@@ -86,10 +86,23 @@ def recording() -> bool:
     return bool(_stack())
 
 
-def newton_schulz_flops(m: int, n: int, steps: int) -> float:
-    """The model's FLOPs of ``steps`` Newton–Schulz iterations on one (m, n) matrix."""
-    s, l = min(m, n), max(m, n)
-    return float(steps) * s * s * (4 * l + 2 * s)
+def newton_schulz_flops(m: int, n: int, steps: int, *, gram_dim: int | None = None,
+                        symmetric_gram: bool = False) -> float:
+    """The model's FLOPs of ``steps`` Newton–Schulz iterations on one (m, n) matrix: per iteration,
+    with ``a`` the side of its Gram matrix and ``b`` the other, the Gram product (a² b multiply-adds),
+    the polynomial's square of it (a³) and the product back (a² b), two FLOPs each. ``gram_dim``
+    (0: rows, 1: columns): the dim whose Gram matrix is formed, by default the shorter (a tensor-
+    parallel shard iterated jointly forms its whole dim's); ``symmetric_gram``: the two symmetric
+    products at half their FLOPs (a symmetric kernel, Megatron-LM's ``use_syrk``)."""
+    if gram_dim is None:
+        a, b = min(m, n), max(m, n)
+    elif gram_dim in (0, 1):
+        a, b = (m, n) if gram_dim == 0 else (n, m)
+    else:
+        raise ValueError(f"gram_dim must be None, 0 or 1, got {gram_dim!r}")
+    if symmetric_gram:
+        return float(steps) * a * a * (3 * b + a)
+    return float(steps) * a * a * (4 * b + 2 * a)
 
 
 def count_newton_schulz(shape, steps: int, shared_over: int = 1) -> None:

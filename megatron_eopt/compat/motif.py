@@ -28,10 +28,9 @@ import types
 from typing import Any, Callable, Mapping
 
 import torch
-from torch.distributed.tensor import Replicate
 from torch.optim.adam import adam as adam_functional
 
-from ..optim.multirank.dtensor_layout import is_dtensor
+from ..optim.multirank.dtensor_layout import is_dtensor, placement_kind
 from ..optim.hybrid import HybridMuon
 from ..optim.muon import Muon as FusedMuon
 from ._deprecation import _warn_once
@@ -282,6 +281,6 @@ class MotifMuon(HybridMuon):
             if not (group["use_muon"] and group["none_grad"]):
                 continue
             for p in group["params"]:  # Motif frees the grads its all-to-all pipeline consumed
-                if is_dtensor(p) and not all(isinstance(pl, Replicate) for pl in p.placements):
+                if is_dtensor(p) and not all(placement_kind(pl) == "replicate" for pl in p.placements):
                     p.grad = None
         return loss

@@ -49,6 +49,7 @@ from .. import registry
 from .._megatron_version import megatron_core_version
 from . import megatron_clipping
 from ._megatron_patches import installed, is_ours, restore_globals, set_global
+from .megatron_fsdp_v2 import guard_fsdp_muon
 from .megatron_fsdp2 import FSDP2_CKPT_FORMAT, allow_torch_fsdp2, guard_torch_dist_under_fsdp2  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -374,6 +375,8 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
             table[name] = megatron_entry
         _STEP_OPTIONS.update(options)
         guard_torch_dist_under_fsdp2()
+        # Megatron-FSDP v2 builds its Muon outside the registry: refuse there rather than train with another.
+        guard_fsdp_muon(lambda: "muon" in installed())
         megatron_clipping.patch(importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer,
                                 clip_policy)
         if replace_classes:

@@ -10,6 +10,7 @@ from .hybrid import HybridMuon
 from .mop import MOP
 from .muon import Muon
 from .muon_hyperball import MuonHyperball
+from .muon_ht import TensorParallelMuonHT
 from .muown import Muown
 from .orthogonalized import OrthogonalizedOptimizer
 from .polargrad import PolarGrad
@@ -36,6 +37,7 @@ __all__ = [
     "Spel",
     "TensorParallelAdaptiveMuon",
     "TensorParallelMuon",
+    "TensorParallelMuonHT",
     "dequantize_state_dict",
     "state_bytes",
 ]

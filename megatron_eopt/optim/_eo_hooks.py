@@ -26,7 +26,9 @@ BASE_HOOK_NAMES = (
     "_init_group",
 )
 # Hooks whose batched form the fused step can run (elementwise or per-matrix norms).
-FUSABLE_WEIGHT_UPDATE_HOOKS = ("HyperballHook", "RadialBrakeHook", "RelativeUpdateHook", "NoOpWeightUpdateHook")
+# (ShardedHyperballHook: the hyperball with norms summed over tensor-parallel shards, optim.muon_ht.)
+FUSABLE_WEIGHT_UPDATE_HOOKS = ("HyperballHook", "ShardedHyperballHook", "RadialBrakeHook", "RelativeUpdateHook",
+                               "NoOpWeightUpdateHook")
 
 
 class FusedScaledOrthogonalize:

@@ -45,8 +45,9 @@ class Muon(OrthogonalizedOptimizer):
     ``replica_work`` (owner mode, meshes with a replicate dim such as HSDP's): ``"repeat"``
     orthogonalizes every matrix once per replica; ``"split"`` once in the whole mesh, balanced over
     the ranks of every replica, each result sent to the ranks of all of them (the same results);
-    ``"auto"`` (default) picks one by the planner's time model for the device (split when the
-    Newton–Schulz it saves outweighs the results it sends; ``multirank.replica_work``).
+    ``"auto"`` (default) picks one by the cost model the planner reports, for the device (split when
+    the Newton–Schulz it saves outweighs the results it sends; ``multirank.replica_work``,
+    ``multirank.cost_model``).
 
     ``overlap_backward`` (an extension, default False): momentum and Newton–Schulz of each chunk
     start during ``loss.backward()`` as soon as its gradients are final; ``step()`` applies the

@@ -58,7 +58,7 @@ from ._config import (
     config_setting_names,
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
-from .matrix_view import check_view_keys, check_nd_mode, batched_matrix_shape, not_a_matrix
+from .matrix_view import check_view_keys, check_nd_mode, batched_matrix_shape, not_a_matrix, split_newton_schulz
 from .multirank.agreement import GroupScope, RankAgreement, agree, meshes_of, plan_digest, step_meshes
 from .multirank.replica_work import resolve_replica_work
 from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
@@ -237,6 +237,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         """Megatron-LM's GTP row sharding of p (None: its rows are whole on this rank)."""
         return None
 
+    def _home_domain(self, p: torch.Tensor):
+        """The layer-sharded home domain of p (``multirank.layer_homes``; None: none)."""
+        return None
+
     # ------------------------------------------------------------------ param groups and plan
     @torch._disable_dynamo
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -344,7 +348,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
                 self._config.num_ns_steps)
             plan = build_plan(self.param_groups, self._config, self._tp_layout, self._split_shapes_of, self.nd_mode,
                               self.sharded_mode, self._group_configs(), self._gtp_layout, self._replica_work_in_use,
-                              uneven)
+                              uneven, home_fn=self._home_domain)
             if self.block_period is not None and any(e.spans_ranks and e.split is not None for e in plan.entries):
                 raise ValueError(
                     f"block_period={self.block_period} (MuonBP) orthogonalizes a shard as one matrix, which a fused "
@@ -576,7 +580,14 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             out = self._config.newton_schulz(grad.to(torch.float32).unsqueeze(0))[0]
             return out if self._config.moment2_method is not None else out * self._config.scale(*grad.shape)
         x = grad.to(torch.float32)
-        if entry.spans_ranks:
+        if entry.spans_ranks and _whole_matrix(grad, entry):
+            # The whole matrix, gathered by a caller that owns it (Megatron-FSDP's FsdpMuon runs this on
+            # the owner alone): orthogonalized here, no collective.
+            cfg = plan.configs[entry.group_index]
+            whole = x.unsqueeze(0).contiguous()
+            out = (cfg.newton_schulz(whole) if entry.split is None
+                   else split_newton_schulz(cfg, whole, entry.split, cfg.moment2_method is None))[0]
+        elif entry.spans_ranks:
             # A matrix spanning ranks: a collective, so every rank of its mesh must call this.
             out = self._sharded.run([entry.sharding], [x.contiguous()], plan.configs[entry.group_index],
                                     [entry.split])[0]
@@ -590,6 +601,13 @@ BLOCK_STEPS_KEY = "block_period_steps"  # MuonBP's step count in a state_dict (s
 # The fused step reproduces these methods; a subclass replacing one gets the per-parameter step.
 OrthogonalizedOptimizer._fused_hook_defaults = {name: getattr(OrthogonalizedOptimizer, name) for name in BASE_HOOK_NAMES}
 
+
+
+def _whole_matrix(grad: torch.Tensor, entry) -> bool:
+    """Whether ``grad`` is the whole matrix of a parameter sharded across ranks (a plain tensor of its
+    global shape), not this rank's shard of it."""
+    return (not is_dtensor(grad) and grad.ndim == 2 and len(entry.local_shape) == 2
+            and tuple(grad.shape) == tuple(entry.global_shape))
 
 
 def _effective_hook(hook):

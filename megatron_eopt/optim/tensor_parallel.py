@@ -27,7 +27,8 @@ experts beside duplicated dense weights. Parameters not sharded over their group
 on every rank in every mode.
 
 Fused QKV projections (``split_qkv`` and ``is_qkv_fn(p)``) are orthogonalized per part, with
-``p.qkv_split_shapes`` or ``qkv_split_shapes``.
+``p.qkv_split_shapes`` or ``qkv_split_shapes``; per head with ``split_qkv_per_head``; gated FC1 weights
+(``split_glu``, ``p.is_glu``) as gate and up: see :mod:`~megatron_eopt.optim.projection_splits`.
 """
 
 from __future__ import annotations
@@ -39,30 +40,31 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import ParamsT
 
+from .._megatron_version import megatron_emerging_source
 from ..coefficients import NS_EPS, NS_EPS_EO_030
 from ._config import fused_config
 from ._recipe import NSRecipe
 from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.grouping import DEFAULT_WORKSPACE_MIB
+from .multirank.cost_model import AUTO_CANDIDATES, auto_tp_mode, group_span
 from .multirank.hardware import HARDWARE, Hardware, hardware_of
-from .multirank.tp_modes import AUTO_CANDIDATES, GTPLayout, TPLayout, auto_tp_mode
+from .multirank.layer_homes import HomeDomain
+from .multirank.tp_modes import GTPLayout, TPLayout
+from .projection_splits import LOCAL, WHOLE, ProjectionSplits, megatron_default, projection_shapes
 from .adaptive_muon import AdaptiveMuon
 from .orthogonalized import OrthogonalizedOptimizer
 
 TP_MODES = ("blockwise", "duplicated", "distributed", "layer_sharded", "auto")
 
 
-class _TensorParallelRouting:
-    """TP layout and QKV split of each parameter, as Megatron's TensorParallelMuon decides them."""
+class _TensorParallelRouting(ProjectionSplits):
+    """TP layout and fused-projection split of each parameter, as Megatron's TensorParallelMuon decides them."""
 
     pg_collection: Any
     tp_mode: str
-    split_qkv: bool
-    is_qkv_fn: Callable[[torch.Tensor], bool] | None
-    qkv_split_shapes: list[int] | None
 
     def _set_routing(self, split_qkv, is_qkv_fn, qkv_split_shapes, pg_collection, tp_mode, expert_tp_mode=None,
-                     ns_batch_size=1, auto=None) -> None:
+                     ns_batch_size=1, auto=None, split_qkv_per_head=False, split_glu=False) -> None:
         """``auto``: (num_ns_steps, use_syrk, precision, candidates, hardware or None) for tp_mode "auto"."""
         if tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be one of {list(TP_MODES)}, got {tp_mode!r}")
@@ -71,16 +73,12 @@ class _TensorParallelRouting:
         if isinstance(ns_batch_size, bool) or not isinstance(ns_batch_size, int) or ns_batch_size < 1:
             raise ValueError(f"ns_batch_size must be an int >= 1 (matrices per Newton–Schulz call on a layer-sharded "
                              f"home), got {ns_batch_size!r}")
-        if split_qkv and is_qkv_fn is None:
-            raise ValueError("split_qkv=True needs is_qkv_fn (a callable telling which params are fused QKV)")
+        self._set_splits(split_qkv, is_qkv_fn, qkv_split_shapes, split_qkv_per_head, split_glu)
         self.pg_collection = pg_collection
         self.tp_mode = tp_mode
         self.expert_tp_mode = expert_tp_mode
         self.ns_batch_size = ns_batch_size
         self._auto = auto if auto is not None else (5, False, "medium", AUTO_CANDIDATES, None)
-        self.split_qkv = bool(split_qkv)
-        self.is_qkv_fn = is_qkv_fn
-        self.qkv_split_shapes = None if qkv_split_shapes is None else list(qkv_split_shapes)
 
     def _tp_group(self, p: torch.Tensor):
         pg = self.pg_collection
@@ -118,21 +116,26 @@ class _TensorParallelRouting:
             shape[0] = shape[0] * dist.get_world_size(gtp_group) - int(getattr(p, "pad_length", 0))
         num_ns_steps, use_syrk, precision, candidates, hw = self._auto
         return auto_tp_mode(shape[partition_dim] * size, shape[1 - partition_dim], size, num_ns_steps, use_syrk,
-                            p.element_size(), hw if hw is not None else hardware_of(p.device), precision, candidates)
+                            p.element_size(), hw if hw is not None else hardware_of(p.device), precision, candidates,
+                            span=group_span(dist.get_process_group_ranks(group)))
 
     def tp_modes(self) -> dict[int, str]:
         """{index of the parameter in ``param_groups`` order: the tensor-parallel mode its update runs
         in}: "duplicated", "distributed", "layer_sharded" or "blockwise" for a parameter sharded over
         its group (with tp_mode "auto", the mode chosen for it; a parameter distributed mode runs as
-        duplicated, being sharded along its short side, is "duplicated"), "replicated" for one
-        orthogonalized whole on every rank (not sharded, or a group of one rank)."""
+        duplicated, being sharded along its short side, is "duplicated"; with "layer_sharded" also a
+        matrix replicated over its TP group, which gets one home), "replicated" for one orthogonalized
+        whole on every rank (not sharded, or a group of one rank)."""
         modes = {}
         params = (p for group in self.param_groups for p in group["params"])
         for index, p in enumerate(params):
             layout = self._tp_layout(p)
             if layout is not None:
                 modes[index] = layout.mode
-            elif (self._tp_mode_of(p) == "blockwise" and getattr(p, "partition_dim", None) in (0, 1)
+            elif self._home_domain(p) is not None:  # replicated over TP (or GTP rows only): one home
+                modes[index] = "layer_sharded"
+            elif ((self._tp_mode_of(p) == "blockwise" or self._split_need(p) == LOCAL)
+                  and getattr(p, "partition_dim", None) in (0, 1)
                   and self._tp_group(p) is not None and dist.get_world_size(self._tp_group(p)) > 1):
                 modes[index] = "blockwise"
             else:
@@ -141,6 +144,11 @@ class _TensorParallelRouting:
 
     def _tp_layout(self, p: torch.Tensor) -> TPLayout | None:
         mode = self._tp_mode_of(p)
+        need = self._split_need(p)
+        if need == LOCAL:  # a per-head split whose heads are whole on every rank: each its own
+            return None
+        if need == WHOLE and mode not in ("duplicated", "layer_sharded"):
+            mode = "duplicated"  # the split cuts the local rows: orthogonalized on the gathered matrix
         if mode == "blockwise":
             return None
         partition_dim = getattr(p, "partition_dim", None)
@@ -181,18 +189,58 @@ class _TensorParallelRouting:
         pad = getattr(p, "pad_length", 0)
         if isinstance(pad, bool) or not isinstance(pad, int):
             raise ValueError(f"pad_length of a GTP-sharded parameter must be an int, got {pad!r}")
-        return GTPLayout(group, dist.get_world_size(group), dist.get_rank(group), pad,
-                         self._tp_mode_of(p) == "blockwise")
+        # A gated FC1's gate and up, and heads, are split on the gathered rows in every mode (PR #6688);
+        # so is a QKV whose query groups a GTP shard cuts.
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        kind = self._split_kind(p)
+        blockwise = self._tp_mode_of(p) == "blockwise" and kind not in ("glu", "per_head")
+        if blockwise and kind == "qkv":
+            try:
+                total = sum(projection_shapes(p, self.qkv_split_shapes))
+            except (ValueError, TypeError):
+                total = 0  # the plan's own call raises, naming p
+            blockwise = total <= 0 or GTPLayout(group, size, rank, pad, True).real_rows(int(p.shape[0])) % total == 0
+        return GTPLayout(group, size, rank, pad, blockwise)
 
-    def _split_shapes_of(self, p: torch.Tensor) -> list[int] | None:
-        if not self.split_qkv or not self.is_qkv_fn(p):
+    def _gtp_size(self, p: torch.Tensor) -> int:
+        gtp = self._gtp_layout(p)
+        return 1 if gtp is None else gtp.size
+
+    def _tp_rows(self, p: torch.Tensor) -> tuple[int, int, int]:
+        """(rows of p's tensor-parallel local matrix, without GTP padding; the ranks sharing its rows;
+        this rank's index among them)."""
+        rows = int(p.shape[0])
+        gtp = self._gtp_layout(p)
+        if gtp is not None:
+            rows = gtp.real_rows(rows)
+        group = self._tp_group(p)
+        if getattr(p, "partition_dim", None) == 0 and group is not None and dist.get_world_size(group) > 1:
+            return rows, dist.get_world_size(group), dist.get_rank(group)
+        return rows, 1, 0
+
+    def _home_domain(self, p: torch.Tensor) -> HomeDomain | None:
+        """tp_mode "layer_sharded" over Megatron-LM's GTP x TP domain (PR #6683's homes): where the
+        parameter's GTP group (``gtp_remat``, ``expt_gtp_remat`` for experts) has several ranks, or it is
+        a 2-D matrix replicated over a TP group of several ranks (MLA down-projections, a router), each
+        matrix gets one home among the TP x GTP ranks (multirank.layer_homes); None where the TP group's
+        own homes decide (TP shards, no GTP group) or in the other modes."""
+        if self._tp_mode_of(p) != "layer_sharded" or p.dim() != 2:
             return None
-        sizes = getattr(p, "qkv_split_shapes", None)
-        if sizes is None:
-            sizes = self.qkv_split_shapes
-        if sizes is None:
-            raise ValueError("Muon QKV split requested but qkv_split_shapes is not set")
-        return list(sizes)
+        group = self._tp_group(p)
+        tp_size = 1 if group is None else dist.get_world_size(group)
+        tp_sharded = getattr(p, "partition_dim", None) in (0, 1) and tp_size > 1
+        pg = self.pg_collection
+        gtp_group = getattr(pg, "expt_gtp_remat" if getattr(p, "expert_tp", False) else "gtp_remat", None) if pg else None
+        if gtp_group is not None and dist.get_world_size(gtp_group) <= 1:
+            gtp_group = None
+        if gtp_group is None and (tp_sharded or tp_size <= 1):
+            return None
+        gtp = self._gtp_layout(p)  # the rows split over GTP, or None: replicated over it
+        return HomeDomain(group if tp_size > 1 else None, tp_size, dist.get_rank(group) if tp_size > 1 else 0,
+                          int(p.partition_dim) if tp_sharded else -1, gtp_group,
+                          1 if gtp_group is None else dist.get_world_size(gtp_group),
+                          0 if gtp_group is None else dist.get_rank(gtp_group), None if gtp is None else gtp.pad_rows,
+                          self.ns_batch_size)
 
 
 def megatron_ns_eps(use_syrk: bool) -> float:
@@ -218,6 +266,11 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
     and the mode of expert parameters): see the module docstring. ``tp_mode_hardware`` (an extension):
     the hardware profile tp_mode "auto" prices the modes on, a :class:`~megatron_eopt.optim.multirank.
     hardware.Hardware` or a name of ``HARDWARE`` ("H100", "H200", "B200", "CPU"); None: the device's.
+
+    ``split_qkv_per_head`` (Megatron-LM PR #6326 / #7085: each head's q, k, v its own matrix; needs
+    ``split_qkv``) and ``split_glu`` (PR #6688: a gated FC1 tagged ``is_glu`` as gate and up), keyword
+    arguments here: None takes the installed megatron-core's default (False where it has no such
+    argument, as 0.19). See :mod:`~megatron_eopt.optim.projection_splits`.
 
     ``ns_eps`` (an extension; None: as Megatron-LM, :func:`megatron_ns_eps`) is the Frobenius
     normalization floor of Newton–Schulz: 1e-7, the Emerging-Optimizers release Megatron-LM pins, or
@@ -248,6 +301,8 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         tp_mode: str = "duplicated",
         use_syrk: bool = False,
         *,
+        split_qkv_per_head: bool | None = None,
+        split_glu: bool | None = None,
         ns_batch_size: int = 1,
         expert_tp_mode: str | None = None,
         tp_mode_hardware: Hardware | str | None = None,
@@ -292,8 +347,10 @@ class TensorParallelMuon(_TensorParallelRouting, OrthogonalizedOptimizer):
         # tp_mode "auto" with the recipe's extensions (which distributed mode has not) chooses duplicated.
         candidates = AUTO_CANDIDATES if plain_recipe else ("duplicated",)
         auto = (config.num_ns_steps, a["use_syrk"] is True, config.precision, candidates, hardware)
+        splits = {name: megatron_default(name) if a[name] is None else a[name]
+                  for name in ("split_qkv_per_head", "split_glu")}
         self._set_routing(a["split_qkv"], a["is_qkv_fn"], a["qkv_split_shapes"], a["pg_collection"], a["tp_mode"],
-                          a["expert_tp_mode"], a["ns_batch_size"], auto)
+                          a["expert_tp_mode"], a["ns_batch_size"], auto, **splits)
         defaults = dict(lr=a["lr"], momentum=a["momentum"], weight_decay=a["weight_decay"])
         if moment2 is not None:
             defaults.update(beta2=moment2[1], eps=moment2[2])
@@ -325,6 +382,8 @@ def _adaptive_arguments(
     beta2: float = 0.95,
     eps: float = 1e-8,
     *,
+    split_qkv_per_head: bool | None = None,
+    split_glu: bool | None = None,
     ns_batch_size: int = 1,
     expert_tp_mode: str | None = None,
     tp_mode_hardware: Hardware | str | None = None,
@@ -348,24 +407,6 @@ def _adaptive_arguments(
 ADAPTIVE_TAIL_MAIN = ("use_syrk", "moment2_method", "beta2", "eps")
 
 
-def _megatron_emerging_source() -> str | None:
-    """The text of megatron/core/optimizer/emerging_optimizers.py where ``import megatron.core`` would
-    find it (``megatron`` is a namespace package: the first ``megatron/core`` package on its path), read
-    without importing megatron."""
-    import importlib.machinery
-    import os
-
-    spec = importlib.machinery.PathFinder.find_spec("megatron")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        if os.path.isfile(os.path.join(folder, "core", "__init__.py")):
-            path = os.path.join(folder, "core", "optimizer", "emerging_optimizers.py")
-            if not os.path.isfile(path):
-                return None
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-    return None
-
-
 def positional_tail(names: Sequence[str]) -> tuple[str, ...] | None:
     """The names after ``tp_mode`` in a positional argument list; None without ``tp_mode``."""
     names = list(names)
@@ -386,7 +427,7 @@ def installed_adaptive_tail() -> tuple[str, ...] | None:
         kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         return positional_tail(n for n, p in inspect.signature(cls).parameters.items() if p.kind in kinds)
     try:
-        source = _megatron_emerging_source()
+        source = megatron_emerging_source()
         tree = ast.parse(source) if source is not None else None
     except (OSError, SyntaxError, ValueError):
         return None

@@ -259,3 +259,25 @@ def test_clipping_study_quick_run_reports_every_policy_and_part(tmp_path):
         assert r["attenuation_clip_gradient"] == pytest.approx(1.0, abs=1e-3), r
         assert r["attenuation_clip_update"] == pytest.approx(r["deepspeed_reported_grad_norm"], rel=1e-3), r
         assert r["grad_norm"] > 1.0
+
+
+def test_routing_cost_quick_run_routes_both_architectures_on_meta(tmp_path):
+    """run.py --workload routing_cost --quick: tiny Llama and DeepSeek-V3 configs built on the meta
+    device and routed in fresh processes; every figure is there and the routing read the uses.
+    Neither time nor memory is asserted (the full-size figures are in RESULTS.md)."""
+    json_path, md_path = tmp_path / "routing.json", tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, RUN_PY, "--quick", "--workload", "routing_cost", "--out", str(json_path),
+                           "--results-md", str(md_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry, = json.loads(json_path.read_text())["dist_workloads"]
+    assert entry["name"] == "routing_cost" and entry["quick"]
+    assert list(entry["results"]) == ["Llama-3 70B", "DeepSeek-V3"]
+    for name, r in entry["results"].items():
+        assert r["params"] > 0 and r["param_bytes"] >= 2 * r["params"], name  # bf16 and wider
+        assert 0 < r["muon_tensors"] < r["param_tensors"] and r["traced"] > 0, (name, r)
+        assert r["first_s"] > 0 and r["median_s"] > 0 and r["build_muon_adamw_s"] > 0, (name, r)
+        assert r["tracemalloc_peak_mib"] > 0 and r["rss_before_mib"] > 0 and r["rss_growth_mib"] >= 0, (name, r)
+        assert r["warnings"] == [], (name, r["warnings"])
+    text = md_path.read_text()
+    assert "<!-- section: routing: " in text and "| model | layers | params |" in text
+    assert "| Llama-3 70B | 2 |" in text and "| DeepSeek-V3 | 3 |" in text

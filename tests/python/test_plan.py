@@ -131,21 +131,58 @@ def test_replica_work_auto_weighs_the_saved_newton_schulz_against_the_sent_resul
     assert resolve_replica_work("auto", "owner", [dict(params=[torch.zeros(4, 4)])], "error", "medium", 5) == "repeat"
 
 
-@pytest.mark.parametrize("gpus", [16, 64, 256, 1024])
-@pytest.mark.parametrize("hardware", ["H100", "B200"])
-def test_replica_work_auto_picks_what_the_planner_picks(gpus, hardware):
-    """The optimizer's choice (the busiest rank of each mode, by the profile) agrees with the
-    planner's full model of the step on Llama-3 8B under HSDP (8-GPU shard groups)."""
+def _as_dtensors(matrices, mesh):
+    """The planner's matrices as the optimizer holds them: fake DTensors on a (dp_replicate,
+    dp_shard, ep, tp) mesh, dense weights Shard(fsdp_dim) over dp_shard and Shard(tp_dim) over tp
+    (Replicate where tp_dim is None), replicated over dp_replicate and ep; expert batches (E, m, n)
+    Shard(0) over ep, in nd_mode "batch"."""
     from torch.distributed.tensor import Replicate, Shard
 
+    fake_mesh = _FakeMesh(*mesh.dims)
+    pairs = []
+    for m in matrices:
+        lead = 1 if m.experts else 0
+        placements = (Replicate(), Shard(lead + m.fsdp_dim), Shard(0) if m.experts else Replicate(),
+                      Replicate() if m.tp_dim is None else Shard(lead + m.tp_dim))
+        shape = (m.experts, *m.shape) if m.experts else tuple(m.shape)
+        pairs += [(_fake_dtensor(shape, fake_mesh, placements), "batch" if m.experts else "error")] * m.count
+    return pairs
+
+
+def _tp_replicated(matrices):
+    """The same model with its first kind of matrix not sharded by tensor parallelism (a replica over tp)."""
+    import dataclasses
+
+    return [dataclasses.replace(m, tp_dim=None) if i == 0 else m for i, m in enumerate(matrices)]
+
+
+def _agreement_cases():
+    """Every preset at every world size of the documentation's table (its meshes: TP 8 for 70B, EP 8
+    for the MoE from 64 GPUs), and meshes with TP and EP where the table has none."""
+    cases = [(preset, plan.default_mesh(preset, gpus), False) for preset in sorted(plan.PRESETS)
+             for gpus in (16, 64, 256, 1024)]
+    cases += [("llama3-8b", plan.Mesh(gpus // 8, 4, 1, 2), tp_replicated) for gpus in (16, 64, 256)
+              for tp_replicated in (False, True)]
+    cases += [("llama3-70b", plan.Mesh(gpus // 32, 8, 1, 4), tp_replicated) for gpus in (64, 256)
+              for tp_replicated in (False, True)]
+    cases += [("moe-64e", plan.Mesh(gpus // 32, 4, 4, 2), tp_replicated) for gpus in (32, 128, 512)
+              for tp_replicated in (False, True)]
+    return cases
+
+
+@pytest.mark.parametrize("hardware", ["H100", "B200"])
+@pytest.mark.parametrize("preset,mesh,tp_replicated", _agreement_cases())
+def test_replica_work_auto_picks_what_the_planner_picks(preset, mesh, tp_replicated, hardware):
+    """replica_work="auto" on the optimizer's own matrices (DTensors: the placements FSDP2 / HSDP,
+    EP and TP give them) chooses what the planner's step (its workspace chunks included) finds
+    cheaper, "repeat" on a tie: one cost model, whatever the preset, the mesh, TP and EP."""
     from megatron_eopt.optim.multirank.hardware import HARDWARE
     from megatron_eopt.optim.multirank.replica_work import choose_replica_work
 
-    matrices = plan.PRESETS["llama3-8b"][1]()
-    mesh = plan.Mesh(dp_replicate=gpus // 8, dp_shard=8)
-    fake_mesh = _FakeMesh(gpus // 8, 8)
-    pairs = [(_fake_dtensor(m.shape, fake_mesh, (Replicate(), Shard(m.fsdp_dim))), "error")
-             for m in matrices for _ in range(m.count)]
-    planned = plan.estimate(matrices, mesh, hardware, "medium", layouts=("owner", "split"))[0].layout
-    assert choose_replica_work(pairs, "medium", plan.NS_STEPS, HARDWARE[hardware]) == \
-        ("split" if planned == "split" else "repeat")
+    matrices = plan.PRESETS[preset][1]()
+    if tp_replicated:
+        matrices = _tp_replicated(matrices)
+    seconds = {e.layout: e.seconds for e in plan.estimate(matrices, mesh, hardware, "medium", ("owner", "split"))}
+    planned = "split" if seconds["split"] < seconds["owner"] else "repeat"
+    chosen = choose_replica_work(_as_dtensors(matrices, mesh), "medium", plan.NS_STEPS, HARDWARE[hardware])
+    assert chosen == planned, (seconds, chosen)

@@ -216,13 +216,13 @@ def test_every_prefixed_field_reaches_the_argument_of_its_name():
 def test_unknown_prefixed_field_is_an_error_naming_it(name):
     """A ``muon_*`` field neither the constructor nor megatron-eopt knows is refused, never dropped:
     a dataclass field or an attribute set on the config alike."""
-    config = _megatron_like_config(muon_split_glu=True)
-    with pytest.raises(registry.UnknownConfigFieldError, match=r"'muon_split_glu' \(argument 'split_glu'\).*megatron-core"):
+    config = _megatron_like_config(muon_split_mlp=True)
+    with pytest.raises(registry.UnknownConfigFieldError, match=r"'muon_split_mlp' \(argument 'split_mlp'\).*megatron-core"):
         registry.get(name).config_to_kwargs(config, [_model_chunk()], None)
     config = _megatron_like_config()
-    config.muon_split_glu = False
+    config.muon_split_mlp = False
     config.muon_no_such_option = 1
-    with pytest.raises(ValueError, match="'muon_split_glu'.*'muon_no_such_option'"):
+    with pytest.raises(ValueError, match="'muon_split_mlp'.*'muon_no_such_option'"):
         registry.get(name).config_to_kwargs(config, [_model_chunk()], None)
     if name == "adaptive_muon":
         with pytest.raises(ValueError, match=r"'adaptive_muon_beta3' \(argument 'beta3'\)"):
@@ -258,8 +258,8 @@ def test_family_entries_read_their_own_prefix_and_the_muon_fields_they_take():
     Scion([torch.nn.Parameter(torch.randn(4, 3))], **kwargs)
     with pytest.raises(ValueError, match="'scion_radius'"):
         registry.get("scion").config_to_kwargs(_megatron_like_config(scion_radius=1.0), [_model_chunk()], None)
-    with pytest.raises(ValueError, match="'muon_split_glu'"):
-        registry.get("scion").config_to_kwargs(_megatron_like_config(muon_split_glu=True), [_model_chunk()], None)
+    with pytest.raises(ValueError, match="'muon_split_mlp'"):
+        registry.get("scion").config_to_kwargs(_megatron_like_config(muon_split_mlp=True), [_model_chunk()], None)
     hyperball = registry.get("muon_hyperball").config_to_kwargs(
         _megatron_like_config(muon_hyperball_radius=2.0, muon_ns_eps=1e-7), [_model_chunk()], None)
     assert (hyperball["hyperball_radius"], hyperball["ns_eps"], hyperball["num_ns_steps"]) == (2.0, 1e-7, 7)

@@ -524,11 +524,17 @@ def test_hf_qwen3_moe_experts_and_router():
     assert router.optimizer == "adamw" and "router" in router.reason
 
 
-def test_hf_llama4_experts_stored_in_out_correct_the_table():
+def test_hf_llama4_experts_stored_in_out():
     """Llama4TextExperts: torch.bmm(x, gate_up_proj (E, H, 2I)).chunk(2, -1), bmm with down_proj (E, I, H):
-    (in, out) stacks, which the class table (transformers' (E, out, in) default) gets wrong."""
-    table, said = _routes(_hf("llama4"))
-    assert len(said) == 1 and "disagrees with the routing tables; the use wins" in said[0]
+    (in, out) stacks; the class table reads the same from the stack's shape (no flags on the module)."""
+    from megatron_eopt import model_matrix_views
+
+    model = _hf("llama4")
+    table, said = _routes(model)
+    assert not said
+    views = {name: v for name, v in model_matrix_views(model).values()}
+    assert views["model.layers.0.feed_forward.experts.gate_up_proj"].matrix_layout == "in_out"
+    assert views["model.layers.0.feed_forward.experts.down_proj"].matrix_layout == "in_out"
     gate_up = table["model.layers.0.feed_forward.experts.gate_up_proj"]
     assert dict(gate_up.group_keys) == {"nd_mode": "batch", "matrix_layout": "in_out", "split_shapes": (48, 48)}
     assert gate_up.view == "4 x [48x32 + 48x32]" and gate_up.scale == "1.22 / 1.22"
@@ -614,3 +620,29 @@ def test_hf_fused_qkv_no_table_names_bloom_and_mpt():
         table, said = _routes(model)
         assert not said and dict(table[name].group_keys) == {"split_shapes": sizes}, type(model).__name__
         assert table[name].source == "use"
+
+
+class SplitAgain(nn.Module):
+    """A part of a split split again (Mamba2's in_proj [z; xBC; dt], xBC into x, B, C after an
+    activation), and a multi-query [Q; k; v] whose one-head k is chunked and re-joined by a rotary."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 4 + 12 + 2, bias=False)
+        self.mqa = nn.Linear(8, 8 + 2 + 2, bias=False)
+
+    def forward(self, x):
+        z, xbc, dt = self.inp(x).split([4, 12, 2], dim=-1)
+        xs, b, c = F.silu(xbc).split([6, 3, 3], dim=-1)
+        q, k, v = self.mqa(x).split([8, 2, 2], dim=-1)
+        k = k * 0.5 + rotate_half(k) * 0.25  # rotate_half chunks k in two and concatenates them back
+        return (z.sum(-1) + xs.sum(-1) * b.sum(-1) * c.sum(-1) + dt.sum(-1) + (q.sum(-1) * k.sum(-1) * v.sum(-1))).sum()
+
+
+def test_a_split_part_split_again_and_a_rotated_one_head_part():
+    model = SplitAgain()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        table, _ = route_parameters(model, example_inputs=(torch.randn(2, 3, 8),), **NO_NAMES)
+    _check(table, "inp.weight", "muon", {"split_shapes": (4, 6, 3, 3, 2)}, "output split [4 + 6 + 3 + 3 + 2]")
+    _check(table, "mqa.weight", "muon", {"split_shapes": (8, 2, 2)}, "output split [8 + 2 + 2]")

@@ -123,7 +123,7 @@ def _box(shape, placements, coordinate, mesh_shape, uneven=None) -> tuple[tuple[
     sharding mesh dim's shards as the ranks hold them, in coordinate order (Megatron-FSDP's)."""
     offset, length = [0] * len(shape), list(shape)
     for i, pl in enumerate(placements):
-        if type(pl) is Shard:
+        if placement_kind(pl) == "shard":
             d = pl.dim
             if uneven is not None and uneven[0] == i:
                 sizes = uneven[1]
@@ -198,10 +198,10 @@ def describe(
                 "redistribute it to Shard or Replicate first"
             )
         if _is_shard(pl):
-            exact = exact and type(pl) is Shard and pl.dim >= 0
+            exact = exact and placement_kind(pl) == "shard" and pl.dim >= 0
             if mesh.size(i) > 1:  # sharded over one rank: the whole dim is local, as if replicated
                 shard_dims.setdefault(pl.dim % nd, []).append(i)
-        elif not isinstance(pl, Replicate):
+        elif placement_kind(pl) != "replicate":
             raise ValueError(f"{where} has an unsupported placement {pl} on mesh dim {i}")
     view = batched_matrix_shape(shape, nd_mode)
     if nd > 2 and nd_mode == "flatten":
@@ -244,7 +244,7 @@ def describe(
     replica_dims: tuple[int, ...] = ()
     if replica_work == "split":
         replica_dims = tuple(i for i, pl in enumerate(placements)
-                             if isinstance(pl, Replicate) and mesh.size(i) > 1)
+                             if placement_kind(pl) == "replicate" and mesh.size(i) > 1)
         if replica_dims and not exact:
             raise ValueError(
                 f"{where}: replica_work='split' needs plain Shard / Replicate placements (one box per rank), got "
@@ -279,7 +279,7 @@ def _largest_shard(shape, placements, mesh, uneven=None) -> tuple[int, ...]:
             if uneven is not None and uneven[0] == i:
                 out[d] = max(uneven[1])
             else:
-                out[d] = -(-out[d] // mesh.size(i)) if out[d] else 0
+                out[d] = chunk_extent(out[d], mesh.size(i), 0)[1]
     return tuple(out)
 
 

@@ -1,7 +1,6 @@
-"""Hardware profiles of the cost model: Newton–Schulz throughput and link bandwidths per device.
-
-The planner (``megatron_eopt.plan``) models a step's time with them, and ``replica_work="auto"``
-(``multirank.replica_work``) picks how replicas share the Newton–Schulz by the same time model.
+"""Hardware profiles of the cost model (``multirank.cost_model``): Newton–Schulz throughput and link
+bandwidths per device. ``replica_work="auto"``, tp_mode "auto" and the planner (``megatron_eopt.plan``)
+price a step on them.
 """
 
 from __future__ import annotations
@@ -43,15 +42,6 @@ HARDWARE = {
     "B200": Hardware("B200", {"medium": 1590.0, "high": 780.0, "highest": 57.0}, 95.0, 900.0, 100.0, 20.0),
     "CPU": Hardware("CPU core, gloo", {"medium": 1.3, "high": 0.21, "highest": 0.21}, 0.5, 0.73, 0.73, 500.0, 1 << 30),
 }
-
-
-def ns_seconds(hw: Hardware, flops_per_matrix: float, precision: str) -> float:
-    """Modelled seconds of one matrix's Newton–Schulz of ``flops_per_matrix`` FLOPs: the profile's
-    rate, reduced for small matrices (half of it at ``half_gflop``)."""
-    if flops_per_matrix <= 0:
-        return 0.0
-    rate = hw.tflops[precision] * 1e12 * flops_per_matrix / (flops_per_matrix + hw.half_gflop * 1e9)
-    return flops_per_matrix / rate
 
 
 def hardware_of(device: torch.device) -> Hardware:

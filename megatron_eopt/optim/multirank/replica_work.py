@@ -1,111 +1,87 @@
-"""``replica_work="auto"``: whether the replicas of a mesh (HSDP's replicate dim) share the
-Newton–Schulz of every matrix (``"split"``) or each repeat it (``"repeat"``), by the planner's time
-model (``multirank.hardware``; ``megatron_eopt.plan`` models whole steps with it).
+"""``replica_work="auto"``: whether the replicas of a mesh (HSDP's replicate dim, and the mesh dims
+that replicate a matrix: EP for dense weights, TP for the weights it does not shard) share the
+Newton–Schulz of every matrix (``"split"``) or each repeat it (``"repeat"``), by the cost model
+(``multirank.cost_model``), which the planner (``megatron_eopt.plan``) reports per rank.
 
-The model, as the planner's: a matrix's owner runs its Newton–Schulz (the profile's rate, lower for
-small matrices) and sends the other holders their parts of the fp32 result. "repeat" balances the
-owners over the S ranks of a replica, each sending (S - 1)/S of the matrix over the replica's links;
-"split" over all R·S ranks, each sending (R·S - 1)/S of it over links that span the replicas (the
-network once they leave a node); every rank sends its shard of a matrix to the matrix's owner (in
-"split" only to owners of its own replica, a 1/R share). The busiest rank decides (owners go largest first to the least
-loaded rank): "split" divides the Newton–Schulz by R while there are matrices for every rank, and
-costs R copies of a result from its owner, which at a thousand GPUs outweighs it (Llama-3 8B:
-"split" on 64 H100s, "repeat" on 256 and 1,024, as ``megatron_eopt.plan`` picks; the suite checks
-that the two agree on its presets).
+The optimizer's DTensor matrices become the model's matrices (:class:`~.cost_model.Placed`: the
+matrix view, the mesh dims that shard its matrix dims, those that replicate it) on the model's mesh
+(sizes and the ranks' strides, :func:`~.cost_model.mesh_shape_of`), and the model's owner step runs
+in both modes (:func:`~.cost_model.owner_step`): per route, owners balanced by FLOPs, two
+all-to-alls per chunk of matrices, each costing its latency and its bytes over the link its ranks
+span. The busiest rank decides, "repeat" on a tie. The planner adds only its workspace chunks of the
+step, which change which matrices share an exchange, not what either mode sends or computes.
 
-The choice depends only on the global shapes, the placements, the mesh sizes, the precision and
-the device's profile, so every rank of a mesh makes the same one (the plan's agreement checks it).
+The choice depends only on the global shapes, the placements, the mesh, the precision and the
+device's profile, so every rank of a mesh makes the same one (the plan's agreement checks it).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 
 import torch
 
-from ...step_stats import newton_schulz_flops
 from ..matrix_view import batched_matrix_shape, not_a_matrix
-from .dtensor_layout import placement_kind
-from .hardware import Hardware, hardware_of, ns_seconds
+from .cost_model import MeshShape, Placed, busiest_seconds, mesh_shape_of, owner_step
+from .dtensor_layout import _view_dim, chunk_extent, placement_kind
+from .hardware import Hardware, hardware_of
 
 
-def _replicas_of(p, nd_mode: str) -> tuple[int, int, int] | None:
-    """(replicas, shard ranks, batch split) of a DTensor matrix: the products of the sizes of the
-    mesh dims that replicate it, that shard its matrix dims and that shard its batch of matrices
-    (MoE experts over EP); None when ``"split"`` cannot hold for it (strided shards)."""
+def placed_of(p, nd_mode: str) -> Placed | None:
+    """The cost model's view of DTensor matrix ``p``: its matrix view (the batch of one rank's slice
+    where mesh dims shard its leading dims: MoE experts over EP), the mesh dims that shard its matrix
+    dims and those that replicate it; None when ``"split"`` cannot hold for it (strided or negative-
+    dim shards, other placements: describe() refuses "split" for them, even on a dim of one rank)."""
     mesh, placements = p.device_mesh, tuple(p.placements)
-    nd = len(p.shape)
-    shards = 1
-    replicas = 1
-    batch_split = 1
+    shape = list(p.shape)
+    view = list(batched_matrix_shape(tuple(shape), nd_mode))
+    shards, replicas = [], []
     for i, pl in enumerate(placements):
-        size = mesh.size(i)
-        kind = placement_kind(pl)
+        size, kind = mesh.size(i), placement_kind(pl)
         if kind == "replicate":
-            replicas *= size
-        elif kind in ("shard", "strided"):
-            if kind == "strided" or pl.dim < 0:
-                return None  # describe() refuses "split" for such placements, even on a dim of one rank
-            if size == 1:
-                continue
-            dim = pl.dim % nd
-            # the dims of the view's matrices: the last two (nd_mode "batch": the leading ones index
-            # matrices), or dim 0 of a flattened N-D param
-            if (nd == 2 or nd_mode == "batch") and dim >= nd - 2 or nd > 2 and nd_mode == "flatten" and dim == 0:
-                shards *= size
-            elif nd_mode == "batch":
-                batch_split *= size
-    return replicas, shards, batch_split
+            if size > 1:
+                replicas.append(i)
+            continue
+        if kind != "shard" or pl.dim < 0:
+            return None
+        if size == 1:
+            continue
+        nd, nv = len(shape), len(view)
+        dim = pl.dim % nd
+        if nv == 2 and nd > 2 and dim != 0:
+            return None  # nd_mode "flatten" sharded off dim 0: describe() refuses it
+        if nv == 2 or dim >= nd - 2:
+            shards.append((i, _view_dim(nd, nv, dim)))
+        else:  # a leading dim (experts): one rank's slice of the batch
+            shape[dim] = chunk_extent(shape[dim], size, 0)[1]
+            view[0] = math.prod(shape[:-2])
+    return Placed(tuple(view), tuple(shards), tuple(replicas))
 
 
 def choose_replica_work(params_and_modes, precision: str, steps: int, hardware: Hardware | None = None) -> str:
     """``"split"`` or ``"repeat"`` for the DTensor matrices of ``params_and_modes`` ((param,
     nd_mode) pairs; plain tensors and non-matrices are skipped) at ``precision`` and ``steps``
-    iterations; ``hardware`` defaults to each matrix's device's profile."""
-    groups: dict[tuple, list[tuple[float, float]]] = {}  # (shard ranks, replicas, hw) -> (NS s, bytes) per matrix
-    profiles: dict[str, Hardware] = {}
+    iterations; ``hardware`` defaults to the first matrix's device's profile. Matrices on several
+    meshes: each mesh's busiest rank, added."""
+    meshes: dict[int, tuple[MeshShape, list[Placed]]] = {}
+    hw = hardware
     for p, nd_mode in params_and_modes:
         if not hasattr(p, "device_mesh") or not_a_matrix(p, nd_mode):
             continue
-        found = _replicas_of(p, nd_mode)
-        if found is None:
+        placed = placed_of(p, nd_mode)
+        if placed is None:
             return "repeat"  # one matrix that cannot share its owner: the replicas repeat, every one alike
-        replicas, shards, batch_split = found
-        if replicas == 1 or shards == 1:
-            continue
-        hw = hardware or hardware_of(p.device)
-        view = batched_matrix_shape(tuple(p.shape), nd_mode)
-        (m, n), batch = view[-2:], -(-math.prod(view[:-2]) // batch_split)
-        # one owner per parameter: the matrices of its batch that one rank's slice holds (its EP experts)
-        t = batch * ns_seconds(hw, newton_schulz_flops(m, n, steps), precision)
-        profiles[hw.name] = hw
-        groups.setdefault((shards, replicas, hw.name), []).append((t, batch * 4.0 * m * n))
+        hw = hw or hardware_of(p.device)
+        key = id(p.device_mesh)
+        if key not in meshes:
+            meshes[key] = (mesh_shape_of(p.device_mesh, len(p.placements)), [])
+        meshes[key][1].append(placed)
     repeat = split = 0.0
-    for (shards, replicas, name), matrices in groups.items():
-        hw = profiles[name]
-        # repeat: owners among a replica's ranks, each sending the other shards of its result back
-        # over the replica's links; split: owners among all ranks, each sending every other rank
-        # of every replica its part, over links that span the replicas
-        within = hw.nvlink_gbps if shards <= hw.gpus_per_node else hw.network_gbps
-        across = hw.nvlink_gbps if shards * replicas <= hw.gpus_per_node else hw.network_gbps
-        # and every rank sends its shard of each matrix to the owner (in split mode: an owner of its replica)
-        shard_bytes = sum(b for _, b in matrices) / shards * (shards - 1) / shards
-        repeat += _busiest([t + (shards - 1) / shards * b / (within * 1e9) for t, b in matrices], shards) \
-            + shard_bytes / (within * 1e9)
-        split += _busiest([t + (shards * replicas - 1) / shards * b / (across * 1e9) for t, b in matrices],
-                          shards * replicas) + shard_bytes / replicas / (across * 1e9)
+    for mesh, entries in meshes.values():
+        if any(e.shards and e.replicas for e in entries):  # else both modes run the same step
+            repeat += busiest_seconds(owner_step(entries, mesh, False, hw, precision, steps))
+            split += busiest_seconds(owner_step(entries, mesh, True, hw, precision, steps))
     return "split" if split < repeat else "repeat"
-
-
-def _busiest(costs: list[float], ranks: int) -> float:
-    """The busiest rank's time when the matrices of ``costs`` go, largest first, to the least loaded
-    of ``ranks`` ranks (as the owner assignment balances them)."""
-    loads = [0.0] * min(ranks, len(costs))
-    heapq.heapify(loads)
-    for cost in sorted(costs, reverse=True):
-        heapq.heappush(loads, heapq.heappop(loads) + cost)
-    return max(loads, default=0.0)
 
 
 def resolve_replica_work(replica_work: str, sharded_mode: str, param_groups, nd_mode: str, precision: str,

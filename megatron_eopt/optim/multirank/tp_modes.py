@@ -26,7 +26,7 @@ from ... import _collectives as collectives
 from ...ops._distributed import distributed_newton_schulz as _distributed_newton_schulz, gram_restarts
 from .._config import OrthogonalizationConfig
 from ..matrix_view import MatrixSplit, split_newton_schulz
-from .hardware import Hardware, ns_seconds
+from .cost_model import AUTO_CANDIDATES, auto_tp_mode, auto_tp_mode_seconds
 from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
 
@@ -76,8 +76,9 @@ def gtp_orthogonalize(x: torch.Tensor, gtp: GTPLayout, orthogonalize) -> list[to
     the GTP group (blockwise: not), the padding rows left out, ``orthogonalize`` (the tensor-parallel
     mode's work on (k, rows, n), returning k results) run on the real rows, and this rank's rows of
     the results returned, zero where they are padding (Megatron-LM's
-    ``scaled_orthogonalize_fn_with_gtp_remat``; its distributed mode's scale of the padded shape is
-    not followed: the scale is the real matrix's)."""
+    ``scaled_orthogonalize_fn_with_gtp_remat``). The Muon scale is the real matrix's (rows less
+    ``pad_length``) in every mode, as in Megatron-LM since #7236. tp_mode "layer_sharded" does not
+    come here: its matrices get one home in the GTP x TP domain (:mod:`.layer_homes`)."""
     k, rows, cols = x.shape
     full = x if gtp.blockwise else gather_rows(x, gtp)
     real = gtp.real_rows(rows)
@@ -282,6 +283,9 @@ def tp_namo_normalize_(updates, moment2, grads, ns_inputs, entries, *, beta2, ep
 
 
 __all__ = [
+    "AUTO_CANDIDATES",  # tp_mode "auto": the cost model's (multirank.cost_model), importable here as before
+    "auto_tp_mode",
+    "auto_tp_mode_seconds",
     "distributed_newton_schulz",
     "distributed_orthogonalize",
     "GTPLayout",
@@ -294,50 +298,3 @@ __all__ = [
     "tp_normuon_normalize_",
 ]
 
-
-# tp_mode "auto" (after Megatron-LM PR #6664): the modes it chooses between, per dense weight.
-AUTO_CANDIDATES = ("duplicated", "distributed")
-
-
-def auto_tp_mode_seconds(sharded: int, other: int, size: int, num_ns_steps: int, use_syrk: bool,
-                         element_bytes: int, hw: Hardware, precision: str) -> dict[str, float]:
-    """Modelled seconds of one step's orthogonalization of a matrix whose global side ``sharded`` is
-    split over ``size`` ranks (``other`` the side that is whole), per mode of tp_mode "auto".
-
-    FLOPs per Newton–Schulz iteration, as Megatron-LM's rule counts them: two Gram products (the
-    input's and the polynomial's square, each halved by a symmetric kernel, ``use_syrk``) and one
-    full product. duplicated runs them on the whole matrix, its Gram on the short side ``m`` (every
-    rank the same); distributed on this rank's shard, ``sharded / size`` by ``other``, whose Gram
-    matrix is ``other`` square. Communication on the group's link of ``hw`` (NVLink within a node,
-    else the network), as a ring moves it: duplicated gathers the shards once ((size - 1) / size of
-    the matrix); distributed all-reduces the norm once and an ``other`` x ``other`` Gram matrix per
-    iteration (2 (size - 1) / size of each). Each collective also costs the profile's latency;
-    compute is :func:`~megatron_eopt.optim.multirank.hardware.ns_seconds` (the profile's rate for
-    ``precision``, reduced for small matrices)."""
-    gram = 1 if use_syrk else 2
-    m, n = min(sharded, other), max(sharded, other)
-    k = -(-sharded // size)
-    flops = {
-        "duplicated": num_ns_steps * (gram * (m * m * n + m ** 3) + 2 * m * m * n),
-        "distributed": num_ns_steps * (gram * (other * other * k + other ** 3) + 2 * other * other * k),
-    }
-    rate = (hw.nvlink_gbps if size <= hw.gpus_per_node else hw.network_gbps) * 1e9
-    latency = hw.latency_us * 1e-6
-    ring = (size - 1) / size
-    wire = {
-        "duplicated": latency + ring * sharded * other * element_bytes / rate,
-        "distributed": (num_ns_steps + 1) * latency
-        + 2 * ring * (num_ns_steps * other * other + 1) * element_bytes / rate,
-    }
-    return {mode: ns_seconds(hw, flops[mode], precision) + wire[mode] for mode in AUTO_CANDIDATES}
-
-
-def auto_tp_mode(sharded: int, other: int, size: int, num_ns_steps: int, use_syrk: bool, element_bytes: int,
-                 hw: Hardware, precision: str, candidates: Sequence[str] = AUTO_CANDIDATES) -> str:
-    """tp_mode "auto"'s choice for one dense weight: the candidate of least modelled time
-    (:func:`auto_tp_mode_seconds`), duplicated on a tie. A pure function of the global shape, the
-    group's size, the step's settings and the hardware profile: every rank of a group decides alike."""
-    if len(candidates) == 1:
-        return candidates[0]
-    seconds = auto_tp_mode_seconds(sharded, other, size, num_ns_steps, use_syrk, element_bytes, hw, precision)
-    return min(candidates, key=lambda mode: (seconds[mode], AUTO_CANDIDATES.index(mode)))

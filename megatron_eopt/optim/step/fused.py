@@ -29,6 +29,7 @@ from ..multirank.tp_modes import (
 )
 from ..matrix_view import MatrixSplit, split_newton_schulz
 from .grouping import Plan, Stack
+from ..multirank.layer_homes import home_orthogonalize
 from ..multirank.agreement import capturing_cuda_graph
 from ..multirank.dtensor_layout import is_dtensor, local
 from ..multirank.sharded_statistics import sharded_namo_, sharded_normuon_
@@ -410,6 +411,10 @@ class FusedStep:
         ``in_place``: ``x`` is the step's own buffer, which plain matrices' results may overwrite.
         ``loads``: the layer-sharded homes' loads (see :meth:`_orthogonalize_phase`).
         """
+        if stack.home is not None:  # layer_sharded over GTP x TP, or TP-replicated: once per matrix, on a home
+            load = self._sharded.loads.setdefault(stack.home.key, [0.0] * stack.home.size)
+            return home_orthogonalize(x, stack.home, stack.home.route(), stack.split, stack.config,
+                                      stack.config.moment2_method is None, load)
         if stack.gtp is not None:  # the tensor-parallel mode's work on the gathered, unpadded rows
             return gtp_orthogonalize(x, stack.gtp, lambda rows: self._orthogonalize_tensor_parallel(stack, rows,
                                                                                                    loads=loads))
@@ -517,11 +522,17 @@ class FusedStep:
 
 def _first_row(entry) -> int:
     """The projection row (a stored column for ``matrix_layout="in_out"``) of a sharded entry's first
-    local one (0 where the rows are whole)."""
+    local one (0 where the rows are whole): a DTensor's, or a tensor-parallel row shard's (with GTP,
+    its shard of the tensor-parallel rows)."""
     sharding = entry.sharding
-    if sharding is None or sharding.kind == "local":
-        return 0
-    return sharding.local_box[0][-1 if entry.split.columns else -2]
+    if sharding is not None and sharding.kind != "local":
+        return sharding.local_box[0][-1 if entry.split.columns else -2]
+    row = 0
+    if entry.gtp is not None and not entry.gtp.blockwise:
+        row += entry.gtp.rank * entry.local_shape[-2]
+    if entry.tp is not None and entry.tp.partition_dim == 0:
+        row += entry.tp.rank * (entry.global_shape[0] // entry.tp.size)
+    return row
 
 
 def _host_value(value) -> float | None:

@@ -77,6 +77,8 @@ class Stack:
     config: OrthogonalizationConfig  # how its matrices are orthogonalized (their param groups')
     members: list[int] = field(default_factory=list)  # entry indices
     gtp: GTPLayout | None = None  # GTP row shards: gathered (and unpadded) around the tp mode's work
+    # layer_sharded over a GTP x TP domain, or a TP-replicated matrix: one home per matrix (multirank.layer_homes)
+    home: Any = None
 
 
 @dataclass
@@ -251,9 +253,18 @@ def _draws_of(entry: ParamEntry) -> tuple[int, int, int, int, int]:
     return draw_layout(entry.key, entry.local_shape, s.view_shape, s.local_box[0])
 
 
+def _split_basis(local_shape, global_shape, spans: bool, tp: TPLayout | None, gtp: GTPLayout | None):
+    """The shape of the matrix a parameter's split is applied to (see build_plan)."""
+    if spans or (tp is not None and tp.mode in ("duplicated", "layer_sharded")):
+        return global_shape
+    if gtp is not None:  # the tensor-parallel local matrix: GTP's real rows (blockwise: this shard's)
+        return (*local_shape[:-2], gtp.real_rows(local_shape[-2]), local_shape[-1])
+    return local_shape
+
+
 def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn, nd_mode: str = "error",
                sharded_mode: str = "owner", group_configs=None, gtp_fn=None, replica_work: str = "repeat",
-               uneven: list | None = None) -> Plan:
+               uneven: list | None = None, home_fn=None) -> Plan:
     """Groups every parameter (with or without a grad) into stacks and buckets.
 
     ``group_configs[gi]`` is how param group gi is orthogonalized (None: ``config`` for every
@@ -265,6 +276,8 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
     DTensor params whose matrices span ranks are listed in ``sharded`` instead of a stack; params
     that are not real floating-point matrices (:func:`not_a_matrix`) in ``rejected``, without an entry.
     ``uneven[k]``: the k-th param's shards where they are off DTensor's chunking rule (``uneven_splits``).
+    home_fn(p) -> HomeDomain | None: the domain whose ranks share p's matrix in tp_mode "layer_sharded"
+    where it spans more than the TP group's shards (GTP) or is replicated over TP (multirank.layer_homes).
     """
     entries: list[ParamEntry] = []
     stacks: list[Stack] = []
@@ -323,7 +336,10 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 )
             # (out, in): the matrix the Muon scale, the split and NorMuon's statistic are defined on.
             oriented = global_shape[::-1] if view.transposed else global_shape
-            sizes = qkv_fn(p)
+            try:
+                sizes = qkv_fn(p)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
             if view.split_shapes is not None:
                 if sizes is not None and tuple(int(x) for x in sizes) != view.split_shapes:
                     raise ValueError(
@@ -331,13 +347,11 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                         f"own split of this parameter ({list(sizes)}: split_qkv / split_heads) disagree: set one"
                     )
                 sizes = view.split_shapes
-            # A shard's rows need not hold whole query groups: the split is checked on the matrix.
-            split = None if sizes is None else matrix_split(sizes, global_shape if spans else local_shape, global_shape,
-                                                         where, view.transposed)
-            if split is not None and gtp is not None and gtp.pad_rows:
-                raise ValueError(f"{where}: a fused QKV projection sharded by GTP weight rematerialization cannot "
-                                 f"be split with padding rows (pad_length={gtp.pad_rows}): its query groups would "
-                                 "not start on a shard")
+            # The split is checked on the matrix it is applied to: a shard's rows need not hold whole
+            # query groups where the shards are gathered first (a sharded DTensor; tp_mode duplicated or
+            # layer_sharded; GTP's rows, their padding left out).
+            split = None if sizes is None else matrix_split(sizes, _split_basis(local_shape, global_shape, spans, tp, gtp),
+                                                         global_shape, where, view.transposed)
             if split is not None and spans and adaptive and sharding.local_box is None:
                 raise ValueError(
                     f"{where}: QKV split of an adaptive optimizer on a DTensor with placements "
@@ -386,12 +400,14 @@ def build_plan(param_groups, config: OrthogonalizationConfig, layout_fn, qkv_fn,
                 sharded.append(ei)
                 continue
 
+            home = None if home_fn is None or len(local_shape) != 2 else home_fn(p)
             skey = (local_shape[-2:], p.device, None if tp is None else tp.key,
                     None if split is None else (split.sizes, split.columns), id(group_config),
-                    None if gtp is None else gtp.key)
+                    None if gtp is None else gtp.key, None if home is None else home.key)
             if skey not in stack_of:
                 stack_of[skey] = len(stacks)
-                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, split, group_config, gtp=gtp))
+                stacks.append(Stack(local_shape[-2:], global_shape, p.device, tp, split, group_config, gtp=gtp,
+                                    home=home))
             entry.stack_index = stack_of[skey]
             stacks[entry.stack_index].members.append(ei)
     return Plan(

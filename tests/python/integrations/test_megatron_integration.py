@@ -364,6 +364,44 @@ def test_every_muon_field_of_megatrons_config_is_mapped_or_consumed(name, cls, p
 
 
 @needs_megatron
+def test_split_options_this_megatron_core_lacks_stop_the_build_naming_it(stock_registry, megatron_env):
+    """megatron-core 0.19's OptimizerConfig has no muon_split_glu / muon_split_qkv_per_head (Megatron-LM
+    PRs #6688, #6326): set on its config, the build stops naming the version; a config class that
+    declares them (a newer megatron-core) hands them on, and the per-head split runs on the GPT's QKV."""
+    model = megatron_env.build_gpt(seed=1)
+    integration.install()
+    version = r"\.".join(map(str, integration.megatron_core_version()))
+    declared = {f.name for f in dataclasses.fields(mcore_optimizer.OptimizerConfig)}
+    for field in ("muon_split_glu", "muon_split_qkv_per_head"):
+        if field in declared:
+            continue  # a megatron-core that has it
+        config = _config("muon")
+        setattr(config, field, True)
+        with megatron_env.megatron_optimizer_on_cpu(), pytest.raises(
+                ValueError, match=rf"OptimizerConfig\.{field}=True .*megatron-core {version} has no such option"):
+            mcore_optimizer.get_megatron_optimizer(config, [model])
+
+    @dataclasses.dataclass
+    class NewerOptimizerConfig(mcore_optimizer.OptimizerConfig):
+        muon_split_glu: bool = True
+        muon_split_qkv_per_head: bool = True
+
+    fields = {f.name: getattr(_config("muon"), f.name) for f in dataclasses.fields(mcore_optimizer.OptimizerConfig)
+              if f.init}
+    with megatron_env.megatron_optimizer_on_cpu():
+        chained = mcore_optimizer.get_megatron_optimizer(NewerOptimizerConfig(**fields), [model])
+        ours = next(o for o in _inner_by_param_name(model, chained).values() if isinstance(o, TensorParallelMuon))
+        assert ours.split_glu is True and ours.split_qkv_per_head is True
+        assert ours.qkv_split_shapes == [16] * 8  # per query group: 2 query heads, k, v; 2 groups
+        qkv = dict(model.named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"]
+        assert ours._plan.entries[ours._plan.index[id(qkv)]].split.sizes == (16,) * 8
+        before = qkv.detach().clone()
+        megatron_env.forward_backward(model, seed=2)
+        chained.step()
+    assert not torch.equal(before, qkv.detach())
+
+
+@needs_megatron
 @pytest.mark.parametrize("name", ["muon", "adaptive_muon"])
 def test_unknown_muon_field_stops_get_megatron_optimizer(stock_registry, megatron_env, name):
     """A config of a newer Megatron-LM carrying a muon_* field megatron-eopt does not know stops
@@ -371,7 +409,7 @@ def test_unknown_muon_field_stops_get_megatron_optimizer(stock_registry, megatro
 
     @dataclasses.dataclass
     class NewerOptimizerConfig(mcore_optimizer.OptimizerConfig):
-        muon_split_glu: bool = True
+        muon_split_mlp: bool = True
 
     base = dataclasses.asdict(_config(name))
     config = NewerOptimizerConfig(**{k: v for k, v in base.items() if k in {f.name for f in dataclasses.fields(_config(name)) if f.init}})
@@ -379,7 +417,7 @@ def test_unknown_muon_field_stops_get_megatron_optimizer(stock_registry, megatro
     integration.install()
     version = r"\.".join(map(str, integration.megatron_core_version()))
     with megatron_env.megatron_optimizer_on_cpu(), pytest.raises(
-            ValueError, match=rf"'muon_split_glu' \(argument 'split_glu'\) of megatron-core {version}"):
+            ValueError, match=rf"'muon_split_mlp' \(argument 'split_mlp'\) of megatron-core {version}"):
         mcore_optimizer.get_megatron_optimizer(config, [model])
 
 

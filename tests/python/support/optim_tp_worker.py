@@ -187,8 +187,8 @@ def check_layer_sharded(group, seed):
     """tp_mode "layer_sharded": the same updates as duplicated mode, bit for bit at every
     ``ns_batch_size`` and with experts in their own mode (NorMuon to float rounding where the experts'
     own mode splits its all-reduced statistics in two: gloo's ring sums a buffer of another size in
-    another order); each sharded matrix orthogonalized on one rank of the group (step_stats, summed
-    over it), balanced."""
+    another order); each matrix, sharded or replicated over the group, orthogonalized on one rank of
+    the group (step_stats, summed over it), balanced."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     gen = torch.Generator().manual_seed(seed)
     full, grads = _make(LAYOUT, gen)
@@ -212,15 +212,13 @@ def check_layer_sharded(group, seed):
                 s = _shard(full[i], LAYOUT[i][1], rank, size)
                 same = torch.equal(a, b) if exact else rel_err(a.detach() - s, b.detach() - s) <= 1e-6
                 assert same, f"layer_sharded {cls.__name__} {kwargs} param {i}: differs from duplicated"
-    sharded = sum(1 for _, pd, _, _ in LAYOUT if pd != -1)
-    replicated = len(LAYOUT) - sharded
     _, opt = run(TensorParallelMuon, tp_mode="layer_sharded")
     stats = opt.step_stats()
     counts = torch.tensor([stats["ns_matrices"]], dtype=torch.int64)
     everyone = [torch.zeros_like(counts) for _ in range(size)]
     dist.all_gather(everyone, counts, group=group)
-    mine = [int(c) - replicated for c in everyone]  # replicated matrices run on every rank
-    assert sum(mine) == sharded, f"layer_sharded: {mine} sharded matrices per rank, {sharded} in all"
+    mine = [int(c) for c in everyone]  # the replicated matrix gets one home too
+    assert sum(mine) == len(LAYOUT), f"layer_sharded: {mine} matrices per rank, {len(LAYOUT)} in all"
     assert max(mine) - min(mine) <= 2, f"layer_sharded: homes unbalanced {mine}"
     _, dup = run(TensorParallelMuon, tp_mode="duplicated")
     assert dup.step_stats()["ns_matrices"] == len(LAYOUT)

@@ -1,0 +1,119 @@
+"""One rank of the layer-sharded homes tests (spawned by test_layer_homes.py, gloo on CPU, GTP 2 x TP 2).
+
+Every rank builds the same full weights and gradients and keeps its pieces: TP shards along
+``partition_dim`` (-1: replicated over TP), then, for GTP-sharded weights, the TP-local rows padded
+by ``pad_length`` and split over GTP. TensorParallelMuon with tp_mode "layer_sharded" must equal the
+single-process optimizer on the full matrices and orthogonalize every matrix once in the domain
+(step_stats' ns_matrices summed over the 4 ranks), where duplicated mode orthogonalizes each on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
+from dist_harness import computing_as_the_ranks, gloo_world  # noqa: E402
+from reference import TOLERANCE, rel_err  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
+
+STEPS = 2
+# (global shape, partition_dim, GTP pad_length or None: not GTP-sharded)
+LAYOUT = [
+    ((32, 16), 0, 0),  # TP rows, GTP rows without padding
+    ((16, 40), 1, 4),  # TP columns, GTP rows padded by 4 (20 rows, 10 per GTP rank)
+    ((24, 16), 0, 4),  # TP rows (12 each), GTP-padded to 16 (8 per GTP rank)
+    ((24, 16), -1, None),  # replicated over TP and GTP: an MLA down-projection, a router
+    ((20, 12), -1, 4),  # replicated over TP, GTP rows padded by 4
+    ((32, 16), 0, None),  # TP rows only: the TP group's own homes, as before
+]
+
+
+def _local(t, pd, pad, tp, gtp):
+    if pd != -1:
+        t = t.chunk(tp[1], dim=pd)[tp[0]]
+    if pad is not None:
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])]).chunk(gtp[1])[gtp[0]]
+    return t.contiguous().clone()
+
+
+def _gather(x, group, dim):
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _full(local, pd, pad, tp_group, gtp_group):
+    x = local.detach()
+    if pad is not None:
+        x = _gather(x, gtp_group, 0)
+        x = x[: x.shape[0] - pad]
+    return x if pd == -1 else _gather(x, tp_group, pd)
+
+
+def check(tp_group, gtp_group, cls, extra, seed):
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, *_ in LAYOUT]
+    grads = [[torch.randn(shape, generator=gen) for shape, *_ in LAYOUT] for _ in range(STEPS)]
+    tp = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    gtp = (dist.get_rank(gtp_group), dist.get_world_size(gtp_group))
+    pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group)
+    results = {}
+    for mode in ("layer_sharded", "duplicated"):
+        params = []
+        for w, (_, pd, pad) in zip(full, LAYOUT):
+            p = torch.nn.Parameter(_local(w, pd, pad, tp, gtp))
+            p.partition_dim = pd
+            if pad is not None:
+                p.is_gtp_weight_remat, p.pad_length = True, pad
+            params.append(p)
+        opt = cls(params, lr=0.05, pg_collection=pg, tp_mode=mode, fp32_matmul_prec="highest", **extra)
+        matrices = []
+        for step_grads in grads:
+            for p, g, (_, pd, pad) in zip(params, step_grads, LAYOUT):
+                p.grad = _local(g, pd, pad, tp, gtp)
+            opt.step()
+            matrices.append(opt.step_stats()["ns_matrices"])
+        results[mode] = ([_full(p, pd, pad, tp_group, gtp_group) for p, (_, pd, pad) in zip(params, LAYOUT)],
+                         matrices, opt.tp_modes())
+    ref = [torch.nn.Parameter(w.clone()) for w in full]
+    with computing_as_the_ranks():
+        ref_opt = cls(ref, lr=0.05, fp32_matmul_prec="highest", **extra)
+        for step_grads in grads:
+            for p, g in zip(ref, step_grads):
+                p.grad = g.clone()
+            ref_opt.step()
+    what = f"{cls.__name__} {extra}"
+    for mode, (got, _, _) in results.items():
+        for i, (g, r, w) in enumerate(zip(got, ref, full)):
+            where = f"{what} {mode} param {i} {LAYOUT[i]}"
+            if cls is TensorParallelMuon:  # the same Newton–Schulz of the same matrix
+                err = (g - r.detach()).abs().max().item()
+                assert err <= 1e-6, f"{where}: max |ours - single-process| = {err}"
+            else:  # AdaMuon divides by the root of its second moment, elementwise: the updates' relative error
+                err = rel_err(g - w, r.detach() - w)
+                assert err <= TOLERANCE["highest"], f"{where}: relative error of the update {err}"
+    # Newton–Schulz calls: layer_sharded once per matrix over the 4 ranks, duplicated once per matrix per rank.
+    for step in range(STEPS):
+        homed = torch.tensor([results["layer_sharded"][1][step]])
+        dist.all_reduce(homed)
+        assert int(homed) == len(LAYOUT), f"{what}: {int(homed)} Newton–Schulz matrices over the ranks, not {len(LAYOUT)}"
+        assert results["duplicated"][1][step] == len(LAYOUT)
+    assert set(results["layer_sharded"][2].values()) == {"layer_sharded"}, results["layer_sharded"][2]
+
+
+@exits_without_teardown
+def worker(rank, world_size, init_file, seed):
+    with gloo_world(rank, world_size, init_file):
+        tp_pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        gtp_pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        tp_group, gtp_group = tp_pairs[rank // 2], gtp_pairs[rank % 2]
+        check(tp_group, gtp_group, TensorParallelMuon, {}, seed)
+        check(tp_group, gtp_group, TensorParallelMuon, dict(ns_batch_size=2), seed + 1)
+        check(tp_group, gtp_group, TensorParallelAdaptiveMuon, dict(moment2_method="adamuon"), seed + 2)
