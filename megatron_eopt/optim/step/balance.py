@@ -1,7 +1,8 @@
 """Which rank orthogonalizes which matrix, decided from the plan: each chunk's starting loads.
 
 Owner mode (``multirank.sharded``) gives every matrix sharded across ranks one owner, and tensor
-parallel's ``layer_sharded`` mode every matrix one home, the least loaded by Newton–Schulz FLOPs.
+parallel's ``layer_sharded`` mode every matrix one home (over the TP group, or over GTP x TP:
+``multirank.layer_homes``), the least loaded by Newton–Schulz FLOPs.
 A step in several chunks balances over all of them: a chunk starts from the loads the chunks before
 it leave. Those loads are computed here, once per plan (and chunking), as if every chunk ran in plan
 order with every member, so a chunk's owners depend on the plan and the chunk's own members only,
@@ -11,6 +12,7 @@ start in the order their gradients arrive, picks the owners the plain step picks
 
 from __future__ import annotations
 
+from ..multirank.layer_homes import assign_homes
 from ..multirank.sharded import charge_owner_loads
 from ..multirank.tp_modes import layer_sharded_homes
 from .grouping import Plan
@@ -23,7 +25,8 @@ def chunk_start_loads(plan: Plan, chunks: tuple, cache: bool = True) -> tuple[di
     cached = getattr(plan, "_start_loads", None)
     if cached is not None and cached[0] is chunks:
         return cached[1]
-    balanced = bool(plan.sharded) or any(s.tp is not None and s.tp.mode == "layer_sharded" for s in plan.stacks)
+    balanced = bool(plan.sharded) or any(s.home is not None or (s.tp is not None and s.tp.mode == "layer_sharded")
+                                         for s in plan.stacks)
     starts = None
     if balanced:
         loads: dict = {}
@@ -54,7 +57,10 @@ def _charge(plan: Plan, chunk, loads: dict) -> None:
         charge_owner_loads([entries[i].sharding for i in members], loads)
     for si, members in by_stack.items():
         stack = plan.stacks[si]
-        tp = stack.tp
-        if tp is not None and tp.mode == "layer_sharded":
+        tp, home = stack.tp, stack.home
+        if home is not None:  # (before tp: FusedStep._orthogonalize takes a home first)
+            assign_homes(sum(entries[i].batch for i in members), *stack.local_shape, home,
+                         loads.setdefault(home.key, [0.0] * home.size))
+        elif tp is not None and tp.mode == "layer_sharded":
             layer_sharded_homes(sum(entries[i].batch for i in members), stack.global_shape, tp,
                                 loads.setdefault(tp.key, [0.0] * tp.size))

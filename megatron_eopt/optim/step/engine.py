@@ -100,8 +100,13 @@ class StepEngine:
     @staticmethod
     def communicates(plan: Plan, members) -> bool:
         """Whether the work of the chunk with these entries calls collectives."""
-        return any(plan.entries[i].spans_ranks or plan.stacks[plan.entries[i].stack_index].tp is not None
-                   or plan.stacks[plan.entries[i].stack_index].gtp is not None for i in members)
+        for i in members:
+            if plan.entries[i].spans_ranks:
+                return True
+            stack = plan.stacks[plan.entries[i].stack_index]
+            if stack.tp is not None or stack.gtp is not None or stack.home is not None:
+                return True
+        return False
 
     # ------------------------------------------------------------------ checks, before anything changes
     def check_grads(self, plan: Plan, indices) -> None:

@@ -412,7 +412,7 @@ class FusedStep:
         ``loads``: the layer-sharded homes' loads (see :meth:`_orthogonalize_phase`).
         """
         if stack.home is not None:  # layer_sharded over GTP x TP, or TP-replicated: once per matrix, on a home
-            load = self._sharded.loads.setdefault(stack.home.key, [0.0] * stack.home.size)
+            load = ({} if loads is None else loads).setdefault(stack.home.key, [0.0] * stack.home.size)
             return home_orthogonalize(x, stack.home, stack.home.route(), stack.split, stack.config,
                                       stack.config.moment2_method is None, load)
         if stack.gtp is not None:  # the tensor-parallel mode's work on the gathered, unpadded rows

@@ -39,7 +39,7 @@ def _fake_plan(shapes, chunks, tp=None):
                for s in shapes]
     stacks = []
     if tp is not None:
-        stacks.append(SimpleNamespace(tp=tp, global_shape=(24, 8)))
+        stacks.append(SimpleNamespace(tp=tp, home=None, global_shape=(24, 8)))
         entries += [SimpleNamespace(spans_ranks=False, group_index=0, stack_index=0, batch=1) for _ in range(3)]
     return SimpleNamespace(entries=entries, stacks=stacks, sharded=list(range(len(shapes))), configs=(object(),),
                            chunks=chunks)
@@ -70,3 +70,18 @@ def test_layer_sharded_homes_start_from_the_plan_too():
     starts = chunk_start_loads(plan, chunks)
     assert starts[1] == {("route",): [ns_flops((40, 24)), 0.0]}
     assert starts[2][("tp",)] == [ns_flops((24, 8))] * 2  # the stack's two matrices of chunk 1, one per home
+
+
+def test_homes_over_gtp_x_tp_start_from_the_plan_too():
+    # a (6, 8) piece per rank of (12, 8) matrices split over 2 TP ranks, replicated over 2 GTP ranks
+    home = SimpleNamespace(key=("homes",), size=4, partition_dim=0, gtp_pad=None, gtp_size=2, tp_size=2,
+                           ns_batch_size=1)
+    entries = [SimpleNamespace(spans_ranks=False, group_index=0, stack_index=0, batch=1) for _ in range(6)]
+    plan = SimpleNamespace(entries=entries, stacks=[SimpleNamespace(tp=None, home=home, local_shape=(6, 8))],
+                           sharded=[], configs=(object(),))
+    chunks = ((0, 1, 2), (3, 4), (5,))
+    starts = chunk_start_loads(plan, chunks)
+    cost = ns_flops((12, 8))
+    assert starts[0] == {} and starts[1] == {("homes",): [cost] * 3 + [0.0]}
+    assert starts[2] == {("homes",): [2 * cost] + [cost] * 3}  # the fourth home first, then the lowest
+
