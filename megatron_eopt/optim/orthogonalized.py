@@ -66,7 +66,7 @@ from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonaliz
 from .multirank.tp_modes import GTPLayout, TPLayout
 from .step import state_dtype as _low_memory
 from .step.fused import FusedStep
-from .step.layout import cached_step_layouts, step_layouts
+from .step.engine import StepEngine
 from .step.overlap import BackwardOverlap
 from .step.grouping import (
     DEFAULT_WORKSPACE_MIB,
@@ -191,8 +191,9 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         if not isinstance(overlap_backward, bool):
             raise TypeError(f"overlap_backward must be True or False, got {overlap_backward!r}")
         self.overlap_backward = overlap_backward
+        self._engine = StepEngine(self)
         if overlap_backward:
-            self._overlap = BackwardOverlap(self)
+            self._overlap = BackwardOverlap(self._engine)
         self.state_dtype = lms.validate_state_dtype(state_dtype)
         self.state_block_size = lms.validate_block_size(state_block_size)
         self._workspace_mib = check_workspace_mib(workspace_mib)
@@ -434,14 +435,15 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         overlapped = overlap is not None and overlap.work is not None
         fused = self._use_fused_step()
         plan = self._current_plan() if self._config is not None else None
+        engine = self.__dict__.get("_engine")
         active = None
         if plan is not None and fused and not overlapped:
             active = [e.param.grad is not None for e in plan.entries]
             if error is None:
                 # Everything that can reject the input runs before anything is written.
                 try:
-                    self._check_grads(plan, active)
-                    self._write_hyperparameters(plan, active)
+                    engine.check_grads(plan, [i for i, a in enumerate(active) if a])
+                    engine.write_hyperparameters(plan, active)
                 except (ValueError, TypeError, RuntimeError) as exc:
                     error = exc
         if plan is not None and not overlapped:  # (an overlapped step agreed when backward began it)
@@ -463,30 +465,17 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
                     "steps each parameter with fp32 state: construct it with state_dtype='fp32'"
                 )
             return self._hook_step()
-        if overlapped:  # backward started the step
+        if overlapped:  # backward began the step (step.overlap finishes it with the same engine)
             self._finish_overlapped_step(overlap)
-            if self.block_period is not None:
-                self._count_block_step()
             return None
-        for seed in self._state_seeds.values():  # new draws for the stochastic rounding of this step
-            seed.add_(1)
-        scalers = self._scaler_tensors_per_device(plan)
-        # Where each chunk's inputs lie: the same every step with the same grads present, so an eager
-        # step reuses it (a compiled one traces it, without the cache's side effects).
-        layouts = step_layouts(plan, active) if torch.compiler.is_compiling() else cached_step_layouts(plan, active)
-        inputs = self._ns_input_buffers(layouts)
-        self._reset_ns_inputs_below_eps(plan)
-        if self._sharded.loads:  # owners' and layer-sharded homes' loads start at zero each step
-            self._sharded.loads.clear()
-        for layout in layouts:  # the matrices whose buffers fit the workspace budget together
-            self._step_chunk(plan, layout, inputs, scalers)
-        if self.block_period is not None:  # tested here too: the counter is a graph break (fullgraph compile)
-            self._count_block_step()
+        run = engine.begin(plan)  # (step.engine: the one step, plain or overlapped with backward)
+        run.run_chunks(active)  # the matrices whose buffers fit the workspace budget together, in plan order
+        run.finish()
         return None
 
     @torch._disable_dynamo
     def _finish_overlapped_step(self, overlap: BackwardOverlap) -> None:
-        overlap.finish(self)
+        overlap.finish()
 
     # ------------------------------------------------------------------ overlap with backward
     def accumulating(self):
@@ -533,15 +522,6 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         super().load_state_dict(state_dict)
         if steps is not None and self.block_period is not None:
             self._block_steps = int(steps)
-
-    def _step_chunk(self, plan, layout, inputs: dict, scalers: dict) -> None:
-        """Every phase for one chunk. A function of its own so that the chunk's results (memory of
-        their own where the Newton–Schulz is not in place) are freed on return, before the next
-        chunk allocates its own: the step's transient stays one chunk's."""
-        ns_inputs, stacked = self._ns_input_views(plan, layout, inputs)
-        launches = self._momentum_phase(plan, layout, ns_inputs, scalers)
-        updates, scales = self._orthogonalize_phase(plan, layout.members, ns_inputs, stacked)
-        self._update_phase(plan, launches, updates, scales, ns_inputs)
 
     def _spanning_matrix_error(self) -> Exception | None:
         """What cannot run on a matrix sharded across ranks (a DTensor the sharded path orthogonalizes

@@ -75,6 +75,16 @@ class HomeDomain:
                           member_at={c: m for m, c in enumerate(grid)})
 
 
+def assign_homes(k: int, rows: int, cols: int, domain: HomeDomain, load: list[float]):
+    """The exchange chunks and homes of a stack of k local (rows, cols) pieces over ``domain``, each
+    matrix's home the least loaded by Newton–Schulz FLOPs (``load``, each member's so far; updated)."""
+    pd, pad, G, T = domain.partition_dim, domain.gtp_pad, domain.gtp_size, domain.tp_size
+    real = rows * G - pad if pad is not None else rows  # rows of the TP-local matrix without padding
+    shape = (real * T, cols) if pd == 0 else (real, cols * T) if pd == 1 else (real, cols)
+    per_home = max(ITEMS_PER_RANK, domain.ns_batch_size)
+    return assign_owners([ns_flops(shape)] * k, domain.size, per_home * domain.size, load)
+
+
 def home_orthogonalize(x: torch.Tensor, domain: HomeDomain, route: OwnerRoute, split, config, scaled: bool,
                        load: list[float]) -> list[torch.Tensor]:
     """Layer-sharded Newton–Schulz of a stack of k local pieces (k, rows, cols) over ``domain``:
@@ -86,9 +96,7 @@ def home_orthogonalize(x: torch.Tensor, domain: HomeDomain, route: OwnerRoute, s
     pd, pad, G, T = domain.partition_dim, domain.gtp_pad, domain.gtp_size, domain.tp_size
     gtp_rows = pad is not None  # the rows are split over GTP (else replicated over it)
     real = rows * G - pad if gtp_rows else rows  # rows of the TP-local matrix without padding
-    shape = (real * T, cols) if pd == 0 else (real, cols * T) if pd == 1 else (real, cols)
-    per_home = max(ITEMS_PER_RANK, domain.ns_batch_size)
-    chunks, homes = assign_owners([ns_flops(shape)] * k, domain.size, per_home * domain.size, load)
+    chunks, homes = assign_homes(k, rows, cols, domain, load)
     numel = rows * cols
     outs: list[torch.Tensor | None] = [None] * k
 

@@ -49,11 +49,6 @@ class ShardedOrthogonalizer:
         # count_below_eps(x, eps): told every whole matrix (a (k, m, n) view) before its Newton–Schulz,
         # on the rank that runs it (the owner; every rank in gather mode). Set by the optimizer.
         self.count_below_eps = None
-        # Each route's members' Newton–Schulz FLOPs so far in this step (keyed by route.key; the
-        # tensor-parallel layer-sharded homes by their TPLayout.key): a step in several chunks (the
-        # workspace budget; a large matrix is a chunk of its own) balances its owners over all of
-        # them, not chunk by chunk from zero. Cleared by the optimizer at the start of a step.
-        self.loads: dict[tuple, list[float]] = {}
 
     def _ns(self, full: list[torch.Tensor], config=None, splits=None) -> list[torch.Tensor]:
         """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors, with
@@ -85,21 +80,21 @@ class ShardedOrthogonalizer:
         return out
 
     def run(self, layouts: list[ShardLayout], inputs: list[torch.Tensor], config=None,
-            splits=None) -> list[torch.Tensor]:
+            splits=None, loads: dict | None = None) -> list[torch.Tensor]:
         """inputs: local fp32 NS inputs in view coordinates -> local fp32 NS outputs (raw, or QKV parts
         scaled as :meth:`_ns` says), orthogonalized with ``config`` (None: the orthogonalizer's own; a
-        param group's settings may differ from it); ``splits[k]``: input k's MatrixSplit or None."""
+        param group's settings may differ from it); ``splits[k]``: input k's MatrixSplit or None.
+        ``loads``: each route's members' Newton–Schulz FLOPs so far (keyed by ``route.key``, updated
+        in place; see :func:`charge_owner_loads`); None: every member starts at zero."""
         splits = [None] * len(inputs) if splits is None else splits
+        loads = {} if loads is None else loads
         outputs: list[torch.Tensor | None] = [None] * len(inputs)
-        routes: dict[tuple, list[int]] = {}
         for k, lay in enumerate(layouts):
             self.matrices[lay.kind] += 1
-            if lay.kind == "owner":
-                routes.setdefault(lay.route.key, []).append(k)
-            else:
+            if lay.kind != "owner":
                 outputs[k] = self._gather_one(lay, inputs[k], config, splits[k])
-        for ks in routes.values():
-            self._owner(ks, layouts, inputs, outputs, config, splits)
+        for ks in owner_routes(layouts).values():
+            self._owner(ks, layouts, inputs, outputs, config, splits, loads)
         return outputs
 
     def _gather_one(self, lay: ShardLayout, x: torch.Tensor, config=None, split=None) -> torch.Tensor:
@@ -112,14 +107,11 @@ class ShardedOrthogonalizer:
         out = self._ns([full], config, [split])[0]
         return distribute_tensor(out, lay.mesh, lay.placements, src_data_rank=None).to_local()
 
-    def _owner(self, ks: list[int], layouts, inputs, outputs, config=None, splits=None) -> None:
+    def _owner(self, ks: list[int], layouts, inputs, outputs, config, splits, loads: dict) -> None:
         """Owner mode for matrices of one route: shards to the owner, NS there, parts back."""
-        # Same-shape matrices next to each other, so that an owner's matrices of a chunk batch.
-        ks = sorted(ks, key=lambda k: (layouts[k].view_shape[-2:], k))
+        ks, chunks, owners = _owners(ks, layouts, loads)
         lays = [layouts[k] for k in ks]
         route = lays[0].route
-        chunks, owners = assign_owners([ns_flops(lay.region[1]) for lay in lays], route.size,
-                                       ITEMS_PER_RANK * route.size, self.loads.setdefault(route.key, [0.0] * route.size))
 
         def box_numel(i, s):
             return math.prod(lays[i].boxes[s][1])
@@ -155,3 +147,31 @@ class ShardedOrthogonalizer:
             deliver=deliver,
             like=inputs[ks[0]],
         ).run()
+
+
+def owner_routes(layouts: list[ShardLayout]) -> dict[tuple, list[int]]:
+    """The owner-mode layouts' indices by route (``route.key``), in order of first appearance: one
+    exchange each."""
+    routes: dict[tuple, list[int]] = {}
+    for k, lay in enumerate(layouts):
+        if lay.kind == "owner":
+            routes.setdefault(lay.route.key, []).append(k)
+    return routes
+
+
+def _owners(ks: list[int], layouts, loads: dict) -> tuple[list[int], list[list[int]], list[int]]:
+    """One route's matrices ``ks`` in exchange order (same-shape matrices next to each other, so
+    that an owner's matrices of a chunk batch), the exchange's chunks and each matrix's owner,
+    balanced from ``loads[route.key]`` (updated)."""
+    ks = sorted(ks, key=lambda k: (layouts[k].view_shape[-2:], k))
+    route = layouts[ks[0]].route
+    chunks, owners = assign_owners([ns_flops(layouts[k].region[1]) for k in ks], route.size,
+                                   ITEMS_PER_RANK * route.size, loads.setdefault(route.key, [0.0] * route.size))
+    return ks, chunks, owners
+
+
+def charge_owner_loads(layouts: list[ShardLayout], loads: dict) -> None:
+    """What :meth:`ShardedOrthogonalizer.run` of these layouts adds to ``loads``, without running
+    anything (the step's owner balance, planned chunk by chunk: ``step.balance``)."""
+    for ks in owner_routes(layouts).values():
+        _owners(ks, layouts, loads)

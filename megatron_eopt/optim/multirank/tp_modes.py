@@ -155,6 +155,13 @@ def distributed_orthogonalize(
     return out.view(k, rows, cols)
 
 
+def layer_sharded_homes(k: int, global_shape, tp: TPLayout, load: list[float]):
+    """The exchange chunks and home ranks of a layer-sharded stack of ``k`` matrices of
+    ``global_shape``, balanced from ``load`` (each rank's FLOPs so far; updated in place)."""
+    per_home = max(ITEMS_PER_RANK, tp.ns_batch_size)
+    return assign_owners([ns_flops(global_shape)] * k, tp.size, per_home * tp.size, load)
+
+
 def layer_sharded_orthogonalize(
     x: torch.Tensor,
     tp: TPLayout,
@@ -172,8 +179,7 @@ def layer_sharded_orthogonalize(
     k, rows, cols = x.shape
     d = tp.partition_dim
     global_shape = (rows * tp.size, cols) if d == 0 else (rows, cols * tp.size)
-    per_home = max(ITEMS_PER_RANK, tp.ns_batch_size)
-    chunks, homes = assign_owners([ns_flops(global_shape)] * k, tp.size, per_home * tp.size, load)
+    chunks, homes = layer_sharded_homes(k, global_shape, tp, load)
     route = OwnerRoute(tp.group, tuple(range(tp.size)), tp.rank, ("tp", id(tp.group)))
     numel = rows * cols
     outs: list[torch.Tensor | None] = [None] * k

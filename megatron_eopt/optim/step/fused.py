@@ -239,9 +239,12 @@ class FusedStep:
         return launches
 
     def _orthogonalize_phase(self, plan: Plan, members: list[int], ns_inputs: dict,
-                             stacked: dict) -> tuple[dict, dict]:
+                             stacked: dict, loads: dict | None = None) -> tuple[dict, dict]:
         """2. Newton–Schulz per stack (sharded matrices: owner or gather mode, see multirank.sharded), then a
-        subclass's orthogonalize() override. Returns the raw updates and their scales."""
+        subclass's orthogonalize() override. Returns the raw updates and their scales. ``loads``: the
+        owners' and layer-sharded homes' loads this chunk's balancing starts from (``step.balance``;
+        updated in place), None: zero."""
+        loads = {} if loads is None else loads
         entries = plan.entries
         updates: dict[int, torch.Tensor] = {}
         by_config: dict[int, list[int]] = {}  # sharded matrices: groups with their own settings run apart
@@ -256,7 +259,7 @@ class FusedStep:
                 outs = block_orthogonalize(cfg, [ns_inputs[i] for i in sharded])
             else:
                 outs = self._sharded.run([entries[i].sharding for i in sharded], [ns_inputs[i] for i in sharded],
-                                         cfg, [entries[i].split for i in sharded])
+                                         cfg, [entries[i].split for i in sharded], loads)
             updates.update(zip(sharded, outs))
         # Nothing reads a Newton–Schulz input after its Newton–Schulz (but NAMO's normalization and
         # an orthogonalize() override), so the results may take the inputs' memory: a quarter of a
@@ -264,7 +267,8 @@ class FusedStep:
         in_place = self._config.moment2_method != "namo" and self._orthogonalize_is_base()
         for si, (stack_members, x) in stacked.items():
             self._count_ns_inputs_below_eps(plan.stacks[si], x)
-            results = self._orthogonalize(plan.stacks[si], x, in_place=in_place and in_place_newton_schulz(x.device))
+            results = self._orthogonalize(plan.stacks[si], x, in_place=in_place and in_place_newton_schulz(x.device),
+                                          loads=loads)
             slices = results.unbind(0) if isinstance(results, torch.Tensor) else results
             k = 0
             for i in stack_members:
@@ -296,9 +300,8 @@ class FusedStep:
 
     def _count_below_eps(self, x: torch.Tensor, eps: float) -> None:
         """One norm per matrix of ``x`` (k, m, n) and a sum, on the device, no host sync."""
-        overlap = self.__dict__.get("_overlap")
-        if overlap is not None:  # backward's work counts from a worker thread and the hooks
-            with overlap.lock:
+        if self.__dict__.get("_overlap") is not None:  # backward's work counts from a worker thread and the hooks
+            with self._engine.lock:
                 self._count_below_eps_unlocked(x, eps)
         else:
             self._count_below_eps_unlocked(x, eps)
@@ -399,22 +402,26 @@ class FusedStep:
                     scales[i] = 1.0  # already scaled
         finally:
             self._batched = None
-    def _orthogonalize(self, stack: Stack, x: torch.Tensor, in_place: bool = False) -> list[torch.Tensor]:
+    def _orthogonalize(self, stack: Stack, x: torch.Tensor, in_place: bool = False,
+                       loads: dict | None = None) -> list[torch.Tensor]:
         """Newton–Schulz of one stack: (k, m, n) fp32 NS inputs -> k fp32 (m, n) updates.
 
         Plain matrices come back raw (scaled later, in foreach_update_). QKV parts come back scaled
         for Muon (the split op fuses it) and raw for AdaptiveMuon (scaled after normalization).
         ``in_place``: ``x`` is the step's own buffer, which plain matrices' results may overwrite.
+        ``loads``: the layer-sharded homes' loads (see :meth:`_orthogonalize_phase`).
         """
         if stack.home is not None:  # layer_sharded over GTP x TP, or TP-replicated: once per matrix, on a home
-            load = self._sharded.loads.setdefault(stack.home.key, [0.0] * stack.home.size)
+            load = ({} if loads is None else loads).setdefault(stack.home.key, [0.0] * stack.home.size)
             return home_orthogonalize(x, stack.home, stack.home.route(), stack.split, stack.config,
                                       stack.config.moment2_method is None, load)
         if stack.gtp is not None:  # the tensor-parallel mode's work on the gathered, unpadded rows
-            return gtp_orthogonalize(x, stack.gtp, lambda rows: self._orthogonalize_tensor_parallel(stack, rows))
-        return self._orthogonalize_tensor_parallel(stack, x, in_place)
+            return gtp_orthogonalize(x, stack.gtp, lambda rows: self._orthogonalize_tensor_parallel(stack, rows,
+                                                                                                   loads=loads))
+        return self._orthogonalize_tensor_parallel(stack, x, in_place, loads)
 
-    def _orthogonalize_tensor_parallel(self, stack: Stack, x: torch.Tensor, in_place: bool = False):
+    def _orthogonalize_tensor_parallel(self, stack: Stack, x: torch.Tensor, in_place: bool = False,
+                                       loads: dict | None = None):
         """:meth:`_orthogonalize` of the tensor-parallel local matrices (k, m, n) of a stack."""
         cfg = stack.config
         scale_parts = cfg.moment2_method is None
@@ -423,8 +430,8 @@ class FusedStep:
             out = distributed_orthogonalize(x, tp, stack.split, stack.global_shape, cfg, scaled=scale_parts)
             return list(out.unbind(0))
         if tp is not None and tp.mode == "layer_sharded":
-            # homes balanced over the step's stacks of this group, with the owners' loads (multirank.sharded)
-            load = self._sharded.loads.setdefault(tp.key, [0.0] * tp.size)
+            # homes balanced over the step's stacks of this group, from the plan's loads (step.balance)
+            load = ({} if loads is None else loads).setdefault(tp.key, [0.0] * tp.size)
             return layer_sharded_orthogonalize(x, tp, stack.split, cfg, scale_parts, load)
         if tp is not None:  # duplicated: orthogonalize the global matrices on every rank
             x = gather_shards(x, tp)

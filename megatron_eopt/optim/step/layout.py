@@ -53,9 +53,10 @@ class ChunkLayout:
     # member's param is a plain tensor shaped as its local matrix view, so the param and grad serve
     # as they are)
     buckets: tuple[tuple[int, tuple[int, ...], bool], ...]
+    chunk: int = -1  # the index of its chunk in the plan's chunks (-1: members of no chunk)
 
 
-def chunk_layout(plan: Plan, members) -> ChunkLayout:
+def chunk_layout(plan: Plan, members, chunk: int = -1) -> ChunkLayout:
     entries = plan.entries
     by_stack: dict[int, list[int]] = {}
     own = []
@@ -87,7 +88,7 @@ def chunk_layout(plan: Plan, members) -> ChunkLayout:
     buckets = tuple(
         (bi, tuple(bm), all(_plain(entries[i]) for i in bm)) for bi, bm in sorted(by_bucket.items())
     )
-    return ChunkLayout(tuple(members), tuple(slots), tuple(own), offsets, buckets)
+    return ChunkLayout(tuple(members), tuple(slots), tuple(own), offsets, buckets, chunk)
 
 
 def _plain(entry) -> bool:
@@ -138,8 +139,8 @@ def cached_step_layouts(plan: Plan, active: list[bool]) -> tuple[ChunkLayout, ..
 def step_layouts(plan: Plan, active: list[bool]) -> tuple[ChunkLayout, ...]:
     """The layout of every chunk that has a member with a grad, in step order."""
     out = []
-    for chunk in plan.chunks:
+    for k, chunk in enumerate(plan.chunks):
         members = [i for i in chunk if active[i]]
         if members:
-            out.append(chunk_layout(plan, members))
+            out.append(chunk_layout(plan, members, k))
     return tuple(out)

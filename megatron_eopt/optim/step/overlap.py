@@ -18,9 +18,13 @@ caller's thread); a chunk with collectives (sharded matrices, tensor-parallel st
 hook itself, so that every rank issues its collectives in the same order, the order in which
 backward finalizes the gradients (the same on every rank of an SPMD model).
 
-The results are bitwise those of the same optimizer without overlap: the same chunks run the same
-ops on the same inputs, and the update phase runs in ``step()`` in chunk order. What cannot be
-reproduced is refused:
+The results are bitwise those of the same optimizer without overlap, by construction: both steps
+are the one engine's (``step.engine``; this module uses nothing of the optimizer but the engine):
+the plain step begins and runs every chunk in plan order in ``step()``, the overlapped one begins
+when the first gradient is final, starts chunks (momentum, Newton–Schulz) as their gradients come,
+in any order, and runs the rest in ``step()`` the same way. A chunk's owners (sharded matrices,
+layer-sharded homes) are balanced from loads the plan decides (``step.balance``), not from the
+order chunks start. What cannot be reproduced is refused:
 
 - a gradient changed after its chunk started (a clip that scales it, GradScaler's unscale, a
   second micro-batch accumulated into it) raises at ``step()`` (before any update is applied; the
@@ -42,7 +46,6 @@ results until ``step()``, up to one fp32 copy of every matrix, where the step al
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import warnings
 import weakref
@@ -54,22 +57,11 @@ import torch
 
 from ...step_stats import StepStats, merge_into_recording, recording_into
 from ..multirank.sharded import local
-from .layout import chunk_layout
+from .engine import ChunkWork, StepEngine, StepRun
 from .grouping import Plan
 
 # What the momentum phase reads from a param group (lr and the rest are read by step()).
 MOMENTUM_PHASE_KEYS = ("momentum", "weight_decay")
-
-
-@dataclass
-class StartedChunk:
-    """A chunk whose momentum and Newton–Schulz ran during backward: what its update needs."""
-
-    layout: Any
-    launches: list
-    updates: dict
-    scales: dict
-    ns_inputs: dict
 
 
 @dataclass
@@ -84,10 +76,10 @@ class BackwardWork:
     # sharing its storage is (FSDP2's grads of one group are views of one buffer: one version counter)
     versions: dict = field(default_factory=dict)
     by_storage: dict = field(default_factory=dict)  # a storage's address -> the version records of its grads
-    seeds: dict = field(default_factory=dict)  # the low-memory state's seeds before this step advanced them
+    run: StepRun | None = None  # the step, begun by the engine when the first gradient was final
     off: bool = False  # this step does not overlap (step() does it all, and raises what it must)
     hyper: dict = field(default_factory=dict)  # group index -> {key: value when the first chunk started}
-    started: dict = field(default_factory=dict)  # chunk index -> StartedChunk or Future of one
+    started: dict = field(default_factory=dict)  # chunk index -> ChunkWork or Future of one
     error: BaseException | None = None  # what stopped the work; step() raises it
     seconds: float = 0.0  # host time of the work done before step()
     stats: list = field(default_factory=list)  # StepStats of the work, one per thread that did some
@@ -96,19 +88,19 @@ class BackwardWork:
 class BackwardOverlap:
     """The hooks and the in-flight work of one optimizer (see the module docstring)."""
 
-    def __init__(self, optimizer) -> None:
-        self._optimizer = weakref.ref(optimizer)
+    def __init__(self, engine: StepEngine) -> None:
+        self.engine = engine  # the optimizer's step (step.engine): the overlap's one door to it
         self._handles: dict[int, Any] = {}  # id(param) -> hook handle
         self.accumulating_depth = 0
         self.ddp = False  # gradients final when DDP's buckets are all-reduced (attach_ddp)
         self.work: BackwardWork | None = None
         # The hooks of parameters on different devices run on autograd's per-device threads, and the
-        # worker shares the below-eps counters with them: one lock for the bookkeeping.
-        self.lock = threading.RLock()
+        # worker shares the below-eps counters with them: one lock for the bookkeeping, the engine's.
+        self.lock = engine.lock
         self._executors: list[ThreadPoolExecutor] = []  # the worker, once made (a list: _close holds it)
         self._streams: dict[torch.device, Any] = {}
-        # hooks and the worker go with the optimizer
-        weakref.finalize(optimizer, _close, self._handles, self._executors)
+        # hooks and the worker go with the optimizer (and its engine)
+        weakref.finalize(engine, _close, self._handles, self._executors)
 
     # ------------------------------------------------------------------ hooks
     def sync_hooks(self, plan: Plan) -> None:
@@ -180,24 +172,24 @@ class BackwardOverlap:
         self.ddp = True
 
     def _mark_final(self, p: torch.Tensor, in_callback: bool = False) -> None:
-        opt = self._optimizer()
-        if opt is None or self.accumulating_depth or torch.compiler.is_compiling():
+        if self.accumulating_depth or torch.compiler.is_compiling():
             return
+        engine = self.engine
         with self.lock:
             work = self.work
             if work is not None and (work.off or work.error is not None):
                 return
-            plan = opt._current_plan() if work is None else work.plan
+            plan = engine.plan() if work is None else work.plan
             i = plan.index.get(id(p))
             if i is None:
                 return
             if work is None:
-                work = self.work = self._begin(opt, plan)
+                work = self.work = self._begin(plan)
                 if work.off:
                     return
             if i in work.versions:
                 raise RuntimeError(
-                    f"{type(opt).__name__}(overlap_backward=True): a second backward accumulated into the gradient of "
+                    f"{engine.name}(overlap_backward=True): a second backward accumulated into the gradient of "
                     f"the {tuple(p.shape)} parameter after its Newton–Schulz started; call step() between backward "
                     "passes, or run the non-final micro-batches inside `with optimizer.accumulating():`"
                 )
@@ -217,12 +209,14 @@ class BackwardOverlap:
                 return
             work.waiting[c] -= 1
             if work.waiting[c] == 0:
-                self._start_chunk(opt, work, c, in_callback)
+                self._start_chunk(work, c, in_callback)
 
     # ------------------------------------------------------------------ the work
-    def _begin(self, opt, plan: Plan) -> BackwardWork:
-        """The step's per-step preparation, done when the first gradient of a backward is final. A
-        step that cannot overlap is marked off (step() then does everything and raises what it must)."""
+    def _begin(self, plan: Plan) -> BackwardWork:
+        """The step's per-step setup (the engine's ``begin``), done when the first gradient of a
+        backward is final. A step that cannot overlap is marked off (step() then does everything and
+        raises what it must)."""
+        engine = self.engine
         chunk_of = {}
         waiting = []
         for c, chunk in enumerate(plan.chunks):
@@ -231,38 +225,32 @@ class BackwardOverlap:
             devices = {local(plan.entries[i].param).device for i in chunk}
             waiting.append(len(chunk) if len(devices) == 1 else None)  # a chunk on two devices runs in step()
         work = BackwardWork(plan, plan.chunks, chunk_of, waiting)
-        if not opt._use_fused_step() or opt._step_time_error() is not None or opt._spanning_matrix_error() is not None:
+        if engine.fused_step_refused():
             work.off = True
             return work
         try:
-            opt._write_hyperparameters(plan, [True] * len(plan.entries))
+            engine.write_hyperparameters(plan, [True] * len(plan.entries))
         except (ValueError, TypeError, RuntimeError):
             work.off = True
             return work
-        for gi, group in enumerate(opt.param_groups):
+        for gi, group in enumerate(engine.param_groups):
             work.hyper[gi] = {k: _snapshot(group[k]) for k in MOMENTUM_PHASE_KEYS if k in group}
-        for device, seed in opt._state_seeds.items():
-            work.seeds[device] = seed.clone()
-            seed.add_(1)
-        opt._reset_ns_inputs_below_eps(plan)
-        if opt._sharded.loads:
-            opt._sharded.loads.clear()
+        work.run = engine.begin(plan, revertible=True)
         return work
 
-    def _start_chunk(self, opt, work: BackwardWork, c: int, in_callback: bool = False) -> None:
-        plan = work.plan
+    def _start_chunk(self, work: BackwardWork, c: int, in_callback: bool = False) -> None:
+        engine, plan = self.engine, work.plan
         members = work.chunks[c]
         try:
-            opt._check_grads_of(plan, members)
+            engine.check_grads(plan, members)
         except (ValueError, TypeError) as exc:
             work.error = exc
             return
-        layout = chunk_layout(plan, list(members))
-        device = local(plan.entries[members[0]].param).device
-        collectives = _communicates(plan, members)
-        if device.type == "cpu" and not collectives and opt._orthogonalize_is_base():
+        device = work.run.chunk_device(members)
+        collectives = engine.communicates(plan, members)
+        if device.type == "cpu" and not collectives and engine.runs_anywhere():
             # (an orthogonalize() override runs inline: it reads the optimizer's per-call batch table)
-            work.started[c] = self._worker(opt).submit(self._run, opt, work, plan, layout)
+            work.started[c] = self._worker().submit(self._run, work, c, members)
             return
         if in_callback and (collectives or device.type == "cpu"):
             return  # not from a communication thread: step() runs it
@@ -272,7 +260,7 @@ class BackwardOverlap:
             agreed = StepStats()
             try:
                 with recording_into(agreed):  # counted with the step's work
-                    opt._agree_step(plan, _members_active(plan, members), None, chunk=c)
+                    work.run.agree_chunk(c, members)
             except BaseException as exc:
                 work.error = exc
                 raise
@@ -288,31 +276,28 @@ class BackwardOverlap:
                 for i in members:  # the grads are read on the side stream
                     local(plan.entries[i].param.grad).record_stream(stream)
                 with torch.cuda.stream(stream):
-                    work.started[c] = self._run(opt, work, plan, layout)
+                    work.started[c] = self._run(work, c, members)
             else:
-                work.started[c] = self._run(opt, work, plan, layout)
+                work.started[c] = self._run(work, c, members)
         except BaseException as exc:
             work.error = exc  # step() raises it too; nothing more starts
             raise
 
-    def _run(self, opt, work: BackwardWork, plan: Plan, layout) -> StartedChunk:
-        """Momentum and Newton–Schulz of one chunk, into buffers of its own (kept until step())."""
+    def _run(self, work: BackwardWork, c: int, members) -> ChunkWork:
+        """Momentum and Newton–Schulz of chunk ``c`` (the engine's ``start``), into buffers of its own
+        (kept until step())."""
         stats = StepStats()
         start = time.perf_counter()
-        device_type = local(plan.entries[layout.members[0]].param).device.type
+        device_type = local(work.plan.entries[members[0]].param).device.type
         # as in step(): no autocast (a backward called inside an autocast region runs its hooks in it)
         with torch.no_grad(), torch.autocast(device_type, enabled=False), recording_into(stats):
-            inputs = opt._ns_input_buffers((layout,))
-            ns_inputs, stacked = opt._ns_input_views(plan, layout, inputs)
-            scalers = {d: (None, None) for d in {b.device for b in plan.buckets}}
-            launches = opt._momentum_phase(plan, layout, ns_inputs, scalers)
-            updates, scales = opt._orthogonalize_phase(plan, layout.members, ns_inputs, stacked)
+            chunk = work.run.start(c, members)
         with self.lock:
             work.seconds += time.perf_counter() - start
             work.stats.append(stats)
-        return StartedChunk(layout, launches, updates, scales, ns_inputs)
+        return chunk
 
-    def _worker(self, opt) -> ThreadPoolExecutor:
+    def _worker(self) -> ThreadPoolExecutor:
         if not self._executors:
             # The worker's ops use as many threads as the caller's (a new thread would get OpenMP's default).
             self._executors.append(ThreadPoolExecutor(1, thread_name_prefix="megatron-eopt-overlap",
@@ -336,7 +321,7 @@ class BackwardOverlap:
             torch.cuda.current_stream(device).wait_stream(stream)
         if self._streams:  # buffers made on a side stream, read and freed on the current one
             for started in work.started.values():
-                for t in (*started.updates.values(), *started.ns_inputs.values()):
+                for t in started.tensors():
                     if t.is_cuda:
                         t.record_stream(torch.cuda.current_stream(t.device))
 
@@ -346,7 +331,7 @@ class BackwardOverlap:
         work = self.work
         storages = {}
         for started in ([] if work is None else work.started.values()):
-            for t in (*started.updates.values(), *started.ns_inputs.values()):
+            for t in started.tensors():
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(storages.values())
 
@@ -358,63 +343,52 @@ class BackwardOverlap:
             work, self.work = self.work, None
         if work is None:
             return
-        _restore_seeds(work, self._optimizer())
+        if work.run is not None:
+            work.run.cancel()
         if work.started and why is not None:
-            opt = self._optimizer()
             warnings.warn(
-                f"{type(opt).__name__}(overlap_backward=True): {why} dropped the Newton–Schulz work that backward "
+                f"{self.engine.name}(overlap_backward=True): {why} dropped the Newton–Schulz work that backward "
                 f"started for {len(work.started)} chunk(s); the momentum of their matrices has advanced without an "
                 "update. Call step() first to apply it.", stacklevel=3)
 
     # ------------------------------------------------------------------ step()
-    def finish(self, opt) -> None:
-        """The rest of the step, after backward started some of it (the fused step's body). A
-        refusal restores the low-memory seeds (the momentum of started chunks has advanced)."""
+    def finish(self) -> None:
+        """The rest of the step, after backward started some of it: the engine's ``run_chunks`` and
+        ``finish``, as the plain step calls them. A refusal drops the step (the low-memory seeds go
+        back; the momentum of started chunks has advanced)."""
         self.wait()
         with self.lock:
             work, self.work = self.work, None
-        plan, error = work.plan, None
+        engine, run, error = self.engine, work.run, None
+        active = None
         try:
-            plan = self._check(opt, work)
-            active = [e.param.grad is not None for e in plan.entries]
-            opt._write_hyperparameters(plan, active)
+            self._check(work)
+            active = [e.param.grad is not None for e in work.plan.entries]
+            engine.write_hyperparameters(work.plan, active)  # lr and the others, read by step() as always
         except (ValueError, TypeError, RuntimeError) as exc:
             error = exc
         try:
             # The chunks backward did not start, whose work communicates, agree as they would have
-            # there (a parameter without a grad on this rank only is named), then the step once more:
-            # a refusal seen here by some ranks only must not leave the others updating alone.
-            for c, chunk in enumerate(work.chunks):
-                if c not in work.started and _communicates(work.plan, chunk):
-                    opt._agree_step(work.plan, _members_active(work.plan, chunk), error, chunk=c)
-            opt._agree_step(work.plan, None, error, chunk=-1)
+            # there (a parameter without a grad on this rank only is named), then the step once more.
+            run.agree_finish(error)
         except BaseException:
-            _restore_seeds(work, opt)
+            run.cancel()
             raise
-        scalers = {d: (None, None) for d in {b.device for b in plan.buckets}}
         merge_into_recording(work.stats, work.seconds)
-        for c, chunk in enumerate(work.chunks):  # the chunks the work began with, in step order
-            started = work.started.get(c)
-            if started is not None:
-                opt._update_phase(plan, started.launches, started.updates, started.scales, started.ns_inputs)
-                continue
-            members = [i for i in chunk if active[i]]
-            if members:
-                layout = chunk_layout(plan, members)
-                opt._step_chunk(plan, layout, opt._ns_input_buffers((layout,)), scalers)
+        run.run_chunks(active)  # the chunks the work began with, in plan order
+        run.finish()
 
-    @staticmethod
-    def _check(opt, work: BackwardWork) -> Plan:
-        """What step() refuses before it applies anything; returns the plan."""
-        name = type(opt).__name__
-        plan = opt._current_plan()
+    def _check(self, work: BackwardWork) -> None:
+        """What step() refuses before it applies anything."""
+        engine = self.engine
+        name = engine.name
+        plan = engine.plan()
         if plan is not work.plan:
             raise RuntimeError(f"{name}(overlap_backward=True): the parameters changed between backward and step(); "
                                "the work backward started was dropped")
         if work.error is not None:
             raise work.error
-        grad_scale, found_inf = opt._grad_scaler_tensors()
-        if grad_scale is not None or found_inf is not None:
+        if engine.grad_scaler_in_use():
             raise RuntimeError(f"{name}(overlap_backward=True) does not compose with torch.amp.GradScaler: its scale and "
                                "inf check arrive with step(), after backward started the work; construct the optimizer "
                                "with overlap_backward=False to use a GradScaler")
@@ -429,38 +403,13 @@ class BackwardOverlap:
                 )
         for gi, values in work.hyper.items():
             for key, value in values.items():
-                if not _same(value, opt.param_groups[gi].get(key)):
+                now = engine.param_groups[gi].get(key)
+                if not _same(value, now):
                     raise ValueError(
                         f"param_groups[{gi}][{key!r}] changed after backward started the step's momentum "
-                        f"({value!r} -> {opt.param_groups[gi].get(key)!r}); with overlap_backward=True set it before "
-                        "loss.backward()"
+                        f"({value!r} -> {now!r}); with overlap_backward=True set it before loss.backward()"
                     )
-        opt._check_grads(plan, [e.param.grad is not None for e in plan.entries])
-        return plan
-
-
-def _communicates(plan: Plan, members) -> bool:
-    """Whether the work of the chunk with these entries calls collectives."""
-    return any(plan.entries[i].spans_ranks or plan.stacks[plan.entries[i].stack_index].tp is not None
-               or plan.stacks[plan.entries[i].stack_index].gtp is not None for i in members)
-
-
-def _members_active(plan: Plan, members) -> list[bool | None]:
-    """Which of a chunk's entries have a grad (None for the entries of other chunks)."""
-    active: list[bool | None] = [None] * len(plan.entries)
-    for i in members:
-        active[i] = plan.entries[i].param.grad is not None
-    return active
-
-
-def _restore_seeds(work: BackwardWork, opt) -> None:
-    """The low-memory seeds as they were before the work advanced them (the step did not happen)."""
-    if opt is None:
-        return
-    for device, before in work.seeds.items():
-        seed = opt._state_seeds.get(device)
-        if seed is not None:
-            seed.copy_(before)
+        engine.check_grads(plan, [i for i, e in enumerate(plan.entries) if e.param.grad is not None])
 
 
 def _close(handles: dict, executors: list) -> None:

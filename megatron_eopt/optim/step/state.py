@@ -21,6 +21,7 @@ from .._eo_hooks import EOExtensionPoints
 from .grouping import Plan
 from ..multirank.dtensor_layout import zeros_state
 from ..multirank.sharded import ShardedOrthogonalizer
+from .engine import StepEngine
 from .overlap import BackwardOverlap
 from .state_check import check_loaded_state
 
@@ -53,7 +54,7 @@ class FusedState:
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
         self._wait_for_overlap()
         state = super().__getstate__()
-        transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_overlap")
+        transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_engine", "_overlap")
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 
@@ -69,10 +70,12 @@ class FusedState:
         if self._config is None:
             return
         self._sharded = ShardedOrthogonalizer(self._config)
+        if "_engine" not in self.__dict__:  # a copy's own (load_state_dict, which calls this too, keeps it)
+            self._engine = StepEngine(self)
         if getattr(self, "overlap_backward", False) and "_overlap" not in self.__dict__:
             # a copy (pickle, deepcopy): hooks on its own params, made with its plan; load_state_dict
             # (which calls this too) keeps the optimizer's own
-            self._overlap = BackwardOverlap(self)
+            self._overlap = BackwardOverlap(self._engine)
         if not hasattr(self, "_state_seeds"):
             self._state_seeds = {}
         # Param groups keep exactly the keys they were saved with (state_dict -> load_state_dict
