@@ -442,8 +442,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             if error is None:
                 # Everything that can reject the input runs before anything is written.
                 try:
-                    engine.check_grads(plan, [i for i, a in enumerate(active) if a])
-                    engine.write_hyperparameters(plan, active)
+                    self._check_grads(plan, active)
+                    self._write_hyperparameters(plan, active)
                 except (ValueError, TypeError, RuntimeError) as exc:
                     error = exc
         if plan is not None and not overlapped:  # (an overlapped step agreed when backward began it)
@@ -468,7 +468,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         if overlapped:  # backward began the step (step.overlap finishes it with the same engine)
             self._finish_overlapped_step(overlap)
             return None
-        run = engine.begin(plan)  # (step.engine: the one step, plain or overlapped with backward)
+        run = engine.begin(plan, optimizer=self)  # (step.engine: the one step, plain or overlapped with backward)
         run.run_chunks(active)  # the matrices whose buffers fit the workspace budget together, in plan order
         run.finish()
         return None

@@ -129,17 +129,20 @@ class StepEngine:
         self._opt._agree_step(plan, active, error, chunk=chunk)
 
     # ------------------------------------------------------------------ the step
-    def begin(self, plan: Plan, revertible: bool = False) -> "StepRun":
+    def begin(self, plan: Plan, revertible: bool = False, optimizer=None) -> "StepRun":
         """The step's setup (see the module docstring). ``revertible``: a step begun before
-        ``step()`` (during backward), which ``StepRun.cancel`` may drop."""
-        return StepRun(self, plan, revertible)
+        ``step()`` (during backward), which ``StepRun.cancel`` may drop. ``optimizer``: the optimizer
+        as its caller holds it (the plain step passes ``self``: inside a compiled step, torch.compile
+        sees writes made through one reference to an object, such as a plan rebuilt after params were
+        swapped into a group, and must read them back through the same one)."""
+        return StepRun(self, plan, revertible, self._opt if optimizer is None else optimizer)
 
 
 class StepRun:
     """One step of a :class:`StepEngine`, from ``begin`` to ``finish``."""
 
-    def __init__(self, engine: StepEngine, plan: Plan, revertible: bool) -> None:
-        opt = engine._opt
+    def __init__(self, engine: StepEngine, plan: Plan, revertible: bool, optimizer) -> None:
+        self.opt = opt = optimizer
         self.engine = engine
         self.plan = plan
         self.chunks = plan.chunks  # the chunks the step began with (workspace_mib may change the plan's)
@@ -184,12 +187,12 @@ class StepRun:
         """Momentum and Newton–Schulz of chunk ``k``'s ``members`` (entries with a final grad), into
         buffers of its own kept until ``run_chunks`` applies them."""
         layout = chunk_layout(self.plan, list(members), k)
-        work = self._start(layout, self.engine._opt._ns_input_buffers((layout,)))
+        work = self._start(layout, self.opt._ns_input_buffers((layout,)))
         self.started[k] = work
         return work
 
     def _start(self, layout: ChunkLayout, inputs: dict) -> ChunkWork:
-        opt, plan = self.engine._opt, self.plan
+        opt, plan = self.opt, self.plan
         ns_inputs, stacked = opt._ns_input_views(plan, layout, inputs)
         launches = opt._momentum_phase(plan, layout, ns_inputs, self.scalers)
         loads = {} if self._loads is None else self._chunk_loads(layout.chunk)
@@ -197,7 +200,7 @@ class StepRun:
         return ChunkWork(layout, launches, updates, scales, ns_inputs)
 
     def _apply(self, work: ChunkWork) -> None:
-        self.engine._opt._update_phase(self.plan, work.launches, work.updates, work.scales, work.ns_inputs)
+        self.opt._update_phase(self.plan, work.launches, work.updates, work.scales, work.ns_inputs)
 
     def run_chunk(self, layout: ChunkLayout, inputs: dict) -> None:
         """Every phase of one chunk. A function of its own so that the chunk's results (memory of
@@ -220,7 +223,7 @@ class StepRun:
                 members = [i for i in chunk if active[i]] if k not in self.started else None
                 if members:
                     layouts.append(chunk_layout(plan, members, k))
-        inputs = self.engine._opt._ns_input_buffers(layouts)
+        inputs = self.opt._ns_input_buffers(layouts)
         pending = {layout.chunk: layout for layout in layouts}
         started = self.started
         for k in range(len(self.chunks)):
@@ -231,7 +234,7 @@ class StepRun:
 
     def finish(self) -> None:
         """The step's end: MuonBP counts its step (``step.block_periodic``)."""
-        opt = self.engine._opt
+        opt = self.opt
         if opt.block_period is not None:  # tested here: the counter is a graph break (fullgraph compile)
             opt._count_block_step()
 
@@ -240,7 +243,7 @@ class StepRun:
         momentum of started chunks has advanced)."""
         if self._seeds is None:
             return
-        seeds = self.engine._opt._state_seeds
+        seeds = self.opt._state_seeds
         for device, before in self._seeds.items():
             seed = seeds.get(device)
             if seed is not None:
