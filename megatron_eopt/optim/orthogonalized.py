@@ -61,8 +61,8 @@ from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonal
 from .matrix_view import check_view_keys, check_nd_mode, batched_matrix_shape, not_a_matrix, split_newton_schulz
 from .multirank.agreement import GroupScope, RankAgreement, agree, meshes_of, plan_digest, step_meshes
 from .multirank.replica_work import resolve_replica_work
-from .multirank.sharded import (REPLICA_WORK, SHARDED_MODES, ShardedOrthogonalizer, describe, is_dtensor,
-                                uneven_splits)
+from .multirank.dtensor_layout import REPLICA_WORK, describe, is_dtensor, uneven_splits
+from .multirank.sharded import SHARDED_MODES, ShardedOrthogonalizer
 from .multirank.tp_modes import GTPLayout, TPLayout
 from .step import state_dtype as _low_memory
 from .step.fused import FusedStep

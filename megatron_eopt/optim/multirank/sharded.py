@@ -25,9 +25,6 @@ import torch
 from ... import _collectives as collectives
 from ..matrix_view import split_newton_schulz
 from .dtensor_layout import DTensor, ShardLayout, distribute_tensor
-# REPLICA_WORK, describe, is_dtensor, local and uneven_splits live in dtensor_layout, the owner
-# machinery in owner_exchange; they stay importable from here, where the optimizer imports them.
-from .dtensor_layout import REPLICA_WORK, describe, is_dtensor, local, uneven_splits  # noqa: F401
 from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, assign_owners, ns_flops
 
 SHARDED_MODES = ("owner", "gather")

@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from ...step_stats import StepStats, merge_into_recording, recording_into
-from ..multirank.sharded import local
+from ..multirank.dtensor_layout import local
 from .engine import ChunkWork, StepEngine, StepRun
 from .grouping import Plan
 
