@@ -19,6 +19,7 @@ from architecture_routes import ARCH_ROUTES, WARNINGS, expected  # noqa: E402
 
 from megatron_eopt import build_optimizers, route_parameters  # noqa: E402
 from megatron_eopt.optim import Muon  # noqa: E402
+from optim_helpers import matrix_blocks  # noqa: E402
 
 
 def _route(arch, **kw):
@@ -83,31 +84,6 @@ def test_route_view_and_scale_of_every_parameter(arch):
     assert all(any(w in s for s in said) for w in want) and all(any(w in s for w in want) for s in said), said
 
 
-def blocks(t, keys):
-    """The (out, in) matrices a stored weight holds under param-group keys, cut by hand: one matrix
-    (size(0), -1) for "flatten", one per leading index for "batch", transposed for "in_out", the
-    rows of each group's parts for "split_shapes"."""
-    if keys.get("nd_mode") == "flatten":
-        mats = [t.reshape(t.shape[0], -1)]
-    elif keys.get("nd_mode") == "batch":
-        mats = list(t.reshape(-1, *t.shape[-2:]).unbind(0))
-    else:
-        mats = [t]
-    out = []
-    for m in mats:
-        m = m.mT if keys.get("matrix_layout") == "in_out" else m
-        split = keys.get("split_shapes")
-        if split is None:
-            out.append(m)
-            continue
-        g = m.unflatten(0, (m.shape[0] // sum(split), sum(split)))
-        at = 0
-        for size in split:
-            out.append(g[:, at:at + size].flatten(0, 1))
-            at += size
-    return out
-
-
 # One weight of each layout: fused [Q; K; V] blocks (GQA sizes), per head, multi-query, Conv1D columns,
 # gate/up blocks and interleaved, experts (E, out, in) and (E, in, out), a projection grouped per key
 # head, a 2-D stack of experts, an einsum weight of three dims, a split part split again (Mamba2's xBC).
@@ -148,18 +124,18 @@ def test_updates_equal_per_block_muon(arch):
         keys = expected(arch, name)[1]
         assert route.optimizer == "muon" and dict(route.group_keys) == keys
         param = dict(model.named_parameters())[name]
-        ref_params = [torch.nn.Parameter(b.detach().clone().contiguous()) for b in blocks(param, keys)]
+        ref_params = [torch.nn.Parameter(b.detach().clone().contiguous()) for b in matrix_blocks(param, keys)]
         assert len(ref_params) > 1 or keys.get("nd_mode") == "flatten"
         ref = Muon(ref_params, scale_mode="shape_scaling", fp32_matmul_prec="highest", **kw)
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
             for p in model.parameters():
                 p.grad = torch.randn(p.shape, generator=g)
-            for r, b in zip(ref_params, blocks(param.grad, keys)):
+            for r, b in zip(ref_params, matrix_blocks(param.grad, keys)):
                 r.grad = b.contiguous().clone()
             muon.step()
             ref.step()
-        for got, want in zip(blocks(param.detach(), keys), ref_params):
+        for got, want in zip(matrix_blocks(param.detach(), keys), ref_params):
             assert got.shape == want.shape
             torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
     finally:

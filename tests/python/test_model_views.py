@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")
 
 from megatron_eopt import MatrixView, model_matrix_views, muon_param_groups, route_parameters  # noqa: E402
 from megatron_eopt.integrations.transformers import MuonAdamWFactory, build_muon_adamw  # noqa: E402
+from optim_helpers import matrix_blocks  # noqa: E402
 
 from reference import newton_schulz_ref  # noqa: E402
 
@@ -163,25 +164,6 @@ def test_route_view_and_scale_of_every_parameter(arch):
     assert "muon view (out x in)" in table.format()
 
 
-def components(t, keys):
-    """The (out, in) matrices of a stored weight under param-group keys (written from the rules of
-    the table above, not from megatron_eopt's views)."""
-    mats = list(t.unbind(0)) if keys.get("nd_mode") == "batch" else [t]
-    out = []
-    for m in mats:
-        m = m.mT if keys.get("matrix_layout") == "in_out" else m
-        split = keys.get("split_shapes")
-        if split is None:
-            out.append(m)
-            continue
-        g = m.unflatten(0, (m.shape[0] // sum(split), sum(split)))
-        offset = 0
-        for size in split:
-            out.append(g[:, offset : offset + size].flatten(0, 1))
-            offset += size
-    return out
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_step_equals_float64_per_matrix_muon(arch):
     """Muon's first step on every matrix the table names: p(1 - lr·wd) - lr·scale(out, in)·NS(g),
@@ -201,8 +183,8 @@ def test_one_step_equals_float64_per_matrix_muon(arch):
         if want[0] != "muon" or name not in grads:
             continue
         keys = want[1]
-        for w0, g, w1 in zip(components(before[name], keys), components(grads[name], keys),
-                             components(p.detach(), keys)):
+        for w0, g, w1 in zip(matrix_blocks(before[name], keys), matrix_blocks(grads[name], keys),
+                             matrix_blocks(p.detach(), keys)):
             o, i = w0.shape
             ref = w0.double() * (1 - lr * wd) - lr * math.sqrt(max(1.0, o / i)) * newton_schulz_ref(g.double())
             torch.testing.assert_close(w1.double(), ref, rtol=0, atol=2e-6, msg=lambda m: f"{name}: {m}")

@@ -204,3 +204,28 @@ __all__ = [
     "max_state_err",
     "run_steps",
 ]
+
+
+def matrix_blocks(t, keys):
+    """The (out, in) matrices a stored weight holds under param-group keys, cut by hand: one matrix
+    (size(0), -1) for "flatten", one per leading index for "batch", transposed for "in_out", the
+    rows of each group's parts for "split_shapes"."""
+    if keys.get("nd_mode") == "flatten":
+        mats = [t.reshape(t.shape[0], -1)]
+    elif keys.get("nd_mode") == "batch":
+        mats = list(t.reshape(-1, *t.shape[-2:]).unbind(0))
+    else:
+        mats = [t]
+    out = []
+    for m in mats:
+        m = m.mT if keys.get("matrix_layout") == "in_out" else m
+        split = keys.get("split_shapes")
+        if split is None:
+            out.append(m)
+            continue
+        g = m.unflatten(0, (m.shape[0] // sum(split), sum(split)))
+        at = 0
+        for size in split:
+            out.append(g[:, at:at + size].flatten(0, 1))
+            at += size
+    return out
