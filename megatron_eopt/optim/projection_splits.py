@@ -162,9 +162,13 @@ def cuts_every_rank_on_a_boundary(sizes: Sequence[int], rows: int, ranks: int) -
 class ProjectionSplits:
     """The split of each parameter of Megatron-LM's tensor-parallel classes (mixed into them).
 
-    Set by :meth:`_set_splits`; the class supplies ``_tp_rows(p)`` -> (tensor-parallel local rows,
-    ranks sharing the rows, this rank's index among them): the rows of the matrix the split is
-    defined on, without GTP padding."""
+    Set by :meth:`_set_splits`; the class it is mixed into (``optim.tensor_parallel``) supplies
+    ``_tp_rows(p)`` -> (tensor-parallel local rows, ranks sharing the rows, this rank's index among
+    them): the rows of the matrix the split is defined on, without GTP padding; and ``_gtp_size(p)``:
+    the ranks of the GTP group p's rows are sharded over (1: none)."""
+
+    _tp_rows: Callable[[torch.Tensor], tuple[int, int, int]]
+    _gtp_size: Callable[[torch.Tensor], int]
 
     split_qkv: bool
     split_qkv_per_head: bool
@@ -185,13 +189,6 @@ class ProjectionSplits:
         self.split_glu = split_glu
         self.is_qkv_fn = is_qkv_fn
         self.qkv_split_shapes = None if qkv_split_shapes is None else list(qkv_split_shapes)
-
-    def _tp_rows(self, p: torch.Tensor) -> tuple[int, int, int]:
-        raise NotImplementedError
-
-    def _gtp_size(self, p: torch.Tensor) -> int:
-        """Ranks of the GTP group p's rows are sharded over (1: none)."""
-        raise NotImplementedError
 
     def _split_kind(self, p: torch.Tensor) -> str | None:
         """"qkv", "per_head", "glu" or None: which split p takes."""
