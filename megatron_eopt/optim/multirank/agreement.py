@@ -65,16 +65,22 @@ class GroupScope:
 def step_meshes(plan) -> list[Any]:
     """What a step of ``plan`` communicates over: the meshes of its matrices sharded across ranks
     (orthogonalized on an owner or gathered; an expert batch sharded on dim 0 needs none), then the
-    tensor-parallel and GTP groups of its stacks (as :class:`GroupScope`), in plan order."""
+    tensor-parallel and GTP groups of its stacks, the home domains' included (as :class:`GroupScope`),
+    in plan order."""
     cached = getattr(plan, "_step_meshes", None)
     if cached is None:
         cached = meshes_of(plan.entries[i].param for i in plan.sharded)
         seen = set()
         for stack in plan.stacks:
-            for layout in (stack.tp, stack.gtp):
-                if layout is not None and id(layout.group) not in seen:
-                    seen.add(id(layout.group))
-                    cached.append(GroupScope(layout.group, stack.device.type))
+            home = stack.home  # layer_sharded homes over GTP x TP, or of a TP-replicated matrix
+            groups = [layout.group for layout in (stack.tp, stack.gtp) if layout is not None]
+            if home is not None:
+                groups += [g for g, size in ((home.tp_group, home.tp_size), (home.gtp_group, home.gtp_size))
+                           if g is not None and size > 1]
+            for group in groups:
+                if id(group) not in seen:
+                    seen.add(id(group))
+                    cached.append(GroupScope(group, stack.device.type))
         plan._step_meshes = cached
     return cached
 
