@@ -47,7 +47,7 @@ import torch
 
 from .. import registry
 from .._megatron_version import megatron_core_version
-from . import megatron_clipping
+from . import megatron_clipping, megatron_overlap
 from ._megatron_patches import installed, is_ours, restore_globals, set_global
 from .megatron_fsdp_v2 import guard_fsdp_muon
 from .megatron_fsdp2 import FSDP2_CKPT_FORMAT, allow_torch_fsdp2, guard_torch_dist_under_fsdp2  # noqa: F401 (re-exported)
@@ -209,6 +209,7 @@ STEP_OPTION_FIELDS: tuple[tuple[str, str], ...] = (
     ("state_dtype", "muon_state_dtype"),
     ("state_block_size", "muon_state_block_size"),
     ("workspace_mib", "muon_workspace_mib"),
+    ("overlap_backward", "muon_overlap_backward"),
 )
 
 
@@ -225,9 +226,42 @@ def _with_step_options(optimizer_cls: type, config_to_kwargs: Any) -> Any:
                 kwargs[kwarg] = getattr(config, field)
             elif kwarg in _STEP_OPTIONS:
                 kwargs[kwarg] = _STEP_OPTIONS[kwarg]
+        if kwargs.get("overlap_backward"):
+            _overlap_with_megatron_ddp(model_chunks, config)
         return kwargs
 
     return with_step_options
+
+
+def _overlap_with_megatron_ddp(model_chunks: Any, config: Any) -> None:
+    """``overlap_backward`` for an optimizer built over ``model_chunks``: Megatron DDP's bucket groups
+    report their reduced gradients (:mod:`.megatron_overlap`); torch FSDP2's wrapper needs nothing.
+    Any other wrapper (Megatron-FSDP) is refused, naming it, and so are fp16 (its loss scale is
+    unscaled from the gradients in step()) and a clip policy that clips Muon's gradients ("global",
+    "separate": the clip would scale gradients whose Newton–Schulz already started)."""
+    if getattr(config, "fp16", False):
+        raise ValueError("overlap_backward with fp16: Megatron-LM unscales the loss-scaled gradients in step(), after "
+                         "backward started their Newton–Schulz; use bf16, or overlap_backward=False")
+    chosen = megatron_clipping.policy(config)
+    if chosen != "adamw" and (getattr(config, "clip_grad", 0.0) or 0.0) > 0.0:
+        raise ValueError(
+            f"overlap_backward with clip_policy {chosen!r} and clip_grad={config.clip_grad}: the clip would scale "
+            "Muon's gradients after backward started their Newton–Schulz; use clip_policy 'adamw' (the default: "
+            "Muon's gradients are not clipped) or clip_grad=0")
+    if model_chunks is None:
+        raise ValueError("overlap_backward under Megatron-LM needs the model chunks the optimizer is built for "
+                         "(get_megatron_optimizer's model_chunks); got None")
+    for chunk in model_chunks:
+        if not megatron_overlap.is_megatron_ddp(chunk) and not _is_torch_fsdp2(chunk):
+            raise ValueError(
+                f"overlap_backward under Megatron-LM works with its DistributedDataParallel and torch FSDP2 "
+                f"(--use-torch-fsdp2); the model chunk is a {type(chunk).__name__}: build the optimizer with "
+                "muon_overlap_backward = False")
+    megatron_overlap.attach(model_chunks)
+
+
+def _is_torch_fsdp2(chunk: Any) -> bool:
+    return any(t.__name__ == "TorchFullyShardedDataParallel" for t in type(chunk).__mro__)
 
 
 def _to_megatron_entry(
@@ -290,7 +324,7 @@ def classes_replaced() -> bool:
 
 def install(names: list[str] | None = None, *, replace_classes: bool = False, state_dtype: str | None = None,
             state_block_size: int | None = None, workspace_mib: Any = _UNSET,
-            clip_policy: str | None = None) -> dict[str, Any]:
+            clip_policy: str | None = None, overlap_backward: bool | None = None) -> dict[str, Any]:
     """Puts megatron-eopt's registry entries into Megatron-LM's emerging-optimizer registry.
 
     ``names`` selects entries of :mod:`megatron_eopt.registry` (default: all of them, i.e.
@@ -324,6 +358,13 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
     built after it. Per build, an attribute set on Megatron-LM's ``OptimizerConfig`` wins:
     ``muon_state_dtype``, ``muon_state_block_size``, ``muon_workspace_mib``.
 
+    ``overlap_backward=True`` (off by default; per build ``muon_overlap_backward`` on the config wins)
+    builds the orthogonalizing optimizers with ``overlap_backward``: under Megatron DDP each matrix's
+    momentum and Newton–Schulz start as its bucket group's gradient reduction finishes during
+    backward (``overlap_grad_reduce``), bitwise the step without overlap
+    (:mod:`.megatron_overlap`); under torch FSDP2 as FSDP2's reduce-scatter finishes. Muon's gradients
+    must not be clipped (``clip_policy`` "adamw", the default).
+
     Gradient clipping: Megatron-LM's chained and layer-wise optimizers clip every sub-optimizer by one
     norm of all gradients (``clip_grad``, 1.0 by default), the Muon one included. With ``clip_policy``
     "adamw" (the default; left out, an earlier call's choice stays) their step clips only the sub-optimizers that are not orthogonalizing
@@ -345,7 +386,8 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
     """
     if clip_policy is not None:
         megatron_clipping.check_policy(clip_policy)
-    options = {k: v for k, v in (("state_dtype", state_dtype), ("state_block_size", state_block_size)) if v is not None}
+    options = {k: v for k, v in (("state_dtype", state_dtype), ("state_block_size", state_block_size),
+                                 ("overlap_backward", overlap_backward)) if v is not None}
     if workspace_mib is not _UNSET:
         options["workspace_mib"] = workspace_mib
     _check_step_options(options)
@@ -405,6 +447,8 @@ def _check_step_options(options: dict[str, Any]) -> None:
         lms.validate_block_size(options["state_block_size"])
     if "workspace_mib" in options:
         check_workspace_mib(options["workspace_mib"])
+    if "overlap_backward" in options and not isinstance(options["overlap_backward"], bool):
+        raise TypeError(f"overlap_backward must be True or False, got {options['overlap_backward']!r}")
 
 
 def uninstall() -> None:

@@ -9,6 +9,11 @@ gradient, a chunk whose gradients came last) and applies every update in chunk o
 
 Under DDP (``overlap_with_ddp``) a gradient is final when its bucket is all-reduced: a comm hook
 averages the bucket as DDP does and marks its parameters then (``no_sync()`` calls no comm hook).
+Under a data-parallel wrapper that keeps the gradients itself (Megatron-LM's DDP: ``main_grad``
+buffers reduced per bucket group), its integration announces the wrapped parameters
+(``announced_by_wrapper``: their accumulation marks nothing) and, as each bucket is reduced, calls
+``grads_final`` with the optimizer's parameters whose gradients are then final, on the caller's
+thread in the order the buckets were reduced (the same on every rank).
 
 Where the work runs: on a CUDA device, on a side stream of its own, ordered after the stream the
 gradient was produced on (FSDP2 calls the hooks of its sharded parameters after the
@@ -54,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...step_stats import StepStats, merge_into_recording, recording_into
 from ..multirank.dtensor_layout import local
@@ -62,6 +68,47 @@ from .grouping import Plan
 
 # What the momentum phase reads from a param group (lr and the rest are read by step()).
 MOMENTUM_PHASE_KEYS = ("momentum", "weight_decay")
+
+# A parameter whose final gradient its data-parallel wrapper announces (grads_final), not autograd's accumulation.
+_ANNOUNCED = "_megatron_eopt_grad_final_announced"
+# Each parameter of an overlapped optimizer's plan -> a weak reference to that optimizer's BackwardOverlap.
+_OVERLAPS = WeakIdKeyDictionary()
+
+
+def announced_by_wrapper(params) -> None:
+    """Says that the final gradients of ``params`` are announced by their data-parallel wrapper's
+    integration (``grads_final``): their post-accumulate-grad hooks mark nothing (under Megatron-LM's
+    DDP autograd accumulates a micro-batch's gradient, which DDP then adds to its ``main_grad`` buffer
+    and reduces with its bucket)."""
+    for p in params:
+        setattr(p, _ANNOUNCED, True)
+
+
+def overlapping(p: torch.Tensor) -> bool:
+    """Whether ``p`` is in the plan of an optimizer constructed with ``overlap_backward=True``."""
+    ref = _OVERLAPS.get(p)
+    return ref is not None and ref() is not None
+
+
+def grads_final(params, wait=None) -> None:
+    """A data-parallel wrapper's integration: the gradients now in ``.grad`` of ``params`` (optimizer
+    parameters) are final; the overlapped optimizers holding them start each chunk this completes.
+    ``wait`` (optional): makes the gradients' reduction complete for what reads them next, called
+    once before anything reads them, on the stream the work runs on (a CUDA side stream: NCCL's
+    wait orders it after the reduction without blocking the host; the CPU: gloo's wait blocks).
+    Called on the thread that runs backward, in the order the wrapper reduced the gradients.
+
+    The gradients must not change before ``step()``: the integration refuses what would change them
+    (a clip of these gradients, a loss scale unscaled in ``step()``). ``step()`` checks that each is
+    still the same tensor, not its version (a flat buffer's version counts writes to any part of it)."""
+    by_overlap: dict[int, tuple] = {}
+    for p in params:
+        ref = _OVERLAPS.get(p)
+        overlap = None if ref is None else ref()
+        if overlap is not None:
+            by_overlap.setdefault(id(overlap), (overlap, []))[1].append(p)
+    for overlap, members in by_overlap.values():
+        overlap.on_wrapper_reduced(members, wait)
 
 
 @dataclass
@@ -91,6 +138,7 @@ class BackwardOverlap:
     def __init__(self, engine: StepEngine) -> None:
         self.engine = engine  # the optimizer's step (step.engine): the overlap's one door to it
         self._handles: dict[int, Any] = {}  # id(param) -> hook handle
+        self._tracked: dict[int, Any] = {}  # id(param) -> weak reference, for the params in _OVERLAPS
         self.accumulating_depth = 0
         self.ddp = False  # gradients final when DDP's buckets are all-reduced (attach_ddp)
         self.work: BackwardWork | None = None
@@ -109,7 +157,14 @@ class BackwardOverlap:
         for pid in [pid for pid in self._handles if pid not in wanted]:
             self._handles.pop(pid).remove()
         ref = weakref.ref(self)
+        for pid in [pid for pid in self._tracked if pid not in wanted]:
+            p = self._tracked.pop(pid)()
+            if p is not None and _OVERLAPS.get(p) is not None and _OVERLAPS[p]() is self:
+                del _OVERLAPS[p]
         for pid, p in wanted.items():
+            if pid not in self._tracked:
+                self._tracked[pid] = weakref.ref(p)
+                _OVERLAPS[p] = ref
             if pid not in self._handles and p.requires_grad:  # a frozen param gets no grad (nor a hook)
                 self._handles[pid] = p.register_post_accumulate_grad_hook(_hook(ref))
 
@@ -123,9 +178,22 @@ class BackwardOverlap:
 
     def on_grad_final(self, p: torch.Tensor) -> None:
         """A parameter's post-accumulate-grad hook (FSDP2: after the reduce-scatter)."""
-        if self.ddp:  # under DDP the gradient is final when its bucket is all-reduced (on_bucket_reduced)
-            return
+        if self.ddp or getattr(p, _ANNOUNCED, False):  # final when its bucket is reduced (on_bucket_reduced,
+            return  # on_wrapper_reduced)
         self._mark_final(p)
+
+    def on_wrapper_reduced(self, params, wait=None) -> None:
+        """``grads_final``: the gradients of ``params`` (members of this optimizer's plan) are final."""
+        if wait is not None:
+            devices = {local(p).device for p in params}
+            cuda = [d for d in devices if d.type == "cuda"]
+            if cuda:
+                with torch.cuda.stream(self._side_stream(cuda[0])):
+                    wait()
+            else:
+                wait()
+        for p in params:
+            self._mark_final(p, announced=True)
 
     def on_bucket_reduced(self, params) -> None:
         """DDP's comm hook: a bucket's gradients are averaged over the ranks, in place. Runs on a
@@ -171,7 +239,7 @@ class BackwardOverlap:
         ddp_module.register_comm_hook(None, comm_hook)
         self.ddp = True
 
-    def _mark_final(self, p: torch.Tensor, in_callback: bool = False) -> None:
+    def _mark_final(self, p: torch.Tensor, in_callback: bool = False, announced: bool = False) -> None:
         if self.accumulating_depth or torch.compiler.is_compiling():
             return
         engine = self.engine
@@ -195,7 +263,11 @@ class BackwardOverlap:
                 )
             g = p.grad
             record = [g, None]
-            if g is not None:
+            # A wrapper's flat gradient buffer (Megatron DDP's) is written as a whole after the reduction
+            # (the clip of other optimizers' gradients in it): its one version counter says nothing of this
+            # gradient. The wrapper's integration refuses what would change it (``grads_final``); step()
+            # checks that the gradient is still the same tensor.
+            if g is not None and not announced:
                 # Views of one buffer share a version counter (FSDP2's grads of a group, flat gradient
                 # buffers): this grad's accumulation bumped its consumed siblings' too. Re-taken here,
                 # so a change made after the last of them was marked (a clip, DDP's all-reduce) still shows.
@@ -269,9 +341,7 @@ class BackwardOverlap:
                     work.stats.append(agreed)
         try:
             if device.type == "cuda":
-                stream = self._streams.get(device)
-                if stream is None:
-                    stream = self._streams[device] = torch.cuda.Stream(device)
+                stream = self._side_stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 for i in members:  # the grads are read on the side stream
                     local(plan.entries[i].param.grad).record_stream(stream)
@@ -296,6 +366,13 @@ class BackwardOverlap:
             work.seconds += time.perf_counter() - start
             work.stats.append(stats)
         return chunk
+
+    def _side_stream(self, device: torch.device):
+        """The CUDA stream this optimizer's overlapped work runs on, on ``device``."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def _worker(self) -> ThreadPoolExecutor:
         if not self._executors:
@@ -394,7 +471,7 @@ class BackwardOverlap:
                                "with overlap_backward=False to use a GradScaler")
         for i, (grad, version) in work.versions.items():
             p = plan.entries[i].param
-            if p.grad is not grad or (grad is not None and local(grad)._version != version):
+            if p.grad is not grad or (grad is not None and version is not None and local(grad)._version != version):
                 raise RuntimeError(
                     f"{name}(overlap_backward=True): the gradient of the {tuple(p.shape)} parameter changed after "
                     "backward started its Newton–Schulz (a clip that scales it, an unscale, another micro-batch "

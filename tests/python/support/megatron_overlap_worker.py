@@ -1,0 +1,203 @@
+"""``install(overlap_backward=True)`` under Megatron-LM's DistributedDataParallel, on gloo ranks (CPU).
+
+Each case trains megatron_cpu's GPT twice from the same seed, on rank-dependent tokens (so the
+reduction matters), under Megatron DDP with ``overlap_grad_reduce`` and small buckets (several bucket
+groups, dispatched during backward): once with the plug's ``overlap_backward`` and once without. The
+parameters and the Muon state must be bitwise equal after every step, and from the second step on
+(Megatron dispatches nothing during the first batch's backward) every chunk of the Muon optimizers
+must have started before ``step()``: in backward, as the bucket groups were reduced.
+
+Cases: the chained optimizer on fp32 parameters (Megatron's FP32Optimizer: the optimizer steps the
+model's parameters) and on bf16 ones (Float16OptimizerWithFloat16Params: fp32 main copies), the
+layer-wise optimizer (each rank owns whole matrices), and tensor parallelism 2 (the Muon chunks
+all-gather over TP: collectives, run on the backward thread in bucket order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import megatron_cpu  # noqa: E402
+from megatron_layer_wise_worker import layer_wise_members, on_cpu  # noqa: E402
+from worker_exit import exits_without_teardown  # noqa: E402
+
+STEPS = 3
+BUCKET_SIZE = 12_000  # elements: the tiny GPT's weights fall into several bucket groups
+
+# case -> (optimizer, bf16, tensor parallel, Megatron wrappers on the CPU)
+CASES = {
+    "chained_fp32": ("muon", False, 1),
+    "chained_bf16": ("muon", True, 1),
+    "layer_wise_bf16": ("dist_muon", True, 1),
+    "tensor_parallel_bf16": ("muon", True, 2),
+    # the layer-wise optimizer with Megatron's layer-wise parameter layout: gradients reduce-scattered,
+    # each rank's matrices whole in its shard of the buffer, Adam a DistributedOptimizer
+    "layer_wise_reduce_scatter_bf16": ("muon", True, 1),
+}
+
+
+def muon_members(optimizer):
+    """Our orthogonalizing optimizers inside Megatron's optimizer."""
+    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+
+    from megatron_eopt.optim import OrthogonalizedOptimizer
+
+    members = []
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = layer_wise_members(part) if isinstance(part, LayerWiseDistributedOptimizer) else [part.optimizer]
+        members += [m for m in inner if isinstance(m, OrthogonalizedOptimizer)]
+    return members
+
+
+def build(case, overlap, seed):
+    import megatron.core.optimizer as mcore_optimizer
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_eopt.integrations import megatron as integration
+
+    name, bf16, _ = CASES[case]
+    integration.uninstall()
+    integration.install(overlap_backward=overlap)
+    model = megatron_cpu.build_gpt(seed, bf16=bf16)
+    fields = dict(optimizer=name, lr=0.02, min_lr=0.0, weight_decay=0.1, clip_grad=1.0, bf16=bf16, fp16=False,
+                  muon_fp32_matmul_prec="highest")
+    if bf16:
+        fields["params_dtype"] = torch.bfloat16
+    config = mcore_optimizer.OptimizerConfig(**fields)
+    config.muon_workspace_mib = 0.001  # a chunk per matrix: chunks start one by one as their groups reduce
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET_SIZE,
+                                               grad_reduce_in_fp32=True)
+    with megatron_cpu.megatron_ddp_on_cpu(), wrappers_on_cpu(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "dist_muon" is Megatron's older spelling
+        if case == "layer_wise_reduce_scatter_bf16":
+            from megatron.training.training import wrap_model_chunks_with_ddp
+
+            config.use_layer_wise_distributed_optimizer = config.use_distributed_optimizer = True
+            ddp_config.use_distributed_optimizer = True
+            (ddp_model,) = wrap_model_chunks_with_ddp(
+                [model], model.config, ddp_config, use_layer_wise_distributed_optimizer=True,
+                use_layer_wise_param_layout=True, DP=DistributedDataParallel)
+        else:
+            ddp_model = DistributedDataParallel(model.config, ddp_config, model)
+        optimizer = mcore_optimizer.get_megatron_optimizer(config, [ddp_model])
+    if case == "layer_wise_reduce_scatter_bf16":
+        assert [type(o).__name__ for o in optimizer.chained_optimizers] == [
+            "LayerWiseDistributedOptimizer", "DistributedOptimizer"], optimizer.chained_optimizers
+    members = muon_members(optimizer)
+    assert members and all(m.overlap_backward is overlap for m in members), (case, members)
+    return ddp_model, optimizer, members
+
+
+@contextlib.contextmanager
+def wrappers_on_cpu():
+    with megatron_cpu.megatron_optimizer_on_cpu(), on_cpu():
+        yield
+
+
+def train_step(ddp_model, optimizer, members, seed, step, overlap):
+    """Megatron's training step (zero the buffers, forward / backward, finish the grad sync, step),
+    on tokens of this data-parallel rank and step. With overlap, from the second step on, every chunk of every Muon
+    member has started by the time backward and the grad sync are done."""
+    from megatron.core import parallel_state
+
+    g = torch.Generator().manual_seed(seed * 1000 + 10 * step + parallel_state.get_data_parallel_rank())
+    batch, seq, vocab = megatron_cpu.BATCH, megatron_cpu.SEQ, megatron_cpu.VOCAB
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.randint(0, vocab, (batch, seq), generator=g)
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
+    with megatron_cpu.megatron_ddp_on_cpu(), wrappers_on_cpu():
+        ddp_model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp_model(tokens, position_ids, causal_mask, labels=labels).float().mean()
+        loss.backward()
+        ddp_model.finish_grad_sync()
+        if overlap and step > 0:
+            for m in members:
+                work = m._overlap.work
+                assert work is not None and len(work.started) == len(m._plan.chunks) > 0, \
+                    (step, None if work is None else (len(work.started), len(m._plan.chunks)))
+        assert optimizer.step()[0]
+
+
+def check(case, seed):
+    from megatron.core import parallel_state
+
+    tensor_parallel = CASES[case][2]
+    megatron_cpu.use_model_parallel(tensor_parallel)
+    runs = {}
+    for overlap in (True, False):
+        ddp_model, optimizer, members = build(case, overlap, seed)
+        chunks = sum(len(m._current_plan().chunks) for m in members)
+        for step in range(STEPS):
+            train_step(ddp_model, optimizer, members, seed, step, overlap)
+        params = {n: p.detach().clone() for n, p in ddp_model.module.named_parameters()}
+        # each member's state, parameter by parameter in param-group order
+        states = [[(k, v.clone()) for g in m.param_groups for p in g["params"]
+                   for k, v in sorted(m.state[p].items()) if torch.is_tensor(v)] for m in members]
+        runs[overlap] = params, states, chunks
+    (p1, s1, c1), (p0, s0, c0) = runs[True], runs[False]
+    assert c1 == c0 > 1, (case, c1, c0)
+    for name in p0:
+        assert torch.equal(p1[name], p0[name]), (case, name, (p1[name].float() - p0[name].float()).abs().max())
+    assert [[k for k, _ in s] for s in s1] == [[k for k, _ in s] for s in s0] and s0[0], case
+    for a, b in zip(s1, s0):
+        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b)), case
+    assert parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
+
+
+def check_refusals():
+    """Megatron's global clip of Muon's gradients is refused with overlap_backward, and so are fp16's
+    loss scaling and a model chunk that is neither Megatron DDP nor torch FSDP2."""
+    import megatron.core.optimizer as mcore_optimizer
+
+    from megatron_eopt.integrations import megatron as integration
+
+    megatron_cpu.use_model_parallel(1)
+    integration.uninstall()
+    integration.install(overlap_backward=True, clip_policy="global")
+    model = megatron_cpu.build_gpt(1)
+    config = mcore_optimizer.OptimizerConfig(optimizer="muon", lr=0.02, clip_grad=1.0)
+    try:
+        with megatron_cpu.megatron_ddp_on_cpu():
+            ddp_model = megatron_cpu.wrap_in_megatron_ddp(model)
+            mcore_optimizer.get_megatron_optimizer(config, [ddp_model])
+    except ValueError as exc:
+        assert "clip_policy 'global'" in str(exc), str(exc)
+    else:
+        raise AssertionError("overlap_backward accepted Megatron's global clip")
+    integration.uninstall()
+    integration.install(overlap_backward=True)
+    fp16 = mcore_optimizer.OptimizerConfig(optimizer="muon", lr=0.02, clip_grad=0.0, fp16=True,
+                                           params_dtype=torch.float16)
+    try:
+        with megatron_cpu.megatron_ddp_on_cpu():
+            mcore_optimizer.get_megatron_optimizer(fp16, [ddp_model])
+    except ValueError as exc:
+        assert "fp16" in str(exc), str(exc)
+    else:
+        raise AssertionError("overlap_backward accepted fp16's loss scaling")
+    try:
+        mcore_optimizer.get_megatron_optimizer(config, [model])
+    except ValueError as exc:
+        assert "GPTModel" in str(exc), str(exc)
+    else:
+        raise AssertionError("overlap_backward accepted a model chunk without a data-parallel wrapper")
+    integration.uninstall()
+
+
+@exits_without_teardown
+def worker(rank, world_size, init_file, seed, cases):
+    with megatron_cpu.megatron_world(rank, world_size, init_file):
+        for case in cases:
+            check(case, seed)
+            dist.barrier()
+        check_refusals()
