@@ -436,6 +436,33 @@ def install(names: list[str] | None = None, *, replace_classes: bool = False, st
     return replaced
 
 
+# The Megatron-LM pull requests whose behaviour the plug follows beyond megatron-core 0.19.2 and main
+# at d98e8a6, and what of each was read (docs/megatron.md has the details).
+FOLLOWED_PULL_REQUESTS: tuple[tuple[str, str], ...] = (
+    ("#6664", "tp_mode 'auto': merged after d98e8a6, read from its thread and review diff"),
+    ("#7236", "GTP updates scaled by the real shape: merged, read from its diff"),
+    ("#6688", "split_glu: open, its head with _gather_glu_grad / glu_interleave_size"),
+    ("#6326 / #7085", "split_qkv_per_head, qkv_layout, MLA: open, #6326's head with _localize_qkv_split_shapes"),
+    ("#6422", "muon_ht (TensorParallelMuonHT): open, its description and document"),
+    ("#6425", "FsdpMuon(inner_optimizer=...): open, its head as read in 2026-12"),
+    ("#5986", "Megatron-FSDP v2's Muon factory: open, refused under install() unless our Muon is the inner one"),
+    ("#6683", "layer-sharded homes over GTP x TP: open, its description (our relay over TP then GTP, "
+              "not its tp_gtp_remat group)"),
+    ("#5925", "constructor_only_kwargs of the optimizer recipes: open"),
+    ("#6720", "overlap with backward: in progress, not readable here; ours is overlap_backward"),
+)
+
+
+def version_report() -> str:
+    """The megatron-core the plug runs against (its version, as ``import megatron.core`` would load
+    it) and the Megatron-LM pull requests whose behaviour it follows beyond it."""
+    version = megatron_core_version()
+    lines = ["megatron-core " + (".".join(map(str, version)) if version else "(not installed)"),
+             "Megatron-LM pull requests followed:"]
+    lines += [f"  {pr}: {what}" for pr, what in FOLLOWED_PULL_REQUESTS]
+    return "\n".join(lines)
+
+
 def _check_step_options(options: dict[str, Any]) -> None:
     """Refuses a bad memory option at install() rather than at the first optimizer build."""
     from .. import low_memory_state as lms

@@ -63,6 +63,10 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(cpu_paths.describe())
     terminalreporter.write_sep("-", "Megatron-LM under test")
     terminalreporter.write_line(_megatron_under_test())
+    from megatron_eopt.integrations import megatron as integration
+
+    for line in integration.version_report().splitlines()[1:]:
+        terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -775,3 +775,17 @@ def test_works_without_emerging_optimizers_installed():
     assert result["step"] and result["changed"] == result["n_params"]
     assert "emerging-optimizers" in result["lion_error"]
     assert result["restored"] is False
+
+
+def test_version_report_names_the_followed_pull_requests_the_docs_describe():
+    import re
+
+    from paths import ROOT
+
+    report = integration.version_report()
+    with open(os.path.join(ROOT, "docs", "megatron.md"), encoding="utf-8") as f:
+        docs = f.read()
+    numbers = re.findall(r"#(\d{4})", report)
+    assert len(numbers) >= 10 and report.splitlines()[0].startswith("megatron-core ")
+    for number in numbers:
+        assert f"#{number}" in docs, number
