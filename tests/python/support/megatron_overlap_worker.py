@@ -103,8 +103,8 @@ def wrappers_on_cpu():
 
 
 def train_step(ddp_model, optimizer, members, seed, step, overlap):
-    """Megatron's training step (zero the buffers, forward / backward, finish the grad sync, step),
-    on tokens of this data-parallel rank and step. With overlap, from the second step on, every chunk of every Muon
+    """Megatron's training step (zero the buffers, two micro-batches' forward / backward, the first
+    under ``no_sync()``, finish the grad sync, step), on tokens of this data-parallel rank and step. With overlap, from the second step on, every chunk of every Muon
     member has started by the time backward and the grad sync are done."""
     from megatron.core import parallel_state
 
@@ -117,6 +117,10 @@ def train_step(ddp_model, optimizer, members, seed, step, overlap):
     with megatron_cpu.megatron_ddp_on_cpu(), wrappers_on_cpu():
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
+        with ddp_model.no_sync():  # a first micro-batch, as Megatron's schedules run it: nothing starts
+            ddp_model(tokens.flip(0), position_ids, causal_mask, labels=labels.flip(0)).float().mean().backward()
+        for m in members:
+            assert not overlap or m._overlap.work is None, "work started on a non-final micro-batch"
         loss = ddp_model(tokens, position_ids, causal_mask, labels=labels).float().mean()
         loss.backward()
         ddp_model.finish_grad_sync()
