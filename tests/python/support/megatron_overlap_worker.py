@@ -9,8 +9,10 @@ must have started before ``step()``: in backward, as the bucket groups were redu
 
 Cases: the chained optimizer on fp32 parameters (Megatron's FP32Optimizer: the optimizer steps the
 model's parameters) and on bf16 ones (Float16OptimizerWithFloat16Params: fp32 main copies), the
-layer-wise optimizer (each rank owns whole matrices), and tensor parallelism 2 (the Muon chunks
-all-gather over TP: collectives, run on the backward thread in bucket order).
+layer-wise optimizer (each rank owns whole matrices, its gradients all-reduced or, with Megatron's
+layer-wise parameter layout, reduce-scattered), tensor parallelism 2 (the Muon chunks all-gather over
+TP: collectives, run on the backward thread in bucket order), and experts over expert parallelism 2
+(DDP's expert bucket groups).
 """
 
 from __future__ import annotations
@@ -41,7 +43,30 @@ CASES = {
     # the layer-wise optimizer with Megatron's layer-wise parameter layout: gradients reduce-scattered,
     # each rank's matrices whole in its shard of the buffer, Adam a DistributedOptimizer
     "layer_wise_reduce_scatter_bf16": ("muon", True, 1),
+    # a mixture of experts over expert parallelism 2: the experts' gradients in DDP's expert bucket groups
+    "experts_bf16": ("muon", True, 1),
 }
+EXPERT_PARALLEL = {"experts_bf16": 2}
+
+
+def build_moe_gpt(seed: int):
+    """megatron_cpu's GPT with 4 experts (top-2, the all-gather dispatcher, which runs on the CPU) in
+    each layer's MLP, split over the expert-parallel ranks, in bf16."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+        use_cpu_initialization=True, attention_dropout=0.0, hidden_dropout=0.0, pipeline_dtype=torch.bfloat16,
+        bf16=True, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather", add_bias_linear=False,
+        expert_model_parallel_size=EXPERT_PARALLEL["experts_bf16"])
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4),
+                     vocab_size=megatron_cpu.VOCAB, max_sequence_length=megatron_cpu.SEQ,
+                     share_embeddings_and_output_weights=False)
+    return model.bfloat16()
 
 
 def muon_members(optimizer):
@@ -66,7 +91,7 @@ def build(case, overlap, seed):
     name, bf16, _ = CASES[case]
     integration.uninstall()
     integration.install(overlap_backward=overlap)
-    model = megatron_cpu.build_gpt(seed, bf16=bf16)
+    model = build_moe_gpt(seed) if case in EXPERT_PARALLEL else megatron_cpu.build_gpt(seed, bf16=bf16)
     fields = dict(optimizer=name, lr=0.02, min_lr=0.0, weight_decay=0.1, clip_grad=1.0, bf16=bf16, fp16=False,
                   muon_fp32_matmul_prec="highest")
     if bf16:
@@ -87,6 +112,8 @@ def build(case, overlap, seed):
                 use_layer_wise_param_layout=True, DP=DistributedDataParallel)
         else:
             ddp_model = DistributedDataParallel(model.config, ddp_config, model)
+        if case in EXPERT_PARALLEL:
+            assert ddp_model.expert_parallel_bucket_groups, "no expert bucket groups"
         optimizer = mcore_optimizer.get_megatron_optimizer(config, [ddp_model])
     if case == "layer_wise_reduce_scatter_bf16":
         assert [type(o).__name__ for o in optimizer.chained_optimizers] == [
@@ -136,7 +163,12 @@ def check(case, seed):
     from megatron.core import parallel_state
 
     tensor_parallel = CASES[case][2]
-    megatron_cpu.use_model_parallel(tensor_parallel)
+    if case in EXPERT_PARALLEL:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=EXPERT_PARALLEL[case])
+        megatron_cpu.use_cpu_scratch_and_rng()
+    else:
+        megatron_cpu.use_model_parallel(tensor_parallel)
     runs = {}
     for overlap in (True, False):
         ddp_model, optimizer, members = build(case, overlap, seed)
