@@ -31,3 +31,19 @@ def test_install_checks_overlap_backward():
 
     with pytest.raises(TypeError, match="overlap_backward"):
         integration.install(overlap_backward="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.distributed
+def test_overlap_under_megatron_ddp_on_cuda_is_bitwise_the_plain_step(tmp_path, gen):
+    """The same on CUDA over NCCL, one rank per GPU (the NCCL waits on the optimizer's side stream);
+    tensor parallelism where there are two GPUs."""
+    import torch.multiprocessing as mp
+
+    import megatron_overlap_worker as worker
+
+    world = min(torch.cuda.device_count(), 2)
+    cases = ("chained_fp32", "chained_bf16", "layer_wise_bf16") + (("tensor_parallel_bf16",) if world == 2 else ())
+    seed = int(torch.randint(0, 2**20, (1,), generator=gen))
+    rendezvous = os.path.join(str(tmp_path), "rendezvous")
+    mp.spawn(worker.gpu_worker, args=(world, rendezvous, seed, cases), nprocs=world, join=True)

@@ -82,7 +82,7 @@ def muon_members(optimizer):
     return members
 
 
-def build(case, overlap, seed):
+def build(case, overlap, seed, device="cpu"):
     import megatron.core.optimizer as mcore_optimizer
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -92,6 +92,7 @@ def build(case, overlap, seed):
     integration.uninstall()
     integration.install(overlap_backward=overlap)
     model = build_moe_gpt(seed) if case in EXPERT_PARALLEL else megatron_cpu.build_gpt(seed, bf16=bf16)
+    model = model.to(device)
     fields = dict(optimizer=name, lr=0.02, min_lr=0.0, weight_decay=0.1, clip_grad=1.0, bf16=bf16, fp16=False,
                   muon_fp32_matmul_prec="highest")
     if bf16:
@@ -100,7 +101,7 @@ def build(case, overlap, seed):
     config.muon_workspace_mib = 0.001  # a chunk per matrix: chunks start one by one as their groups reduce
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET_SIZE,
                                                grad_reduce_in_fp32=True)
-    with megatron_cpu.megatron_ddp_on_cpu(), wrappers_on_cpu(), warnings.catch_warnings():
+    with on_device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # "dist_muon" is Megatron's older spelling
         if case == "layer_wise_reduce_scatter_bf16":
             from megatron.training.training import wrap_model_chunks_with_ddp
@@ -124,15 +125,20 @@ def build(case, overlap, seed):
 
 
 @contextlib.contextmanager
-def wrappers_on_cpu():
-    with megatron_cpu.megatron_optimizer_on_cpu(), on_cpu():
+def on_device(device):
+    """Megatron's DDP and optimizer wrappers on the CPU (megatron_cpu's patches); on CUDA as they are."""
+    if device != "cpu":
+        yield
+        return
+    with megatron_cpu.megatron_ddp_on_cpu(), megatron_cpu.megatron_optimizer_on_cpu(), on_cpu():
         yield
 
 
-def train_step(ddp_model, optimizer, members, seed, step, overlap):
+def train_step(ddp_model, optimizer, members, seed, step, overlap, device="cpu"):
     """Megatron's training step (zero the buffers, two micro-batches' forward / backward, the first
-    under ``no_sync()``, finish the grad sync, step), on tokens of this data-parallel rank and step. With overlap, from the second step on, every chunk of every Muon
-    member has started by the time backward and the grad sync are done."""
+    under ``no_sync()``, finish the grad sync, step), on tokens of this data-parallel rank and step.
+    With overlap, from the second step on, every chunk of every Muon member has started by the time
+    backward and the grad sync are done."""
     from megatron.core import parallel_state
 
     g = torch.Generator().manual_seed(seed * 1000 + 10 * step + parallel_state.get_data_parallel_rank())
@@ -141,7 +147,8 @@ def train_step(ddp_model, optimizer, members, seed, step, overlap):
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
     causal_mask = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).view(1, 1, seq, seq)
-    with megatron_cpu.megatron_ddp_on_cpu(), wrappers_on_cpu():
+    tokens, labels, position_ids, causal_mask = (t.to(device) for t in (tokens, labels, position_ids, causal_mask))
+    with on_device(device):
         ddp_model.zero_grad_buffer()
         optimizer.zero_grad()
         with ddp_model.no_sync():  # a first micro-batch, as Megatron's schedules run it: nothing starts
@@ -159,11 +166,15 @@ def train_step(ddp_model, optimizer, members, seed, step, overlap):
         assert optimizer.step()[0]
 
 
-def check(case, seed):
-    from megatron.core import parallel_state
+def check(case, seed, device="cpu"):
+    from megatron.core import parallel_state, tensor_parallel as megatron_tensor_parallel
 
     tensor_parallel = CASES[case][2]
-    if case in EXPERT_PARALLEL:
+    if device != "cpu":  # Megatron's own scratch buffer and CUDA RNG tracker
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_parallel, 1)
+        megatron_tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    elif case in EXPERT_PARALLEL:
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=EXPERT_PARALLEL[case])
         megatron_cpu.use_cpu_scratch_and_rng()
@@ -171,10 +182,10 @@ def check(case, seed):
         megatron_cpu.use_model_parallel(tensor_parallel)
     runs = {}
     for overlap in (True, False):
-        ddp_model, optimizer, members = build(case, overlap, seed)
+        ddp_model, optimizer, members = build(case, overlap, seed, device)
         chunks = sum(len(m._current_plan().chunks) for m in members)
         for step in range(STEPS):
-            train_step(ddp_model, optimizer, members, seed, step, overlap)
+            train_step(ddp_model, optimizer, members, seed, step, overlap, device)
         params = {n: p.detach().clone() for n, p in ddp_model.module.named_parameters()}
         # each member's state, parameter by parameter in param-group order
         states = [[(k, v.clone()) for g in m.param_groups for p in g["params"]
@@ -190,6 +201,15 @@ def check(case, seed):
     assert parallel_state.get_tensor_model_parallel_world_size() == tensor_parallel
 
 
+def _refused(build_optimizer, expected: str, what: str) -> None:
+    try:
+        build_optimizer()
+    except ValueError as exc:
+        assert expected in str(exc), str(exc)
+    else:
+        raise AssertionError(f"overlap_backward accepted {what}")
+
+
 def check_refusals():
     """Megatron's global clip of Muon's gradients is refused with overlap_backward, and so are fp16's
     loss scaling and a model chunk that is neither Megatron DDP nor torch FSDP2."""
@@ -202,31 +222,17 @@ def check_refusals():
     integration.install(overlap_backward=True, clip_policy="global")
     model = megatron_cpu.build_gpt(1)
     config = mcore_optimizer.OptimizerConfig(optimizer="muon", lr=0.02, clip_grad=1.0)
-    try:
-        with megatron_cpu.megatron_ddp_on_cpu():
-            ddp_model = megatron_cpu.wrap_in_megatron_ddp(model)
-            mcore_optimizer.get_megatron_optimizer(config, [ddp_model])
-    except ValueError as exc:
-        assert "clip_policy 'global'" in str(exc), str(exc)
-    else:
-        raise AssertionError("overlap_backward accepted Megatron's global clip")
-    integration.uninstall()
-    integration.install(overlap_backward=True)
-    fp16 = mcore_optimizer.OptimizerConfig(optimizer="muon", lr=0.02, clip_grad=0.0, fp16=True,
-                                           params_dtype=torch.float16)
-    try:
-        with megatron_cpu.megatron_ddp_on_cpu():
-            mcore_optimizer.get_megatron_optimizer(fp16, [ddp_model])
-    except ValueError as exc:
-        assert "fp16" in str(exc), str(exc)
-    else:
-        raise AssertionError("overlap_backward accepted fp16's loss scaling")
-    try:
-        mcore_optimizer.get_megatron_optimizer(config, [model])
-    except ValueError as exc:
-        assert "GPTModel" in str(exc), str(exc)
-    else:
-        raise AssertionError("overlap_backward accepted a model chunk without a data-parallel wrapper")
+    with megatron_cpu.megatron_ddp_on_cpu():
+        ddp_model = megatron_cpu.wrap_in_megatron_ddp(model)
+        _refused(lambda: mcore_optimizer.get_megatron_optimizer(config, [ddp_model]), "clip_policy 'global'",
+                 "Megatron's global clip")
+        integration.uninstall()
+        integration.install(overlap_backward=True)
+        fp16 = mcore_optimizer.OptimizerConfig(optimizer="muon", lr=0.02, clip_grad=0.0, fp16=True,
+                                               params_dtype=torch.float16)
+        _refused(lambda: mcore_optimizer.get_megatron_optimizer(fp16, [ddp_model]), "fp16", "fp16's loss scaling")
+    _refused(lambda: mcore_optimizer.get_megatron_optimizer(config, [model]), "GPTModel",
+             "a model chunk without a data-parallel wrapper")
     integration.uninstall()
 
 
@@ -237,3 +243,27 @@ def worker(rank, world_size, init_file, seed, cases):
             check(case, seed)
             dist.barrier()
         check_refusals()
+
+
+@exits_without_teardown
+def gpu_worker(rank, world_size, init_file, seed, cases):
+    """The cases on CUDA devices over NCCL (one GPU per rank): the bucket groups' NCCL waits issued on
+    the optimizer's side stream."""
+    import warnings as warning_filters
+
+    from megatron.core import parallel_state
+
+    from megatron_eopt.integrations import megatron as integration
+
+    warning_filters.filterwarnings("ignore")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        for case in cases:
+            check(case, seed, "cuda")
+            dist.barrier()
+    finally:
+        integration.uninstall()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
