@@ -20,7 +20,8 @@ The ``dist_*`` workloads (workloads_dist.py) run only when named: they spawn --r
 (gloo) holding FSDP2-sharded DTensor parameters and compare the owner and gather modes of the
 sharded step with per-rank redundant computation; their table is its own RESULTS.md section. So do
 the ``tp_*`` workloads (workloads_tp.py): Megatron tensor-parallel shards, every ``tp_mode``, and
-the ``overlap_*`` workloads (workloads_overlap.py): training steps with and without ``overlap_backward``,
+the ``overlap_*`` workloads (workloads_overlap.py): training steps with and without ``overlap_backward``
+(``overlap_megatron_*``, workloads_overlap_megatron.py: under Megatron-LM's DDP through ``install()``),
 and the ``agreement_*`` workloads (workloads_agreement.py): a sharded step with and without the ranks'
 agreement before it (``rank_checks``). ``routing_cost`` (workloads_routing.py), also only when named
 and in a table of its own, routes Llama-3 70B and DeepSeek-V3 built on the meta device: time and memory.
@@ -51,6 +52,7 @@ import workloads as catalogue_module  # noqa: E402
 import workloads_dist  # noqa: E402
 import workloads_agreement  # noqa: E402
 import workloads_overlap  # noqa: E402
+import workloads_overlap_megatron  # noqa: E402
 import workloads_routing  # noqa: E402
 import workloads_tp  # noqa: E402
 from timing import measure, plan_for  # noqa: E402
@@ -159,6 +161,7 @@ def publish(doc: dict, args) -> None:
 # The workloads that spawn ranks, by name: their module (run, markdown).
 _SPAWNED = {**{n: workloads_dist for n in workloads_dist.WORKLOADS}, **{n: workloads_tp for n in workloads_tp.WORKLOADS},
             **{n: workloads_overlap for n in workloads_overlap.WORKLOADS},
+            **{n: workloads_overlap_megatron for n in workloads_overlap_megatron.WORKLOADS},
             **{n: workloads_agreement for n in workloads_agreement.WORKLOADS},
             **{n: workloads_routing for n in workloads_routing.WORKLOADS}}
 
@@ -169,8 +172,8 @@ def run_dist(args, names, others) -> int:
         raise SystemExit("run the dist_* / tp_* workloads on their own (they spawn processes and have their own table)")
     modules = {_SPAWNED[n] for n in names}
     if len(modules) > 1:
-        raise SystemExit("run the dist_*, tp_*, overlap_*, agreement_* and routing_* workloads apart (each has its own "
-                         "table)")
+        raise SystemExit("run the dist_*, tp_*, overlap_*, overlap_megatron_*, agreement_* and routing_* workloads "
+                         "apart (each has its own table)")
     module = modules.pop()
     environment = env_info.collect(torch.device("cpu"))
     entries = []
@@ -185,6 +188,7 @@ def run_dist(args, names, others) -> int:
     if args.remarks:
         body += "\n" + args.remarks + "\n"
     kind = {workloads_dist: "dist", workloads_tp: "tp", workloads_overlap: "overlap",
+            workloads_overlap_megatron: "overlap_megatron",
             workloads_agreement: "agreement", workloads_routing: "routing"}[module]
     report.publish(body, args.results_md, f"{kind}: {environment['device_name'].split(',')[0]}")
     if args.out:

@@ -281,3 +281,19 @@ def test_routing_cost_quick_run_routes_both_architectures_on_meta(tmp_path):
     text = md_path.read_text()
     assert "<!-- section: routing: " in text and "| model | layers | params |" in text
     assert "| Llama-3 70B | 2 |" in text and "| DeepSeek-V3 | 3 |" in text
+
+
+def test_overlap_under_megatron_quick_run_writes_its_section(tmp_path):
+    """run.py --workload overlap_megatron_gpt --quick on 2 gloo ranks: both modes measured, the
+    parameters with and without overlap bitwise equal, and the RESULTS.md section written."""
+    pytest.importorskip("megatron.core")
+    json_path, md_path = tmp_path / "overlap.json", tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, RUN_PY, "--quick", "--workload", "overlap_megatron_gpt", "--ranks", "2",
+                           "--out", str(json_path), "--results-md", str(md_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry, = json.loads(json_path.read_text())["dist_workloads"]
+    off, on = entry["results"]["megatron ddp, overlap off"], entry["results"]["megatron ddp, overlap on"]
+    assert on["bitwise_equal"] and on["ms_before_step"] > 0 and on["held_mib"] > 0 and off["held_mib"] == 0
+    assert on["ns_matrices_per_rank"] == off["ns_matrices_per_rank"] == entry["matrices"] > 0
+    assert "<!-- section: overlap_megatron: " in md_path.read_text()
