@@ -24,7 +24,7 @@ from megatron_eopt import optim, registry
 from megatron_eopt.optim import spectral_clipping
 from megatron_eopt.optim.polargrad import left_polargrad_orth_fn, right_polargrad_orth_fn
 from optim_helpers import clone_params, make_grads, make_params, max_delta_err, max_delta_err_without_flips, run_steps
-from reference import TOLERANCE, ns_tolerance, rel_err
+from reference import TOLERANCE, UNIT_ROUNDOFF, ns_pair_amplification, ns_tolerance, rel_err
 
 ns_module = importlib.import_module("megatron_eopt.newton_schulz")
 
@@ -63,6 +63,7 @@ PARAM_SCALE = 0.02
 
 def _compare(ours_cls, ref_cls, kwargs, gen, shapes=SHAPES, ref_kwargs=None, tol=TOLERANCE["highest"],
              scale=PARAM_SCALE, err=max_delta_err, state_keys=("momentum_buffer",), params=None):
+    """``tol``: a number, or a function of the reference optimizer after its steps."""
     params = make_params(shapes, gen, scale=scale) if params is None else params
     ref = f64_params(params)
     start = [p.detach().clone() for p in params]
@@ -71,6 +72,7 @@ def _compare(ours_cls, ref_cls, kwargs, gen, shapes=SHAPES, ref_kwargs=None, tol
     grads = make_grads(params, gen, STEPS)
     run_steps(ours, params, grads)
     run_reference(theirs, ref, grads)
+    tol = tol(theirs) if callable(tol) else tol
     assert err(params, ref, start) <= tol
     for p, r in zip(params, ref):
         for key in state_keys:
@@ -474,7 +476,32 @@ def test_polargrad_default_medium(gen):
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_spel(weight_decay, nesterov, gen):
     kwargs = dict(lr=0.05, weight_decay=weight_decay, nesterov=nesterov, fp32_matmul_prec="highest")
-    _compare(optim.Spel, eo.Spel, kwargs, gen, shapes=[(1, 9), (9, 1), (24, 40), (40, 24), (16, 16), (97, 37)])
+    _compare(optim.Spel, _SpelRecordingInputs, kwargs, gen,
+             shapes=[(1, 9), (9, 1), (24, 40), (40, 24), (16, 16), (97, 37)], tol=_spel_tolerance)
+
+
+class _SpelRecordingInputs(eo.Spel):
+    """The reference Spel, keeping every Newton–Schulz input it orthogonalizes (momenta and weights)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ns_inputs = []
+        orthogonalize = self.scaled_orthogonalize_fn
+
+        def recorded(x):
+            self.ns_inputs.append(x.detach().clone())
+            return orthogonalize(x)
+
+        self.scaled_orthogonalize_fn = recorded
+
+
+def _spel_tolerance(reference) -> float:
+    """Spel's weight is Newton–Schulz of (weight - lr · update): a square weight drawn near rank
+    deficiency (16 × 16) gives an input with two tiny singular values, whose mixing Newton–Schulz
+    magnifies up to 480x (ns_pair_amplification); 4 unit roundoffs of that, as ns_tolerance allows
+    on its own model (seen: 2.5e-5 where the usual bound is 1e-5)."""
+    amplification = max(ns_pair_amplification(x) for x in reference.ns_inputs)
+    return max(TOLERANCE["highest"], 4 * UNIT_ROUNDOFF["fp32"] * amplification)
 
 
 def _max_weight_err(params, ref, start):

@@ -98,6 +98,37 @@ def ns_amplification(x, coefficient_type="quintic", steps=5, custom=None):
 _last_amplification: list = []  # (weak reference to the input, its version and schedule, amplification)
 
 
+def ns_pair_amplification(x, coefficient_type="quintic", steps=5, custom=None):
+    """How much Newton-Schulz magnifies an absolute perturbation of its (Frobenius-normalized) input,
+    relative to the result's norm: the off-diagonal terms of the matrix function's derivative.
+
+    With f the composed schedule, a perturbation E of X = U diag(s) V^T moves f(X) by terms
+    (f(s_i) + f(s_j)) / (s_i + s_j) (and f(s_i) / s_i) times E's components in the singular
+    bases, so ||df|| <= max of those x ||E||, against ||f(X)|| = sqrt(sum f(s)^2).
+    ns_amplification follows each singular value alone; this adds the mixing of two: an input
+    with two tiny singular values (a square matrix near rank deficiency) has f(s) / s near
+    prod(a_k) (480 for quintic x5), where each singular value's own relative error stays small.
+    """
+    coeffs = get_coefficients(coefficient_type, steps, custom)
+    X = x.detach().to("cpu", torch.float64)
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp_min(1e-300)
+    worst = 1.0
+    for sv in torch.linalg.svdvals(X.reshape(-1, *X.shape[-2:])):
+        s = sv.tolist()
+        f = []
+        for v in s:
+            for a, b, c in coeffs:
+                v = a * v + b * v**3 + c * v**5
+            f.append(v)
+        norm = sum(v * v for v in f) ** 0.5
+        if norm == 0:
+            continue
+        ratios = [abs(fi) / si for fi, si in zip(f, s) if si > 0]
+        pairs = [abs(f[i] + f[j]) / (s[i] + s[j]) for i in range(len(s)) for j in range(i) if s[i] + s[j] > 0]
+        worst = max(worst, max(ratios + pairs, default=0.0) / norm)
+    return worst
+
+
 def ns_tolerance(x, precision, device, coefficient_type="quintic", steps=5, custom=None):
     """Tolerance of an fp32 or TF32 Newton-Schulz result against the float64 reference.
 
