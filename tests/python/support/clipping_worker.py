@@ -7,6 +7,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import megatron_eopt as me
 from dist_harness import init_from_argv
+from worker_exit import exits_without_teardown
 
 SHAPES = [(8, 6), (4, 10), (6,), (8, 3)]  # the first two are the Muon part
 
@@ -16,6 +17,7 @@ def full_grads(seed):
     return [torch.randn(s, generator=g) * 10.0 for s in SHAPES]
 
 
+@exits_without_teardown
 def main():
     rank, world, seed, out, _ = init_from_argv()
     mesh = init_device_mesh("cpu", (world,))

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_harness import counted_collectives, init_from_argv
+from worker_exit import exits_without_teardown
 
 COLLECTIVES = ("all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast",
                "all_to_all_single")
@@ -114,6 +115,7 @@ def _shard_by_hand(model, mesh):
             setattr(module, pname, nn.Parameter(sharded, requires_grad=p.requires_grad))
 
 
+@exits_without_teardown
 def main():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
