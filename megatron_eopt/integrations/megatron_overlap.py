@@ -22,7 +22,9 @@ order. Without ``overlap_grad_reduce`` (or in the first batch, where Megatron di
 
 The step is bitwise the step without overlap (the one engine's, ``step.engine``). A parameter
 whose ``main_grad`` is not of its main parameter's dtype (bf16 gradients without fp32 accumulation:
-Megatron copies them in ``step()``) is left to ``step()``. Clipping must leave Muon's gradients
+Megatron copies them in ``step()``), or is a tensor of its own beside the buffer (higher-precision
+local accumulation: Megatron copies the reduced values back in ``finish_grad_sync``), is left to
+``step()``. Clipping must leave Muon's gradients
 alone (the default ``clip_policy="adamw"`` of :func:`megatron_eopt.integrations.megatron.install`
 does); a clip that scales them is refused at ``step()``.
 """
@@ -65,7 +67,12 @@ def _finish(group: Any) -> None:
     overlapped optimizers holding them are told."""
     params = []
     for bucket in group.buckets:
+        # A parameter accumulating into a main_grad of its own (higher precision than the buffer) gets
+        # the reduced values copied back only in Megatron's finish_grad_sync: left to step().
+        apart = {id(p) for p in getattr(bucket, "params_with_extra_main_grads", ())}
         for p in bucket.params_list:
+            if id(p) in apart:
+                continue
             q = getattr(p, "main_param", None)
             q = p if q is None else q
             g = getattr(p, "main_grad", None)

@@ -45,8 +45,14 @@ CASES = {
     "layer_wise_reduce_scatter_bf16": ("muon", True, 1),
     # a mixture of experts over expert parallelism 2: the experts' gradients in DDP's expert bucket groups
     "experts_bf16": ("muon", True, 1),
+    "bf16_grads_fp32_fc1": ("muon", True, 1),
 }
 EXPERT_PARALLEL = {"experts_bf16": 2}
+# bf16 gradient buffers, fc1's gradients accumulated in fp32 tensors of their own (Megatron's
+# param_name_patterns_for_fp32_local_accumulation): Megatron hands both to the optimizer in step()
+# only (a copy of the bf16 ones; the fp32 ones copied back from the buffer in finish_grad_sync), so
+# no chunk starts in backward, and the step is still the same.
+LEFT_TO_STEP = {"bf16_grads_fp32_fc1": ("*linear_fc1*",)}
 
 
 def build_moe_gpt(seed: int):
@@ -100,7 +106,9 @@ def build(case, overlap, seed, device="cpu"):
     config = mcore_optimizer.OptimizerConfig(**fields)
     config.muon_workspace_mib = 0.001  # a chunk per matrix: chunks start one by one as their groups reduce
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET_SIZE,
-                                               grad_reduce_in_fp32=True)
+                                               grad_reduce_in_fp32=case not in LEFT_TO_STEP)
+    if case in LEFT_TO_STEP:
+        ddp_config.param_name_patterns_for_fp32_local_accumulation = LEFT_TO_STEP[case]
     with on_device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # "dist_muon" is Megatron's older spelling
         if case == "layer_wise_reduce_scatter_bf16":
@@ -134,7 +142,7 @@ def on_device(device):
         yield
 
 
-def train_step(ddp_model, optimizer, members, seed, step, overlap, device="cpu"):
+def train_step(ddp_model, optimizer, members, seed, step, overlap, device="cpu", left_to_step=False):
     """Megatron's training step (zero the buffers, two micro-batches' forward / backward, the first
     under ``no_sync()``, finish the grad sync, step), on tokens of this data-parallel rank and step.
     With overlap, from the second step on, every chunk of every Muon member has started by the time
@@ -158,7 +166,7 @@ def train_step(ddp_model, optimizer, members, seed, step, overlap, device="cpu")
         loss = ddp_model(tokens, position_ids, causal_mask, labels=labels).float().mean()
         loss.backward()
         ddp_model.finish_grad_sync()
-        if overlap and step > 0:
+        if overlap and step > 0 and not left_to_step:
             for m in members:
                 work = m._overlap.work
                 assert work is not None and len(work.started) == len(m._plan.chunks) > 0, \
@@ -185,7 +193,7 @@ def check(case, seed, device="cpu"):
         ddp_model, optimizer, members = build(case, overlap, seed, device)
         chunks = sum(len(m._current_plan().chunks) for m in members)
         for step in range(STEPS):
-            train_step(ddp_model, optimizer, members, seed, step, overlap, device)
+            train_step(ddp_model, optimizer, members, seed, step, overlap, device, case in LEFT_TO_STEP)
         params = {n: p.detach().clone() for n, p in ddp_model.module.named_parameters()}
         # each member's state, parameter by parameter in param-group order
         states = [[(k, v.clone()) for g in m.param_groups for p in g["params"]
