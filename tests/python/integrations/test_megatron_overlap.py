@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(mcore_optimizer is None, reason="megatron-core i
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("cases", [("chained_fp32", "chained_bf16", "experts_bf16", "bf16_grads_fp32_fc1"),
-                                   ("layer_wise_bf16", "layer_wise_reduce_scatter_bf16", "tensor_parallel_bf16")])
+                                   ("layer_wise_bf16", "layer_wise_reduce_scatter_bf16", "tensor_parallel_bf16",
+                                    "no_overlap_grad_reduce_bf16")])
 def test_overlap_under_megatron_ddp_is_bitwise_the_plain_step(tmp_path, gen, cases):
     import torch.multiprocessing as mp
 

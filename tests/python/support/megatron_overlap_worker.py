@@ -46,6 +46,9 @@ CASES = {
     # a mixture of experts over expert parallelism 2: the experts' gradients in DDP's expert bucket groups
     "experts_bf16": ("muon", True, 1),
     "bf16_grads_fp32_fc1": ("muon", True, 1),
+    # Megatron's default, without overlap_grad_reduce: every group reduces in finish_grad_sync, at the
+    # end of backward, where the chunks then start (before step(), with nothing left to overlap)
+    "no_overlap_grad_reduce_bf16": ("muon", True, 1),
 }
 EXPERT_PARALLEL = {"experts_bf16": 2}
 # bf16 gradient buffers, fc1's gradients accumulated in fp32 tensors of their own (Megatron's
@@ -105,7 +108,8 @@ def build(case, overlap, seed, device="cpu"):
         fields["params_dtype"] = torch.bfloat16
     config = mcore_optimizer.OptimizerConfig(**fields)
     config.muon_workspace_mib = 0.001  # a chunk per matrix: chunks start one by one as their groups reduce
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=BUCKET_SIZE,
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=case != "no_overlap_grad_reduce_bf16",
+                                               bucket_size=BUCKET_SIZE,
                                                grad_reduce_in_fp32=case not in LEFT_TO_STEP)
     if case in LEFT_TO_STEP:
         ddp_config.param_name_patterns_for_fp32_local_accumulation = LEFT_TO_STEP[case]
