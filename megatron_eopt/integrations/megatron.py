@@ -446,8 +446,8 @@ FOLLOWED_PULL_REQUESTS: tuple[tuple[str, str], ...] = (
     ("#6422", "muon_ht (TensorParallelMuonHT): open, its description and document"),
     ("#6425", "FsdpMuon(inner_optimizer=...): open, its head as read in 2026-12"),
     ("#5986", "Megatron-FSDP v2's Muon factory: open, refused under install() unless our Muon is the inner one"),
-    ("#6683", "layer-sharded homes over GTP x TP: open, its description (our relay over TP then GTP, "
-              "not its tp_gtp_remat group)"),
+    ("#6683", "layer-sharded homes over GTP x TP: open, its description (its tp_gtp_remat group where the "
+              "pg_collection has one, else a relay over TP then GTP)"),
     ("#5925", "constructor_only_kwargs of the optimizer recipes: open"),
     ("#6720", "overlap with backward: in progress, not readable here; ours is overlap_backward"),
 )

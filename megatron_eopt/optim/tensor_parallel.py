@@ -48,7 +48,7 @@ from ..low_memory_state import DEFAULT_BLOCK_SIZE
 from .step.grouping import DEFAULT_WORKSPACE_MIB
 from .multirank.cost_model import AUTO_CANDIDATES, auto_tp_mode, group_span
 from .multirank.hardware import HARDWARE, Hardware, hardware_of
-from .multirank.layer_homes import HomeDomain
+from .multirank.layer_homes import HomeDomain, combined_peers
 from .multirank.tp_modes import GTPLayout, TPLayout
 from .projection_splits import LOCAL, WHOLE, ProjectionSplits, megatron_default, projection_shapes
 from .adaptive_muon import AdaptiveMuon
@@ -240,7 +240,24 @@ class _TensorParallelRouting(ProjectionSplits):
                           int(p.partition_dim) if tp_sharded else -1, gtp_group,
                           1 if gtp_group is None else dist.get_world_size(gtp_group),
                           0 if gtp_group is None else dist.get_rank(gtp_group), None if gtp is None else gtp.pad_rows,
-                          self.ns_batch_size)
+                          self.ns_batch_size, self._combined_domain_group(p, group, gtp_group))
+
+    def _combined_domain_group(self, p: torch.Tensor, tp_group, gtp_group) -> tuple | None:
+        """PR #6683's group of a whole TP x GTP domain (``pg_collection.tp_gtp_remat``,
+        ``expt_tp_gtp_remat`` for experts) with each member's rank in it, where the model has one and
+        both groups have several ranks: the homes' exchanges then take one all-to-all over it instead
+        of a relay over TP then GTP. Read once per set of groups (one object all-gather over GTP)."""
+        if tp_group is None or gtp_group is None or dist.get_world_size(tp_group) <= 1:
+            return None
+        name = "expt_tp_gtp_remat" if getattr(p, "expert_tp", False) else "tp_gtp_remat"
+        combined = getattr(self.pg_collection, name, None)
+        if combined is None or dist.get_world_size(combined) <= 1:
+            return None
+        cache = self.__dict__.setdefault("_combined_peers", {})
+        key = (id(tp_group), id(gtp_group), id(combined))
+        if key not in cache:
+            cache[key] = (combined, combined_peers(tp_group, gtp_group, combined, name))
+        return cache[key]
 
 
 def megatron_ns_eps(use_syrk: bool) -> float:

@@ -10,9 +10,11 @@ over the TP group (``partition_dim`` -1: an MLA down-projection, a router) or ov
 only the ranks on the home's TP (GTP) line send their pieces, and every rank receives its piece of
 the one result, so the ranks holding copies no longer each orthogonalize theirs.
 
-Over TP and GTP together no process group holds the domain's ranks, so the pieces hop over the TP
-group, then the GTP group (a relay route of :mod:`.owner_exchange`); a domain of one group (GTP
-alone, or a TP-replicated matrix without GTP) exchanges over that group directly.
+Over TP and GTP together the pieces hop over the TP group, then the GTP group (a relay route of
+:mod:`.owner_exchange`: two all-to-alls each way), unless the model's ``pg_collection`` holds a group
+of the whole domain (PR #6683's ``tp_gtp_remat`` / ``expt_tp_gtp_remat``): then one all-to-all over it
+(``combined_peers`` reads each member's rank in it, in whatever order the group lists them). A domain
+of one group (GTP alone, or a TP-replicated matrix without GTP) exchanges over that group directly.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ... import _collectives as collectives
 from ..matrix_view import newton_schulz_in_batches
 from .owner_exchange import ITEMS_PER_RANK, OwnerExchange, OwnerRoute, assign_owners, ns_flops
 
@@ -44,6 +47,8 @@ class HomeDomain:
     gtp_rank: int
     gtp_pad: int | None
     ns_batch_size: int
+    # A process group of the whole domain and each member's rank in it (combined_peers), or None: relay.
+    combined: tuple | None = None
 
     @property
     def size(self) -> int:
@@ -52,7 +57,7 @@ class HomeDomain:
     @property
     def key(self) -> tuple:
         return ("homes", id(self.tp_group), self.tp_size, self.partition_dim, id(self.gtp_group), self.gtp_size,
-                self.gtp_pad, self.ns_batch_size)
+                self.gtp_pad, self.ns_batch_size, None if self.combined is None else id(self.combined[0]))
 
     def coordinates(self, member: int) -> tuple[int, int]:
         """(TP rank, GTP rank) of a member (members are numbered TP-major)."""
@@ -66,6 +71,9 @@ class HomeDomain:
             return OwnerRoute(self.gtp_group, tuple(range(self.gtp_size)), self.gtp_rank, ("gtp", id(self.gtp_group)))
         grid = tuple(itertools.product(range(self.tp_size), range(self.gtp_size)))
         me = (self.tp_rank, self.gtp_rank)
+        if self.combined is not None:  # one all-to-all over the domain's own group
+            group, peers = self.combined
+            return OwnerRoute(group, peers, grid.index(me), ("tp_gtp_group", id(group), self.tp_size, self.gtp_size))
         # Hop 0 moves a piece along this rank's TP line (same GTP rank), hop 1 along its GTP line.
         tp_line = tuple(t if g == me[1] else -1 for t, g in grid)
         gtp_line = tuple(g if t == me[0] else -1 for t, g in grid)
@@ -73,6 +81,22 @@ class HomeDomain:
                           ("tp_gtp", id(self.tp_group), id(self.gtp_group), self.tp_size, self.gtp_size),
                           hops=((self.tp_group, tp_line), (self.gtp_group, gtp_line)), grid=grid,
                           member_at={c: m for m, c in enumerate(grid)})
+
+
+def combined_peers(tp_group, gtp_group, combined, name: str) -> tuple[int, ...]:
+    """Each domain member's rank in ``combined`` (a process group of the whole TP x GTP domain, the
+    model's ``pg_collection.<name>``), members numbered TP-major as :meth:`HomeDomain.coordinates`.
+    The ranks of this rank's TP line are gathered over the GTP group (one object all-gather, when the
+    plan is built). ValueError naming ``name`` when the group is not exactly the domain."""
+    line = tuple(dist.get_process_group_ranks(tp_group))  # global ranks of (t, my GTP rank), t in order
+    lines: list = [None] * dist.get_world_size(gtp_group)
+    collectives.all_gather_object(lines, line, group=gtp_group)
+    members = [lines[g][t] for t in range(len(line)) for g in range(len(lines))]
+    in_group = dist.get_process_group_ranks(combined)
+    if sorted(members) != sorted(in_group):
+        raise ValueError(f"pg_collection.{name} holds ranks {sorted(in_group)}, but the TP x GTP domain of this "
+                         f"parameter is ranks {sorted(members)}: it must be exactly the domain")
+    return tuple(in_group.index(r) for r in members)
 
 
 def assign_homes(k: int, rows: int, cols: int, domain: HomeDomain, load: list[float]):

@@ -5,6 +5,8 @@ Every rank builds the same full weights and gradients and keeps its pieces: TP s
 by ``pad_length`` and split over GTP. TensorParallelMuon with tp_mode "layer_sharded" must equal the
 single-process optimizer on the full matrices and orthogonalize every matrix once in the domain
 (step_stats' ns_matrices summed over the 4 ranks), where duplicated mode orthogonalizes each on every rank.
+With a group of the whole domain in the pg_collection (PR #6683's ``tp_gtp_remat``, its ranks listed in
+another order than the domain's), the homes exchange over it: the same bits, half the all-to-alls.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
-from dist_harness import computing_as_the_ranks, gloo_world  # noqa: E402
+from dist_harness import computing_as_the_ranks, counted_collectives, gloo_world  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
@@ -108,6 +110,52 @@ def check(tp_group, gtp_group, cls, extra, seed):
     assert set(results["layer_sharded"][2].values()) == {"layer_sharded"}, results["layer_sharded"][2]
 
 
+def check_combined_group(tp_group, gtp_group, combined, seed):
+    """layer_sharded homes relayed over TP then GTP, and over the domain's own group: the same bits,
+    and half the all-to-alls (one each way per chunk over the group, two over the relay)."""
+    gen = torch.Generator().manual_seed(seed)
+    full = [torch.randn(shape, generator=gen) * 0.1 for shape, *_ in LAYOUT]
+    grads = [[torch.randn(shape, generator=gen) for shape, *_ in LAYOUT] for _ in range(STEPS)]
+    tp = (dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    gtp = (dist.get_rank(gtp_group), dist.get_world_size(gtp_group))
+    runs = {}
+    for name, group in (("relay", None), ("combined", combined)):
+        pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group,
+                             tp_gtp_remat=group, expt_tp_gtp_remat=group)
+        params = []
+        for w, (_, pd, pad) in zip(full, LAYOUT):
+            p = torch.nn.Parameter(_local(w, pd, pad, tp, gtp))
+            p.partition_dim = pd
+            if pad is not None:
+                p.is_gtp_weight_remat, p.pad_length = True, pad
+            params.append(p)
+        opt = TensorParallelMuon(params, lr=0.05, pg_collection=pg, tp_mode="layer_sharded",
+                                 fp32_matmul_prec="highest")
+        with counted_collectives(["all_to_all_single"]) as calls:
+            for step_grads in grads:
+                for p, g, (_, pd, pad) in zip(params, step_grads, LAYOUT):
+                    p.grad = _local(g, pd, pad, tp, gtp)
+                opt.step()
+        runs[name] = [p.detach().clone() for p in params], calls["all_to_all_single"]
+    (relay, relay_calls), (ours, combined_calls) = runs["relay"], runs["combined"]
+    for i, (a, b) in enumerate(zip(relay, ours)):
+        assert torch.equal(a, b), f"param {i} {LAYOUT[i]}: the combined group's result differs from the relay's"
+    # every exchange here spans the GTP x TP domain (the TP-only matrix has its own homes in its TP group, one
+    # all-to-all either way): seen 24 against 48
+    assert 0 < combined_calls <= relay_calls // 2, (combined_calls, relay_calls)
+    # a group that is not the domain (here the TP group) is refused, naming it, on every rank
+    wrong = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group,
+                            tp_gtp_remat=tp_group, expt_tp_gtp_remat=tp_group)
+    p = torch.nn.Parameter(_local(full[0], 0, 0, tp, gtp))
+    p.partition_dim, p.is_gtp_weight_remat, p.pad_length = 0, True, 0
+    try:
+        TensorParallelMuon([p], lr=0.05, pg_collection=wrong, tp_mode="layer_sharded")
+    except ValueError as exc:
+        assert "pg_collection.tp_gtp_remat" in str(exc), str(exc)
+    else:
+        raise AssertionError("a tp_gtp_remat group other than the TP x GTP domain was accepted")
+
+
 @exits_without_teardown
 def worker(rank, world_size, init_file, seed):
     with gloo_world(rank, world_size, init_file):
@@ -117,3 +165,4 @@ def worker(rank, world_size, init_file, seed):
         check(tp_group, gtp_group, TensorParallelMuon, {}, seed)
         check(tp_group, gtp_group, TensorParallelMuon, dict(ns_batch_size=2), seed + 1)
         check(tp_group, gtp_group, TensorParallelAdaptiveMuon, dict(moment2_method="adamuon"), seed + 2)
+        check_combined_group(tp_group, gtp_group, dist.new_group([3, 1, 0, 2]), seed + 3)
