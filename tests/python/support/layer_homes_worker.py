@@ -59,6 +59,18 @@ def _full(local, pd, pad, tp_group, gtp_group):
     return x if pd == -1 else _gather(x, tp_group, pd)
 
 
+def _tagged_pieces(full, tp, gtp, layout=LAYOUT):
+    """This rank's pieces of the full weights, tagged as Megatron tags them (partition_dim, GTP rows)."""
+    params = []
+    for w, (_, pd, pad) in zip(full, layout):
+        p = torch.nn.Parameter(_local(w, pd, pad, tp, gtp))
+        p.partition_dim = pd
+        if pad is not None:
+            p.is_gtp_weight_remat, p.pad_length = True, pad
+        params.append(p)
+    return params
+
+
 def check(tp_group, gtp_group, cls, extra, seed):
     gen = torch.Generator().manual_seed(seed)
     full = [torch.randn(shape, generator=gen) * 0.1 for shape, *_ in LAYOUT]
@@ -68,13 +80,7 @@ def check(tp_group, gtp_group, cls, extra, seed):
     pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group)
     results = {}
     for mode in ("layer_sharded", "duplicated"):
-        params = []
-        for w, (_, pd, pad) in zip(full, LAYOUT):
-            p = torch.nn.Parameter(_local(w, pd, pad, tp, gtp))
-            p.partition_dim = pd
-            if pad is not None:
-                p.is_gtp_weight_remat, p.pad_length = True, pad
-            params.append(p)
+        params = _tagged_pieces(full, tp, gtp)
         opt = cls(params, lr=0.05, pg_collection=pg, tp_mode=mode, fp32_matmul_prec="highest", **extra)
         matrices = []
         for step_grads in grads:
@@ -122,13 +128,7 @@ def check_combined_group(tp_group, gtp_group, combined, seed):
     for name, group in (("relay", None), ("combined", combined)):
         pg = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group,
                              tp_gtp_remat=group, expt_tp_gtp_remat=group)
-        params = []
-        for w, (_, pd, pad) in zip(full, LAYOUT):
-            p = torch.nn.Parameter(_local(w, pd, pad, tp, gtp))
-            p.partition_dim = pd
-            if pad is not None:
-                p.is_gtp_weight_remat, p.pad_length = True, pad
-            params.append(p)
+        params = _tagged_pieces(full, tp, gtp)
         opt = TensorParallelMuon(params, lr=0.05, pg_collection=pg, tp_mode="layer_sharded",
                                  fp32_matmul_prec="highest")
         with counted_collectives(["all_to_all_single"]) as calls:
@@ -146,10 +146,9 @@ def check_combined_group(tp_group, gtp_group, combined, seed):
     # a group that is not the domain (here the TP group) is refused, naming it, on every rank
     wrong = SimpleNamespace(tp=tp_group, expt_tp=tp_group, gtp_remat=gtp_group, expt_gtp_remat=gtp_group,
                             tp_gtp_remat=tp_group, expt_tp_gtp_remat=tp_group)
-    p = torch.nn.Parameter(_local(full[0], 0, 0, tp, gtp))
-    p.partition_dim, p.is_gtp_weight_remat, p.pad_length = 0, True, 0
     try:
-        TensorParallelMuon([p], lr=0.05, pg_collection=wrong, tp_mode="layer_sharded")
+        TensorParallelMuon(_tagged_pieces(full[:1], tp, gtp, LAYOUT[:1]), lr=0.05, pg_collection=wrong,
+                           tp_mode="layer_sharded")
     except ValueError as exc:
         assert "pg_collection.tp_gtp_remat" in str(exc), str(exc)
     else:
