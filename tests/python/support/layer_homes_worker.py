@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from megatron_eopt.optim import TensorParallelAdaptiveMuon, TensorParallelMuon  # noqa: E402
 from dist_harness import computing_as_the_ranks, counted_collectives, gloo_world  # noqa: E402
 from reference import TOLERANCE, rel_err  # noqa: E402
+from optim_helpers import tp_gtp_piece  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
 STEPS = 2
@@ -35,14 +36,6 @@ LAYOUT = [
     ((20, 12), -1, 4),  # replicated over TP, GTP rows padded by 4
     ((32, 16), 0, None),  # TP rows only: the TP group's own homes, as before
 ]
-
-
-def _local(t, pd, pad, tp, gtp):
-    if pd != -1:
-        t = t.chunk(tp[1], dim=pd)[tp[0]]
-    if pad is not None:
-        t = torch.cat([t, t.new_zeros(pad, t.shape[1])]).chunk(gtp[1])[gtp[0]]
-    return t.contiguous().clone()
 
 
 def _gather(x, group, dim):
@@ -63,7 +56,7 @@ def _tagged_pieces(full, tp, gtp, layout=LAYOUT):
     """This rank's pieces of the full weights, tagged as Megatron tags them (partition_dim, GTP rows)."""
     params = []
     for w, (_, pd, pad) in zip(full, layout):
-        p = torch.nn.Parameter(_local(w, pd, pad, tp, gtp))
+        p = torch.nn.Parameter(tp_gtp_piece(w, pd, pad, tp, gtp))
         p.partition_dim = pd
         if pad is not None:
             p.is_gtp_weight_remat, p.pad_length = True, pad
@@ -85,7 +78,7 @@ def check(tp_group, gtp_group, cls, extra, seed):
         matrices = []
         for step_grads in grads:
             for p, g, (_, pd, pad) in zip(params, step_grads, LAYOUT):
-                p.grad = _local(g, pd, pad, tp, gtp)
+                p.grad = tp_gtp_piece(g, pd, pad, tp, gtp)
             opt.step()
             matrices.append(opt.step_stats()["ns_matrices"])
         results[mode] = ([_full(p, pd, pad, tp_group, gtp_group) for p, (_, pd, pad) in zip(params, LAYOUT)],
@@ -134,7 +127,7 @@ def check_combined_group(tp_group, gtp_group, combined, seed):
         with counted_collectives(["all_to_all_single"]) as calls:
             for step_grads in grads:
                 for p, g, (_, pd, pad) in zip(params, step_grads, LAYOUT):
-                    p.grad = _local(g, pd, pad, tp, gtp)
+                    p.grad = tp_gtp_piece(g, pd, pad, tp, gtp)
                 opt.step()
         runs[name] = [p.detach().clone() for p in params], calls["all_to_all_single"]
     (relay, relay_calls), (ours, combined_calls) = runs["relay"], runs["combined"]

@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from megatron_eopt.optim import MuonHyperball, TensorParallelMuonHT  # noqa: E402
 from dist_harness import computing_as_the_ranks, counted_collectives, gloo_world  # noqa: E402
+from optim_helpers import tp_gtp_piece  # noqa: E402
 from worker_exit import exits_without_teardown  # noqa: E402
 
 RADIUS = 2.0
@@ -30,15 +31,6 @@ LAYOUT = [
     ((16, 32), 0, True, None),  # an expert weight: expt_tp
     ((20, 16), 1, False, 4),  # TP-sharded columns, GTP-sharded rows padded by 4 (24 rows, 12 per GTP rank)
 ]
-
-
-def _local(t, pd, pad, tp, gtp):
-    """The local shard: TP chunk along pd, then (pad given) rows padded by ``pad`` and chunked over GTP."""
-    if pd != -1:
-        t = t.chunk(tp[1], dim=pd)[tp[0]]
-    if pad is not None:
-        t = torch.cat([t, t.new_zeros(pad, t.shape[1])]).chunk(gtp[1])[gtp[0]]
-    return t.contiguous().clone()
 
 
 def _assemble(local, pd, pad, tp_group, gtp_group):
@@ -66,7 +58,7 @@ def check(tp_group, gtp_group, tp_mode, seed):
 
     params = []
     for w, (_, pd, expert, pad) in zip(full, LAYOUT):
-        p = torch.nn.Parameter(_local(w, pd, pad if gtp_group is not None else None, tp, gtp))
+        p = torch.nn.Parameter(tp_gtp_piece(w, pd, pad if gtp_group is not None else None, tp, gtp))
         p.partition_dim, p.expert_tp = pd, expert
         p.tensor_model_parallel = pd != -1
         if pad is not None and gtp_group is not None:
@@ -77,7 +69,7 @@ def check(tp_group, gtp_group, tp_mode, seed):
     reduces = []
     for step_grads in grads:
         for p, g, (_, pd, _, pad) in zip(params, step_grads, LAYOUT):
-            p.grad = _local(g, pd, pad if gtp_group is not None else None, tp, gtp)
+            p.grad = tp_gtp_piece(g, pd, pad if gtp_group is not None else None, tp, gtp)
         with counted_collectives(["all_reduce"]) as calls:
             opt.step()
         reduces.append(calls["all_reduce"])

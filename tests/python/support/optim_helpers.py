@@ -229,3 +229,14 @@ def matrix_blocks(t, keys):
             out.append(g[:, at:at + size].flatten(0, 1))
             at += size
     return out
+
+
+def tp_gtp_piece(t, pd, pad, tp, gtp):
+    """This rank's piece of a full weight as Megatron lays it out: the tensor-parallel chunk along
+    ``pd`` (-1: replicated over TP), then, with ``pad`` given, its rows padded by ``pad`` zero rows and
+    chunked over GTP (``tp``, ``gtp``: (rank, size))."""
+    if pd != -1:
+        t = t.chunk(tp[1], dim=pd)[tp[0]]
+    if pad is not None:
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])]).chunk(gtp[1])[gtp[0]]
+    return t.contiguous().clone()
