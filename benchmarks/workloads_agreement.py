@@ -36,6 +36,23 @@ def _slowest_ms(fn) -> float:
     return float(elapsed) * 1e3
 
 
+MANY_MATRICES = 560  # a 70B-parameter Llama's hidden matrices (80 layers of 7)
+
+
+def _host_ms(opt, repeats: int) -> float:
+    """The agreement's host part for ``opt``'s step (its fields and their bytes), median ms."""
+    from megatron_eopt.optim.multirank.agreement import fields_bytes
+
+    plan = opt._current_plan()
+    active = [e.param.grad is not None for e in plan.entries]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fields_bytes(opt._agreement_fields(active, plan))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -54,20 +71,32 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
         p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), mesh, [Shard(0)], src_data_rank=None)
     opt = Muon(params, lr=0.02)
     opt.step()  # state, plan, first-call costs
-    times = {"every_step": [], "construction": []}
-    for _ in range(3 * repeats):
-        for checks in times:
-            opt.rank_checks = checks
-            times[checks].append(_slowest_ms(opt.step))
+    # Each round: a step with the agreement, then two without (the second pair's ratio is the
+    # comparison's own noise: two settings that do the same work). The difference is about 1% of a
+    # step: many rounds.
+    times = {"every_step": [], "construction": [], "construction again": []}
+    for _ in range(12 * repeats):
+        for run in times:
+            opt.rank_checks = run.split()[0]
+            times[run].append(_slowest_ms(opt.step))
     opt.rank_checks = "every_step"
     plan = opt._current_plan()
     active = [e.param.grad is not None for e in plan.entries]
     alone = [_slowest_ms(lambda: opt._agree_step(plan, active, None)) for _ in range(3 * repeats)]
+    host = _host_ms(opt, 3 * repeats)
+    many = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(MANY_MATRICES)]
+    for p in many:
+        p.grad = torch.randn(8, 8, generator=gen)
+    alone_opt = Muon(many, lr=0.02)
+    alone_opt.step()
+    host_many = _host_ms(alone_opt, 3 * repeats)
     on, off = statistics.median(times["every_step"]), statistics.median(times["construction"])
     workloads_dist.finish_rank(rank, out, {
         "name": name, "ranks": world, "description": WORKLOADS[name][0], "matrices": len(shapes),
         "results": {"step": {"median_ms": on, "without_ms": off, "ratio": on / off,
-                             "agreement_ms": statistics.median(alone)}},
+                             "noise_ratio": statistics.median(times["construction again"]) / off,
+                             "agreement_ms": statistics.median(alone), "host_ms": host,
+                             "host_ms_many": host_many}},
     })
 
 
@@ -85,14 +114,19 @@ def markdown(entries: list[dict], environment: dict) -> str:
         measured + " FSDP2's layout (`Shard(0)` over all ranks), `Muon(params, lr=0.02)`, owner mode. "
         "**with** / **without**: median of the slowest rank's step with `rank_checks=\"every_step\"` (the default: "
         "options, groups, parameters and grads agreed before the step) and `\"construction\"` (agreed when built "
-        "only), interleaved; **agreement ms**: the agreement alone (host digest of the step's fields and one "
-        "all-reduce of five integers), median of the slowest rank.",
+        "only), interleaved; **noise**: the same ratio between two runs without it (each round runs one step "
+        "with and two without), the comparison's own spread; **agreement ms**: the agreement alone (host digest "
+        "of the step's fields and one all-reduce of five integers), median of the slowest rank; **host ms**: its "
+        f"host part (the step's fields and their bytes), rank 0, for these matrices and for {MANY_MATRICES} "
+        "(8 x 8, unsharded: the part that grows with the model).",
         "",
-        "| workload | ranks | with ms | without ms | with / without | agreement ms |",
-        "|---|---|---|---|---|---|",
+        f"| workload | ranks | with ms | without ms | with / without | noise | agreement ms | host ms | host ms, "
+        f"{MANY_MATRICES} |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         r = e["results"]["step"]
         lines.append(f"| {e['name']} | {e['ranks']} | {r['median_ms']:.1f} | {r['without_ms']:.1f} | "
-                     f"{r['ratio']:.3f} | {r['agreement_ms']:.2f} |")
+                     f"{r['ratio']:.3f} | {r['noise_ratio']:.3f} | {r['agreement_ms']:.2f} | {r['host_ms']:.3f} | "
+                     f"{r['host_ms_many']:.2f} |")
     return "\n".join(lines) + "\n"

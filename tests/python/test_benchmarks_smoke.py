@@ -297,3 +297,19 @@ def test_overlap_under_megatron_quick_run_writes_its_section(tmp_path):
     assert on["bitwise_equal"] and on["ms_before_step"] > 0 and on["held_mib"] > 0 and off["held_mib"] == 0
     assert on["ns_matrices_per_rank"] == off["ns_matrices_per_rank"] == entry["matrices"] > 0
     assert "<!-- section: overlap_megatron: " in md_path.read_text()
+
+
+def test_agreement_quick_run_writes_its_section(tmp_path):
+    """run.py --workload agreement_gpt2_124m --quick on 2 gloo ranks: the step with and without the
+    ranks' agreement, the comparison's own noise and the agreement's host part, and the section."""
+    json_path, md_path = tmp_path / "agreement.json", tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, RUN_PY, "--quick", "--workload", "agreement_gpt2_124m", "--ranks", "2",
+                           "--out", str(json_path), "--results-md", str(md_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry, = json.loads(json_path.read_text())["dist_workloads"]
+    step = entry["results"]["step"]
+    assert entry["ranks"] == 2 and entry["matrices"] == 48
+    assert step["ratio"] == pytest.approx(step["median_ms"] / step["without_ms"])
+    assert all(step[k] > 0 for k in ("noise_ratio", "agreement_ms", "host_ms", "host_ms_many"))
+    assert "<!-- section: agreement: " in md_path.read_text()

@@ -90,9 +90,22 @@ def _multi_rank(meshes) -> list[Any]:
 
 
 def _device(mesh) -> torch.device:
+    """Where the agreement's integers are reduced: on the host wherever every group of the mesh has a
+    CPU backend (``init_process_group("cpu:gloo,cuda:nccl")``, gloo), so that reading the result back
+    does not wait for the device's queued work (the backward's tail would finish before the step's
+    first kernel is launched: a gap in the device's work every step); else on the mesh's device."""
+    if mesh.device_type == "cpu" or all(_has_cpu_backend(mesh.get_group(d)) for d in range(mesh.ndim)
+                                        if mesh.size(d) > 1):
+        return torch.device("cpu")
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def _has_cpu_backend(group) -> bool:
+    """Whether ``group`` reduces host tensors (its backend config names one for ``cpu``: the same on
+    every rank, so every rank reduces in the same place)."""
+    return any(part.split(":")[0].strip() == "cpu" for part in str(dist.get_backend_config(group)).split(","))
 
 
 def _max_over(meshes, values: list[int]) -> list[int]:
@@ -122,6 +135,13 @@ def _union_over(meshes, items: list) -> list:
     return sorted(known)
 
 
+def fields_bytes(fields: Sequence[tuple[str, str]]) -> bytes:
+    """The agreement's fields as the bytes their digest is taken of: names and values joined with
+    the ASCII unit and record separators (no field holds them; a few times faster than their repr,
+    which a step with hundreds of parameters pays on the host every step)."""
+    return "\x1e".join([f"{name}\x1f{value}" for name, value in fields]).encode()
+
+
 def _digest_value(digest: bytes) -> int:
     # 7 bytes: a non-negative value whose negation also fits int64 (min and max from one MAX reduction).
     return int.from_bytes(hashlib.blake2b(digest, digest_size=7).digest(), "little")
@@ -147,7 +167,7 @@ def agree(meshes: list[Any], error: BaseException | None, digest: bytes = b"", w
             raise error
         return
     value = _digest_value(digest)
-    field_value = _digest_value(repr(tuple(fields)).encode()) if fields else 0
+    field_value = _digest_value(fields_bytes(fields)) if fields else 0
     failed, high, neg_low, field_high, field_neg_low = _max_over(
         meshes, [int(error is not None), value, -value, field_value, -field_value])  # (AGREEMENT_BYTES)
     if failed:
@@ -268,21 +288,18 @@ class RankAgreement:
         hook = type(getattr(self, "_weight_update_hook", None)).__qualname__
         fields.append(("weight_update_hook", "None" if hook in _NO_HOOK else hook))
         fields.append(("orthogonalize", type(self).orthogonalize.__qualname__))
-        grads = {}
-        if active is not None and plan is not None:  # (None: an entry whose grad is not reported)
-            grads = {id(e.param): (None if not a else e.param.grad) for e, a in zip(plan.entries, active)
-                     if a is not None}
+        entry_of = _entry_of_params(plan) if active is not None and plan is not None else None
         described = _described_params(self.param_groups, plan)
         for gi, group in enumerate(self.param_groups):
             where = f"param_groups[{gi}]"
             for key in sorted(k for k in group if k not in ("params", "param_names")):
                 fields.append((f"{where}[{key!r}]", _value_repr(group[key])))
-            for pi, p in enumerate(group["params"]):
-                name, (shape, placed) = f"{where}['params'][{pi}]", described[gi][pi]
-                value = f"{shape} {p.dtype}{placed}"
-                if id(p) in grads:
-                    g = grads[id(p)]
-                    value += ", no grad" if g is None else f", grad {g.dtype}"
+            for p, (name, shape, placed) in zip(group["params"], described[gi]):
+                value = f"{shape} {_dtype_name(p.dtype)}{placed}"
+                i = None if entry_of is None else entry_of.get(id(p))
+                if i is not None and active[i] is not None:  # (None: an entry whose grad is not reported)
+                    g = p.grad if active[i] else None
+                    value += ", no grad" if g is None else f", grad {_dtype_name(g.dtype)}"
                 fields.append((name, value))
         return fields
 
@@ -319,15 +336,16 @@ _OPTION_NAMES = ("nd_mode", "sharded_mode", "replica_work", "overlap_backward", 
                  "state_dtype", "state_block_size", "workspace_mib", "rank_checks")
 
 
-def _described_params(param_groups, plan) -> list[list[tuple[str, str]]]:
-    """Per group, per parameter: its name (where the group carries ``param_names``) and shape, and its
-    placements (DTensor), as the rank agreement compares them (the dtype is read at each call).
-    Kept with the plan, which is rebuilt whenever the groups' parameters change."""
+def _described_params(param_groups, plan) -> list[list[tuple[str, str, str]]]:
+    """Per group, per parameter: its field's name, its name (where the group carries
+    ``param_names``) and shape, and its placements (DTensor), as the rank agreement compares them (the
+    dtype is read at each call). Kept with the plan, which is rebuilt whenever the groups' parameters
+    change."""
     cached = None if plan is None else getattr(plan, "_described_params", None)
     if cached is not None:
         return cached
     out = []
-    for group in param_groups:
+    for gi, group in enumerate(param_groups):
         names = group.get("param_names")
         rows = []
         for pi, p in enumerate(group["params"]):
@@ -335,11 +353,29 @@ def _described_params(param_groups, plan) -> list[list[tuple[str, str]]]:
             if names is not None and pi < len(names):
                 shape = f"{names[pi]!r} {shape}"
             placed = f" {list(p.placements)} on mesh {tuple(p.device_mesh.mesh.shape)}" if is_dtensor(p) else ""
-            rows.append((shape, placed))
+            rows.append((f"param_groups[{gi}]['params'][{pi}]", shape, placed))
         out.append(rows)
     if plan is not None:  # (the current plan: _agree_step's)
         plan._described_params = out
     return out
+
+
+def _entry_of_params(plan) -> dict[int, int]:
+    """Each parameter's plan entry (by ``id``), kept with the plan."""
+    cached = getattr(plan, "_entry_of_params", None)
+    if cached is None:
+        cached = plan._entry_of_params = {id(e.param): i for i, e in enumerate(plan.entries)}
+    return cached
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def _value_repr(value) -> str:
