@@ -290,6 +290,8 @@ class RankAgreement:
         fields.append(("orthogonalize", type(self).orthogonalize.__qualname__))
         entry_of = _entry_of_params(plan) if active is not None and plan is not None else None
         described = _described_params(self.param_groups, plan)
+        if [len(rows) for rows in described] != [len(g["params"]) for g in self.param_groups]:
+            described = _described_params(self.param_groups, None)  # (a plan older than the groups)
         for gi, group in enumerate(self.param_groups):
             where = f"param_groups[{gi}]"
             for key in sorted(k for k in group if k not in ("params", "param_names")):
