@@ -1,11 +1,13 @@
-"""The host side of the ranks' agreement (multirank.agreement), in one process: the fields a step
-compares and their digest, and where the agreement's integers are reduced."""
+"""The host side of the ranks' agreement (multirank.agreement): the fields a step compares and their
+digest, and where the agreement's integers are reduced (stand-in groups in one process; gloo ranks,
+and NCCL ranks with and without a CPU backend: agreement_device_worker.py)."""
 
 import types
 
 import pytest
 import torch
 
+from dist_harness import run_workers
 from megatron_eopt.optim import Muon
 from megatron_eopt.optim.multirank import agreement
 
@@ -100,3 +102,29 @@ def test_agreement_reduces_on_the_host_where_every_group_can(monkeypatch, config
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert agreement._device(_Mesh("cuda", configs)).type == where
     assert agreement._device(_Mesh("cpu", configs)).type == "cpu"
+
+
+def _check_ranks(records, where):
+    """Every agreement of every rank reduced on ``where``; the first step agreed, the second (rank
+    1's lr written alone) raised the same error on both ranks, naming the field, state unchanged."""
+    for rank, record in enumerate(records):
+        assert record["places"] and set(record["places"]) == {where}, (rank, record["places"])
+        first, second = record["errors"]
+        assert first is None, first
+        assert second is not None and "param_groups[0]['lr']" in second and agreement.EVERY_RANK in second, second
+        assert record["unchanged"], rank
+    assert records[0]["errors"] == records[1]["errors"]
+
+
+@pytest.mark.distributed
+def test_a_cpu_mesh_agrees_on_the_host(tmp_path, gen):
+    records = run_workers("agreement_device_worker.py", tmp_path, 2, gen.initial_seed() % 2**31, "cpu", timeout=300)
+    _check_ranks(records, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (NCCL ranks)")
+@pytest.mark.parametrize("setup, where", [("nccl", "cuda"), ("gloo+nccl", "cpu")])
+def test_a_cuda_mesh_agrees_on_the_host_where_its_groups_can(tmp_path, gen, setup, where):
+    records = run_workers("agreement_device_worker.py", tmp_path, 2, gen.initial_seed() % 2**31, setup, timeout=300)
+    _check_ranks(records, where)
