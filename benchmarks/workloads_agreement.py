@@ -53,6 +53,20 @@ def _host_ms(opt, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _first_chunk_copy_ms(opt, plan, repeats: int) -> float:
+    """What riding on the step's first exchange would add to every step (docs/sharded.md, "Why a
+    collective of its own"): a copy of the first chunk's momentum on this rank, to put back when the
+    ranks differ. Median ms, rank 0."""
+    momentum = [opt.state[plan.entries[i].param]["momentum_buffer"].to_local() for i in plan.chunks[0]]
+    copies = [torch.empty_like(m) for m in momentum]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch._foreach_copy_(copies, momentum)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -84,6 +98,7 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
     active = [e.param.grad is not None for e in plan.entries]
     alone = [_slowest_ms(lambda: opt._agree_step(plan, active, None)) for _ in range(3 * repeats)]
     host = _host_ms(opt, 3 * repeats)
+    snapshot = _first_chunk_copy_ms(opt, plan, 3 * repeats)
     many = [torch.nn.Parameter(torch.randn(8, 8, generator=gen)) for _ in range(MANY_MATRICES)]
     for p in many:
         p.grad = torch.randn(8, 8, generator=gen)
@@ -96,7 +111,7 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
         "results": {"step": {"median_ms": on, "without_ms": off, "ratio": on / off,
                              "noise_ratio": statistics.median(times["construction again"]) / off,
                              "agreement_ms": statistics.median(alone), "host_ms": host,
-                             "host_ms_many": host_many}},
+                             "host_ms_many": host_many, "first_chunk_copy_ms": snapshot}},
     })
 
 
@@ -118,15 +133,17 @@ def markdown(entries: list[dict], environment: dict) -> str:
         "with and two without), the comparison's own spread; **agreement ms**: the agreement alone (host digest "
         "of the step's fields and one all-reduce of five integers), median of the slowest rank; **host ms**: its "
         f"host part (the step's fields and their bytes), rank 0, for these matrices and for {MANY_MATRICES} "
-        "(8 x 8, unsharded: the part that grows with the model).",
+        "(8 x 8, unsharded: the part that grows with the model); **first chunk copy ms**: what riding on the "
+        "step's first exchange would add instead (a copy of the first chunk's momentum, to put back when the "
+        "ranks differ; docs/sharded.md), rank 0.",
         "",
         f"| workload | ranks | with ms | without ms | with / without | noise | agreement ms | host ms | host ms, "
-        f"{MANY_MATRICES} |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{MANY_MATRICES} | first chunk copy ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         r = e["results"]["step"]
         lines.append(f"| {e['name']} | {e['ranks']} | {r['median_ms']:.1f} | {r['without_ms']:.1f} | "
                      f"{r['ratio']:.3f} | {r['noise_ratio']:.3f} | {r['agreement_ms']:.2f} | {r['host_ms']:.3f} | "
-                     f"{r['host_ms_many']:.2f} |")
+                     f"{r['host_ms_many']:.2f} | {r['first_chunk_copy_ms']:.2f} |")
     return "\n".join(lines) + "\n"

@@ -311,5 +311,5 @@ def test_agreement_quick_run_writes_its_section(tmp_path):
     step = entry["results"]["step"]
     assert entry["ranks"] == 2 and entry["matrices"] == 48
     assert step["ratio"] == pytest.approx(step["median_ms"] / step["without_ms"])
-    assert all(step[k] > 0 for k in ("noise_ratio", "agreement_ms", "host_ms", "host_ms_many"))
+    assert all(step[k] > 0 for k in ("noise_ratio", "agreement_ms", "host_ms", "host_ms_many", "first_chunk_copy_ms"))
     assert "<!-- section: agreement: " in md_path.read_text()
