@@ -261,15 +261,22 @@ def test_clipping_study_quick_run_reports_every_policy_and_part(tmp_path):
         assert r["grad_norm"] > 1.0
 
 
+def _quick_dist_run(tmp_path, workload, *args):
+    """run.py --quick --workload ``workload`` (one of the spawned-process workloads): its one JSON entry
+    and the RESULTS.md text it wrote."""
+    json_path, md_path = tmp_path / f"{workload}.json", tmp_path / "RESULTS.md"
+    proc = subprocess.run([sys.executable, RUN_PY, "--quick", "--workload", workload, *args, "--out", str(json_path),
+                           "--results-md", str(md_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry, = json.loads(json_path.read_text())["dist_workloads"]
+    return entry, md_path.read_text()
+
+
 def test_routing_cost_quick_run_routes_both_architectures_on_meta(tmp_path):
     """run.py --workload routing_cost --quick: tiny Llama and DeepSeek-V3 configs built on the meta
     device and routed in fresh processes; every figure is there and the routing read the uses.
     Neither time nor memory is asserted (the full-size figures are in RESULTS.md)."""
-    json_path, md_path = tmp_path / "routing.json", tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, RUN_PY, "--quick", "--workload", "routing_cost", "--out", str(json_path),
-                           "--results-md", str(md_path)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    entry, = json.loads(json_path.read_text())["dist_workloads"]
+    entry, text = _quick_dist_run(tmp_path, "routing_cost")
     assert entry["name"] == "routing_cost" and entry["quick"]
     assert list(entry["results"]) == ["Llama-3 70B", "DeepSeek-V3"]
     for name, r in entry["results"].items():
@@ -278,7 +285,6 @@ def test_routing_cost_quick_run_routes_both_architectures_on_meta(tmp_path):
         assert r["first_s"] > 0 and r["median_s"] > 0 and r["build_muon_adamw_s"] > 0, (name, r)
         assert r["tracemalloc_peak_mib"] > 0 and r["rss_before_mib"] > 0 and r["rss_growth_mib"] >= 0, (name, r)
         assert r["warnings"] == [], (name, r["warnings"])
-    text = md_path.read_text()
     assert "<!-- section: routing: " in text and "| model | layers | params |" in text
     assert "| Llama-3 70B | 2 |" in text and "| DeepSeek-V3 | 3 |" in text
 
@@ -287,29 +293,19 @@ def test_overlap_under_megatron_quick_run_writes_its_section(tmp_path):
     """run.py --workload overlap_megatron_gpt --quick on 2 gloo ranks: both modes measured, the
     parameters with and without overlap bitwise equal, and the RESULTS.md section written."""
     pytest.importorskip("megatron.core")
-    json_path, md_path = tmp_path / "overlap.json", tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, RUN_PY, "--quick", "--workload", "overlap_megatron_gpt", "--ranks", "2",
-                           "--out", str(json_path), "--results-md", str(md_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    entry, = json.loads(json_path.read_text())["dist_workloads"]
+    entry, text = _quick_dist_run(tmp_path, "overlap_megatron_gpt", "--ranks", "2")
     off, on = entry["results"]["megatron ddp, overlap off"], entry["results"]["megatron ddp, overlap on"]
     assert on["bitwise_equal"] and on["ms_before_step"] > 0 and on["held_mib"] > 0 and off["held_mib"] == 0
     assert on["ns_matrices_per_rank"] == off["ns_matrices_per_rank"] == entry["matrices"] > 0
-    assert "<!-- section: overlap_megatron: " in md_path.read_text()
+    assert "<!-- section: overlap_megatron: " in text
 
 
 def test_agreement_quick_run_writes_its_section(tmp_path):
     """run.py --workload agreement_gpt2_124m --quick on 2 gloo ranks: the step with and without the
     ranks' agreement, the comparison's own noise and the agreement's host part, and the section."""
-    json_path, md_path = tmp_path / "agreement.json", tmp_path / "RESULTS.md"
-    proc = subprocess.run([sys.executable, RUN_PY, "--quick", "--workload", "agreement_gpt2_124m", "--ranks", "2",
-                           "--out", str(json_path), "--results-md", str(md_path)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    entry, = json.loads(json_path.read_text())["dist_workloads"]
+    entry, text = _quick_dist_run(tmp_path, "agreement_gpt2_124m", "--ranks", "2")
     step = entry["results"]["step"]
     assert entry["ranks"] == 2 and entry["matrices"] == 48
     assert step["ratio"] == pytest.approx(step["median_ms"] / step["without_ms"])
     assert all(step[k] > 0 for k in ("noise_ratio", "agreement_ms", "host_ms", "host_ms_many", "first_chunk_copy_ms"))
-    assert "<!-- section: agreement: " in md_path.read_text()
+    assert "<!-- section: agreement: " in text
