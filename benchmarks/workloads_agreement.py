@@ -8,7 +8,9 @@ fields on the host. Measured here on FSDP2's layout (``Shard(0)`` DTensors over 
 GPT-2 124M's hidden matrices at a quarter width, ``Muon`` at its defaults (bf16 products, owner
 mode), steps with ``rank_checks="every_step"`` (the default) and ``"construction"`` (agreed when
 built only) interleaved, so both see the same load. Reported: the median step of the slowest
-rank each way, their ratio, and the agreement alone (host digest + all-reduce, median).
+rank each way, their ratio, the ratio between two runs without (the comparison's noise), the
+agreement alone (host digest + all-reduce, median), its host part for these matrices and for 560,
+and the copy of the first chunk's momentum that riding on the step's first exchange would add.
 """
 
 from __future__ import annotations
