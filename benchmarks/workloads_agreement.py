@@ -6,11 +6,12 @@ collective or a result (options, param groups, parameters, which have grads: doc
 "Ranks that differ"): one all-reduce of five integers per mesh dim, and a digest of the step's
 fields on the host. Measured here on FSDP2's layout (``Shard(0)`` DTensors over all ranks) of
 GPT-2 124M's hidden matrices at a quarter width, ``Muon`` at its defaults (bf16 products, owner
-mode), steps with ``rank_checks="every_step"`` (the default) and ``"construction"`` (agreed when
-built only) interleaved, so both see the same load. Reported: the median step of the slowest
-rank each way, their ratio, the ratio between two runs without (the comparison's noise), the
-agreement alone (host digest + all-reduce, median), its host part for these matrices and for 560,
-and the copy of the first chunk's momentum that riding on the step's first exchange would add.
+mode), steps with ``rank_checks="every_step"`` (the default), ``"riding"`` (the agreement in a
+header of the step's first exchange) and ``"construction"`` (agreed when built only) interleaved,
+one optimizer each, so all see the same load. Reported: the median step of the slowest rank each
+way, their ratios to the step without, the ratio between two runs without (the comparison's noise),
+the all-reduce agreement alone (host digest + all-reduce, median), its host part for these matrices
+and for 560, and riding's copy of the first chunk's momentum.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def _host_ms(opt, repeats: int) -> float:
 
 
 def _first_chunk_copy_ms(opt, plan, repeats: int) -> float:
-    """What riding on the step's first exchange would add to every step (docs/sharded.md, "Why a
-    collective of its own"): a copy of the first chunk's momentum on this rank, to put back when the
-    ranks differ. Median ms, rank 0."""
+    """What riding on the step's first exchange adds to every step (docs/sharded.md, "Riding on the
+    first exchange"): a copy of the first chunk's momentum on this rank, to put back when the ranks
+    differ. Median ms, rank 0."""
     momentum = [opt.state[plan.entries[i].param]["momentum_buffer"].to_local() for i in plan.chunks[0]]
     copies = [torch.empty_like(m) for m in momentum]
     times = []
@@ -82,20 +83,27 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
     gen = torch.Generator().manual_seed(0)
     shapes = WORKLOADS[name][1]()
     full = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-    params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)) for t in full]
-    for p in params:
-        p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), mesh, [Shard(0)], src_data_rank=None)
-    opt = Muon(params, lr=0.02)
-    opt.step()  # state, plan, first-call costs
-    # Each round: a step with the agreement, then two without (the second pair's ratio is the
-    # comparison's own noise: two settings that do the same work). The difference is about 1% of a
-    # step: many rounds.
-    times = {"every_step": [], "construction": [], "construction again": []}
+    grads = [torch.randn(t.shape, generator=gen) for t in full]
+    # One optimizer per setting, over parameters of their own (the same values): switching one
+    # optimizer's setting would make each step the first of its kind (riding needs the step before).
+    opts = {}
+    for checks in ("every_step", "riding", "construction"):
+        params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)) for t in full]
+        for p, g in zip(params, grads):
+            p.grad = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
+        opts[checks] = Muon(params, lr=0.02)
+        opts[checks].rank_checks = checks
+        opts[checks].step()  # state, plan, first-call costs, riding's ticket
+        opts[checks].step()
+    # Each round: a step with each setting, then one more without any (the ratio of the two runs
+    # without is the comparison's own noise: two runs that do the same work). The differences are
+    # about 1% of a step: many rounds.
+    times = {"every_step": [], "riding": [], "construction": [], "construction again": []}
     for _ in range(12 * repeats):
         for run in times:
-            opt.rank_checks = run.split()[0]
-            times[run].append(_slowest_ms(opt.step))
-    opt.rank_checks = "every_step"
+            times[run].append(_slowest_ms(opts[run.split()[0]].step))
+    riding_stats = opts["riding"].step_stats()
+    opt = opts["every_step"]
     plan = opt._current_plan()
     active = [e.param.grad is not None for e in plan.entries]
     alone = [_slowest_ms(lambda: opt._agree_step(plan, active, None)) for _ in range(3 * repeats)]
@@ -108,9 +116,13 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
     alone_opt.step()
     host_many = _host_ms(alone_opt, 3 * repeats)
     on, off = statistics.median(times["every_step"]), statistics.median(times["construction"])
+    ride = statistics.median(times["riding"])
     workloads_dist.finish_rank(rank, out, {
         "name": name, "ranks": world, "description": WORKLOADS[name][0], "matrices": len(shapes),
         "results": {"step": {"median_ms": on, "without_ms": off, "ratio": on / off,
+                             "riding_ms": ride, "riding_ratio": ride / off,
+                             "riding_agreements": riding_stats["agreements"],
+                             "riding_agreement_bytes": riding_stats["agreement_bytes"],
                              "noise_ratio": statistics.median(times["construction again"]) / off,
                              "agreement_ms": statistics.median(alone), "host_ms": host,
                              "host_ms_many": host_many, "first_chunk_copy_ms": snapshot}},
@@ -130,22 +142,24 @@ def markdown(entries: list[dict], environment: dict) -> str:
         "",
         measured + " FSDP2's layout (`Shard(0)` over all ranks), `Muon(params, lr=0.02)`, owner mode. "
         "**with** / **without**: median of the slowest rank's step with `rank_checks=\"every_step\"` (the default: "
-        "options, groups, parameters and grads agreed before the step) and `\"construction\"` (agreed when built "
-        "only), interleaved; **noise**: the same ratio between two runs without it (each round runs one step "
-        "with and two without), the comparison's own spread; **agreement ms**: the agreement alone (host digest "
+        "options, groups, parameters and grads agreed by an all-reduce before the step) and `\"construction\"` "
+        "(agreed when built only); **riding**: with `\"riding\"` (the same agreement in a header of the step's "
+        "first exchange, with the copy of its first chunk's state), one optimizer per setting, steps interleaved; "
+        "**noise**: the ratio between two runs without it (each round runs one step of each and one more "
+        "without), the comparison's own spread; **agreement ms**: the all-reduce agreement alone (host digest "
         "of the step's fields and one all-reduce of five integers), median of the slowest rank; **host ms**: its "
         f"host part (the step's fields and their bytes), rank 0, for these matrices and for {MANY_MATRICES} "
-        "(8 x 8, unsharded: the part that grows with the model); **first chunk copy ms**: what riding on the "
-        "step's first exchange would add instead (a copy of the first chunk's momentum, to put back when the "
-        "ranks differ; docs/sharded.md), rank 0.",
+        "(8 x 8, unsharded: the part that grows with the model; riding pays it too); **first chunk copy ms**: "
+        "riding's copy of the first chunk's momentum, rank 0.",
         "",
-        f"| workload | ranks | with ms | without ms | with / without | noise | agreement ms | host ms | host ms, "
-        f"{MANY_MATRICES} | first chunk copy ms |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| workload | ranks | with ms | riding ms | without ms | with / without | riding / without | noise | "
+        f"agreement ms | host ms | host ms, {MANY_MATRICES} | first chunk copy ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         r = e["results"]["step"]
-        lines.append(f"| {e['name']} | {e['ranks']} | {r['median_ms']:.1f} | {r['without_ms']:.1f} | "
-                     f"{r['ratio']:.3f} | {r['noise_ratio']:.3f} | {r['agreement_ms']:.2f} | {r['host_ms']:.3f} | "
+        lines.append(f"| {e['name']} | {e['ranks']} | {r['median_ms']:.1f} | {r['riding_ms']:.1f} | "
+                     f"{r['without_ms']:.1f} | {r['ratio']:.3f} | {r['riding_ratio']:.3f} | {r['noise_ratio']:.3f} | "
+                     f"{r['agreement_ms']:.2f} | {r['host_ms']:.3f} | "
                      f"{r['host_ms_many']:.2f} | {r['first_chunk_copy_ms']:.2f} |")
     return "\n".join(lines) + "\n"

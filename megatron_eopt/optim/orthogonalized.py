@@ -76,13 +76,14 @@ from .step.grouping import (
     chunk_entries,
     workspace_budget_bytes,
 )
+from .step.ride import RidingStep
 from .step.state import FusedState
 from .weight_update_hooks import NoOpWeightUpdateHook
 from .. import low_memory_state as lms
 from ..step_stats import StepStatsReporter, records_step_stats
 
 
-class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgreement, StepStatsReporter,
+class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgreement, RidingStep, StepStatsReporter,
                               torch.optim.Optimizer):
     """Emerging-Optimizers' base class of orthogonalized optimizers.
 
@@ -281,6 +282,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             agree(meshes, error, what=type(self).__name__, fields=self._agreement_fields() if meshes else ())
             if self._constructed:
                 self._rebuild_plan()
+                self._drop_ride_ticket()  # (every rank agreed on the group: the next step agrees afresh)
         except Exception:
             self.param_groups.pop()
             if self._constructed:
@@ -431,6 +433,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         overlap = self.__dict__.get("_overlap")
         if overlap is not None and overlap.work is not None and overlap.work.off:
             overlap.work = None  # backward started nothing: this step does it all
+        if self._ride_ticket is not None and not torch.compiler.is_compiling() and self._ride():
+            return None  # (step.ride: rode the ticket; on a fallback every rank goes on to the ordinary step)
         error = self._step_time_error() or self._spanning_matrix_error()
         overlapped = overlap is not None and overlap.work is not None
         fused = self._use_fused_step()
@@ -469,8 +473,11 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             self._finish_overlapped_step(overlap)
             return None
         run = engine.begin(plan, optimizer=self)  # (step.engine: the one step, plain or overlapped with backward)
+        first = None if torch.compiler.is_compiling() else self._record_first_exchange()
         run.run_chunks(active)  # the matrices whose buffers fit the workspace budget together, in plan order
         run.finish()
+        if not torch.compiler.is_compiling():
+            self._end_ride_record(first, plan, active)
         return None
 
     @torch._disable_dynamo

@@ -302,10 +302,13 @@ def test_overlap_under_megatron_quick_run_writes_its_section(tmp_path):
 
 def test_agreement_quick_run_writes_its_section(tmp_path):
     """run.py --workload agreement_gpt2_124m --quick on 2 gloo ranks: the step with and without the
-    ranks' agreement, the comparison's own noise and the agreement's host part, and the section."""
+    ranks' agreement and riding it, the comparison's own noise and the agreement's host part, and
+    the section."""
     entry, text = _quick_dist_run(tmp_path, "agreement_gpt2_124m", "--ranks", "2")
     step = entry["results"]["step"]
     assert entry["ranks"] == 2 and entry["matrices"] == 48
     assert step["ratio"] == pytest.approx(step["median_ms"] / step["without_ms"])
+    assert step["riding_ratio"] == pytest.approx(step["riding_ms"] / step["without_ms"])
+    assert step["riding_agreements"] == 1 and step["riding_agreement_bytes"] == 24  # (it rode: one header sent)
     assert all(step[k] > 0 for k in ("noise_ratio", "agreement_ms", "host_ms", "host_ms_many", "first_chunk_copy_ms"))
     assert "<!-- section: agreement: " in text

@@ -142,7 +142,7 @@ def fields_bytes(fields: Sequence[tuple[str, str]]) -> bytes:
     return "\x1e".join([f"{name}\x1f{value}" for name, value in fields]).encode()
 
 
-def _digest_value(digest: bytes) -> int:
+def digest_value(digest: bytes) -> int:
     # 7 bytes: a non-negative value whose negation also fits int64 (min and max from one MAX reduction).
     return int.from_bytes(hashlib.blake2b(digest, digest_size=7).digest(), "little")
 
@@ -166,8 +166,8 @@ def agree(meshes: list[Any], error: BaseException | None, digest: bytes = b"", w
         if error is not None:
             raise error
         return
-    value = _digest_value(digest)
-    field_value = _digest_value(fields_bytes(fields)) if fields else 0
+    value = digest_value(digest)
+    field_value = digest_value(fields_bytes(fields)) if fields else 0
     failed, high, neg_low, field_high, field_neg_low = _max_over(
         meshes, [int(error is not None), value, -value, field_value, -field_value])  # (AGREEMENT_BYTES)
     if failed:
@@ -253,6 +253,7 @@ class RankAgreement:
     ``param_groups``, ``orthogonalize`` and the options of ``_OPTION_NAMES``."""
 
     _rank_checks: str = "every_step"
+    _rank_checks_in_force: str = "every_step"  # the value every rank last agreed on (_agree_step)
 
     @property
     def rank_checks(self) -> str:
@@ -260,9 +261,11 @@ class RankAgreement:
         options, every param group's values, each parameter's name, shape, dtype and placements, and
         which parameters have a grad): ``"every_step"`` (default) at construction, at
         ``add_param_group`` and before every step whose matrices span ranks (one all-reduce of five
-        integers per mesh dim); ``"construction"``: at construction and ``add_param_group`` only (a
-        value written, or a grad missing, on some ranks later is not caught). Set it alike on every
-        rank. See docs/sharded.md "Ranks that differ"."""
+        integers per mesh dim); ``"riding"``: the same checks, but a step that can (a one-dim FSDP2
+        step in owner mode, eager) compares them in a header of its first exchange instead of an
+        all-reduce of its own (``multirank.riding``); ``"construction"``: at construction and
+        ``add_param_group`` only (a value written, or a grad missing, on some ranks later is not
+        caught). Set it alike on every rank. See docs/sharded.md "Ranks that differ"."""
         return self._rank_checks
 
     @rank_checks.setter
@@ -311,12 +314,16 @@ class RankAgreement:
         matrix sharded across ranks), when any rank refused the step or holds different
         ``_agreement_fields`` (grads included): one all-reduce of five integers per mesh dim, before
         anything changes, so a rank never enters a collective the others do not. Not in a compiled
-        step or a CUDA graph capture (no host values there), nor with ``rank_checks="construction"``.
-        ``chunk``: the chunk about to start (``overlap_backward`` agrees before each chunk whose work
-        communicates, with the grads of its members, and once more when step() finishes)."""
+        step or a CUDA graph capture (no host values there), nor with ``rank_checks="construction"``
+        in force: the value every rank last agreed on, not this rank's own (a rank that alone writes
+        another is then told at the step, with the others). ``chunk``: the chunk about to start
+        (``overlap_backward`` agrees before each chunk whose work communicates, with the grads of its
+        members, and once more when step() finishes)."""
         block_step = getattr(self, "block_period", None) is not None and self._block_step_now()
-        if (torch.compiler.is_compiling() or self.rank_checks != "every_step" or not step_meshes(plan)
+        if (torch.compiler.is_compiling() or self._rank_checks_in_force == "construction" or not step_meshes(plan)
                 or capturing_cuda_graph(plan) or block_step):  # (MuonBP's block steps communicate nothing)
+            if not torch.compiler.is_compiling():
+                self._rank_checks_in_force = self.rank_checks  # (leaving "construction": alike on every rank)
             if error is not None:
                 raise error
             return
@@ -326,9 +333,10 @@ class RankAgreement:
         if chunk is not None:
             fields.append(("chunk started", "step() finishing" if chunk < 0 else str(chunk)))
         agree(meshes, error, what=type(self).__name__, fields=fields)
+        self._rank_checks_in_force = self.rank_checks
 
 
-RANK_CHECKS = ("every_step", "construction")
+RANK_CHECKS = ("every_step", "riding", "construction")
 # The configuration's fields named by the constructor argument that sets them, and those derived
 # from others (the coefficient set's expansion), left out of the rank agreement's fields.
 _CONFIG_ARGUMENT_NAMES = {"precision": "fp32_matmul_prec", "ns_eps": "eps"}

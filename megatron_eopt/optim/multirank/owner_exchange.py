@@ -171,11 +171,13 @@ class _Transfer:
     this rank.
     """
 
-    def __init__(self, route: OwnerRoute, meta, mine: dict, like: torch.Tensor) -> None:
+    def __init__(self, route: OwnerRoute, meta, mine: dict, like: torch.Tensor, first=None) -> None:
         self.route, self.meta, self.like = route, meta, like
         self.sent = 0
         self.held = mine
         self.hop = 0
+        # the step's first exchange (multirank.riding.FirstExchange: recorded or carrying headers), or None
+        self.first = first
         self.pending = self._start_hop()
 
     def _position(self, piece, hop: int) -> int:
@@ -208,21 +210,38 @@ class _Transfer:
         for m in there:
             out_splits[self._group_rank(self._position(m, hop))] += m[3]
         parts = [self.held[m[:3]].reshape(-1) for m in here]
+        mine = self._group_rank(me)
+        self.sent += (sum(in_splits) - in_splits[mine]) * self.like.element_size()
+        first, self.first = self.first, None
+        if first is not None:
+            dests = [self._group_rank(self._position(m, hop + 1)) for m in here]
+            work, recv, payloads = first.start(group, self.like.device.type, parts, dests, in_splits, out_splits,
+                                               self.like)
+            if payloads is not None:  # riding: every source's pieces, then its header
+                return work, recv, there, [self._group_rank(self._position(m, hop)) for m in there], payloads
+            return work, recv, there, None, None
         buf = torch.cat(parts) if parts else self.like.new_empty(0)
         recv = buf.new_empty(sum(out_splits))
         work = collectives.all_to_all_single(recv, buf, out_splits, in_splits, group=group, async_op=True)
-        mine = self._group_rank(me)
-        self.sent += (buf.numel() - in_splits[mine]) * buf.element_size()
-        return work, recv, there
+        return work, recv, there, None, None
 
     def _finish_hop(self) -> None:
-        work, recv, there = self.pending
+        work, recv, there, sources, payloads = self.pending
+        self.pending = None
         work.wait()
-        self.held = {m[:3]: t for m, t in zip(there, recv.split([m[3] for m in there]))}
+        sizes = [m[3] for m in there]
+        if payloads is None:
+            pieces = recv.split(sizes)
+        else:  # (`there` is in source order: each source's payload splits into its pieces)
+            pieces, by_source = [], payloads()
+            for source, items in itertools.groupby(zip(sources, sizes), key=lambda x: x[0]):
+                pieces += by_source[source].split([n for _, n in items])
+        self.held = {m[:3]: t for m, t in zip(there, pieces)}
         self.hop += 1
 
     def wait(self) -> dict:
-        self._finish_hop()
+        if self.pending is not None:
+            self._finish_hop()
         while self.hop < len(self.route.hops):
             self.pending = self._start_hop()
             self._finish_hop()
@@ -255,20 +274,26 @@ class OwnerExchange:
     back: Any
     deliver: Any
     like: torch.Tensor
+    # The step's first exchange (multirank.riding.FirstExchange), made by the first chunk's forward
+    # transfer: where it carries the ranks' headers, they are read before any other transfer starts.
+    first: Any = None
 
     def run(self) -> int:
         """Runs every chunk; returns the bytes this rank sent to other ranks."""
         members, me = range(self.route.size), self.route.me
 
-        def forward(chunk):
+        def forward(chunk, first=None):
             meta = [(s, self.owners[k], k, self.to_owner(k, s)) for k in chunk for s in members]
             # a member that sends an owner nothing (another replica's, replica_work="split") sends it an empty piece
             mine = {(me, self.owners[k], k): self.send(k) if self.to_owner(k, me) else self.like.new_empty(0)
                     for k in chunk}
-            return _Transfer(self.route, meta, mine, self.like)
+            return _Transfer(self.route, meta, mine, self.like, first)
 
         transfers, pending_back = [], []
-        nxt = forward(self.chunks[0]) if self.chunks else None
+        nxt = forward(self.chunks[0], self.first) if self.chunks else None
+        if nxt is not None and self.first is not None:
+            nxt.wait()
+            self.first.settle()  # (riding: every rank read every header; raises alike where one differs)
         for ci, chunk in enumerate(self.chunks):
             transfer = nxt
             # The next chunk's pieces travel while this chunk is computed.

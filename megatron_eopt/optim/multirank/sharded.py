@@ -46,6 +46,9 @@ class ShardedOrthogonalizer:
         # count_below_eps(x, eps): told every whole matrix (a (k, m, n) view) before its Newton–Schulz,
         # on the rank that runs it (the owner; every rank in gather mode). Set by the optimizer.
         self.count_below_eps = None
+        # The step's first exchange (multirank.riding.FirstExchange), set by the optimizer for one step
+        # and handed to the first owner exchange that runs.
+        self.first_exchange = None
 
     def _ns(self, full: list[torch.Tensor], config=None, splits=None) -> list[torch.Tensor]:
         """One batched Newton–Schulz per matrix shape over 2-D (m, n) and 3-D (E, m, n) tensors, with
@@ -143,7 +146,12 @@ class ShardedOrthogonalizer:
             back=lambda i, result, s: result[_slices(in_region(i, s))],
             deliver=deliver,
             like=inputs[ks[0]],
+            first=self._take_first_exchange(),
         ).run()
+
+    def _take_first_exchange(self):
+        first, self.first_exchange = self.first_exchange, None
+        return first
 
 
 def owner_routes(layouts: list[ShardLayout]) -> dict[tuple, list[int]]:

@@ -32,6 +32,8 @@ from dist_harness import RANK_CPU_PRODUCTS  # noqa: E402
 
 SHAPES = [(12, 8), (12, 8), (9, 20)]  # two of one shape: a swapped order is only told apart by name
 COLLECTIVE_TIMEOUT_S = 20
+# What the step-time cases set opt.rank_checks to ("riding:CASE" runs CASE with "riding").
+RANK_CHECKS = {"mode": "every_step"}
 
 
 def _mesh(case: str, world: int):
@@ -92,8 +94,9 @@ def _at_construction(params, make):
 
 
 def _at_second_step(opt, params, seed, between=lambda: None, grads=None):
+    opt.rank_checks = RANK_CHECKS["mode"]
     _grads(params, seed)
-    opt.step()
+    opt.step()  # (agreed by an all-reduce; with "riding" the second step rides its first exchange)
     (grads or (lambda: _grads(params, seed + 1)))()
     between()
     before = _snapshot(params, opt)
@@ -231,10 +234,42 @@ def loaded_other_checkpoint(mesh, rank, seed):
     return _at_second_step(opt, params, seed, between)
 
 
+def written_on_one_rank(name, value, rank_writing=0):
+    """An attribute written on one rank between steps (one that changes the first exchange's shape,
+    or whether the step can ride, as much as one that does not)."""
+    def case(mesh, rank, seed):
+        params = _params(mesh, seed)
+        opt = Muon(params, **KW)
+
+        def between():
+            if rank == rank_writing:
+                setattr(opt, name, value)
+
+        return _at_second_step(opt, params, seed, between)
+
+    case.__name__ = f"{name}_on_one_rank"
+    return case
+
+
+def params_replaced_on_one_rank(mesh, rank, seed):
+    """A parameter replaced in its group on rank 1 (that rank's plan is rebuilt at the step)."""
+    params = _params(mesh, seed)
+    opt = Muon(params, **KW)
+
+    def between():
+        if rank == 1:
+            fresh = torch.nn.Parameter(params[2].detach().clone())
+            fresh.grad = params[2].grad
+            opt.param_groups[0]["params"][2] = fresh
+
+    return _at_second_step(opt, params, seed, between)
+
+
 def alike(mesh, rank, seed):
     """The control: ranks alike step without error (a check that raised here would be no check)."""
     params = _params(mesh, seed)
     opt = AdaptiveMuon(params, **KW, moment2_method="normuon")
+    opt.rank_checks = RANK_CHECKS["mode"]
     _grads(params, seed)
     opt.step()
     _grads(params, seed + 1)
@@ -266,6 +301,7 @@ def tensor_parallel_grad_missing(mesh, rank, seed):
     params = _tp_params(rank, world, seed)
     pg = SimpleNamespace(tp=dist.group.WORLD, expt_tp=dist.group.WORLD)
     opt = TensorParallelMuon(params, **KW, pg_collection=pg, tp_mode="distributed")
+    opt.rank_checks = RANK_CHECKS["mode"]
 
     def grads(step):
         gen = torch.Generator().manual_seed(seed + step)
@@ -304,6 +340,10 @@ CASES = {
     "alike": alike,
     "tensor_parallel_option": tensor_parallel_option,
     "tensor_parallel_grad_missing": tensor_parallel_grad_missing,
+    "workspace_mib_on_one_rank": written_on_one_rank("workspace_mib", 0.0005),
+    "sharded_mode_on_one_rank": written_on_one_rank("sharded_mode", "gather", rank_writing=1),
+    "rank_checks_on_one_rank": written_on_one_rank("rank_checks", "construction", rank_writing=2),
+    "params_replaced_on_one_rank": params_replaced_on_one_rank,
     "hsdp_replica_work": option("replica_work", "repeat"),
     "hsdp_grad_missing": grad_missing,
     "hsdp_alike": alike,
@@ -311,8 +351,10 @@ CASES = {
 
 
 def run_case(name, rank, world, seed):
-    mesh = _mesh(name, world)
-    before, call, after = CASES[name](mesh, rank, seed)
+    mode, _, case = name.rpartition(":")
+    RANK_CHECKS["mode"] = mode or "every_step"
+    mesh = _mesh(case, world)
+    before, call, after = CASES[case](mesh, rank, seed)
     record = {"error": None, "unchanged": None}
     try:
         call()

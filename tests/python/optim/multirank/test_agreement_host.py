@@ -67,7 +67,7 @@ def test_step_digest_differs_exactly_when_a_field_does(change):
         opt._rebuild_plan()
     after = _step_fields(opt)
     assert (before == after) == (change == "same")
-    digest = agreement._digest_value
+    digest = agreement.digest_value
     assert (digest(agreement.fields_bytes(before)) == digest(agreement.fields_bytes(after))) == (change == "same")
 
 

@@ -1,6 +1,7 @@
 """Ranks that differ get one clear error on every rank (docs/sharded.md "Ranks that differ"): a table
 of cases, each making one rank of a mesh differ from the others in one thing that changes a
-collective or a result (rank_mismatch_worker). Every rank must raise the same ValueError, naming
+collective or a result (rank_mismatch_worker), with ``rank_checks="every_step"`` and, for the cases a
+step decides, ``"riding"``. Every rank must raise the same ValueError, naming
 the field and each rank's value, within seconds (the workers' collectives time out after 20 s, so
 a hang fails the test rather than stalling the suite), with its parameters and state unchanged."""
 
@@ -35,12 +36,26 @@ CASES = {
     "alike": None,
     "tensor_parallel_option": r"differ in num_ns_steps: 5 on rank\(s\) \[0, 2\]; 6 on rank\(s\) \[1\]",
     "tensor_parallel_grad_missing": r"params'\]\[0\]: .*no grad on rank\(s\) \[0\]; .*grad torch.float32 on rank\(s\) \[1, 2\]",
+    "workspace_mib_on_one_rank": r"differ in workspace_mib: 0.0005 on rank\(s\) \[0\]; 'auto' on rank\(s\) \[1, 2\]",
+    "sharded_mode_on_one_rank": r"differ in sharded_mode: 'owner' on rank\(s\) \[0, 2\]; 'gather' on rank\(s\) \[1\]",
+    "rank_checks_on_one_rank":
+        r"differ in rank_checks: '(every_step|riding)' on rank\(s\) \[0, 1\]; 'construction' on rank\(s\) \[2\]",
+    "params_replaced_on_one_rank": r"differ in param_groups\[0\]\['params'\]\[0\]",
 }
+# The cases decided at a step, with rank_checks="riding": the second step rides its first exchange
+# (the tensor-parallel case cannot ride, and agrees as "every_step" does).
+RIDING_CASES = {f"riding:{case}": CASES[case] for case in (
+    "grad_missing", "refused_on_one_rank", "lr_scheduled_on_one_rank", "lr_tensor", "nesterov_written",
+    "extra_scale_factor_written", "loaded_other_checkpoint", "alike", "tensor_parallel_grad_missing",
+    "workspace_mib_on_one_rank", "sharded_mode_on_one_rank", "rank_checks_on_one_rank")}
+RIDING_CASES["riding:params_replaced_on_one_rank"] = (
+    r"differ in step plan rebuilt: no on rank\(s\) \[0, 2\]; yes on rank\(s\) \[1\]")
 HSDP_CASES = {
     "hsdp_replica_work": r"differ in replica_work: 'repeat' on rank\(s\) \[0\]; 'auto' on rank\(s\) \[1, 2, 3, 4, 5\]",
     "hsdp_grad_missing": r"params'\]\[1\]: .*no grad on rank\(s\) \[2\]",
     "hsdp_alike": None,
 }
+HSDP_CASES.update({f"riding:{case}": HSDP_CASES[case] for case in ("hsdp_grad_missing", "hsdp_alike")})
 
 
 def _check(records, cases):
@@ -75,6 +90,13 @@ def test_ranks_that_differ_raise_alike_on_three_ranks(tmp_path, gen):
     seed = gen.initial_seed() % (2**31)
     records = run_workers("rank_mismatch_worker.py", tmp_path, 3, seed, ",".join(CASES), timeout=600)
     _check(records, CASES)
+
+
+@pytest.mark.distributed
+def test_ranks_that_differ_raise_alike_when_riding(tmp_path, gen):
+    seed = gen.initial_seed() % (2**31)
+    records = run_workers("rank_mismatch_worker.py", tmp_path, 3, seed, ",".join(RIDING_CASES), timeout=600)
+    _check(records, RIDING_CASES)
 
 
 @pytest.mark.distributed
