@@ -291,7 +291,7 @@ class OwnerExchange:
 
         transfers, pending_back = [], []
         nxt = forward(self.chunks[0], self.first) if self.chunks else None
-        if nxt is not None and self.first is not None:
+        if nxt is not None and self.first is not None and self.first.riding:
             nxt.wait()
             self.first.settle()  # (riding: every rank read every header; raises alike where one differs)
         for ci, chunk in enumerate(self.chunks):

@@ -137,9 +137,10 @@ class FirstExchange:
     hands it its first hop): recorded, where the step makes the next ticket, or riding a ticket
     with this rank's header, where the step rides."""
 
-    def __init__(self, ticket: Ticket | None = None, digest: int = 0) -> None:
+    def __init__(self, ticket: Ticket | None = None, digest: int = 0, saved: "FirstChunkState | None" = None) -> None:
         self.ticket = ticket
         self.digest = digest
+        self.saved = saved  # riding: what the step wrote before the exchange, until the headers agree
         self.shape: tuple | None = None  # recorded: (group, device type, in, out splits, dtype, device)
         self._started: _Started | None = None
 
@@ -177,6 +178,12 @@ class FirstExchange:
         rows = self._started.headers()
         if any(refused or changed for refused, changed, _ in rows) or len({d for _, _, d in rows}) > 1:
             raise RideFallback("a rank differs")
+        if self.saved is not None:
+            self.saved.drop()  # (no rank falls back now: the copy goes before the chunk's Newton–Schulz)
+
+    @property
+    def riding(self) -> bool:
+        return self.ticket is not None
 
     def make_ticket(self, key: int) -> Ticket | None:
         if self.ticket is not None:
@@ -191,22 +198,33 @@ def rides(plan, layouts) -> bool:
     """Whether the step's first collective is one owner all-to-all over one process group holding
     every rank the step communicates with: its matrices spanning ranks all in owner mode over the
     same direct route of a mesh with one dim of more than one rank, no tensor-parallel, GTP or
-    layer-home stack, and one in the step's first chunk."""
-    if not layouts or any(s.tp is not None or s.gtp is not None or s.home is not None for s in plan.stacks):
-        return False
+    layer-home stack (``_ride_group``, kept with the plan), and one in the step's first chunk."""
+    group = getattr(plan, "_ride_group", _UNSET)
+    if group is _UNSET:
+        group = plan._ride_group = _ride_group(plan)
+    return group is not None and bool(layouts) and any(plan.entries[i].spans_ranks for i in layouts[0].members)
+
+
+_UNSET = object()
+
+
+def _ride_group(plan):
+    """The one group a step of ``plan`` could ride (None: none; see :func:`rides`)."""
+    if any(s.tp is not None or s.gtp is not None or s.home is not None for s in plan.stacks):
+        return None
     group = None
     for e in plan.entries:
         if not e.spans_ranks:
             continue
         s = e.sharding
         if s is None or s.kind != "owner" or s.route is None or s.route.hops or s.route.group is None:
-            return False
-        if sum(1 for size in s.mesh.mesh.shape if size > 1) != 1:
-            return False
+            return None
+        if sum(1 for d in range(s.mesh.ndim) if s.mesh.size(d) > 1) != 1:
+            return None
         if group is not None and s.route.group is not group:
-            return False
+            return None
         group = s.route.group
-    return group is not None and any(plan.entries[i].spans_ranks for i in layouts[0].members)
+    return group
 
 
 class FirstChunkState:
@@ -221,6 +239,9 @@ class FirstChunkState:
             state = opt.state.get(p)
             self.saved.append((p, None if state is None else
                                {k: local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}))
+
+    def drop(self) -> None:
+        self.saved = []
 
     def restore(self) -> None:
         for p, saved in self.saved:

@@ -58,7 +58,7 @@ class RidingStep:
         if layouts is not None and ride_key(fields) == ticket.key and self._can_ride(plan, layouts):
             saved = FirstChunkState(self, plan, layouts[0].members)
             run = self._engine.begin(plan, revertible=True, optimizer=self)
-            self._sharded.first_exchange = FirstExchange(ticket, digest)
+            self._sharded.first_exchange = FirstExchange(ticket, digest, saved)
             try:
                 run.run_chunks(active)
             except RideFallback:
