@@ -8,8 +8,9 @@ fields on the host. Measured here on FSDP2's layout (``Shard(0)`` DTensors over 
 GPT-2 124M's hidden matrices at a quarter width, ``Muon`` at its defaults (bf16 products, owner
 mode), steps with ``rank_checks="every_step"`` (the default), ``"riding"`` (the agreement in a
 header of the step's first exchange) and ``"construction"`` (agreed when built only) interleaved,
-one optimizer each, so all see the same load. Reported: the median step of the slowest rank each
-way, their ratios to the step without, the ratio between two runs without (the comparison's noise),
+one optimizer each and one more without, the settings rotated over the optimizers, so all see the
+same load and the same memory. Reported: the median step of the slowest rank each way, their ratios
+to the step without, the ratio between the two runs without (the comparison's noise),
 the all-reduce agreement alone (host digest + all-reduce, median), its host part for these matrices
 and for 560, and riding's copy of the first chunk's momentum.
 """
@@ -84,26 +85,30 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
     shapes = WORKLOADS[name][1]()
     full = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
     grads = [torch.randn(t.shape, generator=gen) for t in full]
-    # One optimizer per setting, over parameters of their own (the same values): switching one
-    # optimizer's setting would make each step the first of its kind (riding needs the step before).
-    opts = {}
-    for checks in ("every_step", "riding", "construction"):
+    # One optimizer per setting, over parameters of their own (the same values), the settings rotated
+    # over the optimizers in as many phases, so that what differs between the optimizers themselves
+    # (where their memory lies) weighs on every setting alike.
+    settings = ["every_step", "riding", "construction", "construction again"]
+    opts = []
+    for _ in settings:
         params = [torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)) for t in full]
         for p, g in zip(params, grads):
             p.grad = distribute_tensor(g, mesh, [Shard(0)], src_data_rank=None)
-        opts[checks] = Muon(params, lr=0.02)
-        opts[checks].rank_checks = checks
-        opts[checks].step()  # state, plan, first-call costs, riding's ticket
-        opts[checks].step()
-    # Each round: a step with each setting, then one more without any (the ratio of the two runs
-    # without is the comparison's own noise: two runs that do the same work). The differences are
-    # about 1% of a step: many rounds.
-    times = {"every_step": [], "riding": [], "construction": [], "construction again": []}
-    for _ in range(12 * repeats):
-        for run in times:
-            times[run].append(_slowest_ms(opts[run.split()[0]].step))
-    riding_stats = opts["riding"].step_stats()
-    opt = opts["every_step"]
+        opts.append(Muon(params, lr=0.02))
+    # Each round: a step with each setting (the ratio of the two runs without is the comparison's
+    # own noise: two runs that do the same work). The differences are about 1% of a step: many rounds.
+    times: dict[str, list[float]] = {run: [] for run in settings}
+    for phase in range(len(settings)):
+        by_setting = {run: opts[(i + phase) % len(opts)] for i, run in enumerate(settings)}
+        for run, o in by_setting.items():
+            o.rank_checks = run.split()[0]
+            o.step()  # state, plan, first-call costs; riding: the step after a change makes its ticket
+            o.step()
+        for _ in range(3 * repeats):
+            for run, o in by_setting.items():
+                times[run].append(_slowest_ms(o.step))
+    riding_stats = by_setting["riding"].step_stats()
+    opt = by_setting["every_step"]
     plan = opt._current_plan()
     active = [e.param.grad is not None for e in plan.entries]
     alone = [_slowest_ms(lambda: opt._agree_step(plan, active, None)) for _ in range(3 * repeats)]
@@ -144,9 +149,9 @@ def markdown(entries: list[dict], environment: dict) -> str:
         "**with** / **without**: median of the slowest rank's step with `rank_checks=\"every_step\"` (the default: "
         "options, groups, parameters and grads agreed by an all-reduce before the step) and `\"construction\"` "
         "(agreed when built only); **riding**: with `\"riding\"` (the same agreement in a header of the step's "
-        "first exchange, with the copy of its first chunk's state), one optimizer per setting, steps interleaved; "
-        "**noise**: the ratio between two runs without it (each round runs one step of each and one more "
-        "without), the comparison's own spread; **agreement ms**: the all-reduce agreement alone (host digest "
+        "first exchange, with the copy of its first chunk's state); one optimizer per setting and one more "
+        "without, steps interleaved, the settings rotated over the optimizers in four phases; **noise**: the "
+        "ratio between the two runs without, the comparison's own spread; **agreement ms**: the all-reduce agreement alone (host digest "
         "of the step's fields and one all-reduce of five integers), median of the slowest rank; **host ms**: its "
         f"host part (the step's fields and their bytes), rank 0, for these matrices and for {MANY_MATRICES} "
         "(8 x 8, unsharded: the part that grows with the model; riding pays it too); **first chunk copy ms**: "

@@ -309,6 +309,6 @@ def test_agreement_quick_run_writes_its_section(tmp_path):
     assert entry["ranks"] == 2 and entry["matrices"] == 48
     assert step["ratio"] == pytest.approx(step["median_ms"] / step["without_ms"])
     assert step["riding_ratio"] == pytest.approx(step["riding_ms"] / step["without_ms"])
-    assert step["riding_agreements"] == 1 and step["riding_agreement_bytes"] == 24  # (it rode: one header sent)
+    assert step["riding_agreements"] == 1 and step["riding_agreement_bytes"] == 64  # (it rode: one header sent)
     assert all(step[k] > 0 for k in ("noise_ratio", "agreement_ms", "host_ms", "host_ms_many", "first_chunk_copy_ms"))
     assert "<!-- section: agreement: " in text

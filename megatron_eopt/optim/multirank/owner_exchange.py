@@ -274,26 +274,24 @@ class OwnerExchange:
     back: Any
     deliver: Any
     like: torch.Tensor
-    # The step's first exchange (multirank.riding.FirstExchange), made by the first chunk's forward
-    # transfer: where it carries the ranks' headers, they are read before any other transfer starts.
+    # The step's first owner exchange (multirank.riding.FirstExchange): every transfer's all-to-all
+    # goes through it (recorded, or the first with this rank's header); where it carries headers
+    # they are read when the exchange is over.
     first: Any = None
 
     def run(self) -> int:
         """Runs every chunk; returns the bytes this rank sent to other ranks."""
         members, me = range(self.route.size), self.route.me
 
-        def forward(chunk, first=None):
+        def forward(chunk):
             meta = [(s, self.owners[k], k, self.to_owner(k, s)) for k in chunk for s in members]
             # a member that sends an owner nothing (another replica's, replica_work="split") sends it an empty piece
             mine = {(me, self.owners[k], k): self.send(k) if self.to_owner(k, me) else self.like.new_empty(0)
                     for k in chunk}
-            return _Transfer(self.route, meta, mine, self.like, first)
+            return _Transfer(self.route, meta, mine, self.like, self.first)
 
         transfers, pending_back = [], []
-        nxt = forward(self.chunks[0], self.first) if self.chunks else None
-        if nxt is not None and self.first is not None and self.first.riding:
-            nxt.wait()
-            self.first.settle()  # (riding: every rank read every header; raises alike where one differs)
+        nxt = forward(self.chunks[0]) if self.chunks else None
         for ci, chunk in enumerate(self.chunks):
             transfer = nxt
             # The next chunk's pieces travel while this chunk is computed.
@@ -304,10 +302,12 @@ class OwnerExchange:
             results = self.compute(owned, [[got[(s, me, k)] for s in members] for k in owned])
             meta = [(self.owners[k], s, k, self.from_owner(k, s)) for k in chunk for s in members]
             mine = {(me, s, k): self.back(k, result, s) for k, result in zip(owned, results) for s in members}
-            pending_back.append((chunk, _Transfer(self.route, meta, mine, self.like)))
+            pending_back.append((chunk, _Transfer(self.route, meta, mine, self.like, self.first)))
         for chunk, transfer in pending_back:
             got = transfer.wait()
             transfers.append(transfer)
             for k in chunk:
                 self.deliver(k, got[(self.owners[k], me, k)])
+        if self.first is not None:
+            self.first.settle()  # (riding: every rank read every header; raises alike where one differs)
         return sum(t.sent for t in transfers)

@@ -1,23 +1,24 @@
 """The ranks' per-step agreement riding on the step's first exchange: ``rank_checks="riding"``.
 
 The default agreement (``multirank.agreement``) is one all-reduce of five integers before a step.
-Riding puts the same comparison into the step's first owner all-to-all instead: every rank appends
-a header of three int64 (refused, changed, the digest of its agreement fields) to what it sends
-each rank, and reads every rank's header before any other collective starts. An exchange's shape
-depends on the very things compared (options, the plan, which grads are present), so a rank that
-differs could not enter the same exchange: every step rides in the shape of the last step all ranks
-agreed on, its *ticket*. A rank whose structure changed since (its ``ride_key`` differs), that
-refused the step, or whose plan must be rebuilt sends zeros in the ticket's shape and says so; then
-every rank puts back what the step wrote before the exchange (the first chunk's optimizer state and
-the low-memory seeds), and all fall back, together, to the all-reduce over the ticket's group (which
-raises the same error on every rank where they differ) and an ordinary step, which makes the next
-ticket.
+Riding puts the same comparison into the step's first owner exchange instead: every rank appends a
+header of 64 bytes (refused, changed, the digest of its agreement fields) to what its first
+all-to-all sends each rank, and reads every rank's header when that exchange is over, before the
+step writes a parameter or starts any other collective. An exchange's shape depends on the very
+things compared (options, the plan, which grads are present), so a rank that differs could not
+enter the same exchange: every step rides in the shape of the last step all ranks agreed on, its
+*ticket* (the exchange's all-to-alls, in order). A rank whose structure changed since (its
+``ride_key`` differs), that refused the step, or whose plan must be rebuilt enters them with zeros
+and says so; then every rank puts back what the step wrote before (the first chunk's optimizer
+state and the low-memory seeds), and all fall back, together, to the all-reduce over the ticket's
+group (which raises the same error on every rank where they differ) and an ordinary step, which
+makes the next ticket.
 
-Rides only where the step's first collective is that exchange over one process group holding every
-rank the step communicates with: a plain one-dim FSDP2 step in owner mode (no tensor parallelism,
-gather mode, relays, MuonBP, overlap with backward), eager. Elsewhere ``"riding"`` agrees as
-``"every_step"`` does. A ticket is made only at the end of a step every rank agreed on, and never
-dropped by one rank alone, so every rank enters the same collective at every step.
+Rides only where the step's first collectives are that exchange over one process group holding
+every rank the step communicates with: a plain one-dim FSDP2 step in owner mode (no tensor
+parallelism, gather mode, relays, MuonBP, overlap with backward), eager. Elsewhere ``"riding"``
+agrees as ``"every_step"`` does. A ticket is made only at the end of a step every rank agreed on,
+and never dropped by one rank alone, so every rank enters the same collectives at every step.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from ...step_stats import count_agreement
 from .agreement import GroupScope, digest_value, fields_bytes
 from .dtensor_layout import local
 
-HEADER_WORDS = 3  # refused, changed, digest: int64 each, after this rank's pieces to every rank
+# refused, changed, digest and zeros: int64 each, after this rank's pieces to every rank; 64 bytes, so
+# that the pieces after it keep their alignment (unaligned, the exchange was measured slower)
+HEADER_WORDS = 8
 _HEADER_BYTES = HEADER_WORDS * 8
 
 
@@ -53,27 +56,24 @@ _GROUP_VALUE = re.compile(r"param_groups\[\d+\]\['(?!params'\])")
 
 def header(refused: bool, changed: bool, digest: int, like: torch.Tensor) -> torch.Tensor:
     """This rank's header as elements of ``like``'s dtype (the exchange's), on its device."""
-    words = torch.tensor([int(refused), int(changed), digest], dtype=torch.int64)
+    words = torch.tensor([int(refused), int(changed), digest] + [0] * (HEADER_WORDS - 3), dtype=torch.int64)
     return words.view(torch.uint8).view(like.dtype).to(like.device)
 
 
 def header_elements(dtype: torch.dtype) -> int:
-    size = torch.empty((), dtype=dtype).element_size()
-    if _HEADER_BYTES % size:
-        raise ValueError(f"rank_checks='riding' cannot append an int64 header to an exchange of {dtype}")
-    return _HEADER_BYTES // size
+    """The header's length in elements of ``dtype`` (any dtype's size divides its 64 bytes)."""
+    return _HEADER_BYTES // torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
 class Ticket:
-    """The first all-to-all of the last step every rank agreed on, as this rank made it: its group,
-    the elements it sent each rank and received from each (headers excluded), their dtype and device,
-    and the ``ride_key`` of that step."""
+    """The all-to-alls of the first owner exchange of the last step every rank agreed on, as this
+    rank started them, in order: each one's elements to and from every rank of ``group`` (headers
+    excluded), their dtype and device, and that step's ``ride_key``."""
 
     group: Any
     device_type: str
-    in_splits: tuple[int, ...]
-    out_splits: tuple[int, ...]
+    splits: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # per all-to-all: (in splits, out splits)
     dtype: torch.dtype
     device: torch.device
     key: int
@@ -83,17 +83,23 @@ class Ticket:
         """The group as the fallback agreement reduces over it."""
         return GroupScope(self.group, self.device_type)
 
-    def matches(self, group, in_splits, out_splits, like: torch.Tensor) -> bool:
-        return (group is self.group and tuple(in_splits) == self.in_splits and tuple(out_splits) == self.out_splits
-                and like.dtype == self.dtype and like.device == self.device)
+    def matches(self, index: int, group, in_splits, out_splits, like: torch.Tensor) -> bool:
+        return (index < len(self.splits) and group is self.group and like.dtype == self.dtype
+                and like.device == self.device and self.splits[index] == (tuple(in_splits), tuple(out_splits)))
 
     def send_changed(self, refused: bool, digest: int) -> None:
-        """Enters the ticket's exchange with zeros and a header saying this rank changed (the others
-        then fall back with it)."""
+        """Enters the ticket's all-to-alls, in order, with zeros, the first with a header saying this
+        rank changed (the others fall back with it after the last)."""
         like = torch.empty(0, dtype=self.dtype, device=self.device)
-        h = header(refused, True, digest, like)
-        parts = [p for n in self.in_splits for p in (torch.zeros(n, dtype=self.dtype, device=self.device), h)]
-        _exchange(self.group, parts, self.in_splits, self.out_splits, like).wait()
+        for index in range(len(self.splits)):
+            in_splits, out_splits = self.splits[index]
+            if index == 0:
+                h = header(refused, True, digest, like)
+                parts = [p for n in in_splits for p in (like.new_zeros(n), h)]
+                _exchange(self.group, parts, in_splits, out_splits, like).wait()
+            else:
+                collectives.all_to_all_single(like.new_empty(sum(out_splits)), like.new_zeros(sum(in_splits)),
+                                              list(out_splits), list(in_splits), group=self.group)
 
 
 @dataclass
@@ -116,7 +122,7 @@ class _Started:
     def headers(self) -> list[tuple[int, int, int]]:
         segments = self.recv.split([n + self.words for n in self.out_splits])
         words = torch.cat([s[n:] for s, n in zip(segments, self.out_splits)]).cpu()
-        return [tuple(row) for row in words.view(torch.uint8).view(torch.int64).view(-1, HEADER_WORDS).tolist()]
+        return [tuple(row[:3]) for row in words.view(torch.uint8).view(torch.int64).view(-1, HEADER_WORDS).tolist()]
 
 
 def _exchange(group, parts, in_splits, out_splits, like: torch.Tensor) -> _Started:
@@ -133,65 +139,76 @@ def _exchange(group, parts, in_splits, out_splits, like: torch.Tensor) -> _Start
 
 
 class FirstExchange:
-    """The step's first all-to-all, as the owner exchange makes it (``owner_exchange._Transfer``
-    hands it its first hop): recorded, where the step makes the next ticket, or riding a ticket
-    with this rank's header, where the step rides."""
+    """The all-to-alls of the step's first owner exchange, as it starts them (``owner_exchange``
+    hands it the first hop of each transfer): recorded, where the step makes the next ticket, or
+    riding a ticket, the first with this rank's header, where the step rides. The headers are
+    read once the exchange is over (``settle``), before the step writes a parameter or starts any
+    other collective; the exchange itself keeps its pipeline."""
 
     def __init__(self, ticket: Ticket | None = None, digest: int = 0, saved: "FirstChunkState | None" = None) -> None:
         self.ticket = ticket
         self.digest = digest
         self.saved = saved  # riding: what the step wrote before the exchange, until the headers agree
-        self.shape: tuple | None = None  # recorded: (group, device type, in, out splits, dtype, device)
+        self.group = self.device_type = self.like = None  # recorded: the exchange's group and elements
+        self.splits: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self._started: _Started | None = None
 
+    @property
+    def riding(self) -> bool:
+        return self.ticket is not None
+
     def start(self, group, device_type: str, parts, dests, in_splits, out_splits, like: torch.Tensor):
-        """Starts the exchange of ``parts`` (flat pieces in rank order, ``dests[j]``: part j's
+        """Starts the next all-to-all of ``parts`` (flat pieces in rank order, ``dests[j]``: part j's
         destination rank in ``group``). Returns ``(work, recv, payloads)``: ``payloads`` None where
-        ``recv`` holds the pieces alone, else a function giving each source's pieces (riding)."""
-        if self.ticket is None:  # recording: the exchange as it is
-            self.shape = (group, device_type, tuple(in_splits), tuple(out_splits), like.dtype, like.device)
-            buf = torch.cat(parts) if parts else like.new_empty(0)
-            recv = buf.new_empty(sum(out_splits))
-            work = collectives.all_to_all_single(recv, buf, list(out_splits), list(in_splits), group=group,
-                                                 async_op=True)
-            return work, recv, None
+        ``recv`` holds the pieces alone, else a function giving each source's pieces (the header's)."""
+        index = len(self.splits)
+        self.splits.append((tuple(in_splits), tuple(out_splits)))
         ticket = self.ticket
-        if not ticket.matches(group, in_splits, out_splits, like):
-            # (the ride key covers what shapes this exchange; a shape it missed still meets the others' exchange)
-            ticket.send_changed(False, self.digest)
-            raise RideFallback("the step's first exchange differs from its ticket")
-        h = header(False, False, self.digest, like)
-        with_headers, j = [], 0
-        for rank in range(len(in_splits)):  # (parts are in rank order: each rank's, then the header)
-            while j < len(parts) and dests[j] == rank:
-                with_headers.append(parts[j])
-                j += 1
-            with_headers.append(h)
-        self._started = started = _exchange(group, with_headers, in_splits, out_splits, like)
-        return started.work, started.recv, started.payloads
+        if ticket is None:  # recording
+            self.group, self.device_type, self.like = group, device_type, like
+        elif not ticket.matches(index, group, in_splits, out_splits, like):
+            if index == 0:
+                # (the ride key covers what shapes the exchange; a shape it missed still meets the others')
+                ticket.send_changed(False, self.digest)
+                raise RideFallback("the step's first exchange differs from its ticket")
+            # Past the header every rank decides by the key alone, equal here: the exchange is a function
+            # of what it covers (plan, grads present, options), so this is not reached.
+            raise RuntimeError("rank_checks='riding': the step's exchange departs from its ticket after its first "
+                               "all-to-all, with the same plan and grads; use rank_checks='every_step'")
+        elif index == 0:
+            h = header(False, False, self.digest, like)
+            with_headers, j = [], 0
+            for rank in range(len(in_splits)):  # (parts are in rank order: each rank's, then the header)
+                while j < len(parts) and dests[j] == rank:
+                    with_headers.append(parts[j])
+                    j += 1
+                with_headers.append(h)
+            self._started = started = _exchange(group, with_headers, in_splits, out_splits, like)
+            return started.work, started.recv, started.payloads
+        buf = torch.cat(parts) if parts else like.new_empty(0)
+        recv = like.new_empty(sum(out_splits))
+        work = collectives.all_to_all_single(recv, buf, list(out_splits), list(in_splits), group=group, async_op=True)
+        return work, recv, None
 
     def settle(self) -> None:
         """After the exchange: raises :class:`RideFallback` (on every rank alike: each read every
         rank's header) where any rank refused, changed or holds other fields."""
         if self._started is None:
             return
+        if len(self.splits) != len(self.ticket.splits):
+            raise RuntimeError("rank_checks='riding': the step's exchange made other all-to-alls than its ticket")
         rows = self._started.headers()
         if any(refused or changed for refused, changed, _ in rows) or len({d for _, _, d in rows}) > 1:
             raise RideFallback("a rank differs")
         if self.saved is not None:
-            self.saved.drop()  # (no rank falls back now: the copy goes before the chunk's Newton–Schulz)
-
-    @property
-    def riding(self) -> bool:
-        return self.ticket is not None
+            self.saved.drop()  # (no rank falls back now)
 
     def make_ticket(self, key: int) -> Ticket | None:
         if self.ticket is not None:
             return self.ticket
-        if self.shape is None:
+        if self.like is None:
             return None
-        group, device_type, in_splits, out_splits, dtype, device = self.shape
-        return Ticket(group, device_type, in_splits, out_splits, dtype, device, key)
+        return Ticket(self.group, self.device_type, tuple(self.splits), self.like.dtype, self.like.device, key)
 
 
 def rides(plan, layouts) -> bool:
@@ -229,30 +246,42 @@ def _ride_group(plan):
 
 class FirstChunkState:
     """The optimizer state of the first chunk's entries as it was before the step: what a ride that
-    falls back puts back (its momentum phase ran before the exchange)."""
+    falls back puts back (its momentum phase ran before the exchange). One flat copy per dtype and
+    device (a copy per tensor would allocate, and on the host fault in, each one apart)."""
 
     def __init__(self, opt, plan, members) -> None:
         self.opt = opt
-        self.saved = []
+        self.entries = []  # (param, {key: value} of its state's non-tensors, [tensor keys]) or (param, None)
+        tensors: dict[tuple, list[torch.Tensor]] = {}
         for i in members:
             p = plan.entries[i].param
             state = opt.state.get(p)
-            self.saved.append((p, None if state is None else
-                               {k: local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}))
+            if state is None:
+                self.entries.append((p, None, []))
+                continue
+            keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+            self.entries.append((p, {k: v for k, v in state.items() if k not in keys}, keys))
+            for k in keys:
+                t = local(state[k])
+                tensors.setdefault((t.dtype, t.device), []).append(t)
+        self.copies = []  # (the state's tensors, views of their flat copy)
+        for (dtype, device), sources in tensors.items():
+            flat = torch.empty(sum(t.numel() for t in sources), dtype=dtype, device=device)
+            views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in sources]), sources)]
+            torch._foreach_copy_(views, sources)
+            self.copies.append((sources, views))
 
     def drop(self) -> None:
-        self.saved = []
+        self.entries, self.copies = [], []
 
     def restore(self) -> None:
-        for p, saved in self.saved:
-            if saved is None:
+        for p, others, keys in self.entries:
+            if others is None:
                 self.opt.state.pop(p, None)
                 continue
             state = self.opt.state[p]
-            for k in [k for k in state if k not in saved]:
+            for k in [k for k in state if k not in others and k not in keys]:
                 del state[k]
-            for k, v in saved.items():
-                if isinstance(v, torch.Tensor) and isinstance(state.get(k), torch.Tensor):
-                    local(state[k]).copy_(v)
-                else:
-                    state[k] = v
+            state.update(others)
+        for sources, views in self.copies:  # (the state's own tensors, written in place)
+            torch._foreach_copy_(sources, views)

@@ -5,8 +5,8 @@ A step with a ticket rides it (``_ride``): every rank enters the ticket's exchan
 step itself (its first chunk's state saved first) or, where this rank cannot ride, with zeros and a
 header saying so. Where every header agrees the step goes on; else every rank puts back what it
 wrote and all agree over the ticket's group with an all-reduce, which raises the same error on every
-rank where they differ, and run the ordinary step. The ordinary step records its first exchange and
-leaves the next ticket (``_end_ride_record``), or none where the step cannot ride.
+rank where they differ, and run the ordinary step. The ordinary step records its first owner exchange
+and leaves the next ticket (``_end_ride_record``), or none where the step cannot ride.
 """
 
 from __future__ import annotations

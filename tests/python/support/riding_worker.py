@@ -1,6 +1,7 @@
 """One rank of the riding agreement's parity run (spawned by test_riding.py).
 
-Started as ``riding_worker.py RANK WORLD PORT SEED OUT STATE_DTYPE``: two optimizers over the same
+Started as ``riding_worker.py RANK WORLD PORT SEED OUT STATE_DTYPE[,nccl]`` (gloo on the CPU; with
+``,nccl`` NCCL over one CUDA device per rank): two optimizers over the same
 Shard(0) DTensor matrices on a 1-D mesh of every rank (awkward shapes: a row, a column, primes,
 fewer rows than ranks), one with ``rank_checks="every_step"`` and one with ``"riding"``, take the
 same steps: a learning rate scheduled every step, a gradient missing on every rank alike, the
@@ -32,13 +33,13 @@ KW = dict(lr=0.02, momentum=0.9, weight_decay=0.01, fp32_matmul_prec="highest")
 
 def _params(mesh, seed):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen), mesh, [Shard(0)], src_data_rank=None))
-            for s in SHAPES]
+    return [torch.nn.Parameter(distribute_tensor(torch.randn(s, generator=gen).to(mesh.device_type), mesh, [Shard(0)],
+                                                 src_data_rank=None)) for s in SHAPES]
 
 
 def _set_grads(param_sets, seed, missing=()):
     gen = torch.Generator().manual_seed(seed)
-    fulls = [torch.randn(s, generator=gen) for s in SHAPES]
+    fulls = [torch.randn(s, generator=gen).to(param_sets[0][0].device) for s in SHAPES]
     for params in param_sets:
         for i, (p, full) in enumerate(zip(params, fulls)):
             p.grad = None if i in missing else distribute_tensor(full, p.device_mesh, p.placements,
@@ -64,17 +65,22 @@ def _equal(pa, oa, pb, ob) -> bool:
 
 
 def main():
-    rank, world, port, seed, out, state_dtype = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
-                                                 sys.argv[5], sys.argv[6])
+    rank, world, port, seed, out, case = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]),
+                                          sys.argv[5], sys.argv[6])
+    state_dtype, _, setup = case.partition(",")
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = port
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20))
+    device_type = "cuda" if setup == "nccl" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if setup == "nccl" else "gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
     torch.set_num_threads(1)
     import megatron_eopt
 
     megatron_eopt.set_cpu_symmetric_products(RANK_CPU_PRODUCTS["symmetric"])
     megatron_eopt.set_cpu_bf16_products(RANK_CPU_PRODUCTS["bf16"])
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type, (world,))
     pa, pb = _params(mesh, seed), _params(mesh, seed)
     every, riding = Muon(pa, **KW, state_dtype=state_dtype), Muon(pb, **KW, state_dtype=state_dtype)
     riding.rank_checks = "riding"
