@@ -104,9 +104,9 @@ def _rank(rank: int, world: int, init: str, name: str, repeats: int, out: str) -
             o.rank_checks = run.split()[0]
             o.step()  # state, plan, first-call costs; riding: the step after a change makes its ticket
             o.step()
-        for _ in range(3 * repeats):
-            for run, o in by_setting.items():
-                times[run].append(_slowest_ms(o.step))
+        for r in range(3 * repeats):  # (each round starts with another setting: no setting always follows one)
+            for run in settings[r % len(settings):] + settings[:r % len(settings)]:
+                times[run].append(_slowest_ms(by_setting[run].step))
     riding_stats = by_setting["riding"].step_stats()
     opt = by_setting["every_step"]
     plan = opt._current_plan()
@@ -150,7 +150,8 @@ def markdown(entries: list[dict], environment: dict) -> str:
         "options, groups, parameters and grads agreed by an all-reduce before the step) and `\"construction\"` "
         "(agreed when built only); **riding**: with `\"riding\"` (the same agreement in a header of the step's "
         "first exchange, with the copy of its first chunk's state); one optimizer per setting and one more "
-        "without, steps interleaved, the settings rotated over the optimizers in four phases; **noise**: the "
+        "without, steps interleaved (each round starting with the next setting), the settings rotated over the "
+        "optimizers in four phases; **noise**: the "
         "ratio between the two runs without, the comparison's own spread; **agreement ms**: the all-reduce agreement alone (host digest "
         "of the step's fields and one all-reduce of five integers), median of the slowest rank; **host ms**: its "
         f"host part (the step's fields and their bytes), rank 0, for these matrices and for {MANY_MATRICES} "
