@@ -59,7 +59,8 @@ from ._config import (
 )
 from ._eo_hooks import BASE_HOOK_NAMES, EOExtensionPoints, FusedScaledOrthogonalize
 from .matrix_view import check_view_keys, check_nd_mode, batched_matrix_shape, not_a_matrix, split_newton_schulz
-from .multirank.agreement import GroupScope, RankAgreement, agree, meshes_of, plan_digest, step_meshes
+from .multirank.agreement import (GroupScope, RankAgreement, agree, capturing_cuda_graph, meshes_of, plan_digest,
+                                  step_meshes)
 from .multirank.replica_work import resolve_replica_work
 from .multirank.dtensor_layout import REPLICA_WORK, describe, is_dtensor, uneven_splits
 from .multirank.sharded import SHARDED_MODES, ShardedOrthogonalizer
@@ -433,7 +434,8 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
         overlap = self.__dict__.get("_overlap")
         if overlap is not None and overlap.work is not None and overlap.work.off:
             overlap.work = None  # backward started nothing: this step does it all
-        if self._ride_ticket is not None and not torch.compiler.is_compiling() and self._ride():
+        if (self._ride_ticket is not None and not torch.compiler.is_compiling()
+                and not capturing_cuda_graph(self._plan) and self._ride()):
             return None  # (step.ride: rode the ticket; on a fallback every rank goes on to the ordinary step)
         error = self._step_time_error() or self._spanning_matrix_error()
         overlapped = overlap is not None and overlap.work is not None
@@ -450,9 +452,10 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
                     self._write_hyperparameters(plan, active)
                 except (ValueError, TypeError, RuntimeError) as exc:
                     error = exc
+        agreed = False
         if plan is not None and not overlapped:  # (an overlapped step agreed when backward began it)
             try:
-                self._agree_step(plan, active, error)
+                agreed = self._agree_step(plan, active, error)
             except BaseException:
                 if overlap is not None:
                     overlap.discard(None)  # (backward started nothing: it checked the same)
@@ -473,7 +476,7 @@ class OrthogonalizedOptimizer(FusedState, FusedStep, EOExtensionPoints, RankAgre
             self._finish_overlapped_step(overlap)
             return None
         run = engine.begin(plan, optimizer=self)  # (step.engine: the one step, plain or overlapped with backward)
-        first = None if torch.compiler.is_compiling() else self._record_first_exchange()
+        first = None if torch.compiler.is_compiling() else self._record_first_exchange(agreed)
         run.run_chunks(active)  # the matrices whose buffers fit the workspace budget together, in plan order
         run.finish()
         if not torch.compiler.is_compiling():

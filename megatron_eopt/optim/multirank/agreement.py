@@ -309,7 +309,7 @@ class RankAgreement:
         return fields
 
     def _agree_step(self, plan, active: list[bool | None] | None, error: Exception | None,
-                    chunk: int | None = None) -> None:
+                    chunk: int | None = None) -> bool:
         """Raises ``error``, the same on every rank of the meshes this step communicates over (a
         matrix sharded across ranks), when any rank refused the step or holds different
         ``_agreement_fields`` (grads included): one all-reduce of five integers per mesh dim, before
@@ -318,7 +318,8 @@ class RankAgreement:
         in force: the value every rank last agreed on, not this rank's own (a rank that alone writes
         another is then told at the step, with the others). ``chunk``: the chunk about to start
         (``overlap_backward`` agrees before each chunk whose work communicates, with the grads of its
-        members, and once more when step() finishes)."""
+        members, and once more when step() finishes). Returns whether the ranks compared their fields
+        (False: skipped, as above)."""
         block_step = getattr(self, "block_period", None) is not None and self._block_step_now()
         if (torch.compiler.is_compiling() or self._rank_checks_in_force == "construction" or not step_meshes(plan)
                 or capturing_cuda_graph(plan) or block_step):  # (MuonBP's block steps communicate nothing)
@@ -326,7 +327,7 @@ class RankAgreement:
                 self._rank_checks_in_force = self.rank_checks  # (leaving "construction": alike on every rank)
             if error is not None:
                 raise error
-            return
+            return False
         meshes = step_meshes(plan)
         fields = self._agreement_fields(active, plan)
         fields.append(("step plan", plan_fingerprint(plan)))
@@ -334,6 +335,7 @@ class RankAgreement:
             fields.append(("chunk started", "step() finishing" if chunk < 0 else str(chunk)))
         agree(meshes, error, what=type(self).__name__, fields=fields)
         self._rank_checks_in_force = self.rank_checks
+        return True
 
 
 RANK_CHECKS = ("every_step", "riding", "construction")

@@ -55,9 +55,12 @@ _GROUP_VALUE = re.compile(r"param_groups\[\d+\]\['(?!params'\])")
 
 
 def header(refused: bool, changed: bool, digest: int, like: torch.Tensor) -> torch.Tensor:
-    """This rank's header as elements of ``like``'s dtype (the exchange's), on its device."""
-    words = torch.tensor([int(refused), int(changed), digest] + [0] * (HEADER_WORDS - 3), dtype=torch.int64)
-    return words.view(torch.uint8).view(like.dtype).to(like.device)
+    """This rank's header as elements of ``like``'s dtype (the exchange's), on its device. Written
+    there word by word: a tensor made on the host would be copied to a GPU synchronously, waiting for
+    the device's queued work before the exchange starts."""
+    words = torch.zeros(HEADER_WORDS, dtype=torch.int64, device=like.device)
+    words[0], words[1], words[2] = int(refused), int(changed), digest
+    return words.view(torch.uint8).view(like.dtype)
 
 
 def header_elements(dtype: torch.dtype) -> int:

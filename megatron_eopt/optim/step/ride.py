@@ -55,8 +55,14 @@ class RidingStep:
         fields = self._step_fields(None if stale else plan, active, stale)
         digest = digest_value(fields_bytes(fields))
         layouts = None if active is None or error is not None else cached_step_layouts(plan, active)
+        saved = None
         if layouts is not None and ride_key(fields) == ticket.key and self._can_ride(plan, layouts):
-            saved = FirstChunkState(self, plan, layouts[0].members)
+            try:  # (the copy allocates: where it fails, this rank refuses the step and says so)
+                saved = FirstChunkState(self, plan, layouts[0].members)
+            except RuntimeError as exc:
+                error = exc
+        if saved is not None:
+            counters = self._step_counters()
             run = self._engine.begin(plan, revertible=True, optimizer=self)
             self._sharded.first_exchange = FirstExchange(ticket, digest, saved)
             try:
@@ -64,6 +70,7 @@ class RidingStep:
             except RideFallback:
                 saved.restore()
                 run.cancel()
+                self._restore_step_counters(counters)
             else:
                 run.finish()
                 return True
@@ -75,9 +82,24 @@ class RidingStep:
         self._ride_ticket = None  # (every rank agreed here: the ordinary step makes the next, or none)
         return False
 
-    def _record_first_exchange(self) -> FirstExchange | None:
-        """What the ordinary step hands its first owner exchange to record (``rank_checks="riding"``)."""
-        if self.rank_checks != "riding":
+    def _step_counters(self) -> tuple:
+        """The counters a step adds to before its first exchange (below-eps counts, the sharded
+        path's matrices and bytes), as a ride that falls back puts them back."""
+        counts = self.__dict__.get("_ns_below_eps_counts") or {}
+        return ({device: count.clone() for device, count in counts.items()}, dict(self._sharded.matrices),
+                self._sharded.bytes_sent)
+
+    def _restore_step_counters(self, counters: tuple) -> None:
+        counts, matrices, sent = counters
+        for device, count in counts.items():
+            self._ns_below_eps_counts[device].copy_(count)
+        self._sharded.matrices.update(matrices)
+        self._sharded.bytes_sent = sent
+
+    def _record_first_exchange(self, agreed: bool) -> FirstExchange | None:
+        """What the ordinary step hands its first owner exchange to record (``rank_checks="riding"``;
+        ``agreed``: the step's check ran, so every rank makes a ticket alike)."""
+        if not agreed or self.rank_checks != "riding":
             return None
         first = self._sharded.first_exchange = FirstExchange()
         return first

@@ -54,7 +54,8 @@ class FusedState:
         # the instance go along (copy.deepcopy, pickle), the plan is rebuilt on the other side.
         self._wait_for_overlap()
         state = super().__getstate__()
-        transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_engine", "_overlap")
+        transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_engine", "_overlap",
+                     "_ride_ticket")  # (a ticket holds a process group: a copy agrees afresh)
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 

@@ -4,7 +4,8 @@ Started as ``rank_mismatch_worker.py RANK WORLD PORT SEED OUT CASES``: joins a g
 collectives time out after a few seconds (a hang fails fast instead of stalling the suite), runs each
 case of the comma-separated CASES and saves, per case, the error this rank raised (type and
 message; None if it raised nothing) and whether its parameters and optimizer state were left as
-they were before the step or construction that raised. The test compares the ranks' records.
+they were before the step or construction that raised (and, for a step, whether the optimizer held a
+riding ticket before it). The test compares the ranks' records.
 
 Every case builds on a 1-D mesh of all the ranks ("hsdp_*" cases: a 2-D mesh, replicas outermost)
 a few Shard(0) DTensor matrices ("tensor_parallel_*": Megatron tensor-parallel shards over the world
@@ -97,6 +98,7 @@ def _at_second_step(opt, params, seed, between=lambda: None, grads=None):
     opt.rank_checks = RANK_CHECKS["mode"]
     _grads(params, seed)
     opt.step()  # (agreed by an all-reduce; with "riding" the second step rides its first exchange)
+    RANK_CHECKS["ticket"] = getattr(opt, "_ride_ticket", None) is not None
     (grads or (lambda: _grads(params, seed + 1)))()
     between()
     before = _snapshot(params, opt)
@@ -272,6 +274,7 @@ def alike(mesh, rank, seed):
     opt.rank_checks = RANK_CHECKS["mode"]
     _grads(params, seed)
     opt.step()
+    RANK_CHECKS["ticket"] = getattr(opt, "_ride_ticket", None) is not None
     _grads(params, seed + 1)
     before = _snapshot(params, opt)
     return before, opt.step, lambda: before
@@ -355,7 +358,7 @@ def run_case(name, rank, world, seed):
     RANK_CHECKS["mode"] = mode or "every_step"
     mesh = _mesh(case, world)
     before, call, after = CASES[case](mesh, rank, seed)
-    record = {"error": None, "unchanged": None}
+    record = {"error": None, "unchanged": None, "ticket": RANK_CHECKS.pop("ticket", None)}
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - recorded for the test to compare between ranks

@@ -5,14 +5,16 @@ Started as ``riding_worker.py RANK WORLD PORT SEED OUT STATE_DTYPE[,nccl]`` (glo
 Shard(0) DTensor matrices on a 1-D mesh of every rank (awkward shapes: a row, a column, primes,
 fewer rows than ranks), one with ``rank_checks="every_step"`` and one with ``"riding"``, take the
 same steps: a learning rate scheduled every step, a gradient missing on every rank alike, the
-workspace changed alike (more chunks), a step where rank 1 alone writes another learning rate
-(both must raise the same error, leaving everything unchanged) and steps after it. Saves per step
+workspace changed alike (more chunks), a step where rank 1 alone writes another learning rate and
+one where a gradient is missing on rank 1 alone (both optimizers must raise the same error there,
+leaving everything unchanged) and steps after them; then a copy of the riding optimizer. Saves per step
 whether each raised (and what), whether parameters and state are bitwise equal between the two,
 and both optimizers' ``step_stats()``.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import sys
@@ -86,7 +88,7 @@ def main():
     riding.rank_checks = "riding"
     records = []
     for step in range(9):
-        missing = (3,) if step == 3 else ()
+        missing = (3,) if step == 3 else (2,) if step == 7 and rank == 1 else ()  # 7: on rank 1 alone
         _set_grads((pa, pb), seed + 1 + step, missing)
         lr = 0.02 * 0.9**step
         for opt in (every, riding):
@@ -104,6 +106,9 @@ def main():
                             stats=riding.step_stats(), every_stats=every.step_stats(),
                             ticket=riding._ride_ticket is not None))
         torch.save(records, out)
+    copied = copy.deepcopy(riding)  # (the ticket holds a process group: a copy leaves it behind)
+    records.append(dict(copied_ticket=copied._ride_ticket is not None))
+    torch.save(records, out)
     dist.barrier()
     sys.stdout.flush()
     os._exit(0)

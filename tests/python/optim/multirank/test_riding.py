@@ -16,7 +16,8 @@ from dist_harness import run_workers
 from megatron_eopt.optim import Muon
 from megatron_eopt.optim.multirank import riding
 
-STEADY = (1, 2, 6, 7, 8)  # the worker's steps that ride (5 raises; 3 and 4 fall back alike)
+STEADY = (1, 2, 6, 8)  # the worker's steps that ride (3 and 4 fall back alike; 5 and 7 raise)
+RAISES = {5: "param_groups[0]['lr']", 7: "param_groups[0]['params'][2]"}  # (7: a grad missing on rank 1 alone)
 SECONDS = ("seconds_in_step", "seconds_before_step")
 
 
@@ -37,14 +38,16 @@ def test_riding_steps_equal_the_all_reduce_agreement_over_nccl(tmp_path, gen, st
 
 def _check_parity(records, world):
     for rank, steps in enumerate(records):
+        *steps, copied = steps
+        assert copied == {"copied_ticket": False}, f"rank {rank}: {copied}"
         assert [r["step"] for r in steps] == list(range(9)), f"rank {rank}: steps missing"
         for r in steps:
             where = f"rank {rank}, step {r['step']}"
             assert r["equal"], f"{where}: parameters or state differ from the all-reduce agreement's"
             assert r["ticket"], f"{where}: no ticket after the step"
-            if r["step"] == 5:  # rank 1 alone wrote another learning rate: both raise alike
+            if r["step"] in RAISES:  # rank 1 alone differs: both raise alike, naming the field
                 every, ride = r["errors"]
-                assert every is not None and every == ride and "param_groups[0]['lr']" in every, where
+                assert every is not None and every == ride and RAISES[r["step"]] in every, (where, every, ride)
                 continue
             assert r["errors"] == [None, None], f"{where}: {r['errors']}"
             if r["step"] in STEADY:
@@ -84,11 +87,19 @@ def test_ride_key_leaves_out_the_groups_values_only():
 
 
 @pytest.mark.parametrize("state_dtype", ["fp32", "int8"])
-def test_first_chunk_state_is_put_back(gen, state_dtype):
+@pytest.mark.parametrize("stepped", [True, False], ids=["after a step", "no state yet"])
+def test_first_chunk_state_is_put_back(gen, state_dtype, stepped):
     params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((8, 6), (5, 7))]
     opt = Muon(params, lr=0.02, state_dtype=state_dtype)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
+    if not stepped:  # (the step creates the state: putting it back removes it)
+        saved = riding.FirstChunkState(opt, opt._current_plan(), [0, 1])
+        opt.step()
+        assert all(opt.state[p] for p in params)
+        saved.restore()
+        assert all(p not in opt.state for p in params)
+        return
     opt.step()
     plan = opt._current_plan()
     members = list(range(len(plan.entries)))
