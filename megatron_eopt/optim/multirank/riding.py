@@ -250,9 +250,12 @@ def _ride_group(plan):
 class FirstChunkState:
     """The optimizer state of the first chunk's entries as it was before the step: what a ride that
     falls back puts back (its momentum phase ran before the exchange). One flat copy per dtype and
-    device (a copy per tensor would allocate, and on the host fault in, each one apart)."""
+    device (a copy per tensor would allocate, and on the host fault in, each one apart). ``kept``:
+    host buffers kept between steps, reused where large enough (a fresh host buffer faults its pages
+    in at every step; on a GPU the caching allocator reuses its blocks, and a buffer kept past the
+    step would add to the training's peak)."""
 
-    def __init__(self, opt, plan, members) -> None:
+    def __init__(self, opt, plan, members, kept: dict | None = None) -> None:
         self.opt = opt
         self.entries = []  # (param, {key: value} of its state's non-tensors, [tensor keys]) or (param, None)
         tensors: dict[tuple, list[torch.Tensor]] = {}
@@ -269,7 +272,13 @@ class FirstChunkState:
                 tensors.setdefault((t.dtype, t.device), []).append(t)
         self.copies = []  # (the state's tensors, views of their flat copy)
         for (dtype, device), sources in tensors.items():
-            flat = torch.empty(sum(t.numel() for t in sources), dtype=dtype, device=device)
+            n = sum(t.numel() for t in sources)
+            flat = None if kept is None or device.type != "cpu" else kept.get((dtype, device))
+            if flat is None or flat.numel() < n:
+                flat = torch.empty(n, dtype=dtype, device=device)
+                if kept is not None and device.type == "cpu":
+                    kept[(dtype, device)] = flat
+            flat = flat[:n]
             views = [v.view(t.shape) for v, t in zip(flat.split([t.numel() for t in sources]), sources)]
             torch._foreach_copy_(views, sources)
             self.copies.append((sources, views))

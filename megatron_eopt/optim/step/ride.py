@@ -58,7 +58,7 @@ class RidingStep:
         saved = None
         if layouts is not None and ride_key(fields) == ticket.key and self._can_ride(plan, layouts):
             try:  # (the copy allocates: where it fails, this rank refuses the step and says so)
-                saved = FirstChunkState(self, plan, layouts[0].members)
+                saved = FirstChunkState(self, plan, layouts[0].members, self.__dict__.setdefault("_ride_copies", {}))
             except RuntimeError as exc:
                 error = exc
         if saved is not None:
@@ -110,6 +110,8 @@ class RidingStep:
         ticket = None
         if first is not None and self._can_ride(plan, cached_step_layouts(plan, active)):
             ticket = first.make_ticket(ride_key(self._step_fields(plan, active, False)))
+        else:
+            self.__dict__.pop("_ride_copies", None)  # (the host buffers of riding's copy: no ride, none kept)
         self._ride_ticket = ticket
 
     def _drop_ride_ticket(self) -> None:

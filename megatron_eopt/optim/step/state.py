@@ -55,7 +55,7 @@ class FusedState:
         self._wait_for_overlap()
         state = super().__getstate__()
         transient = ("_plan", "_hyper", "_batched", "_sharded", "_state_seeds", "_engine", "_overlap",
-                     "_ride_ticket")  # (a ticket holds a process group: a copy agrees afresh)
+                     "_ride_ticket", "_ride_copies")  # (a ticket holds a process group: a copy agrees afresh)
         state.update({k: v for k, v in self.__dict__.items() if k not in state and k not in transient})
         return state
 

@@ -107,7 +107,8 @@ def main():
                             ticket=riding._ride_ticket is not None))
         torch.save(records, out)
     copied = copy.deepcopy(riding)  # (the ticket holds a process group: a copy leaves it behind)
-    records.append(dict(copied_ticket=copied._ride_ticket is not None))
+    records.append(dict(copied_ticket=copied._ride_ticket is not None,
+                        kept_copies=sorted(str(d) for _, d in riding.__dict__.get("_ride_copies", {}))))
     torch.save(records, out)
     dist.barrier()
     sys.stdout.flush()
