@@ -208,13 +208,15 @@ def lr_tensor(mesh, rank, seed):
     return _at_second_step(opt, params, seed, between)
 
 
-def option_written(name, value):
+def option_written(name, value, rank_writing=2):
+    """An attribute written on one rank between steps (one that changes the first exchange's shape,
+    or whether the step can ride, as much as one that does not)."""
     def case(mesh, rank, seed):
         params = _params(mesh, seed)
         opt = Muon(params, **KW)
 
         def between():
-            if rank == 2:
+            if rank == rank_writing:
                 setattr(opt, name, value)
 
         return _at_second_step(opt, params, seed, between)
@@ -234,23 +236,6 @@ def loaded_other_checkpoint(mesh, rank, seed):
             opt.load_state_dict(sd)
 
     return _at_second_step(opt, params, seed, between)
-
-
-def written_on_one_rank(name, value, rank_writing=0):
-    """An attribute written on one rank between steps (one that changes the first exchange's shape,
-    or whether the step can ride, as much as one that does not)."""
-    def case(mesh, rank, seed):
-        params = _params(mesh, seed)
-        opt = Muon(params, **KW)
-
-        def between():
-            if rank == rank_writing:
-                setattr(opt, name, value)
-
-        return _at_second_step(opt, params, seed, between)
-
-    case.__name__ = f"{name}_on_one_rank"
-    return case
 
 
 def params_replaced_on_one_rank(mesh, rank, seed):
@@ -343,9 +328,9 @@ CASES = {
     "alike": alike,
     "tensor_parallel_option": tensor_parallel_option,
     "tensor_parallel_grad_missing": tensor_parallel_grad_missing,
-    "workspace_mib_on_one_rank": written_on_one_rank("workspace_mib", 0.0005),
-    "sharded_mode_on_one_rank": written_on_one_rank("sharded_mode", "gather", rank_writing=1),
-    "rank_checks_on_one_rank": written_on_one_rank("rank_checks", "construction", rank_writing=2),
+    "workspace_mib_on_one_rank": option_written("workspace_mib", 0.0005, rank_writing=0),
+    "sharded_mode_on_one_rank": option_written("sharded_mode", "gather", rank_writing=1),
+    "rank_checks_on_one_rank": option_written("rank_checks", "construction"),
     "params_replaced_on_one_rank": params_replaced_on_one_rank,
     "hsdp_replica_work": option("replica_work", "repeat"),
     "hsdp_grad_missing": grad_missing,
