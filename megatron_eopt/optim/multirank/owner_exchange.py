@@ -215,11 +215,10 @@ class _Transfer:
         first, self.first = self.first, None
         if first is not None:
             dests = [self._group_rank(self._position(m, hop + 1)) for m in here]
-            work, recv, payloads = first.start(group, self.like.device.type, parts, dests, in_splits, out_splits,
-                                               self.like)
-            if payloads is not None:  # riding: every source's pieces, then its header
+            started = first.start(group, self.like.device.type, parts, dests, in_splits, out_splits, self.like)
+            if started is not None:  # riding: every source's pieces, then its header
+                work, recv, payloads = started
                 return work, recv, there, [self._group_rank(self._position(m, hop)) for m in there], payloads
-            return work, recv, there, None, None
         buf = torch.cat(parts) if parts else self.like.new_empty(0)
         recv = buf.new_empty(sum(out_splits))
         work = collectives.all_to_all_single(recv, buf, out_splits, in_splits, group=group, async_op=True)

@@ -156,14 +156,10 @@ class FirstExchange:
         self.splits: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
         self._started: _Started | None = None
 
-    @property
-    def riding(self) -> bool:
-        return self.ticket is not None
-
     def start(self, group, device_type: str, parts, dests, in_splits, out_splits, like: torch.Tensor):
         """Starts the next all-to-all of ``parts`` (flat pieces in rank order, ``dests[j]``: part j's
-        destination rank in ``group``). Returns ``(work, recv, payloads)``: ``payloads`` None where
-        ``recv`` holds the pieces alone, else a function giving each source's pieces (the header's)."""
+        destination rank in ``group``). Returns ``(work, recv, payloads)`` for the all-to-all carrying the
+        header (``payloads`` gives each source's pieces), None where the caller makes it as usual."""
         index = len(self.splits)
         self.splits.append((tuple(in_splits), tuple(out_splits)))
         ticket = self.ticket
@@ -188,10 +184,7 @@ class FirstExchange:
                 with_headers.append(h)
             self._started = started = _exchange(group, with_headers, in_splits, out_splits, like)
             return started.work, started.recv, started.payloads
-        buf = torch.cat(parts) if parts else like.new_empty(0)
-        recv = like.new_empty(sum(out_splits))
-        work = collectives.all_to_all_single(recv, buf, list(out_splits), list(in_splits), group=group, async_op=True)
-        return work, recv, None
+        return None
 
     def settle(self) -> None:
         """After the exchange: raises :class:`RideFallback` (on every rank alike: each read every
